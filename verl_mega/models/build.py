@@ -1,0 +1,121 @@
+"""Build Megatron-Core GPT models (policy with LM head, or value-head variant) for this rank's pipeline stage(s)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from megatron.core import parallel_state as mpu
+from megatron.core import tensor_parallel
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+from verl_mega.models.hf_config import ModelArch, llama3_scaled_inv_freq
+from verl_mega.models.spec import RMSNorm, SDPAttention, layer_spec
+
+
+class ValueHead(torch.nn.Module):
+    """H → 1 projection replacing the LM head for critics and reward models.
+
+    Replicated on every TP rank. With sequence parallelism each TP rank sees a slice of the sequence, so the
+    weight is tagged ``sequence_parallel`` (mcore then sums its grad over TP) and outputs are gathered.
+    """
+
+    def __init__(self, config, hidden_size: int) -> None:
+        super().__init__()
+        self.sequence_parallel = config.sequence_parallel
+        self.weight = torch.nn.Parameter(torch.empty(1, hidden_size, dtype=config.params_dtype))
+        torch.nn.init.normal_(self.weight, mean=0.0, std=config.init_method_std)
+        setattr(self.weight, "sequence_parallel", config.sequence_parallel)
+
+    def forward(self, hidden_states: torch.Tensor, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            hidden_states = tensor_parallel.gather_from_sequence_parallel_region(
+                hidden_states, tensor_parallel_output_grad=True
+            )
+        return torch.nn.functional.linear(hidden_states, self.weight), None
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """Which global layers a model chunk holds and whether it has the embedding / head."""
+
+    layer_offset: int
+    num_layers: int
+    pre_process: bool
+    post_process: bool
+
+
+def build_model_chunks(
+    arch: ModelArch,
+    config,
+    *,
+    value_head: bool = False,
+    make_vocab_size_divisible_by: int = 128,
+    use_te: str = "auto",
+) -> list[GPTModel]:
+    """One GPTModel per virtual pipeline stage of this rank (a single one without VPP)."""
+    vpp = mpu.get_virtual_pipeline_model_parallel_world_size()
+    tp = mpu.get_tensor_model_parallel_world_size()
+    spec = layer_spec(qk_layernorm=arch.qk_norm, use_te=use_te)
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp else None
+        pre = mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
+        post = mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
+        block_spec = spec
+        if spec.submodules.self_attention.submodules.core_attention is SDPAttention:
+            # Our spec: the final norm must be our SP-capable RMSNorm too (mcore would pick torch's RMSNorm).
+            block_spec = TransformerBlockSubmodules(
+                layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=stage), layer_norm=RMSNorm
+            )
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=block_spec,
+            vocab_size=arch.padded_vocab_size(tp, make_vocab_size_divisible_by),
+            max_sequence_length=arch.max_position_embeddings,
+            pre_process=pre,
+            post_process=post,
+            parallel_output=True,
+            share_embeddings_and_output_weights=arch.tie_word_embeddings and not value_head,
+            position_embedding_type="rope",
+            rotary_base=int(arch.rope_theta),
+            vp_stage=stage,
+        )
+        if arch.rope_scaling is not None:
+            rope = model.rotary_pos_emb
+            rope.inv_freq = llama3_scaled_inv_freq(rope.inv_freq.double(), arch.rope_scaling).to(rope.inv_freq.dtype)
+        if value_head and post:
+            model.output_layer = ValueHead(config, arch.hidden_size)
+        model.stage_layout = StageLayout(  # type: ignore[attr-defined]
+            layer_offset=get_transformer_layer_offset(config, vp_stage=stage),
+            num_layers=len(model.decoder.layers),
+            pre_process=pre,
+            post_process=post,
+        )
+        chunks.append(model)
+    return chunks
+
+
+def count_parameters(arch: ModelArch, *, value_head: bool = False) -> int:
+    """Parameter count of the mcore model for `arch` at tp=pp=1 without vocab padding, built on the meta device.
+
+    Used to check our mapping covers the HF model exactly (same count, no extra or missing tensors).
+    """
+    from verl_mega.models.hf_config import transformer_config
+
+    cfg = transformer_config(arch, use_cpu_initialization=True, perform_initialization=False)
+    with torch.device("meta"):
+        model = GPTModel(
+            config=cfg,
+            transformer_layer_spec=layer_spec(qk_layernorm=arch.qk_norm, use_te="false"),
+            vocab_size=arch.vocab_size,
+            max_sequence_length=arch.max_position_embeddings,
+            share_embeddings_and_output_weights=arch.tie_word_embeddings and not value_head,
+            position_embedding_type="rope",
+            rotary_base=int(arch.rope_theta),
+        )
+    if value_head:
+        model.output_layer = ValueHead(cfg, arch.hidden_size)
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,120 @@
+"""Load HF weights into this rank's mcore model chunks, and gather mcore shards back into HF tensors."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+
+from verl_mega.models.hf_config import ModelArch
+from verl_mega.models.hf_io import CheckpointError, HFCheckpointReader
+from verl_mega.models.weights import expected_hf_names, hf_to_mcore_shard, mcore_shards_to_hf, rule_for
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """Strip DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def check_checkpoint_matches(reader: HFCheckpointReader, arch: ModelArch) -> None:
+    """Fail fast, before any model allocation, when a checkpoint does not match its config."""
+    expected = expected_hf_names(arch)
+    present = set(reader.keys())
+    missing = sorted(expected - present)
+    if missing:
+        raise CheckpointError(
+            f"checkpoint: {len(missing)} tensors the config needs are missing from {reader.path} (first: "
+            f"{missing[0]}); the weights do not match config.json or the export is incomplete"
+        )
+    emb = reader.shape("model.embed_tokens.weight")
+    if emb != [arch.vocab_size, arch.hidden_size]:
+        raise CheckpointError(
+            f"checkpoint: model.embed_tokens.weight has shape {emb}, config.json says "
+            f"[{arch.vocab_size}, {arch.hidden_size}]; the weights belong to another model"
+        )
+
+
+@torch.no_grad()
+def load_hf_weights(chunks: list[torch.nn.Module], reader: HFCheckpointReader, arch: ModelArch,
+                    *, skip_value_head: bool = False) -> int:
+    """Copy this rank's slices of an HF checkpoint into the mcore chunks. Returns the number of params loaded."""
+    tp, tp_rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
+    loaded = 0
+    for chunk in chunks:
+        model = unwrap(chunk)
+        offset = model.stage_layout.layer_offset
+        padded_vocab = model.vocab_size
+        for name, param in model.named_parameters():
+            if skip_value_head and name.startswith("output_layer."):
+                continue  # value heads are not part of an HF causal-LM checkpoint
+            rule = rule_for(name, arch, offset)
+            shard = hf_to_mcore_shard(rule, reader.get, arch, tp_rank, tp, padded_vocab)
+            if tuple(shard.shape) != tuple(param.shape):
+                raise CheckpointError(
+                    f"checkpoint: {rule.hf_names[0]} gives shape {tuple(shard.shape)} for {name} but the model "
+                    f"expects {tuple(param.shape)}; the weights do not match config.json"
+                )
+            param.data.copy_(shard.to(param.dtype))
+            loaded += 1
+    return loaded
+
+
+def _tp_gather(t: torch.Tensor) -> list[torch.Tensor]:
+    tp = mpu.get_tensor_model_parallel_world_size()
+    if tp == 1:
+        return [t]
+    out = [torch.empty_like(t) for _ in range(tp)]
+    dist.all_gather(out, t.contiguous(), group=mpu.get_tensor_model_parallel_group())
+    return out
+
+
+@torch.no_grad()
+def iter_hf_tensors(chunks: list[torch.nn.Module], arch: ModelArch, *, include_value_head: bool = False
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream the full HF tensors of the model, one parameter at a time, on every rank of every stage.
+
+    Each mcore parameter is all-gathered over TP, converted, then broadcast over the pipeline group from the
+    stage that owns it, so peak extra memory is one full parameter (not the model). Collective: all model-parallel
+    ranks must iterate together.
+    """
+    pp_group = mpu.get_pipeline_model_parallel_group()
+    pp, pp_rank = mpu.get_pipeline_model_parallel_world_size(), mpu.get_pipeline_model_parallel_rank()
+    local = []
+    for chunk in chunks:
+        model = unwrap(chunk)
+        for name, param in model.named_parameters():
+            if name.startswith("output_layer.") and not include_value_head and arch.tie_word_embeddings:
+                continue
+            local.append((name, model.stage_layout.layer_offset, tuple(param.shape), param))
+    meta = [(n, off, shape) for n, off, shape, _ in local]
+    all_meta: list = [None] * pp
+    if pp > 1:
+        dist.all_gather_object(all_meta, meta, group=pp_group)
+    else:
+        all_meta = [meta]
+    dtype, device = local[0][3].dtype, local[0][3].device
+    for stage, stage_meta in enumerate(all_meta):
+        src = dist.get_global_rank(pp_group, stage) if pp > 1 else None
+        for idx, (name, offset, _) in enumerate(stage_meta):
+            rule = rule_for(name, arch, offset)
+            if stage == pp_rank:
+                for hf_name, tensor in mcore_shards_to_hf(rule, _tp_gather(local[idx][3].data), arch):
+                    if pp > 1:
+                        dist.broadcast_object_list([tuple(tensor.shape)], src=src, group=pp_group)
+                        dist.broadcast(tensor.contiguous(), src=src, group=pp_group)
+                    yield hf_name, tensor
+            else:
+                for hf_name in _hf_outputs(rule):
+                    shape_box = [None]
+                    dist.broadcast_object_list(shape_box, src=src, group=pp_group)
+                    tensor = torch.empty(shape_box[0], dtype=dtype, device=device)
+                    dist.broadcast(tensor, src=src, group=pp_group)
+                    yield hf_name, tensor
+
+
+def _hf_outputs(rule) -> tuple[str, ...]:
+    return rule.hf_names

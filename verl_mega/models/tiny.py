@@ -1,0 +1,100 @@
+"""Tiny random HF models and a character-level tokenizer, built locally (nothing is downloaded).
+
+Used by the CPU quickstart (``model.path: tiny``) and by tests. Sizes respect vLLM's constraints (head_dim ≥ 32).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Characters of the built-in arithmetic task plus a few letters so prompts/answers can be templated.
+_CHARS = list("0123456789+-*=?# ") + list("abcdefghijklmnopqrstuvwxyz") + list(".,:()ABQ")
+SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+
+
+def build_char_tokenizer(out_dir: str | Path) -> Path:
+    """A character-level `tokenizers` tokenizer saved as an HF fast tokenizer (tokenizer.json + config)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    out_dir = Path(out_dir)
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + _CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="<unk>"
+    )
+    fast.save_pretrained(str(out_dir))
+    return out_dir
+
+
+def tokenizer_vocab_size() -> int:
+    return len(SPECIAL_TOKENS) + len(_CHARS)
+
+
+def make_tiny_hf_model(
+    out_dir: str | Path,
+    *,
+    model_type: str = "qwen2",
+    vocab_size: int | None = None,
+    hidden_size: int = 128,
+    intermediate_size: int = 256,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    tie_word_embeddings: bool = False,
+    max_position_embeddings: int = 512,
+    seed: int = 0,
+    init_std: float = 0.02,
+    with_tokenizer: bool = True,
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """Create a random HF causal LM of `model_type` and save it (safetensors + config [+ tokenizer]) to `out_dir`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    vocab = vocab_size or tokenizer_vocab_size()
+    kwargs: dict[str, Any] = dict(
+        vocab_size=vocab,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        initializer_range=init_std,
+        rms_norm_eps=1e-6,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype="float32",
+    )
+    if model_type == "qwen3":
+        kwargs["head_dim"] = hidden_size // num_heads
+    kwargs.update(extra or {})
+    config = AutoConfig.for_model(model_type, **kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    # Random (non-unit) norm weights and biases so the parity tests exercise every tensor.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.02 * torch.randn_like(p))
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    if with_tokenizer:
+        build_char_tokenizer(out_dir)
+    gen = out_dir / "generation_config.json"
+    if gen.exists():
+        cfg = json.loads(gen.read_text())
+        cfg.pop("transformers_version", None)
+        gen.write_text(json.dumps(cfg, indent=2))
+    return out_dir

@@ -1,0 +1,170 @@
+"""CPU mode: lets Megatron-Core run over gloo on a machine without CUDA (dev laptops, CI).
+
+Megatron-Core hard-codes CUDA in a handful of places (``device=torch.cuda.current_device()``, ``tensor.cuda()``,
+``torch.cuda.*`` RNG calls, ``tensor.type() == "torch.cuda.FloatTensor"`` checks). Rather than forking mcore, this
+module installs a small, reversible shim *only when CUDA is absent*:
+
+* a :class:`torch.overrides.TorchFunctionMode` that rewrites any CUDA ``device`` argument to CPU and makes
+  ``Tensor.cuda()`` a no-op;
+* ``Tensor.type()`` reports ``torch.cuda.*Tensor`` for CPU tensors, which mcore's dtype checks expect;
+* ``torch.cuda.current_device / get_rng_state / set_rng_state / manual_seed / synchronize`` and mcore's
+  ``_get/_set_cuda_rng_state`` act on the CPU generator.
+
+Everything numerical still runs through the real mcore code paths; only device placement changes. The shim is
+process-global, idempotent, and a no-op when CUDA is available.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_LOCK = threading.Lock()
+_STATE: dict[str, Any] = {"enabled": False}
+
+_CUDA_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+    torch.float64: "torch.cuda.DoubleTensor",
+    torch.int64: "torch.cuda.LongTensor",
+    torch.int32: "torch.cuda.IntTensor",
+    torch.int8: "torch.cuda.CharTensor",
+    torch.uint8: "torch.cuda.ByteTensor",
+    torch.bool: "torch.cuda.BoolTensor",
+}
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    # mcore passes torch.cuda.current_device() (an int) as the device.
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA placement to CPU for every torch function call made while active."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            tensor = args[0]
+            return _CUDA_TYPE_NAMES.get(tensor.dtype, "torch.cuda.FloatTensor")
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs["device"] = "cpu"
+        if func in (torch.Tensor.to, torch.Tensor.new_empty, torch.Tensor.new_zeros) and args:
+            args = tuple("cpu" if (i > 0 and _is_cuda_device(a) and not isinstance(a, int)) else a
+                         for i, a in enumerate(args))
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        return func(*args, **kwargs)
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available() and os.environ.get("VERL_MEGA_FORCE_CPU", "0") != "1"
+
+
+def cpu_mode_enabled() -> bool:
+    return bool(_STATE["enabled"])
+
+
+def enable_cpu_mode() -> bool:
+    """Install the shim if CUDA is absent. Returns True when CPU mode is active. Safe to call repeatedly."""
+    with _LOCK:
+        if _STATE["enabled"]:
+            return True
+        if cuda_available():
+            return False
+        mode = _CudaToCpuMode()
+        mode.__enter__()
+        _STATE["mode"] = mode
+        _patch_cuda_namespace()
+        _patch_mcore_rng()
+        _STATE["enabled"] = True
+        return True
+
+
+def _patch_cuda_namespace() -> None:
+    cpu_gen = torch.random.default_generator
+    patches = {
+        "current_device": lambda: 0,
+        "device_count": lambda: 1,
+        "get_rng_state": lambda device="cuda": cpu_gen.get_state(),
+        "set_rng_state": lambda new_state, device="cuda": cpu_gen.set_state(new_state),
+        "manual_seed": lambda seed: None,  # the CPU generator is seeded by torch.manual_seed
+        "manual_seed_all": lambda seed: None,
+        "synchronize": lambda device=None: None,
+        "set_device": lambda device: None,
+        "empty_cache": lambda: None,
+        "memory_allocated": lambda device=None: 0,
+        "max_memory_allocated": lambda device=None: 0,
+        "reset_peak_memory_stats": lambda device=None: None,
+    }
+    saved = {}
+    for name, fn in patches.items():
+        saved[name] = getattr(torch.cuda, name, None)
+        setattr(torch.cuda, name, fn)
+    _STATE["saved_cuda"] = saved
+
+
+def _patch_mcore_rng() -> None:
+    """mcore's CudaRNGStatesTracker forks CUDA generators; on CPU it must fork the CPU generator instead."""
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    cpu_gen = torch.random.default_generator
+
+    def _get_state(device: Any = None, clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+        return cpu_gen.get_state()
+
+    def _set_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False) -> None:
+        cpu_gen.set_state(new_state)
+
+    _STATE["saved_mcore"] = (mcore_random._get_cuda_rng_state, mcore_random._set_cuda_rng_state)
+    mcore_random._get_cuda_rng_state = _get_state
+    mcore_random._set_cuda_rng_state = _set_state
+
+
+def disable_cpu_mode() -> None:
+    """Undo :func:`enable_cpu_mode` (used by tests that need a clean interpreter state)."""
+    with _LOCK:
+        if not _STATE["enabled"]:
+            return
+        _STATE.pop("mode").__exit__(None, None, None)
+        for name, fn in _STATE.pop("saved_cuda").items():
+            if fn is not None:
+                setattr(torch.cuda, name, fn)
+        from megatron.core.tensor_parallel import random as mcore_random
+
+        mcore_random._get_cuda_rng_state, mcore_random._set_cuda_rng_state = _STATE.pop("saved_mcore")
+        _STATE["enabled"] = False
+
+
+@contextlib.contextmanager
+def suspended():
+    """Temporarily leave the CUDA→CPU function mode (e.g. around third-party code with its own device logic)."""
+    mode = _STATE.get("mode")
+    if not _STATE["enabled"] or mode is None:
+        yield
+        return
+    mode.__exit__(None, None, None)
+    try:
+        yield
+    finally:
+        mode.__enter__()
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if cuda_available() else torch.device("cpu")
+
+
+def default_backend() -> str:
+    return "nccl" if cuda_available() else "gloo"
