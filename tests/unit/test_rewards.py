@@ -1,0 +1,210 @@
+"""Rule-based rewards, reward-function loading and the asynchronous reward pool."""
+
+import logging
+import textwrap
+import time
+
+import pytest
+
+from verl_mega.rewards import (
+    RewardFunctionError,
+    RewardPool,
+    arithmetic_score,
+    compute_score,
+    extract_boxed,
+    extract_solution,
+    first_integer,
+    format_reward,
+    load_reward_fn,
+)
+
+
+# ------------------------------------------------------------------------------------------------- math rewards
+@pytest.mark.parametrize("text,strict,flexible", [
+    ("She pays 3 + 4 = 7 dollars.\n#### 7", "7", "7"),
+    ("#### 1,234", "1234", "1234"),
+    ("first #### 5 then #### -12.5", "-12.5", "-12.5"),
+    ("#### $18", "18", "18"),
+    ("The answer is 42.", None, "42"),
+    ("so \\boxed{3,000} and then 7 more words 9", None, "3000"),
+    ("no numbers here", None, None),
+])
+def test_extract_solution(text, strict, flexible):
+    assert extract_solution(text, "strict") == strict
+    assert extract_solution(text, "flexible") == flexible
+
+
+def test_extract_boxed_nested_and_unbalanced():
+    assert extract_boxed(r"x \boxed{1} y \boxed{\frac{1}{2}} z") == r"\frac{1}{2}"
+    assert extract_boxed(r"\boxed{12") is None
+    assert extract_boxed("nothing") is None
+
+
+def test_compute_score_numeric_and_format_score():
+    assert compute_score("#### 72.0", "72") == 1.0
+    assert compute_score("#### 1,234", 1234) == 1.0
+    assert compute_score("#### 71", "72") == 0.0
+    assert compute_score("#### 71", "72", format_score=0.1) == 0.1
+    assert compute_score("the answer is 72", "72") == 0.0  # strict needs ####
+    assert compute_score("the answer is 72", "72", method="flexible") == 1.0
+    # GSM8K's full solution text as ground truth
+    assert compute_score("#### 18", "Janet sells 16 - 3 - 4 = 9 eggs... 9 * 2 = 18\n#### 18") == 1.0
+    assert compute_score("#### 0.3333334", "0.3333333", tolerance=1e-6) == 1.0
+    assert compute_score("#### 0.334", "0.3333333", tolerance=1e-6) == 0.0
+    assert compute_score("#### 5", "five") == 0.0
+
+
+def test_format_reward():
+    assert format_reward("blah #### 3") == 1.0
+    assert format_reward(r"blah \boxed{3}") == 1.0
+    assert format_reward(r"blah \boxed{3}", style="gsm8k") == 0.0
+    assert format_reward("#### 3", style="boxed") == 0.0
+    assert format_reward("answer: 3") == 0.0
+    with pytest.raises(ValueError, match="unknown format style"):
+        format_reward("x", style="xml")
+
+
+@pytest.mark.parametrize("response,truth,expected", [
+    ("7", "7", 1.0), (" 7\n", "7", 1.0), ("7 because 3+4", "7", 1.0), ("17", "7", 0.0), ("", "7", 0.0),
+    ("abc", "7", 0.0), ("-3", "-3", 1.0), ("3", "-3", 0.0), ("12+", 12, 1.0), ("x=9", "9", 1.0),
+])
+def test_arithmetic_score(response, truth, expected):
+    assert arithmetic_score(response, truth) == expected
+
+
+def test_first_integer():
+    assert first_integer("a 12 b 3") == 12
+    assert first_integer("none") is None
+
+
+# ------------------------------------------------------------------------------------------------------- loader
+USER_MODULE = textwrap.dedent("""
+    import time
+
+    def compute_score(response, ground_truth, **kwargs):
+        return 1.0 if response.strip() == str(ground_truth) else 0.0
+
+    def only_source(response, ground_truth, data_source="none"):
+        return 2.0 if data_source == "mine" else 0.5
+
+    def as_dict(response, ground_truth):
+        return {"score": 0.25, "acc": True}
+
+    def one_arg(response):
+        return 0.0
+
+    def needs_key(response, ground_truth, *, key):
+        return 0.0
+
+    def batch_len(responses, ground_truths, **kw):
+        return [float(len(r)) for r in responses]
+
+    def slow_or_bad(response, ground_truth, **kw):
+        if response == "slow":
+            time.sleep(5)
+        if response == "bad":
+            raise RuntimeError("boom")
+        if response == "nan":
+            return float("nan")
+        return float(len(response))
+
+    def ignores_alarm(response, ground_truth, **kw):
+        import signal
+        if response == "stuck":
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})  # like native code that never checks
+            time.sleep(60)
+        return 1.0
+""")
+
+
+@pytest.fixture
+def user_file(tmp_path):
+    path = tmp_path / "my_rewards.py"
+    path.write_text(USER_MODULE)
+    return str(path)
+
+
+def test_load_builtins_and_dotted_paths():
+    assert load_reward_fn("arithmetic").score_one("7", "7") == 1.0
+    assert load_reward_fn("gsm8k").score_one("42", "42") == 0.0
+    assert load_reward_fn("gsm8k_flexible").score_one("42", "42") == 1.0
+    for spec in ("verl_mega.rewards.math_reward:arithmetic_score", "verl_mega.rewards.math_reward.arithmetic_score"):
+        fn = load_reward_fn(spec)
+        assert fn.score_one("5", "5") == 1.0 and not fn.batched
+
+
+def test_load_from_file(user_file):
+    assert load_reward_fn(user_file).score_one(" 3 ", 3) == 1.0  # defaults to compute_score
+    fn = load_reward_fn(f"{user_file}:only_source")
+    # extras it does not take (extra_info) are dropped; data_source is passed
+    assert fn.score_one("x", 1, {"data_source": "mine", "extra_info": {"a": 1}}) == 2.0
+    assert load_reward_fn(f"{user_file}:only_source", reward_kwargs={"data_source": "mine"}).score_one("x", 1) == 2.0
+    assert load_reward_fn(f"{user_file}:as_dict").score_one("x", 1) == 0.25
+    batched = load_reward_fn(f"{user_file}:batch_len")
+    assert batched.batched and batched.score_batch(["ab", "abcd"], [0, 0]) == [2.0, 4.0]
+
+
+def test_load_errors_are_one_line(user_file, tmp_path):
+    cases = [
+        (str(tmp_path / "missing.py:fn"), "not found"),
+        ("no_such_pkg_xyz.mod:fn", "could not import module 'no_such_pkg_xyz.mod'"),
+        (f"{user_file}:nope", "has no function 'nope'"),
+        ("verl_mega.rewards.math_reward:nope", "available: .*arithmetic_score"),
+        (f"{user_file}:one_arg", "takes 1 positional parameter"),
+        (f"{user_file}:needs_key", "required parameter.*key"),
+        ("notabuiltin", "neither a built-in"),
+    ]
+    for spec, pattern in cases:
+        with pytest.raises(RewardFunctionError, match=pattern) as info:
+            load_reward_fn(spec)
+        assert "\n" not in str(info.value)
+    with pytest.raises(RewardFunctionError, match="reward_kwargs bogus"):
+        load_reward_fn(f"{user_file}:only_source", reward_kwargs={"bogus": 1})
+
+
+def test_batched_flag_on_function():
+    def scorer(rs, gts):
+        return [1.0] * len(rs)
+
+    scorer.batched = True
+    fn = load_reward_fn(scorer)
+    assert fn.batched and fn.score_batch(["a", "b", "c"], [1, 2, 3]) == [1.0, 1.0, 1.0]
+
+
+# --------------------------------------------------------------------------------------------------------- pool
+def test_thread_pool_scores_in_order_and_survives_failures(user_file, caplog):
+    fn = load_reward_fn(f"{user_file}:slow_or_bad")
+    with RewardPool(fn, mode="thread", num_workers=2, timeout_s=0.3) as pool, caplog.at_level(logging.WARNING):
+        begin = time.monotonic()
+        future = pool.submit(["a", "slow", "bcd", "bad", "nan", "ef"], [0] * 6)
+        result = future.result(timeout=10)
+        assert time.monotonic() - begin < 3.0  # the 5 s sleep was abandoned at the time limit
+        assert result.scores == [1.0, 0.0, 3.0, 0.0, 0.0, 2.0]
+        assert (result.num_timeouts, result.num_errors) == (1, 2)
+        # the pool keeps working after a timeout
+        assert pool.score(["abcd"], [0]).scores == [4.0]
+        assert (pool.total_timeouts, pool.total_errors, pool.total_scored) == (1, 2, 7)
+    assert any("1 timeout(s) and 2 error(s)" in r.getMessage() for r in caplog.records)
+
+
+def test_thread_pool_batched_chunks(user_file):
+    with RewardPool(f"{user_file}:batch_len", num_workers=2, chunk_size=2) as pool:
+        assert pool.score(["a", "bb", "ccc", "dddd", "eeeee"], [0] * 5).scores == [1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+def test_submit_validates_lengths():
+    with RewardPool("arithmetic", num_workers=1) as pool:
+        with pytest.raises(ValueError, match="lengths differ"):
+            pool.submit(["1"], [1, 2])
+
+
+def test_process_pool_time_limit_errors_and_stuck_worker(user_file):
+    with RewardPool(f"{user_file}:slow_or_bad", mode="process", num_workers=2, timeout_s=0.5) as pool:
+        result = pool.score(["a", "slow", "bad", "xyz"], [0] * 4)
+        assert result.scores == [1.0, 0.0, 0.0, 3.0]
+        assert (result.num_timeouts, result.num_errors) == (1, 1)
+    with RewardPool(f"{user_file}:ignores_alarm", mode="process", num_workers=1, timeout_s=0.2,
+                    stuck_grace_s=1.0) as pool:
+        result = pool.score(["ok", "stuck"], [0, 0])
+        assert result.scores == [1.0, 0.0] and result.num_timeouts == 1
+        assert pool.score(["ok"], [0]).scores == [1.0]  # the pool was restarted and still works
