@@ -1,0 +1,262 @@
+"""Load a :class:`TrainConfig` from a YAML recipe plus dotted CLI overrides; save and compare resolved configs.
+
+YAML is read with a safe loader that follows YAML 1.2 for scalars: only `true`/`false` are booleans (so
+`trainer.resume: off` stays the string "off") and `1e-6` is a float (YAML 1.1 would read it as a string).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import yaml
+
+from verl_mega.config.base import (ConfigError, build_section, check_known_keys, field_types, fmt, is_mapping_type,
+                                   is_section_type, join_key, thaw, unknown_key_error)
+from verl_mega.config.train import TrainConfig
+
+DEFAULTS_KEY = "defaults"  # a recipe key listing recipes it extends: `defaults: base.yaml` or `defaults: [a.yaml]`
+
+_BOOL_TAG, _FLOAT_TAG = "tag:yaml.org,2002:bool", "tag:yaml.org,2002:float"
+_BOOL_12 = re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$")
+# Exponent floats without a dot (`1e-6`, `4E9`), which YAML 1.1's resolver leaves as strings.
+_EXP_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$")
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """yaml.SafeLoader with YAML 1.2 booleans and exponent floats."""
+
+
+class _RecipeDumper(yaml.SafeDumper):
+    """yaml.SafeDumper that also quotes strings our loader would read as floats, e.g. '1e5'."""
+
+
+_RecipeLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != _BOOL_TAG]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_RecipeLoader.add_implicit_resolver(_BOOL_TAG, _BOOL_12, list("tTfF"))
+for _cls in (_RecipeLoader, _RecipeDumper):
+    _cls.add_implicit_resolver(_FLOAT_TAG, _EXP_FLOAT, list("-+0123456789."))
+
+
+def _parse_yaml(text: str, source: str) -> Any:
+    try:
+        return yaml.load(text, Loader=_RecipeLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(f"cannot parse {source}{where}: {problem}; fix the YAML syntax") from None
+
+
+def _missing_file_error(path: str, included_from: str | None) -> ConfigError:
+    where = f" (included from {included_from})" if included_from else ""
+    folder = os.path.dirname(path) or "."
+    siblings = sorted(f for f in os.listdir(folder) if f.endswith((".yaml", ".yml"))) if os.path.isdir(folder) else []
+    close = difflib.get_close_matches(os.path.basename(path), siblings, n=1)
+    fix = f"did you mean {os.path.join(os.path.dirname(path), close[0])}?" if close else \
+        "pass the path of a YAML recipe, e.g. configs/quickstart_cpu.yaml"
+    return ConfigError(f"config file '{path}' does not exist{where}; {fix}")
+
+
+def deep_merge(base: dict, override: Mapping) -> dict:
+    """Return ``base`` updated by ``override``; nested mappings merge key by key, anything else replaces."""
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = deep_merge(dict(merged[key]), value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def load_recipe(path: str | os.PathLike, _chain: tuple[str, ...] = ()) -> dict:
+    """Read a YAML recipe into a plain dict, applying its `defaults:` includes (paths relative to the recipe)."""
+    path = os.fspath(path)
+    real = os.path.realpath(path)
+    if real in _chain:
+        cycle = " -> ".join(os.path.basename(p) for p in (*_chain, real))
+        raise ConfigError(f"recipe include cycle {cycle}; remove one of these `defaults:` entries")
+    if not os.path.isfile(path):
+        raise _missing_file_error(path, _chain[-1] if _chain else None)
+    with open(path, encoding="utf-8") as f:
+        data = _parse_yaml(f.read(), path)
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path} must hold a mapping of config sections, got {type(data).__name__}; "
+                          f"write it as `section: {{key: value}}`")
+    data = dict(data)
+    includes = data.pop(DEFAULTS_KEY, None) or []
+    if isinstance(includes, str):
+        includes = [includes]
+    if not isinstance(includes, list) or not all(isinstance(i, str) for i in includes):
+        raise ConfigError(f"{path}: `{DEFAULTS_KEY}:` must be a recipe path or a list of paths, got {fmt(includes)}")
+    merged: dict = {}
+    for include in includes:
+        include_path = os.path.join(os.path.dirname(path), include)
+        merged = deep_merge(merged, load_recipe(include_path, (*_chain, real)))
+    return deep_merge(merged, data)
+
+
+_KEY = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """Split ``key=value`` and parse the value as YAML (ints, floats, bools, null, lists, mappings)."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"override {text!r} must look like key=value, e.g. actor.lr=1e-6")
+    if not _KEY.fullmatch(key):
+        raise ConfigError(f"override key {key!r} is not a dotted config key; write it like actor.lr=1e-6")
+    try:
+        return key, _parse_yaml(raw, f"override {text!r}")
+    except ConfigError as exc:
+        raise ConfigError(f"{exc}; quote values containing YAML syntax, e.g. {key}='a: b'") from None
+
+
+def _override_target_is_section(key: str) -> bool:
+    """Check ``key`` against the schema; True if it names a whole section."""
+    cls, prefix = TrainConfig, ""
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        dotted = join_key(prefix, part)
+        types_ = field_types(cls)
+        if part not in types_:
+            raise unknown_key_error(dotted, cls, TrainConfig)
+        tp = types_[part]
+        if is_section_type(tp):
+            cls, prefix = tp, dotted
+            continue
+        if is_mapping_type(tp):
+            return False  # free-form mapping (e.g. reward.kwargs.scale): any sub-key is allowed
+        if i != len(parts) - 1:
+            raise ConfigError(f"override key '{key}': {dotted} is a value, not a section; use {dotted}=<value>")
+        return False
+    return True
+
+
+def apply_override(data: dict, text: str) -> dict:
+    """Apply one ``key=value`` override to recipe data (in place) and return it."""
+    key, value = parse_override(text)
+    is_section = _override_target_is_section(key)
+    *parents, leaf = key.split(".")
+    node = data
+    for part in parents:
+        if not isinstance(node.get(part), dict):
+            node[part] = {}
+        node = node[part]
+    if is_section and isinstance(value, Mapping) and isinstance(node.get(leaf), Mapping):
+        node[leaf] = deep_merge(dict(node[leaf]), value)
+    else:
+        node[leaf] = value
+    return data
+
+
+def config_from_dict(data: Mapping) -> TrainConfig:
+    """Build and validate a TrainConfig from plain nested data (a recipe or a saved config)."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"a config must be a mapping of sections, got {type(data).__name__}")
+    check_known_keys(data, TrainConfig, "")
+    return build_section(TrainConfig, data, "")
+
+
+def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = (), *,
+                check_paths: bool = True) -> TrainConfig:
+    """Recipe (or all defaults when ``path`` is None) + dotted overrides → validated, resolved TrainConfig.
+
+    ``check_paths`` also checks that referenced files exist (turn it off to inspect a recipe for another machine).
+    """
+    if isinstance(overrides, str):
+        raise TypeError("overrides must be a list of 'key=value' strings, not a single string")
+    data = load_recipe(path) if path is not None else {}
+    for text in overrides:
+        apply_override(data, text)
+    cfg = config_from_dict(data)
+    if check_paths:
+        cfg.check_paths()
+    return cfg
+
+
+def to_dict(cfg: TrainConfig) -> dict:
+    """Plain nested dict of a (resolved) config: lists for tuples, dicts for mappings."""
+    return thaw(cfg)
+
+
+def to_yaml(cfg: TrainConfig) -> str:
+    """YAML text of the resolved config; `load_config` of it gives an equal config."""
+    return yaml.dump(to_dict(cfg), Dumper=_RecipeDumper, sort_keys=False, default_flow_style=False)
+
+
+def _flatten(data: Mapping, cls: type | None, prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    types_ = field_types(cls) if cls is not None else {}
+    for name, value in data.items():
+        key = join_key(prefix, str(name))
+        tp = types_.get(name)
+        if isinstance(value, Mapping) and value and (cls is None or tp is None or is_section_type(tp)
+                                                     or is_mapping_type(tp)):
+            flat.update(_flatten(value, tp if is_section_type(tp) else None, key))
+        else:
+            flat[key] = list(value) if isinstance(value, tuple) else value
+    return flat
+
+
+def _affects_results(key: str) -> bool:
+    """Whether ``key`` is result-changing; keys unknown to this version count as result-changing."""
+    cls: Any = TrainConfig
+    for part in key.split("."):
+        if not is_section_type(cls):
+            return True
+        field = next((f for f in cls.__dataclass_fields__.values() if f.name == part), None)
+        if field is None:
+            return True
+        tp = field_types(cls)[part]
+        if not is_section_type(tp):
+            flag = field.metadata.get("affects_results")
+            return cls.AFFECTS_RESULTS if flag is None else flag
+        cls = tp
+    return True
+
+
+# The run length sets the LR schedule when a role decays over it (lr_decay_steps null).
+_RUN_LENGTH_KEYS = ("trainer.total_steps", "trainer.total_epochs")
+
+
+def _run_length_sets_schedule(flat: Mapping[str, Any]) -> bool:
+    for role in ("actor", "critic"):
+        if role == "critic" and not flat.get("critic.enable"):
+            continue
+        if flat.get(f"{role}.lr_decay_style", "constant") != "constant" and flat.get(f"{role}.lr_decay_steps") is None:
+            return True
+    return False
+
+
+def diff_configs(a: TrainConfig | Mapping, b: TrainConfig | Mapping) -> list[str]:
+    """Result-changing differences between two configs, as `key: old -> new` lines (empty when compatible).
+
+    Not result-changing (ignored): `parallel.*` and `rollout.tg` (a layout change reshards on load), `logging.*`,
+    `checkpoint.*`, the trainer's run-control keys (output_dir, total_steps, total_epochs, save_every, resume*,
+    log_every, val_every, profile, max_consecutive_nonfinite, collective_timeout_s), and performance-only keys
+    (micro-batch sizes, dynamic batching, offload, recompute, use_te, vLLM memory and scheduling knobs,
+    weight_sync, reward.num_workers). Exception: total_steps / total_epochs count when an LR schedule decays
+    over the run length (`lr_decay_style` not constant and `lr_decay_steps` null). Everything else counts —
+    see the "result-changing" column of docs/configuration.md.
+    """
+    flat_a = _flatten(to_dict(a) if isinstance(a, TrainConfig) else a, TrainConfig)
+    flat_b = _flatten(to_dict(b) if isinstance(b, TrainConfig) else b, TrainConfig)
+    length_matters = _run_length_sets_schedule(flat_a) or _run_length_sets_schedule(flat_b)
+    missing = object()
+    lines = []
+    for key in list(flat_a) + [k for k in flat_b if k not in flat_a]:
+        old, new = flat_a.get(key, missing), flat_b.get(key, missing)
+        if old == new:
+            continue
+        if not (_affects_results(key) or (key in _RUN_LENGTH_KEYS and length_matters)):
+            continue
+        lines.append(f"{key}: {'<absent>' if old is missing else fmt(old)} -> {'<absent>' if new is missing else fmt(new)}")
+    return lines

@@ -1,0 +1,41 @@
+"""The `model` config section."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+from verl_mega.config.base import ConfigSection, option
+
+TINY_MODEL = "tiny"  # special model.path: build the bundled tiny model instead of loading a checkpoint
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig(ConfigSection):
+    """The policy model (actor; also the reference policy and, unless `critic.model_path` is set, the critic's
+    initialisation). The Megatron `TransformerConfig` is derived from the HF `config.json`; it is not re-declared
+    here."""
+
+    SECTION: ClassVar[str] = "model"
+
+    path: str = option(TINY_MODEL, help="HF model directory (config.json + *.safetensors), or `tiny` to build the "
+                                        "bundled tiny model (no download).")
+    dtype: Literal["float32", "bfloat16", "float16"] = option(
+        "bfloat16", help="Parameter and compute dtype for training and rollout; optimizer state stays float32.")
+    tokenizer_path: str | None = option(None, help="Tokenizer directory; null uses `model.path`.")
+    trust_remote_code: bool = option(False, help="Allow custom modelling/tokenizer code shipped inside the model "
+                                                 "directory (only for directories you trust).")
+    make_vocab_size_divisible_by: int = option(
+        128, help="Pad the vocabulary to a multiple of this × tp (Megatron's vocab padding; padded logits are masked).")
+    recompute: Literal["none", "selective", "full"] = option(
+        "none", help="Activation recomputation: `selective` recomputes attention internals, `full` whole layers.",
+        affects_results=False)
+    use_te: Literal["auto"] | bool = option(
+        "auto", help="Use Transformer Engine layers: `auto` when `transformer_engine` imports, else our SDPA spec.",
+        affects_results=False)
+
+    def validate(self) -> None:
+        self._require(bool(self.path.strip()), "model.path is empty; set model.path to an HF model directory or tiny")
+        if self.tokenizer_path is None:
+            self._set("tokenizer_path", self.path)
+        self._check_range("make_vocab_size_divisible_by", ge=1, example=128)

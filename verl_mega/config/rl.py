@@ -1,0 +1,151 @@
+"""Config sections of the RL data path: `rollout`, `algorithm` (with `algorithm.kl_ctrl`) and `data`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+from verl_mega.config.base import ConfigSection, option
+from verl_mega.config.roles import KLEstimator
+
+GENERATED_PREFIX = "generated:"  # data.train_files entry naming a built-in generated task, e.g. generated:arithmetic
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutConfig(ConfigSection):
+    """Generation with vLLM, colocated with training (the 3D-HybridEngine reshards training weights into it)."""
+
+    SECTION: ClassVar[str] = "rollout"
+
+    backend: Literal["vllm"] = option("vllm", help="Rollout engine.")
+    tg: int | None = option(None, help="Generation tensor-parallel size; must divide parallel.tp (generation TP "
+                                       "groups are carved out of each training TP group). null uses parallel.tp.",
+                            affects_results=False)
+    n: int = option(1, help="Samples generated per prompt (the group size of GRPO/RLOO).")
+    temperature: float = option(1.0, help="Sampling temperature; 0 is greedy.")
+    top_p: float = option(1.0, help="Nucleus sampling probability mass, in (0, 1].")
+    top_k: int = option(-1, help="Top-k sampling; -1 disables.")
+    max_response_length: int = option(512, help="Maximum generated tokens per sample.")
+    ignore_eos: bool = option(False, help="Keep generating past EOS up to max_response_length (fixed-length "
+                                          "benchmarks).")
+    gpu_memory_utilization: float = option(0.5, help="Fraction of GPU memory vLLM may use for weights + KV cache.",
+                                           affects_results=False)
+    kv_cache_memory_bytes: int | None = option(
+        None, help="Explicit KV-cache size in bytes (overrides gpu_memory_utilization); required on CPU.",
+        affects_results=False)
+    max_num_seqs: int | None = option(None, help="vLLM max concurrent sequences; null uses vLLM's default.",
+                                      affects_results=False)
+    max_num_batched_tokens: int | None = option(None, help="vLLM max tokens per scheduler step; null uses vLLM's "
+                                                           "default.", affects_results=False)
+    enforce_eager: bool = option(False, help="Disable CUDA graphs in vLLM (slower decode, faster start-up).",
+                                 affects_results=False)
+    free_cache_engine: bool = option(True, help="Free the KV cache (vLLM sleep) during training; re-allocate it for "
+                                                "the next rollout.", affects_results=False)
+    weight_sync: Literal["inplace", "reference"] = option(
+        "inplace", help="`inplace`: write each rank's Megatron shard straight into vLLM's parameter slices; "
+                        "`reference`: gather full tensors and let vLLM slice them (baseline).", affects_results=False)
+    seed: int | None = option(None, help="Sampling seed; null uses trainer.seed.")
+    val_temperature: float = option(0.0, help="Sampling temperature for validation (0 = greedy).")
+
+    def validate(self) -> None:
+        self._check_range("tg", ge=1)
+        self._check_range("n", ge=1, example=8)
+        self._check_range("temperature", ge=0.0, example=1.0)
+        self._check_range("top_p", gt=0.0, le=1.0, example=1.0)
+        self._require(self.top_k == -1 or self.top_k >= 1,
+                      f"rollout.top_k must be -1 (disabled) or >= 1, got {self.top_k}; set rollout.top_k=-1")
+        self._check_range("max_response_length", ge=1, example=512)
+        self._check_range("gpu_memory_utilization", gt=0.0, le=1.0, example=0.5)
+        self._check_range("kv_cache_memory_bytes", gt=0, example=2**30)
+        self._check_range("max_num_seqs", ge=1)
+        self._check_range("max_num_batched_tokens", ge=1)
+        self._check_range("val_temperature", ge=0.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class KLControlConfig(ConfigSection):
+    """Coefficient of the KL penalty in the reward (used when algorithm.use_kl_in_reward is on)."""
+
+    SECTION: ClassVar[str] = "algorithm.kl_ctrl"
+
+    type: Literal["fixed", "adaptive"] = option("fixed", help="`fixed` coefficient, or `adaptive` (Ziegler et "
+                                                              "al.): steer the observed KL towards target_kl.")
+    kl_coef: float = option(0.001, help="(Initial) KL coefficient.")
+    target_kl: float | None = option(None, help="KL the adaptive controller aims for; required when type is "
+                                                "adaptive.")
+    horizon: int = option(10000, help="Adaptive controller horizon (samples over which the coefficient adapts).")
+
+    def validate(self) -> None:
+        self._check_range("kl_coef", ge=0.0, example=0.001)
+        self._check_range("target_kl", gt=0.0, example=0.1)
+        self._check_range("horizon", ge=1, example=10000)
+        self._require(self.type != "adaptive" or self.target_kl is not None,
+                      "algorithm.kl_ctrl.type=adaptive needs algorithm.kl_ctrl.target_kl; set e.g. "
+                      "algorithm.kl_ctrl.target_kl=0.1 or use algorithm.kl_ctrl.type=fixed")
+
+
+AdvEstimator = Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax"]
+# Estimators whose baseline comes from the other samples of the same prompt: they need rollout.n >= 2.
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlgorithmConfig(ConfigSection):
+    """Advantage estimation and the KL penalty in the reward."""
+
+    SECTION: ClassVar[str] = "algorithm"
+
+    adv_estimator: AdvEstimator = option("gae", help="Advantage estimator; gae needs a critic, grpo / rloo / "
+                                                     "reinforce_plus_plus_baseline need rollout.n >= 2.")
+    gamma: float = option(1.0, help="Discount factor (GAE, REINFORCE++).")
+    lam: float = option(1.0, help="GAE lambda.")
+    norm_adv_by_std_in_grpo: bool = option(True, help="Divide GRPO advantages by the group's reward std "
+                                                      "(false gives Dr. GRPO).")
+    use_kl_in_reward: bool = option(False, help="Subtract kl_ctrl.kl_coef · KL(actor‖ref) from the token rewards.")
+    kl_penalty: KLEstimator = option("kl", help="KL estimator of the reward penalty: kl (k1), abs, mse (k2), "
+                                               "low_var_kl (k3).")
+    kl_ctrl: KLControlConfig = option(factory=KLControlConfig, help="KL coefficient controller.")
+
+    def validate(self) -> None:
+        self._check_range("gamma", ge=0.0, le=1.0, example=1.0)
+        self._check_range("lam", ge=0.0, le=1.0, example=0.95)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig(ConfigSection):
+    """Prompt datasets: JSONL / JSON / parquet rows with a prompt and a ground-truth answer, or a generated task."""
+
+    SECTION: ClassVar[str] = "data"
+
+    train_files: tuple[str, ...] = option(("generated:arithmetic",), help="Training prompt files (.jsonl, .json, "
+                                                                         ".parquet), or generated:arithmetic.")
+    val_files: tuple[str, ...] = option((), help="Validation prompt files, same formats; empty disables validation.")
+    prompt_key: str = option("prompt", help="Row field holding the prompt (text or chat messages).")
+    answer_key: str = option("answer", help="Row field holding the ground truth passed to the reward function.")
+    max_prompt_length: int = option(512, help="Maximum prompt tokens (after the chat template).")
+    train_batch_size: int = option(1024, help="Prompts per RL step (global); the step has train_batch_size · "
+                                              "rollout.n samples.")
+    shuffle: bool = option(True, help="Shuffle prompts each epoch (deterministically, from data.seed).")
+    seed: int | None = option(None, help="Shuffling seed; null uses trainer.seed.")
+    filter_overlong_prompts: bool = option(True, help="Drop prompts longer than max_prompt_length (the count is "
+                                                      "logged); false makes an overlong prompt an error.")
+    apply_chat_template: Literal["auto"] | bool = option(
+        "auto", help="Wrap prompts in the tokenizer's chat template; auto does so when the tokenizer has one.")
+
+    def validate(self) -> None:
+        self._require(bool(self.train_files), "data.train_files is empty; set data.train_files=[train.jsonl] or "
+                                              "data.train_files=generated:arithmetic")
+        for name in ("train_files", "val_files"):
+            for i, entry in enumerate(getattr(self, name)):
+                if entry.startswith(GENERATED_PREFIX):
+                    self._require(len(entry) > len(GENERATED_PREFIX) and entry[len(GENERATED_PREFIX):].isidentifier(),
+                                  f"data.{name}[{i}]={entry!r} names no task; use e.g. generated:arithmetic")
+                    continue
+                self._require(entry.endswith(DATA_SUFFIXES),
+                              f"data.{name}[{i}]={entry!r} has an unsupported format; use a .jsonl, .json or "
+                              f".parquet file or generated:arithmetic")
+        self._require(bool(self.prompt_key), "data.prompt_key is empty; set it to the prompt column, e.g. prompt")
+        self._require(bool(self.answer_key), "data.answer_key is empty; set it to the answer column, e.g. answer")
+        self._check_range("max_prompt_length", ge=1, example=512)
+        self._check_range("train_batch_size", ge=1, example=256)

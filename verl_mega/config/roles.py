@@ -1,0 +1,161 @@
+"""Config sections of the RL roles: `actor`, `critic`, `ref` and `reward`.
+
+Batch sizes follow verl: algorithmic sizes are global and counted in prompts (each prompt brings `rollout.n`
+samples); performance sizes are per GPU and counted in samples (`*_per_gpu`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+from verl_mega.config.base import ConfigSection, FrozenDict, option
+
+KLEstimator = Literal["kl", "abs", "mse", "low_var_kl"]
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainableRoleConfig(ConfigSection):
+    """Optimizer, LR schedule, batching and offload keys shared by the actor and the critic."""
+
+    lr: float = option(1e-6, help="Peak learning rate (Adam).")
+    min_lr: float = option(0.0, help="Learning rate at the end of the decay.")
+    weight_decay: float = option(0.01, help="Decoupled (AdamW) weight decay.")
+    adam_beta1: float = option(0.9, help="Adam beta1.")
+    adam_beta2: float = option(0.999, help="Adam beta2.")
+    adam_eps: float = option(1e-8, help="Adam epsilon.")
+    grad_clip: float = option(1.0, help="Clip the global gradient norm to this value; 0 disables clipping.")
+    lr_warmup_steps: int = option(0, help="Linear warm-up steps from 0 to `lr`.")
+    lr_decay_style: Literal["constant", "linear", "cosine"] = option("constant", help="LR decay after warm-up.")
+    lr_decay_steps: int | None = option(
+        None, help="Steps over which the LR decays to `min_lr`; null uses the run length (trainer.total_steps).")
+    ppo_mini_batch_size: int = option(256, help="Prompts per optimizer step (global); each brings rollout.n samples.")
+    micro_batch_size_per_gpu: int = option(
+        4, help="Samples per forward/backward pass on one GPU (gradient accumulation unit).", affects_results=False)
+    ppo_epochs: int = option(1, help="Passes over each rollout batch.")
+    use_dynamic_bsz: bool = option(False, help="Pack micro-batches by token budget (`max_tokens_per_gpu`) instead of "
+                                               "a fixed sample count.", affects_results=False)
+    max_tokens_per_gpu: int = option(16384, help="Token budget of one micro-batch when `use_dynamic_bsz` is on.",
+                                     affects_results=False)
+    shuffle: bool = option(False, help="Shuffle samples before splitting a batch into mini-batches.")
+    offload_params: bool = option(False, help="Move parameters to CPU while this role is idle.",
+                                  affects_results=False)
+    offload_grads: bool = option(False, help="Move gradient buffers to CPU while this role is idle.",
+                                 affects_results=False)
+    offload_optimizer: bool = option(False, help="Move optimizer state to CPU while this role is idle.",
+                                     affects_results=False)
+
+    def validate(self) -> None:
+        self._check_range("lr", ge=0.0, example=1e-6)
+        self._check_range("min_lr", ge=0.0)
+        self._require(self.min_lr <= self.lr, f"{self.key('min_lr')}={self.min_lr!r} exceeds {self.key('lr')}="
+                                              f"{self.lr!r}; set {self.key('min_lr')} <= {self.key('lr')}")
+        self._check_range("weight_decay", ge=0.0)
+        self._check_range("adam_beta1", ge=0.0, lt=1.0, example=0.9)
+        self._check_range("adam_beta2", ge=0.0, lt=1.0, example=0.999)
+        self._check_range("adam_eps", gt=0.0, example=1e-8)
+        self._check_range("grad_clip", ge=0.0, example=1.0)
+        self._check_range("lr_warmup_steps", ge=0)
+        self._check_range("lr_decay_steps", ge=1)
+        for name in ("ppo_mini_batch_size", "micro_batch_size_per_gpu", "ppo_epochs", "max_tokens_per_gpu"):
+            self._check_range(name, ge=1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActorConfig(TrainableRoleConfig):
+    """The policy: PPO clipped loss (dual-clip), entropy bonus, optional KL loss against the reference."""
+
+    SECTION: ClassVar[str] = "actor"
+
+    log_prob_micro_batch_size_per_gpu: int | None = option(
+        None, help="Samples per forward-only pass when recomputing log-probs; null uses `micro_batch_size_per_gpu`.",
+        affects_results=False)
+    clip_ratio_low: float = option(0.2, help="PPO ratio clip below 1: ratio >= 1 - clip_ratio_low.")
+    clip_ratio_high: float = option(0.2, help="PPO ratio clip above 1: ratio <= 1 + clip_ratio_high "
+                                              "(raise it for DAPO-style clip-higher).")
+    clip_ratio_c: float = option(3.0, help="Dual-clip bound for negative advantages (> 1).")
+    entropy_coeff: float = option(0.0, help="Weight of the entropy bonus in the actor loss.")
+    loss_agg_mode: LossAggMode = option("token-mean", help="How token losses are aggregated into the batch loss.")
+    use_kl_loss: bool = option(False, help="Add a KL(actor‖ref) term to the actor loss (GRPO style); needs the "
+                                           "reference policy.")
+    kl_loss_coef: float = option(0.001, help="Weight of the KL loss term.")
+    kl_loss_type: KLEstimator = option("low_var_kl", help="KL estimator of the loss term: kl (k1), abs, mse (k2), "
+                                                          "low_var_kl (k3).")
+
+    def validate(self) -> None:
+        super().validate()
+        if self.log_prob_micro_batch_size_per_gpu is None:
+            self._set("log_prob_micro_batch_size_per_gpu", self.micro_batch_size_per_gpu)
+        self._check_range("log_prob_micro_batch_size_per_gpu", ge=1)
+        self._check_range("clip_ratio_low", ge=0.0, lt=1.0, example=0.2)
+        self._check_range("clip_ratio_high", ge=0.0, example=0.2)
+        self._check_range("clip_ratio_c", gt=1.0, example=3.0)
+        self._check_range("kl_loss_coef", ge=0.0, example=0.001)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CriticConfig(TrainableRoleConfig):
+    """The value model (PPO with GAE): clipped value loss, its own optimizer."""
+
+    SECTION: ClassVar[str] = "critic"
+
+    enable: bool | None = option(None, help="Run a critic; null enables it iff algorithm.adv_estimator is gae.")
+    model_path: str | None = option(None, help="HF directory to initialise the critic from; null uses model.path "
+                                               "(the value head is freshly initialised).")
+    lr: float = option(1e-5, help="Peak learning rate (Adam).")
+    ppo_mini_batch_size: int | None = option(None, help="Prompts per critic optimizer step; null uses the actor's.")
+    ppo_epochs: int | None = option(None, help="Passes over each rollout batch; null uses the actor's.")
+    cliprange_value: float = option(0.5, help="Clip range of the value loss around the old values.")
+
+    def validate(self) -> None:
+        super().validate()
+        self._check_range("cliprange_value", gt=0.0, example=0.5)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RefConfig(ConfigSection):
+    """The frozen reference policy (initial actor weights) used for KL."""
+
+    SECTION: ClassVar[str] = "ref"
+
+    enable: bool | None = option(None, help="Compute reference log-probs; null enables it iff a KL is used "
+                                            "(algorithm.use_kl_in_reward or actor.use_kl_loss).")
+    micro_batch_size_per_gpu: int | None = option(
+        None, help="Samples per forward pass; null uses actor.log_prob_micro_batch_size_per_gpu.",
+        affects_results=False)
+    offload_params: bool = option(False, help="Keep reference weights on CPU between uses.", affects_results=False)
+
+    def validate(self) -> None:
+        self._check_range("micro_batch_size_per_gpu", ge=1)
+
+
+# A built-in name (`gsm8k`), `package.module.function`, `package.module:function` or `path/to/file.py:function`.
+_REWARD_FN = re.compile(r"[A-Za-z_]\w*((\.[A-Za-z_]\w*)*(:[A-Za-z_]\w*)?)|[^:\s]+\.py:[A-Za-z_]\w*")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardConfig(ConfigSection):
+    """How responses are scored: a rule-based / user function, a reward model, or both (scores are added)."""
+
+    SECTION: ClassVar[str] = "reward"
+
+    function: str | None = option(
+        None, help="Reward function: a built-in name (`arithmetic`, `gsm8k`), `pkg.module.fn`, `pkg.module:fn` or "
+                   "`file.py:fn`. null picks the task's own function for `generated:<task>` data.")
+    reward_model_path: str | None = option(None, help="HF directory of a reward model (value-head model scoring the "
+                                                      "last token); null for function-only rewards.")
+    num_workers: int = option(2, help="Worker processes scoring responses off the critical path; 0 scores inline.",
+                              affects_results=False)
+    timeout_s: float = option(30.0, help="Time limit per reward-function call.")
+    kwargs: Mapping[str, Any] = option(FrozenDict(), help="Extra keyword arguments passed to the reward function.")
+
+    def validate(self) -> None:
+        if self.function is not None:
+            self._require(bool(_REWARD_FN.fullmatch(self.function)),
+                          f"reward.function={self.function!r} is not a built-in name, `pkg.module.fn`, "
+                          f"`pkg.module:fn` or `file.py:fn`; fix reward.function")
+        self._check_range("num_workers", ge=0)
+        self._check_range("timeout_s", gt=0.0, example=30.0)

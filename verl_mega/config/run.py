@@ -1,0 +1,90 @@
+"""Config sections of the run itself: `trainer`, `checkpoint` and `logging`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from verl_mega.config.base import ConfigSection, option
+
+RESUME_AUTO, RESUME_OFF = "auto", "off"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerConfig(ConfigSection):
+    """Run length, seeds, output directory, resume and reliability guards."""
+
+    SECTION: ClassVar[str] = "trainer"
+
+    total_steps: int | None = option(
+        None, help="RL steps to run; null runs total_epochs over the data. Not result-changing on resume unless an "
+                   "LR schedule decays over the run length.", affects_results=False)
+    total_epochs: int | None = option(1, help="Epochs over data.train_files when total_steps is null.",
+                                      affects_results=False)
+    output_dir: str = option("outputs/run", help="Directory for metrics.jsonl, TensorBoard logs, plots and "
+                                                 "checkpoints/.", affects_results=False)
+    seed: int = option(42, help="Global seed (model init, sampling and shuffling unless they set their own).")
+    deterministic: bool = option(False, help="Deterministic kernels and reductions (bitwise-reproducible on CPU; "
+                                             "slower on GPU).")
+    save_every: int = option(0, help="Save a checkpoint every N steps; 0 disables periodic saves.", affects_results=False)
+    resume: str = option(RESUME_AUTO, help="`auto` resumes from the newest complete checkpoint in output_dir, `off` "
+                                           "starts fresh, anything else is a checkpoint directory.",
+                         affects_results=False)
+    resume_allow_config_change: bool = option(
+        False, help="Resume even if result-changing keys differ from the checkpoint's config (they are still "
+                    "listed).", affects_results=False)
+    log_every: int = option(1, help="Print console metrics every N steps (metrics.jsonl gets every step).",
+                            affects_results=False)
+    max_consecutive_nonfinite: int = option(
+        3, help="Skip a step whose loss or grad norm is NaN/Inf; abort after this many in a row.",
+        affects_results=False)
+    collective_timeout_s: float = option(
+        1800.0, help="Abort with a message naming the stage when a collective hangs longer than this.",
+        affects_results=False)
+    profile: bool = option(False, help="Print the per-stage time / overlap profile every step.",
+                           affects_results=False)
+    val_every: int = option(0, help="Validate every N steps (needs data.val_files); 0 disables.",
+                            affects_results=False)
+
+    def validate(self) -> None:
+        self._check_range("total_steps", ge=1, example=100)
+        self._check_range("total_epochs", ge=1, example=1)
+        self._require(self.total_steps is not None or self.total_epochs is not None,
+                      "trainer.total_steps and trainer.total_epochs are both null; set one, e.g. trainer.total_steps=100")
+        self._require(bool(self.output_dir.strip()), "trainer.output_dir is empty; set trainer.output_dir=<dir>")
+        self._require(bool(self.resume.strip()), "trainer.resume is empty; use auto, off or a checkpoint directory")
+        for name in ("save_every", "val_every"):
+            self._check_range(name, ge=0)
+        self._check_range("log_every", ge=1)
+        self._check_range("max_consecutive_nonfinite", ge=1, example=3)
+        self._check_range("collective_timeout_s", gt=0.0, example=1800)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig(ConfigSection):
+    """What a checkpoint holds and how many are kept (under <trainer.output_dir>/checkpoints/)."""
+
+    SECTION: ClassVar[str] = "checkpoint"
+    AFFECTS_RESULTS: ClassVar[bool] = False
+
+    keep_last: int | None = option(2, help="Keep the newest N complete checkpoints; null keeps all.")
+    async_save: bool = option(False, help="Write checkpoints in the background (Megatron async dist-checkpointing).")
+    export_hf: bool = option(False, help="Also export the actor as HF safetensors at each save.")
+    save_optimizer: bool = option(True, help="Include optimizer state (needed for an exact resume).")
+
+    def validate(self) -> None:
+        self._check_range("keep_last", ge=1, example=2)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoggingConfig(ConfigSection):
+    """Metric sinks (rank 0). Every step's metrics always go to <trainer.output_dir>/metrics.jsonl when jsonl is on."""
+
+    SECTION: ClassVar[str] = "logging"
+    AFFECTS_RESULTS: ClassVar[bool] = False
+
+    console: bool = option(True, help="Print metrics to the console.")
+    progress_bar: bool = option(True, help="Show a progress bar over steps.")
+    jsonl: bool = option(True, help="Append one JSON object per step to <output_dir>/metrics.jsonl.")
+    tensorboard: bool = option(True, help="Write TensorBoard event files under <output_dir>.")
+    plot: bool = option(True, help="Write a reward / KL / entropy curve PNG to <output_dir> at the end.")

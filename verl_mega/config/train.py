@@ -1,0 +1,207 @@
+"""The top-level :class:`TrainConfig`: all sections plus the checks that span several of them."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from verl_mega.config.base import ConfigError, ConfigSection, fmt, option
+from verl_mega.config.model import TINY_MODEL, ModelConfig
+from verl_mega.config.parallel import ParallelConfig, ParallelDims
+from verl_mega.config.rl import GENERATED_PREFIX, GROUP_ESTIMATORS, AlgorithmConfig, DataConfig, RolloutConfig
+from verl_mega.config.roles import ActorConfig, CriticConfig, RefConfig, RewardConfig, TrainableRoleConfig
+from verl_mega.config.run import RESUME_AUTO, RESUME_OFF, CheckpointConfig, LoggingConfig, TrainerConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig(ConfigSection):
+    """One RL training run. On construction, auto (null) values are resolved and these cross-section rules are
+    checked:
+
+    - `critic.enable`: null → on iff `algorithm.adv_estimator` is gae; gae with the critic off, or a critic with
+      another estimator, is an error. `critic.model_path` null → `model.path`; `critic.ppo_mini_batch_size` and
+      `critic.ppo_epochs` null → the actor's.
+    - `ref.enable`: null → on iff `algorithm.use_kl_in_reward` or `actor.use_kl_loss`; a KL with the reference off
+      is an error. `ref.micro_batch_size_per_gpu` null → `actor.log_prob_micro_batch_size_per_gpu`.
+    - grpo, rloo and reinforce_plus_plus_baseline need `rollout.n` >= 2 and `rollout.temperature` > 0.
+    - `data.train_batch_size` must be a multiple of `actor.ppo_mini_batch_size` (and the critic's); both count
+      prompts, so with `rollout.n` samples each the same holds for samples.
+    - `rollout.tg` null → `parallel.tp`; otherwise it must divide `parallel.tp`.
+    - `rollout.seed` and `data.seed` null → `trainer.seed`; `reward.function` null → the task's own function for
+      `generated:<task>` data, else `reward.function` or `reward.reward_model_path` is required.
+    - with `use_dynamic_bsz`, `max_tokens_per_gpu` must hold one full sequence (max_prompt_length +
+      max_response_length); `trainer.val_every` > 0 needs `data.val_files`.
+
+    Checks that need the world size run in `validate_runtime(parallel_dims)`: the mini-batch (in samples) must split
+    evenly over data-parallel ranks and then into micro-batches, and `rollout.kv_cache_memory_bytes` is required on
+    CPU. `check_paths()` checks that referenced files and directories exist.
+    """
+
+    model: ModelConfig = option(factory=ModelConfig, help="Policy model.")
+    parallel: ParallelConfig = option(factory=ParallelConfig, help="Training parallel layout.")
+    actor: ActorConfig = option(factory=ActorConfig, help="Actor (policy) training.")
+    critic: CriticConfig = option(factory=CriticConfig, help="Critic (value model) training.")
+    ref: RefConfig = option(factory=RefConfig, help="Reference policy.")
+    reward: RewardConfig = option(factory=RewardConfig, help="Reward function / model.")
+    rollout: RolloutConfig = option(factory=RolloutConfig, help="Generation with vLLM.")
+    algorithm: AlgorithmConfig = option(factory=AlgorithmConfig, help="Advantage estimation and KL.")
+    data: DataConfig = option(factory=DataConfig, help="Prompt datasets.")
+    trainer: TrainerConfig = option(factory=TrainerConfig, help="Run control.")
+    checkpoint: CheckpointConfig = option(factory=CheckpointConfig, help="Checkpoint contents and retention.")
+    logging: LoggingConfig = option(factory=LoggingConfig, help="Metric sinks.")
+
+    def validate(self) -> None:
+        self._resolve_auto_values()
+        self._check_roles()
+        self._check_batch_sizes()
+        tp, tg = self.parallel.tp, self.rollout.tg
+        self._require(tp % tg == 0, f"rollout.tg={tg} must divide parallel.tp={tp} (generation TP groups are carved "
+                                    f"out of each training TP group); set rollout.tg to a divisor of {tp}")
+        self._require(self.trainer.val_every == 0 or bool(self.data.val_files),
+                      f"trainer.val_every={self.trainer.val_every} needs data.val_files; set data.val_files=[...] "
+                      f"or trainer.val_every=0")
+
+    def _replace(self, section: str, **changes: Any) -> None:
+        object.__setattr__(self, section, dataclasses.replace(getattr(self, section), **changes))
+
+    def _resolve_auto_values(self) -> None:
+        actor, algo = self.actor, self.algorithm
+        critic_changes: dict[str, Any] = {}
+        if self.critic.enable is None:
+            critic_changes["enable"] = algo.adv_estimator == "gae"
+        if self.critic.model_path is None:
+            critic_changes["model_path"] = self.model.path
+        for name in ("ppo_mini_batch_size", "ppo_epochs"):
+            if getattr(self.critic, name) is None:
+                critic_changes[name] = getattr(actor, name)
+        if critic_changes:
+            self._replace("critic", **critic_changes)
+
+        ref_changes: dict[str, Any] = {}
+        if self.ref.enable is None:
+            ref_changes["enable"] = algo.use_kl_in_reward or actor.use_kl_loss
+        if self.ref.micro_batch_size_per_gpu is None:
+            ref_changes["micro_batch_size_per_gpu"] = actor.log_prob_micro_batch_size_per_gpu
+        if ref_changes:
+            self._replace("ref", **ref_changes)
+
+        rollout_changes: dict[str, Any] = {}
+        if self.rollout.tg is None:
+            rollout_changes["tg"] = self.parallel.tp
+        if self.rollout.seed is None:
+            rollout_changes["seed"] = self.trainer.seed
+        if rollout_changes:
+            self._replace("rollout", **rollout_changes)
+        if self.data.seed is None:
+            self._replace("data", seed=self.trainer.seed)
+
+        if self.reward.function is None and self.reward.reward_model_path is None:
+            generated = {f[len(GENERATED_PREFIX):] for f in self.data.train_files if f.startswith(GENERATED_PREFIX)}
+            if len(generated) != 1 or len(self.data.train_files) != 1:
+                raise ConfigError(f"reward.function is required for data.train_files={fmt(self.data.train_files)}; "
+                                  f"set reward.function=gsm8k (built-in), a dotted path, or reward.reward_model_path")
+            self._replace("reward", function=generated.pop())
+
+    def _check_roles(self) -> None:
+        est, critic, ref = self.algorithm.adv_estimator, self.critic, self.ref
+        if est == "gae":
+            self._require(critic.enable, "algorithm.adv_estimator=gae needs a critic but critic.enable=false; set "
+                                         "critic.enable=true (or null), or pick another estimator such as grpo")
+        else:
+            self._require(not critic.enable, f"critic.enable=true but algorithm.adv_estimator={est} does not use a "
+                                             f"critic; set critic.enable=null or algorithm.adv_estimator=gae")
+        if est in GROUP_ESTIMATORS:
+            self._require(self.rollout.n >= 2, f"algorithm.adv_estimator={est} compares samples of the same prompt "
+                                               f"but rollout.n={self.rollout.n}; set rollout.n>=2, e.g. rollout.n=8")
+            self._require(self.rollout.temperature > 0, f"algorithm.adv_estimator={est} needs diverse samples but "
+                                                        f"rollout.temperature=0 makes them identical; set "
+                                                        f"rollout.temperature=1.0")
+        for flag, on in (("algorithm.use_kl_in_reward", self.algorithm.use_kl_in_reward),
+                         ("actor.use_kl_loss", self.actor.use_kl_loss)):
+            self._require(not on or ref.enable, f"{flag}=true needs the reference policy but ref.enable=false; set "
+                                                f"ref.enable=true (or null) or {flag}=false")
+
+    def _check_batch_sizes(self) -> None:
+        batch, n = self.data.train_batch_size, self.rollout.n
+        for role in self._trained_roles():
+            mini = role.ppo_mini_batch_size
+            self._require(batch % mini == 0,
+                          f"data.train_batch_size={batch} is not a multiple of {role.key('ppo_mini_batch_size')}="
+                          f"{mini} (both in prompts; ×rollout.n={n} in samples); set "
+                          f"{role.key('ppo_mini_batch_size')} to a divisor of {batch}")
+            seq_len = self.data.max_prompt_length + self.rollout.max_response_length
+            self._require(not role.use_dynamic_bsz or role.max_tokens_per_gpu >= seq_len,
+                          f"{role.key('max_tokens_per_gpu')}={role.max_tokens_per_gpu} cannot hold one sequence of "
+                          f"data.max_prompt_length + rollout.max_response_length = {seq_len} tokens; set "
+                          f"{role.key('max_tokens_per_gpu')}>={seq_len}")
+
+    def _trained_roles(self) -> list[TrainableRoleConfig]:
+        return [self.actor, self.critic] if self.critic.enable else [self.actor]
+
+    def validate_runtime(self, parallel_dims: ParallelDims, *, cuda_available: bool | None = None) -> None:
+        """Checks that need the resolved layout (call once the world size is known)."""
+        p = self.parallel
+        for name in ("tp", "pp", "vpp", "cp"):
+            if getattr(parallel_dims, name) != getattr(p, name):
+                raise ConfigError(f"parallel.{name}={fmt(getattr(p, name))} but the resolved layout has {name}="
+                                  f"{fmt(getattr(parallel_dims, name))}; resolve ParallelDims from this config")
+        if p.dp is not None and p.dp != parallel_dims.dp:
+            raise ConfigError(f"parallel.dp={p.dp} but the resolved layout has dp={parallel_dims.dp}; resolve "
+                              f"ParallelDims from this config")
+        dp, n = parallel_dims.dp, self.rollout.n
+        for role in self._trained_roles():
+            mini = role.ppo_mini_batch_size
+            samples = mini * n
+            self._require(samples % dp == 0,
+                          f"{role.key('ppo_mini_batch_size')}·rollout.n = {mini}·{n} = {samples} samples do not split "
+                          f"over {dp} data-parallel ranks; make {role.key('ppo_mini_batch_size')}·rollout.n a "
+                          f"multiple of {dp}")
+            per_rank, micro = samples // dp, role.micro_batch_size_per_gpu
+            self._require(role.use_dynamic_bsz or per_rank % micro == 0,
+                          f"the {role.SECTION} mini-batch has {per_rank} samples per data-parallel rank "
+                          f"({role.key('ppo_mini_batch_size')}·rollout.n/dp = {mini}·{n}/{dp}), not a multiple of "
+                          f"{role.key('micro_batch_size_per_gpu')}={micro}; set it to a divisor of {per_rank}")
+        if cuda_available is None:
+            import torch  # deferred: the config package itself does not need torch
+
+            cuda_available = torch.cuda.is_available()
+        self._require(cuda_available or self.rollout.kv_cache_memory_bytes is not None,
+                      "rollout.kv_cache_memory_bytes is required on CPU (vLLM-CPU cannot size its KV cache from "
+                      "device memory); set e.g. rollout.kv_cache_memory_bytes=1073741824")
+
+    def check_paths(self) -> None:
+        """Check that every file or directory the config refers to exists (one-line error for the first missing)."""
+        if self.model.path != TINY_MODEL:
+            _require_model_dir("model.path", self.model.path)
+        if self.model.tokenizer_path != TINY_MODEL:
+            _require_path("model.tokenizer_path", self.model.tokenizer_path, want_dir=True)
+        if self.critic.enable and self.critic.model_path not in (TINY_MODEL, self.model.path):
+            _require_model_dir("critic.model_path", self.critic.model_path)
+        if self.reward.reward_model_path is not None:
+            _require_model_dir("reward.reward_model_path", self.reward.reward_model_path)
+        fn = self.reward.function or ""
+        if ".py:" in fn:
+            _require_path("reward.function", fn.rpartition(":")[0], want_dir=False)
+        for name in ("train_files", "val_files"):
+            for i, entry in enumerate(getattr(self.data, name)):
+                if not entry.startswith(GENERATED_PREFIX):
+                    _require_path(f"data.{name}[{i}]", entry, want_dir=False)
+        if self.trainer.resume not in (RESUME_AUTO, RESUME_OFF):
+            _require_path("trainer.resume", self.trainer.resume, want_dir=True,
+                          fix="set trainer.resume to auto, off or an existing checkpoint directory")
+
+
+def _require_path(key: str, path: str, *, want_dir: bool, fix: str | None = None) -> None:
+    kind = "directory" if want_dir else "file"
+    if not (os.path.isdir(path) if want_dir else os.path.isfile(path)):
+        problem = f"is not a {kind}" if os.path.exists(path) else "does not exist"
+        raise ConfigError(f"{key}={path!r} {problem}; {fix or f'set {key} to an existing {kind}'}")
+
+
+def _require_model_dir(key: str, path: str) -> None:
+    _require_path(key, path, want_dir=True, fix=f"set {key} to a Hugging Face model directory"
+                  + (" or tiny" if key == "model.path" else ""))
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(f"{key}={path!r} has no config.json; point {key} at a Hugging Face model directory")
