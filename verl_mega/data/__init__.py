@@ -1,1 +1,26 @@
+"""Prompt datasets (JSONL / JSON / parquet, chat templates, resumable DP-sharded batches) and the toy arithmetic task."""
 
+from verl_mega.data.arithmetic import REWARD_SPEC as ARITHMETIC_REWARD_SPEC
+from verl_mega.data.arithmetic import generate_arithmetic, write_arithmetic_jsonl
+from verl_mega.data.prompts import (
+    PromptBatch,
+    PromptDataError,
+    PromptDataset,
+    PromptItem,
+    PromptLoader,
+    PromptRecord,
+    load_prompt_records,
+)
+
+__all__ = [
+    "ARITHMETIC_REWARD_SPEC",
+    "generate_arithmetic",
+    "write_arithmetic_jsonl",
+    "PromptBatch",
+    "PromptDataError",
+    "PromptDataset",
+    "PromptItem",
+    "PromptLoader",
+    "PromptRecord",
+    "load_prompt_records",
+]

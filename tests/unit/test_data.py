@@ -1,0 +1,232 @@
+"""Prompt loading, tokenization with chat templates, filtering, deterministic/resumable DP-sharded batches, and the
+arithmetic task generator."""
+
+import json
+import logging
+import sys
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from verl_mega.data import (
+    PromptDataError,
+    PromptDataset,
+    PromptLoader,
+    generate_arithmetic,
+    load_prompt_records,
+    write_arithmetic_jsonl,
+)
+from verl_mega.rewards import load_reward_fn
+
+VOCAB = {"<pad>": 0, "<eos>": 1, "<|user|>": 2, "<|assistant|>": 3, "<|system|>": 4}
+for _c in "0123456789+-= abcdefghijklmnopqrstuvwxyz?":
+    VOCAB[_c] = len(VOCAB)
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def make_tokenizer(chat_template: bool) -> PreTrainedTokenizerFast:
+    core = Tokenizer(models.WordLevel(vocab=VOCAB, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")  # one token per character
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>",
+                                  additional_special_tokens=["<|user|>", "<|assistant|>", "<|system|>"])
+    if chat_template:
+        tok.chat_template = TEMPLATE
+    return tok
+
+
+def char_ids(text):
+    return [VOCAB[c] for c in text]
+
+
+def write_jsonl(path, rows, raw_lines=()):
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+        for line in raw_lines:
+            f.write(line + "\n")
+    return str(path)
+
+
+# ---------------------------------------------------------------------------------------------------- reading
+def test_jsonl_custom_keys_nested_answer_and_extras(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [
+        {"question": "1+1=", "reward_model": {"ground_truth": "2"}, "data_source": "toy"},
+        {"question": "2+2=", "reward_model": {"ground_truth": "4"}, "data_source": "toy"},
+    ], raw_lines=["", "   "])
+    recs = load_prompt_records(path, prompt_key="question", answer_key="reward_model.ground_truth")
+    assert [(r.prompt, r.ground_truth) for r in recs] == [("1+1=", "2"), ("2+2=", "4")]
+    assert recs[0].extra == {"reward_model": {"ground_truth": "2"}, "data_source": "toy"}
+    assert recs[1].source.endswith("d.jsonl:line 2")
+
+
+def test_plain_prompts_without_template(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "3+4=", "answer": "7"}])
+    ds = PromptDataset.from_files(path, make_tokenizer(False), max_prompt_length=8)
+    assert ds[0].prompt_ids == char_ids("3+4=") and ds[0].prompt_text == "3+4=" and ds[0].ground_truth == "7"
+
+
+def test_chat_template_applied_to_strings_and_message_lists(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [
+        {"prompt": "3+4=", "answer": "7"},
+        {"prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "5-2="}], "answer": 3},
+    ])
+    ds = PromptDataset.from_files(path, make_tokenizer(True), max_prompt_length=64)
+    assert ds[0].prompt_ids == [VOCAB["<|user|>"]] + char_ids("3+4=") + [VOCAB["<|assistant|>"]]
+    assert ds[1].prompt_text == "<|system|>be brief<|user|>5-2=<|assistant|>"
+    assert ds[1].prompt_ids == ([VOCAB["<|system|>"]] + char_ids("be brief") + [VOCAB["<|user|>"]] + char_ids("5-2=")
+                                + [VOCAB["<|assistant|>"]])
+    # with the template switched off, plain strings are tokenized as they are
+    plain = PromptDataset(load_prompt_records(path)[:1], make_tokenizer(True), max_prompt_length=64,
+                          apply_chat_template=False)
+    assert plain[0].prompt_ids == char_ids("3+4=")
+
+
+def test_parquet_and_json_array(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    rows = [{"prompt": [{"role": "user", "content": "1+2="}], "answer": "3", "data_source": "p"},
+            {"prompt": [{"role": "user", "content": "9-9="}], "answer": "0", "data_source": "p"}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    ds = PromptDataset.from_files(str(tmp_path / "d.parquet"), make_tokenizer(True), max_prompt_length=16)
+    assert [it.ground_truth for it in ds] == ["3", "0"]
+    assert ds[1].prompt_ids == [VOCAB["<|user|>"]] + char_ids("9-9=") + [VOCAB["<|assistant|>"]]
+    (tmp_path / "d.json").write_text(json.dumps([{"prompt": "4+4=", "answer": "8"}]))
+    recs = load_prompt_records([str(tmp_path / "d.json"), str(tmp_path / "d.parquet")])
+    assert [r.ground_truth for r in recs] == ["8", "3", "0"]
+
+
+def test_overlong_prompts_filtered_and_logged(tmp_path, caplog):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "3+4=", "answer": "7"}, {"prompt": "12+34=", "answer": "46"},
+                                              {"prompt": "1+1=", "answer": "2"}])
+    with caplog.at_level(logging.WARNING, logger="verl_mega.data"):
+        ds = PromptDataset.from_files(path, make_tokenizer(False), max_prompt_length=4)
+    assert [it.prompt_text for it in ds] == ["3+4=", "1+1="] and [it.index for it in ds] == [0, 1]
+    assert ds.num_filtered == 1
+    assert "filtered 1 of 3 prompts longer than max_prompt_length=4" in caplog.text
+    with pytest.raises(PromptDataError, match="all 3 prompts are longer"):
+        PromptDataset.from_files(path, make_tokenizer(False), max_prompt_length=3)
+
+
+def _err(tmp_path, name, content, **kw):
+    p = tmp_path / name
+    p.write_text(content)
+    with pytest.raises(PromptDataError) as info:
+        load_prompt_records(str(p), **kw)
+    msg = str(info.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_bad_input_errors_name_file_line_field_and_fix(tmp_path):
+    assert "not found" in str(pytest.raises(PromptDataError, load_prompt_records, str(tmp_path / "nope.jsonl")).value)
+    assert "is empty" in _err(tmp_path, "e.jsonl", "\n\n")
+    msg = _err(tmp_path, "j.jsonl", '{"prompt": "a", "answer": "1"}\n{"prompt": oops}\n')
+    assert "j.jsonl:line 2: invalid JSON" in msg
+    assert "j.jsonl:line 1: expected a JSON object, got list" in _err(tmp_path, "j.jsonl", "[1, 2]\n")
+    msg = _err(tmp_path, "m.jsonl", '{"question": "a", "answer": "1"}\n')
+    assert "m.jsonl:line 1: missing field 'prompt' (fields: answer, question); set prompt_key" in msg
+    msg = _err(tmp_path, "t.jsonl", '{"prompt": "a", "answer": "1"}\n{"prompt": 5, "answer": "1"}\n')
+    assert "t.jsonl:line 2: field 'prompt' must be a string or" in msg and "got int" in msg
+    assert "must be a string" in _err(tmp_path, "t.jsonl", '{"prompt": [{"role": "user"}], "answer": "1"}\n')
+    assert "missing field 'solution'" in _err(tmp_path, "a.jsonl", '{"prompt": "a", "answer": "1"}\n',
+                                              answer_key="solution")
+    assert "extension '.csv'" in _err(tmp_path, "x.csv", "prompt,answer\n")
+    assert "expected a list of objects" in _err(tmp_path, "x.json", '{"prompt": "a"}')
+
+
+def test_no_answer_key_and_message_list_needs_template(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": [{"role": "user", "content": "1+1="}]}])
+    recs = load_prompt_records(path, answer_key=None)
+    assert recs[0].ground_truth is None
+    with pytest.raises(PromptDataError, match="d.jsonl:line 1: the prompt is a chat message list but the tokenizer"):
+        PromptDataset(recs, make_tokenizer(False), max_prompt_length=16)
+
+
+def test_parquet_without_pyarrow_gives_install_hint(tmp_path, monkeypatch):
+    (tmp_path / "d.parquet").write_bytes(b"PAR1")
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    with pytest.raises(PromptDataError, match="needs pyarrow; install it with `pip install pyarrow`"):
+        load_prompt_records(str(tmp_path / "d.parquet"))
+
+
+# ---------------------------------------------------------------------------------------------------- batching
+def _dataset(n):
+    return list(range(n))  # the loader only indexes the dataset, so plain ints identify the prompts
+
+
+def _ids(batches):
+    return [b.items for b in batches]
+
+
+def test_epochs_are_seeded_permutations_and_drop_last():
+    loader = PromptLoader(_dataset(10), global_batch_size=3, seed=7, num_epochs=2)
+    assert loader.batches_per_epoch == 3 and len(loader) == 6
+    batches = list(loader)
+    assert len(batches) == 6 and [b.epoch for b in batches] == [0, 0, 0, 1, 1, 1]
+    epoch0 = sum(_ids(batches[:3]), [])
+    epoch1 = sum(_ids(batches[3:]), [])
+    assert len(set(epoch0)) == 9 and set(epoch0) <= set(range(10))  # 9 distinct prompts, the 10th dropped
+    assert epoch0 != epoch1
+    again = list(PromptLoader(_dataset(10), global_batch_size=3, seed=7, num_epochs=2))
+    assert _ids(again) == _ids(batches)
+    other = list(PromptLoader(_dataset(10), global_batch_size=3, seed=8, num_epochs=2))
+    assert _ids(other) != _ids(batches)
+    assert _ids(PromptLoader(_dataset(6), global_batch_size=3, shuffle=False)) == [[0, 1, 2], [3, 4, 5]]
+    assert loader.next_batch() is None and len(loader) == 0
+
+
+def test_dp_shards_partition_each_global_batch():
+    full = list(PromptLoader(_dataset(16), global_batch_size=8, seed=3, num_epochs=2))
+    shards = [list(PromptLoader(_dataset(16), global_batch_size=8, seed=3, num_epochs=2, dp_rank=r, dp_size=4))
+              for r in range(4)]
+    for step, batch in enumerate(full):
+        pieces = [shards[r][step].items for r in range(4)]
+        assert all(len(p) == 2 for p in pieces)
+        assert sum(pieces, []) == batch.items
+
+
+def test_resume_sees_exactly_the_same_next_batches():
+    reference = _ids(PromptLoader(_dataset(10), global_batch_size=2, seed=1, num_epochs=3, dp_rank=1, dp_size=2))
+    for stop in (0, 3, 5, 7, 14):  # 5 batches per epoch: includes stopping right at an epoch boundary
+        first = PromptLoader(_dataset(10), global_batch_size=2, seed=1, num_epochs=3, dp_rank=1, dp_size=2)
+        seen = [first.next_batch().items for _ in range(stop)]
+        state = json.loads(json.dumps(first.state_dict()))  # must survive a JSON round trip (checkpoints)
+        resumed = PromptLoader(_dataset(10), global_batch_size=2, seed=1, num_epochs=3, dp_rank=1, dp_size=2)
+        resumed.load_state_dict(state)
+        assert seen + _ids(resumed) == reference, stop
+    assert state == {"epoch": 2, "index": 4, "seed": 1, "dataset_size": 10, "global_batch_size": 2}
+
+
+def test_loader_validation():
+    with pytest.raises(PromptDataError, match="not divisible by the data-parallel size 4"):
+        PromptLoader(_dataset(10), global_batch_size=6, dp_size=4)
+    with pytest.raises(PromptDataError, match="only 3 prompts"):
+        PromptLoader(_dataset(3), global_batch_size=4)
+    loader = PromptLoader(_dataset(10), global_batch_size=2, seed=1)
+    with pytest.raises(PromptDataError, match="seed=2 but this run has 1"):
+        loader.load_state_dict({"epoch": 0, "index": 1, "seed": 2})
+    with pytest.raises(PromptDataError, match="dataset_size=11"):
+        loader.load_state_dict({"epoch": 0, "index": 1, "dataset_size": 11})
+
+
+# -------------------------------------------------------------------------------------------------- arithmetic
+def test_arithmetic_task(tmp_path):
+    recs = generate_arithmetic(500, seed=3)
+    assert recs == generate_arithmetic(500, seed=3) and recs != generate_arithmetic(500, seed=4)
+    for r in recs:
+        a, op, b, eq = r["prompt"][0], r["prompt"][1], r["prompt"][2], r["prompt"][3]
+        assert len(r["prompt"]) == 4 and eq == "=" and op in "+-" and a.isdigit() and b.isdigit()
+        expected = int(a) + int(b) if op == "+" else int(a) - int(b)
+        assert r["answer"] == str(expected) and 0 <= expected <= 18
+    assert {r["prompt"][1] for r in recs} == {"+", "-"}
+    assert {int(r["answer"]) for r in generate_arithmetic(2000, ops="+")} == set(range(19))
+    path = write_arithmetic_jsonl(tmp_path / "sub" / "train.jsonl", 64, seed=3)
+    ds = PromptDataset.from_files(path, make_tokenizer(False), max_prompt_length=8)
+    assert len(ds) == 64 and ds.num_filtered == 0 and all(len(it.prompt_ids) == 4 for it in ds)
+    reward = load_reward_fn("arithmetic")
+    assert reward.score_batch([r["answer"] + " done" for r in recs[:5]], [r["answer"] for r in recs[:5]]) == [1.0] * 5
+    with pytest.raises(ValueError, match="max_operand must be in 0..9"):
+        generate_arithmetic(3, max_operand=12)
