@@ -147,7 +147,7 @@ def _type_error(key: str, tp: Any, value: Any) -> ConfigError:
 
 
 def coerce(value: Any, tp: Any, key: str) -> Any:
-    """Check ``value`` against annotation ``tp`` and return it normalised (int→float, list→tuple, dict→FrozenDict)."""
+    """Check ``value`` against annotation ``tp``; return it normalised (int→float, list→tuple, dict→FrozenDict)."""
     origin = typing.get_origin(tp)
     if tp is Any:
         return value
@@ -237,8 +237,8 @@ def iter_keys(cls: type, prefix: str = "") -> Iterator[str]:
 
 
 def suggest_key(dotted: str, root: type, prefix: str = "") -> str | None:
-    """Closest valid key to an unknown ``dotted`` key: a near sibling, the same name in another section, or any
-    near key (so `actor.tp` suggests `parallel.tp`)."""
+    """Closest valid key to an unknown ``dotted`` key: a near sibling, the same name in another section (so
+    `actor.tp` suggests `parallel.tp`), or a near name in another section."""
     keys = [join_key(prefix, k) for k in iter_keys(root)]
     parent, _, leaf = dotted.rpartition(".")
     siblings = [k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == parent]
@@ -248,8 +248,9 @@ def suggest_key(dotted: str, root: type, prefix: str = "") -> str | None:
     same_name = [k for k in keys if k.rpartition(".")[2] == leaf]
     if same_name:
         return same_name[0]
-    close = difflib.get_close_matches(dotted, keys, n=1, cutoff=0.6)
-    return close[0] if close else None
+    leaves = {k.rpartition(".")[2]: k for k in reversed(keys)}  # first key wins for a repeated name
+    close = difflib.get_close_matches(leaf, list(leaves), n=1, cutoff=0.75)
+    return leaves[close[0]] if close else None
 
 
 def unknown_key_error(dotted: str, section: type, root: type, root_prefix: str = "") -> ConfigError:
@@ -258,7 +259,8 @@ def unknown_key_error(dotted: str, section: type, root: type, root_prefix: str =
     if suggestion:
         return ConfigError(f"unknown config key '{dotted}'; did you mean '{suggestion}'?")
     parent = dotted.rpartition(".")[0] or "the top level"
-    return ConfigError(f"unknown config key '{dotted}'; valid keys under {parent} are: {', '.join(field_types(section))}")
+    valid = ", ".join(field_types(section))
+    return ConfigError(f"unknown config key '{dotted}'; valid keys under {parent} are: {valid}")
 
 
 def check_known_keys(data: Mapping, cls: type, prefix: str, *, root: type | None = None,

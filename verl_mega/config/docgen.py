@@ -1,4 +1,7 @@
-"""Generate docs/configuration.md from the config dataclasses: ``python -m verl_mega.config.docgen > docs/configuration.md``.
+"""Generate docs/configuration.md from the config dataclasses:
+
+    python -m verl_mega.config.docgen > docs/configuration.md
+
 
 The unit tests fail when the committed file differs from this output, so the reference cannot drift.
 """
@@ -100,7 +103,8 @@ def generate_reference() -> str:
     for f in dataclasses.fields(TrainConfig):
         lines += _section(field_types(TrainConfig)[f.name], f.name, 2)
     lines += ["## Rules across sections", "", inspect.cleandoc(TrainConfig.__doc__ or ""), "",
-              "## Layout checks at start-up (`ParallelDims.resolve`)", "", inspect.cleandoc(ParallelDims.resolve.__doc__), "",
+              "## Layout checks at start-up (`ParallelDims.resolve`)", "",
+              inspect.cleandoc(ParallelDims.resolve.__doc__ or ""), "",
               "- tp·pp·cp·dp must equal the world size (dp null: the world size must be divisible by tp·pp·cp).",
               "- attention heads % tp == 0; key/value heads % tp == 0 or tp % key/value heads == 0 (Megatron).",
               "- layers % (pp·vpp) == 0; vpp needs pp > 1; sequence_parallel needs tp > 1.", "",

@@ -42,14 +42,14 @@ for _cls in (_RecipeLoader, _RecipeDumper):
     _cls.add_implicit_resolver(_FLOAT_TAG, _EXP_FLOAT, list("-+0123456789."))
 
 
-def _parse_yaml(text: str, source: str) -> Any:
+def _parse_yaml(text: str, source: str, fix: str = "fix the YAML syntax") -> Any:
     try:
         return yaml.load(text, Loader=_RecipeLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError(f"cannot parse {source}{where}: {problem}; fix the YAML syntax") from None
+        raise ConfigError(f"cannot parse {source}{where}: {problem}; {fix}") from None
 
 
 def _missing_file_error(path: str, included_from: str | None) -> ConfigError:
@@ -113,10 +113,8 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ConfigError(f"override {text!r} must look like key=value, e.g. actor.lr=1e-6")
     if not _KEY.fullmatch(key):
         raise ConfigError(f"override key {key!r} is not a dotted config key; write it like actor.lr=1e-6")
-    try:
-        return key, _parse_yaml(raw, f"override {text!r}")
-    except ConfigError as exc:
-        raise ConfigError(f"{exc}; quote values containing YAML syntax, e.g. {key}='a: b'") from None
+    return key, _parse_yaml(raw, f"the value of override {text!r}",
+                            fix=f"quote values containing YAML syntax, e.g. {key}='a: b'")
 
 
 def _override_target_is_section(key: str) -> bool:
@@ -258,5 +256,6 @@ def diff_configs(a: TrainConfig | Mapping, b: TrainConfig | Mapping) -> list[str
             continue
         if not (_affects_results(key) or (key in _RUN_LENGTH_KEYS and length_matters)):
             continue
-        lines.append(f"{key}: {'<absent>' if old is missing else fmt(old)} -> {'<absent>' if new is missing else fmt(new)}")
+        old_text, new_text = ("<absent>" if v is missing else fmt(v) for v in (old, new))
+        lines.append(f"{key}: {old_text} -> {new_text}")
     return lines

@@ -26,7 +26,8 @@ class ModelConfig(ConfigSection):
     trust_remote_code: bool = option(False, help="Allow custom modelling/tokenizer code shipped inside the model "
                                                  "directory (only for directories you trust).")
     make_vocab_size_divisible_by: int = option(
-        128, help="Pad the vocabulary to a multiple of this × tp (Megatron's vocab padding; padded logits are masked).")
+        128, help="Pad the vocabulary to a multiple of this × tp (Megatron's vocab padding; padded logits are "
+                  "masked).")
     recompute: Literal["none", "selective", "full"] = option(
         "none", help="Activation recomputation: `selective` recomputes attention internals, `full` whole layers.",
         affects_results=False)

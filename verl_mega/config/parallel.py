@@ -96,8 +96,9 @@ class ParallelDims:
         model_parallel = tp * pp * cp
         if parallel_cfg.dp is None:
             if world_size % model_parallel:
-                raise ConfigError(f"parallel: world size {world_size} is not divisible by tp·pp·cp = {tp}·{pp}·{cp} = "
-                                  f"{model_parallel}; choose parallel.tp/pp/cp whose product divides {world_size}")
+                raise ConfigError(f"parallel: world size {world_size} is not divisible by tp·pp·cp = "
+                                  f"{tp}·{pp}·{cp} = {model_parallel}; choose parallel.tp/pp/cp whose product divides "
+                                  f"{world_size}")
             dp = world_size // model_parallel
         else:
             dp = parallel_cfg.dp

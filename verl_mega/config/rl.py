@@ -103,8 +103,8 @@ class AlgorithmConfig(ConfigSection):
     norm_adv_by_std_in_grpo: bool = option(True, help="Divide GRPO advantages by the group's reward std "
                                                       "(false gives Dr. GRPO).")
     use_kl_in_reward: bool = option(False, help="Subtract kl_ctrl.kl_coef · KL(actor‖ref) from the token rewards.")
-    kl_penalty: KLEstimator = option("kl", help="KL estimator of the reward penalty: kl (k1), abs, mse (k2), "
-                                               "low_var_kl (k3).")
+    kl_penalty: KLEstimator = option("kl", help="KL estimator of the reward penalty: kl (= k1), abs, mse (= k2), "
+                                               "low_var_kl (= k3).")
     kl_ctrl: KLControlConfig = option(factory=KLControlConfig, help="KL coefficient controller.")
 
     def validate(self) -> None:

@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Literal
 
 from verl_mega.config.base import ConfigSection, FrozenDict, option
 
-KLEstimator = Literal["kl", "abs", "mse", "low_var_kl"]
+KLEstimator = Literal["kl", "abs", "mse", "low_var_kl", "k1", "k2", "k3"]
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
@@ -82,8 +82,8 @@ class ActorConfig(TrainableRoleConfig):
     use_kl_loss: bool = option(False, help="Add a KL(actor‖ref) term to the actor loss (GRPO style); needs the "
                                            "reference policy.")
     kl_loss_coef: float = option(0.001, help="Weight of the KL loss term.")
-    kl_loss_type: KLEstimator = option("low_var_kl", help="KL estimator of the loss term: kl (k1), abs, mse (k2), "
-                                                          "low_var_kl (k3).")
+    kl_loss_type: KLEstimator = option("low_var_kl", help="KL estimator of the loss term: kl (= k1), abs, mse (= k2), "
+                                                          "low_var_kl (= k3).")
 
     def validate(self) -> None:
         super().validate()
@@ -132,8 +132,8 @@ class RefConfig(ConfigSection):
         self._check_range("micro_batch_size_per_gpu", ge=1)
 
 
-# A built-in name (`gsm8k`), `package.module.function`, `package.module:function` or `path/to/file.py:function`.
-_REWARD_FN = re.compile(r"[A-Za-z_]\w*((\.[A-Za-z_]\w*)*(:[A-Za-z_]\w*)?)|[^:\s]+\.py:[A-Za-z_]\w*")
+# A built-in name (`gsm8k`), `pkg.module.fn`, `pkg.module:fn`, `path/to/file.py:fn` or `path/to/file.py`.
+_REWARD_FN = re.compile(r"[A-Za-z_]\w*((\.[A-Za-z_]\w*)*(:[A-Za-z_]\w*)?)|[^:\s]+\.py(:[A-Za-z_]\w*)?")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,7 +144,8 @@ class RewardConfig(ConfigSection):
 
     function: str | None = option(
         None, help="Reward function: a built-in name (`arithmetic`, `gsm8k`), `pkg.module.fn`, `pkg.module:fn` or "
-                   "`file.py:fn`. null picks the task's own function for `generated:<task>` data.")
+                   "`file.py[:fn]` (default fn: compute_score). null picks the task's own function for "
+                   "`generated:<task>` data.")
     reward_model_path: str | None = option(None, help="HF directory of a reward model (value-head model scoring the "
                                                       "last token); null for function-only rewards.")
     num_workers: int = option(2, help="Worker processes scoring responses off the critical path; 0 scores inline.",
@@ -156,6 +157,6 @@ class RewardConfig(ConfigSection):
         if self.function is not None:
             self._require(bool(_REWARD_FN.fullmatch(self.function)),
                           f"reward.function={self.function!r} is not a built-in name, `pkg.module.fn`, "
-                          f"`pkg.module:fn` or `file.py:fn`; fix reward.function")
+                          f"`pkg.module:fn` or `file.py[:fn]`; fix reward.function")
         self._check_range("num_workers", ge=0)
         self._check_range("timeout_s", gt=0.0, example=30.0)

@@ -26,7 +26,8 @@ class TrainerConfig(ConfigSection):
     seed: int = option(42, help="Global seed (model init, sampling and shuffling unless they set their own).")
     deterministic: bool = option(False, help="Deterministic kernels and reductions (bitwise-reproducible on CPU; "
                                              "slower on GPU).")
-    save_every: int = option(0, help="Save a checkpoint every N steps; 0 disables periodic saves.", affects_results=False)
+    save_every: int = option(0, help="Save a checkpoint every N steps; 0 disables periodic saves.",
+                             affects_results=False)
     resume: str = option(RESUME_AUTO, help="`auto` resumes from the newest complete checkpoint in output_dir, `off` "
                                            "starts fresh, anything else is a checkpoint directory.",
                          affects_results=False)
@@ -50,7 +51,8 @@ class TrainerConfig(ConfigSection):
         self._check_range("total_steps", ge=1, example=100)
         self._check_range("total_epochs", ge=1, example=1)
         self._require(self.total_steps is not None or self.total_epochs is not None,
-                      "trainer.total_steps and trainer.total_epochs are both null; set one, e.g. trainer.total_steps=100")
+                      "trainer.total_steps and trainer.total_epochs are both null; set one, e.g. "
+                      "trainer.total_steps=100")
         self._require(bool(self.output_dir.strip()), "trainer.output_dir is empty; set trainer.output_dir=<dir>")
         self._require(bool(self.resume.strip()), "trainer.resume is empty; use auto, off or a checkpoint directory")
         for name in ("save_every", "val_every"):

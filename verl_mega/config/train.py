@@ -152,16 +152,15 @@ class TrainConfig(ConfigSection):
                               f"ParallelDims from this config")
         dp, n = parallel_dims.dp, self.rollout.n
         for role in self._trained_roles():
-            mini = role.ppo_mini_batch_size
+            mini, mini_key = role.ppo_mini_batch_size, role.key("ppo_mini_batch_size")
             samples = mini * n
             self._require(samples % dp == 0,
-                          f"{role.key('ppo_mini_batch_size')}·rollout.n = {mini}·{n} = {samples} samples do not split "
-                          f"over {dp} data-parallel ranks; make {role.key('ppo_mini_batch_size')}·rollout.n a "
-                          f"multiple of {dp}")
+                          f"{mini_key}·rollout.n = {mini}·{n} = {samples} samples do not split over {dp} "
+                          f"data-parallel ranks; make {mini_key}·rollout.n a multiple of {dp}")
             per_rank, micro = samples // dp, role.micro_batch_size_per_gpu
             self._require(role.use_dynamic_bsz or per_rank % micro == 0,
                           f"the {role.SECTION} mini-batch has {per_rank} samples per data-parallel rank "
-                          f"({role.key('ppo_mini_batch_size')}·rollout.n/dp = {mini}·{n}/{dp}), not a multiple of "
+                          f"({mini_key}·rollout.n/dp = {mini}·{n}/{dp}), not a multiple of "
                           f"{role.key('micro_batch_size_per_gpu')}={micro}; set it to a divisor of {per_rank}")
         if cuda_available is None:
             import torch  # deferred: the config package itself does not need torch
@@ -181,9 +180,9 @@ class TrainConfig(ConfigSection):
             _require_model_dir("critic.model_path", self.critic.model_path)
         if self.reward.reward_model_path is not None:
             _require_model_dir("reward.reward_model_path", self.reward.reward_model_path)
-        fn = self.reward.function or ""
-        if ".py:" in fn:
-            _require_path("reward.function", fn.rpartition(":")[0], want_dir=False)
+        reward_file = (self.reward.function or "").partition(":")[0]
+        if reward_file.endswith(".py"):
+            _require_path("reward.function", reward_file, want_dir=False)
         for name in ("train_files", "val_files"):
             for i, entry in enumerate(getattr(self.data, name)):
                 if not entry.startswith(GENERATED_PREFIX):

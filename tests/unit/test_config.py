@@ -1,0 +1,372 @@
+"""Config system: bad configs give the intended one-line errors; recipes, overrides, round trips, diffs, docs."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import re
+from pathlib import Path
+
+import pytest
+
+from verl_mega.config import (ActorConfig, ConfigError, ParallelConfig, ParallelDims, TrainConfig, config_from_dict,
+                              diff_configs, load_config, to_dict, to_yaml)
+from verl_mega.config.docgen import generate_reference
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = REPO / "configs"
+QUICKSTART = str(CONFIGS / "quickstart_cpu.yaml")
+# Published architecture values: (layers, attention heads, key/value heads).
+QWEN25_7B, LLAMA2_7B = (28, 28, 4), (32, 32, 32)
+
+
+def _error(fn, *args, **kwargs) -> str:
+    with pytest.raises(ConfigError) as info:
+        fn(*args, **kwargs)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def _resolve(world: int, layers: int = 32, heads: int = 32, kv: int = 32, **parallel) -> ParallelDims:
+    return ParallelDims.resolve(ParallelConfig(**parallel), world, num_layers=layers, num_heads=heads,
+                                num_kv_heads=kv)
+
+
+# ---------------------------------------------------------------- bad configs, exact messages
+
+def test_unknown_key_suggests_sibling():
+    assert _error(load_config, None, ["actor.lrr=1e-6"]) == "unknown config key 'actor.lrr'; did you mean 'actor.lr'?"
+
+
+def test_unknown_key_suggests_other_section():
+    assert _error(load_config, None, ["actor.tp=2"]) == "unknown config key 'actor.tp'; did you mean 'parallel.tp'?"
+
+
+def test_unknown_key_in_recipe_file(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("rollout:\n  temprature: 0.7\n")
+    assert _error(load_config, str(recipe)) == \
+        "unknown config key 'rollout.temprature'; did you mean 'rollout.temperature'?"
+
+
+def test_unknown_key_suggests_near_name_in_other_section():
+    assert _error(load_config, None, ["actor.temprature=1"]) == (
+        "unknown config key 'actor.temprature'; did you mean 'rollout.temperature'?")
+
+
+def test_unknown_section():
+    assert _error(load_config, None, ["actr.lr=1"]) == "unknown config key 'actr'; did you mean 'actor'?"
+
+
+def test_product_differs_from_world():
+    assert _error(_resolve, 8, tp=2, dp=3) == (
+        "parallel: tp·pp·cp·dp = 2·1·1·3 = 6 does not equal the world size 8; set parallel.dp=null to derive dp, "
+        "or change parallel.tp/pp/cp/dp so their product is 8")
+
+
+def test_world_not_divisible_by_model_parallel():
+    assert _error(_resolve, 6, tp=2, pp=2) == (
+        "parallel: world size 6 is not divisible by tp·pp·cp = 2·2·1 = 4; choose parallel.tp/pp/cp whose product "
+        "divides 6")
+
+
+def test_heads_not_divisible_by_tp():
+    assert _error(_resolve, 3, heads=32, kv=32, tp=3) == (
+        "parallel.tp=3 does not divide the model's 32 attention heads; set parallel.tp to one of 1, 2, 4, 8, 16, 32")
+
+
+def test_kv_heads_incompatible_with_tp():
+    assert _error(_resolve, 4, heads=12, kv=6, tp=4) == (
+        "parallel.tp=4 does not fit the model's 6 key/value heads (Megatron needs kv_heads % tp == 0 or "
+        "tp % kv_heads == 0); set parallel.tp to a divisor or multiple of 6")
+    # Fewer KV heads than TP ranks is fine when they replicate evenly (Megatron rule).
+    assert _resolve(8, heads=32, kv=4, tp=8).dp == 1
+
+
+def test_layers_not_divisible_by_pp_vpp():
+    assert _error(_resolve, 4, layers=12, pp=4, vpp=2) == (
+        "the model's 12 layers are not divisible by parallel.pp·vpp = 4·2 = 8; choose pp·vpp among 1, 2, 3, 4, 6, "
+        "12")
+    assert _error(_resolve, 5, layers=12, pp=5) == (
+        "the model's 12 layers are not divisible by parallel.pp=5; choose parallel.pp among 1, 2, 3, 4, 6, 12")
+
+
+def test_vpp_without_pp():
+    assert _error(load_config, None, ["parallel.vpp=2"]) == (
+        "parallel.vpp=2 needs pipeline parallelism but parallel.pp=1; set parallel.pp>1 or parallel.vpp=null")
+
+
+def test_sequence_parallel_without_tp():
+    assert _error(ParallelConfig, sequence_parallel=True) == (
+        "parallel.sequence_parallel=true needs tensor parallelism but parallel.tp=1; set parallel.tp>1 or "
+        "parallel.sequence_parallel=false")
+
+
+def test_bad_enum_value():
+    assert _error(load_config, None, ["algorithm.adv_estimator=grpoo"]) == (
+        "algorithm.adv_estimator must be one of gae | grpo | rloo | reinforce_plus_plus | "
+        "reinforce_plus_plus_baseline | remax, got 'grpoo'; did you mean 'grpo'?")
+
+
+def test_negative_lr():
+    assert _error(load_config, None, ["actor.lr=-1e-6"]) == (
+        "actor.lr must be >= 0.0, got -1e-06; set actor.lr to a value >= 0.0, e.g. actor.lr=1e-06")
+
+
+def test_train_batch_not_multiple_of_mini_batch():
+    assert _error(load_config, QUICKSTART, ["data.train_batch_size=12", "actor.ppo_mini_batch_size=8"]) == (
+        "data.train_batch_size=12 is not a multiple of actor.ppo_mini_batch_size=8 (both in prompts; ×rollout.n=4 in "
+        "samples); set actor.ppo_mini_batch_size to a divisor of 12")
+
+
+def test_mini_batch_not_divisible_over_dp_and_micro():
+    cfg = load_config(QUICKSTART, ["actor.ppo_mini_batch_size=2", "data.train_batch_size=6"])  # 8 samples per mini
+    dims3 = ParallelDims(tp=1, pp=1, vpp=None, cp=1, dp=3, world=3)
+    assert _error(cfg.validate_runtime, dims3, cuda_available=False) == (
+        "actor.ppo_mini_batch_size·rollout.n = 2·4 = 8 samples do not split over 3 data-parallel ranks; make "
+        "actor.ppo_mini_batch_size·rollout.n a multiple of 3")
+    dims2 = ParallelDims(tp=1, pp=1, vpp=None, cp=1, dp=2, world=2)
+    assert _error(cfg.validate_runtime, dims2, cuda_available=False) == (
+        "the actor mini-batch has 4 samples per data-parallel rank (actor.ppo_mini_batch_size·rollout.n/dp = 2·4/2), "
+        "not a multiple of actor.micro_batch_size_per_gpu=8; set it to a divisor of 4")
+    cfg.validate_runtime(ParallelDims(tp=1, pp=1, vpp=None, cp=1, dp=1, world=1), cuda_available=False)
+
+
+def test_adaptive_kl_needs_target():
+    assert _error(load_config, None, ["algorithm.kl_ctrl.type=adaptive"]) == (
+        "algorithm.kl_ctrl.type=adaptive needs algorithm.kl_ctrl.target_kl; set e.g. algorithm.kl_ctrl.target_kl=0.1 "
+        "or use algorithm.kl_ctrl.type=fixed")
+
+
+def test_override_without_equals():
+    assert _error(load_config, None, ["actor.lr"]) == "override 'actor.lr' must look like key=value, e.g. actor.lr=1e-6"
+
+
+def test_override_into_a_value():
+    assert _error(load_config, None, ["actor.lr.peak=1"]) == (
+        "override key 'actor.lr.peak': actor.lr is a value, not a section; use actor.lr=<value>")
+
+
+def test_wrong_type():
+    assert _error(load_config, None, ["parallel.tp=two"]) == (
+        "parallel.tp expects int, got 'two' (str); set parallel.tp to a value of that type")
+    assert _error(load_config, None, ["rollout.enforce_eager=yes"]) == (
+        "rollout.enforce_eager expects bool, got 'yes' (str); set rollout.enforce_eager to a value of that type")
+
+
+def test_missing_recipe_file():
+    missing = str(CONFIGS / "quickstart_cpuu.yaml")
+    assert _error(load_config, missing) == (
+        f"config file '{missing}' does not exist; did you mean {CONFIGS / 'quickstart_cpu.yaml'}?")
+
+
+def test_yaml_syntax_error(tmp_path):
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text("actor:\n  lr: 1e-6\n bad: [\n")
+    message = _error(load_config, str(recipe))
+    assert message.startswith(f"cannot parse {recipe} at line ") and message.endswith("; fix the YAML syntax")
+
+
+def test_include_cycle(tmp_path):
+    (tmp_path / "a.yaml").write_text("defaults: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("defaults: a.yaml\n")
+    assert _error(load_config, str(tmp_path / "a.yaml")) == (
+        "recipe include cycle a.yaml -> b.yaml -> a.yaml; remove one of these `defaults:` entries")
+
+
+def test_gae_needs_critic():
+    assert _error(load_config, None, ["critic.enable=false"]) == (
+        "algorithm.adv_estimator=gae needs a critic but critic.enable=false; set critic.enable=true (or null), or "
+        "pick another estimator such as grpo")
+
+
+def test_grpo_needs_group():
+    assert _error(load_config, None, ["algorithm.adv_estimator=grpo"]) == (
+        "algorithm.adv_estimator=grpo compares samples of the same prompt but rollout.n=1; set rollout.n>=2, e.g. "
+        "rollout.n=8")
+
+
+def test_kl_loss_needs_reference():
+    assert _error(load_config, QUICKSTART, ["ref.enable=false"]) == (
+        "actor.use_kl_loss=true needs the reference policy but ref.enable=false; set ref.enable=true (or null) or "
+        "actor.use_kl_loss=false")
+
+
+def test_generation_tp_must_divide_training_tp():
+    assert _error(load_config, None, ["parallel.tp=2", "rollout.tg=4"]) == (
+        "rollout.tg=4 must divide parallel.tp=2 (generation TP groups are carved out of each training TP group); "
+        "set rollout.tg to a divisor of 2")
+
+
+def test_kv_cache_budget_required_on_cpu():
+    cfg = load_config(QUICKSTART, ["rollout.kv_cache_memory_bytes=null"])
+    dims = ParallelDims(tp=1, pp=1, vpp=None, cp=1, dp=1, world=1)
+    assert _error(cfg.validate_runtime, dims, cuda_available=False) == (
+        "rollout.kv_cache_memory_bytes is required on CPU (vLLM-CPU cannot size its KV cache from device memory); "
+        "set e.g. rollout.kv_cache_memory_bytes=1073741824")
+    cfg.validate_runtime(dims, cuda_available=True)
+    assert _error(load_config, None, ["rollout.kv_cache_memory_bytes=0"]) == (
+        "rollout.kv_cache_memory_bytes must be > 0, got 0; set rollout.kv_cache_memory_bytes to a value > 0, "
+        "e.g. rollout.kv_cache_memory_bytes=1073741824")
+
+
+def test_missing_paths(tmp_path):
+    missing = str(tmp_path / "ckpt")
+    assert _error(load_config, QUICKSTART, [f"trainer.resume={missing}"]) == (
+        f"trainer.resume='{missing}' does not exist; set trainer.resume to auto, off or an existing checkpoint "
+        "directory")
+    assert _error(load_config, None, [f"model.path={tmp_path}"]) == (
+        f"model.path='{tmp_path}' has no config.json; point model.path at a Hugging Face model directory")
+    assert _error(load_config, None, [f"data.train_files=[{tmp_path}/train.jsonl]", "reward.function=gsm8k"]) == (
+        f"data.train_files[0]='{tmp_path}/train.jsonl' does not exist; set data.train_files[0] to an existing file")
+
+
+def test_reward_function_required_for_own_data():
+    assert _error(load_config, None, ["data.train_files=[train.jsonl]"], check_paths=False) == (
+        "reward.function is required for data.train_files=['train.jsonl']; set reward.function=gsm8k (built-in), "
+        "a dotted path, or reward.reward_model_path")
+
+
+# ---------------------------------------------------------------- loading, overrides, immutability
+
+def test_recipes_load_and_resolve_autos():
+    grpo = load_config(QUICKSTART)
+    assert (grpo.algorithm.adv_estimator, grpo.critic.enable, grpo.ref.enable) == ("grpo", False, True)
+    assert grpo.reward.function == "arithmetic" and grpo.rollout.tg == grpo.parallel.tp == 1
+    assert grpo.model.tokenizer_path == "tiny" and grpo.rollout.seed == grpo.data.seed == grpo.trainer.seed
+
+    ppo = load_config(str(CONFIGS / "ppo_cpu.yaml"))
+    assert (ppo.algorithm.adv_estimator, ppo.critic.enable, ppo.ref.enable) == ("gae", True, True)
+    # `defaults:` include: inherited keys, overridden keys, nested sections merged key by key.
+    assert ppo.actor.lr == grpo.actor.lr and ppo.data == grpo.data and ppo.rollout.n == 2
+    assert ppo.actor.use_kl_loss is False and ppo.actor.kl_loss_type == grpo.actor.kl_loss_type
+    assert ppo.critic.ppo_mini_batch_size == ppo.actor.ppo_mini_batch_size and ppo.critic.model_path == "tiny"
+    assert ppo.trainer.output_dir == "outputs/ppo_cpu" and ppo.trainer.total_steps == grpo.trainer.total_steps
+
+
+@pytest.mark.parametrize("recipe, world, shape", [("grpo_qwen2.5_7b", 8, QWEN25_7B), ("ppo_llama2_7b", 8, LLAMA2_7B)])
+def test_gpu_recipes_fit_their_models(recipe, world, shape):
+    cfg = load_config(str(CONFIGS / f"{recipe}.yaml"), check_paths=False)
+    layers, heads, kv = shape
+    dims = ParallelDims.resolve(cfg.parallel, world, num_layers=layers, num_heads=heads, num_kv_heads=kv)
+    assert dims.world == dims.tp * dims.pp * dims.cp * dims.dp == world
+    cfg.validate_runtime(dims, cuda_available=True)
+
+
+def test_override_value_types(tmp_path):
+    cfg = load_config(QUICKSTART, [
+        "actor.lr=3e-6", "parallel.tp=2", "rollout.tg=1", "data.train_files=[a.jsonl, b.parquet]",
+        "reward.function=gsm8k", "trainer.total_steps=null", "trainer.resume=off", "rollout.enforce_eager=false",
+        "rollout.kv_cache_memory_bytes=4e9", "reward.kwargs={scale: 2, tags: [x]}", "actor={ppo_epochs: 2}",
+        "model.use_te=true",
+    ], check_paths=False)
+    assert cfg.actor.lr == 3e-6 and isinstance(cfg.actor.lr, float) and cfg.parallel.tp == 2
+    assert cfg.data.train_files == ("a.jsonl", "b.parquet")
+    assert cfg.trainer.total_steps is None and cfg.trainer.resume == "off" and cfg.rollout.enforce_eager is False
+    assert cfg.rollout.kv_cache_memory_bytes == 4_000_000_000 and isinstance(cfg.rollout.kv_cache_memory_bytes, int)
+    assert dict(cfg.reward.kwargs) == {"scale": 2, "tags": ("x",)} and cfg.model.use_te is True
+    # A section override merges into the recipe's section instead of replacing it.
+    assert cfg.actor.ppo_epochs == 2 and cfg.actor.lr == 3e-6 and cfg.actor.use_kl_loss is True
+    # A single path where a list is expected; a later override wins.
+    single = load_config(None, ["data.train_files=a.jsonl", "reward.function=gsm8k", "actor.lr=1", "actor.lr=2"],
+                         check_paths=False)
+    assert single.data.train_files == ("a.jsonl",) and single.actor.lr == 2.0
+
+
+def test_python_construction_is_validated_and_immutable():
+    cfg = TrainConfig(actor={"lr": 2e-6}, algorithm={"kl_ctrl": {"kl_coef": 0.01}})
+    assert cfg.actor.lr == 2e-6 and cfg.algorithm.kl_ctrl.kl_coef == 0.01
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.actor.lr = 1.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.actor = ActorConfig()
+    with pytest.raises(TypeError):
+        cfg.reward.kwargs["x"] = 1  # type: ignore[index]
+    with pytest.raises(TypeError):
+        ActorConfig(1e-6)  # keyword-only
+    assert isinstance(cfg.data.train_files, tuple)
+    assert _error(TrainConfig, actor={"lr": -1.0}).startswith("actor.lr must be >= 0.0")
+    assert _error(ActorConfig, lr=float("nan")) == "actor.lr must be a finite number, got nan; set actor.lr to a " \
+                                                   "finite value"
+    assert pickle.loads(pickle.dumps(cfg)) == cfg and hash(cfg) == hash(pickle.loads(pickle.dumps(cfg)))
+
+
+# ---------------------------------------------------------------- saving and comparing
+
+@pytest.mark.parametrize("recipe", ["quickstart_cpu", "ppo_cpu", "grpo_qwen2.5_7b", "ppo_llama2_7b"])
+def test_to_yaml_round_trip(recipe, tmp_path):
+    cfg = load_config(str(CONFIGS / f"{recipe}.yaml"), ["reward.kwargs={mode: 'off', n: '1e5'}"], check_paths=False)
+    saved = tmp_path / "config.yaml"
+    saved.write_text(to_yaml(cfg))
+    again = load_config(str(saved), check_paths=False)
+    assert again == cfg and to_dict(again) == to_dict(cfg)
+    assert again.reward.kwargs["mode"] == "off" and again.reward.kwargs["n"] == "1e5"
+
+
+def test_diff_configs_reports_only_result_changing_keys():
+    base = load_config(QUICKSTART)
+    assert diff_configs(base, base) == []
+    neutral = load_config(QUICKSTART, ["trainer.output_dir=elsewhere", "trainer.total_steps=80", "logging.plot=false",
+                                       "parallel.tp=2", "actor.micro_batch_size_per_gpu=4", "checkpoint.keep_last=5",
+                                       "rollout.kv_cache_memory_bytes=1e9"])
+    assert diff_configs(base, neutral) == []
+    changed = load_config(QUICKSTART, ["actor.lr=4e-5", "rollout.temperature=0.7", "reward.kwargs={scale: 2}"])
+    assert diff_configs(base, changed) == ["actor.lr: 2e-05 -> 4e-05", "reward.kwargs: {} -> <absent>",
+                                           "rollout.temperature: 1.0 -> 0.7", "reward.kwargs.scale: <absent> -> 2"]
+
+
+def test_diff_configs_run_length_counts_when_lr_decays_over_it():
+    cosine = ["actor.lr_decay_style=cosine"]
+    a, b = load_config(QUICKSTART, cosine), load_config(QUICKSTART, [*cosine, "trainer.total_steps=80"])
+    assert diff_configs(a, b) == ["trainer.total_steps: 40 -> 80"]
+    fixed = ["actor.lr_decay_style=cosine", "actor.lr_decay_steps=100"]
+    assert diff_configs(load_config(QUICKSTART, fixed), load_config(QUICKSTART, [*fixed, "trainer.total_steps=80"])) \
+        == []
+
+
+def test_diff_configs_accepts_saved_dicts_with_unknown_keys():
+    cfg = load_config(QUICKSTART)
+    saved = to_dict(cfg)
+    saved["actor"]["old_option"] = 1  # a key a later version no longer knows counts as result-changing
+    assert diff_configs(saved, cfg) == ["actor.old_option: 1 -> <absent>"]
+    assert config_from_dict(to_dict(cfg)) == cfg
+
+
+def test_configuration_reference_is_current():
+    doc = REPO / "docs" / "configuration.md"
+    assert doc.is_file(), "docs/configuration.md missing; run python -m verl_mega.config.docgen > " \
+                          "docs/configuration.md"
+    assert doc.read_text() == generate_reference(), \
+        "docs/configuration.md is stale; run python -m verl_mega.config.docgen > docs/configuration.md"
+    # Every leaf key of the schema is documented.
+    documented = set(re.findall(r"^\| `([\w.]+)` \|", doc.read_text(), flags=re.M))
+    leaves = {k for k, v in _flat_keys(to_dict(TrainConfig())) if not isinstance(v, dict) or k.endswith("kwargs")}
+    assert leaves <= documented, sorted(leaves - documented)
+
+
+def _flat_keys(data: dict, prefix: str = ""):
+    for key, value in data.items():
+        dotted = f"{prefix}.{key}" if prefix else key
+        yield dotted, value
+        if isinstance(value, dict):
+            yield from _flat_keys(value, dotted)
+
+
+def test_recipe_files_are_all_loadable():
+    for recipe in sorted(os.listdir(CONFIGS)):
+        if recipe.endswith(".yaml"):
+            load_config(str(CONFIGS / recipe), check_paths=False)
+
+
+def test_check_cli(capsys):
+    from verl_mega.config.__main__ import main
+
+    qwen = str(CONFIGS / "grpo_qwen2.5_7b.yaml")
+    assert main([qwen, "--world-size", "1024", "--model-shape", "28,28,4", "--no-check-paths"]) == 0
+    out = capsys.readouterr()
+    assert "adv_estimator: grpo" in out.out and "layout OK: tp=2 pp=2 cp=1 dp=256 (world 1024)" in out.err
+    assert main([qwen, "parallel.tp=8", "--world-size", "1024", "--model-shape", "28,28,4", "--no-check-paths"]) == 2
+    assert capsys.readouterr().err == ("error: parallel.tp=8 does not divide the model's 28 attention heads; set "
+                                       "parallel.tp to one of 1, 2, 4, 7, 14, 28\n")

@@ -1,0 +1,69 @@
+"""Check a recipe without starting a run: print the resolved config, optionally check it for a given world size.
+
+    python -m verl_mega.config configs/grpo_qwen2.5_7b.yaml parallel.tp=4 --world-size 1024 --no-check-paths
+
+The layout check needs the model shape: it is read from `model.path`/config.json when that exists, or given as
+`--model-shape LAYERS,HEADS,KV_HEADS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from verl_mega.config.base import ConfigError
+from verl_mega.config.loader import load_config, to_yaml
+from verl_mega.config.parallel import ParallelDims
+
+
+def _model_shape(arg: str | None, model_path: str) -> tuple[int, int, int] | None:
+    if arg:
+        try:
+            layers, heads, kv = (int(x) for x in arg.split(","))
+        except ValueError:
+            raise ConfigError(f"--model-shape {arg!r} must be LAYERS,HEADS,KV_HEADS, e.g. 32,32,8") from None
+        return layers, heads, kv
+    config_json = os.path.join(model_path, "config.json")
+    if not os.path.isfile(config_json):
+        return None
+    with open(config_json, encoding="utf-8") as f:
+        hf = json.load(f)
+    heads = hf["num_attention_heads"]
+    return hf["num_hidden_layers"], heads, hf.get("num_key_value_heads") or heads
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m verl_mega.config", description=__doc__.split("\n\n")[0])
+    parser.add_argument("recipe", nargs="?", help="YAML recipe (omit for the built-in defaults)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.lr=1e-6")
+    parser.add_argument("--world-size", type=int, help="check the layout and batch sizes for this many ranks")
+    parser.add_argument("--model-shape", help="LAYERS,HEADS,KV_HEADS when model.path is not a local HF directory")
+    parser.add_argument("--no-check-paths", action="store_true", help="do not require referenced files to exist")
+    parser.add_argument("--cpu", action="store_true", help="check CPU-mode requirements (default: GPU)")
+    args = parser.parse_args(argv)
+    recipe, overrides = args.recipe, list(args.overrides)
+    if recipe is not None and "=" in recipe:  # only overrides were given
+        recipe, overrides = None, [recipe, *overrides]
+    try:
+        cfg = load_config(recipe, overrides, check_paths=not args.no_check_paths)
+        print(to_yaml(cfg), end="")
+        if args.world_size is not None:
+            shape = _model_shape(args.model_shape, cfg.model.path)
+            if shape is None:
+                raise ConfigError(f"cannot check the layout: model.path={cfg.model.path!r} has no config.json; pass "
+                                  f"--model-shape LAYERS,HEADS,KV_HEADS")
+            layers, heads, kv = shape
+            dims = ParallelDims.resolve(cfg.parallel, args.world_size, num_layers=layers, num_heads=heads,
+                                        num_kv_heads=kv)
+            cfg.validate_runtime(dims, cuda_available=not args.cpu)
+            print(f"# layout OK: {dims.describe()}", file=sys.stderr)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
