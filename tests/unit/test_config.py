@@ -312,6 +312,8 @@ def test_diff_configs_reports_only_result_changing_keys():
                                        "parallel.tp=2", "actor.micro_batch_size_per_gpu=4", "checkpoint.keep_last=5",
                                        "rollout.kv_cache_memory_bytes=1e9"])
     assert diff_configs(base, neutral) == []
+    # The quickstart runs GRPO without a critic, so critic keys cannot change its results.
+    assert diff_configs(base, load_config(QUICKSTART, ["critic.lr=1e-3"])) == []
     changed = load_config(QUICKSTART, ["actor.lr=4e-5", "rollout.temperature=0.7", "reward.kwargs={scale: 2}"])
     assert diff_configs(base, changed) == ["actor.lr: 2e-05 -> 4e-05", "reward.kwargs: {} -> <absent>",
                                            "rollout.temperature: 1.0 -> 0.7", "reward.kwargs.scale: <absent> -> 2"]

@@ -48,10 +48,13 @@ cfg = load_config("configs/quickstart_cpu.yaml", ["actor.lr=1e-6", "parallel.tp=
   `1e-6` is a float. An int key accepts a whole float such as `4e9`.
 - An unknown key fails with a suggestion (`unknown config key 'actor.tp'; did you mean 'parallel.tp'?`); a value
   of the wrong type fails naming the expected type.
-- `null` in the Default column means "auto": the value is derived when the config is built (see the rules at the
-  end), and the saved config records the derived value.
+- A `null` default is explained in the key's description: mostly "auto", a value derived when the config is built
+  (see the rules at the end; the saved config records the derived value), otherwise "none" or "library default".
 - `to_yaml(cfg)` writes the resolved config (saved with every checkpoint); `load_config` of that file gives an
   equal config.
+- `python -m verl_mega.config RECIPE [overrides] --world-size 1024 [--model-shape 80,64,8] [--no-check-paths]`
+  prints the resolved config and runs the start-up layout and batch checks for that world size without starting
+  anything, so a large-cluster recipe can be checked on a laptop.
 - Result-changing: whether a difference between the checkpoint's config and the new one is reported on resume
   (and refused unless `trainer.resume_allow_config_change=true`).
 

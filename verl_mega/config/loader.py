@@ -242,17 +242,20 @@ def diff_configs(a: TrainConfig | Mapping, b: TrainConfig | Mapping) -> list[str
     log_every, val_every, profile, max_consecutive_nonfinite, collective_timeout_s), and performance-only keys
     (micro-batch sizes, dynamic batching, offload, recompute, use_te, vLLM memory and scheduling knobs,
     weight_sync, reward.num_workers). Exception: total_steps / total_epochs count when an LR schedule decays
-    over the run length (`lr_decay_style` not constant and `lr_decay_steps` null). Everything else counts —
+    over the run length (`lr_decay_style` not constant and `lr_decay_steps` null); keys of a critic or reference
+    that is disabled in both configs are ignored. Everything else counts —
     see the "result-changing" column of docs/configuration.md.
     """
     flat_a = _flatten(to_dict(a) if isinstance(a, TrainConfig) else a, TrainConfig)
     flat_b = _flatten(to_dict(b) if isinstance(b, TrainConfig) else b, TrainConfig)
     length_matters = _run_length_sets_schedule(flat_a) or _run_length_sets_schedule(flat_b)
+    unused_roles = {role for role in ("critic", "ref")
+                    if flat_a.get(f"{role}.enable") is False and flat_b.get(f"{role}.enable") is False}
     missing = object()
     lines = []
     for key in list(flat_a) + [k for k in flat_b if k not in flat_a]:
         old, new = flat_a.get(key, missing), flat_b.get(key, missing)
-        if old == new:
+        if old == new or key.partition(".")[0] in unused_roles:
             continue
         if not (_affects_results(key) or (key in _RUN_LENGTH_KEYS and length_matters)):
             continue
