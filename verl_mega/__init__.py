@@ -1,3 +1,13 @@
 """verl_mega: Megatron-Core-backed RL post-training (PPO, GRPO, ...) with a 3D-HybridEngine for vLLM rollout."""
 
+import warnings as _warnings
+
 __version__ = "0.1.0"
+
+# Megatron-Core announces at import that optional apex / transformer-engine are absent; our own layer spec is
+# designed to run without them, so these notices are noise for our users.
+for _msg in (r".*(Apex|Transformer Engine)( and Apex)? (is|are) not installed.*",
+             r".*tp_group is None, using default tp group.*",
+             r".*requires ffn_hidden_size, but it was not provided.*",
+             r".*full scope is deprecated.*"):
+    _warnings.filterwarnings("ignore", message=_msg)

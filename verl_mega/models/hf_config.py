@@ -95,7 +95,10 @@ def arch_from_hf(hf: dict[str, Any]) -> ModelArch:
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise ModelConfigError(f"model: hidden_act={act!r} is not supported (only 'silu' gated MLPs)")
-    rope_scaling = hf.get("rope_scaling") or None
+    # transformers ≥5 writes `rope_parameters` (theta + scaling together); older configs `rope_theta`/`rope_scaling`.
+    rope_params = hf.get("rope_parameters") or {}
+    rope_theta = hf.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+    rope_scaling = hf.get("rope_scaling") or (rope_params if "rope_type" in rope_params else None)
     if rope_scaling is not None:
         rope_type = rope_scaling.get("rope_type", rope_scaling.get("type"))
         if rope_type not in ("llama3", "default"):
@@ -116,7 +119,7 @@ def arch_from_hf(hf: dict[str, Any]) -> ModelArch:
         head_dim=head_dim,
         vocab_size=hf["vocab_size"],
         max_position_embeddings=hf.get("max_position_embeddings", 4096),
-        rope_theta=float(hf.get("rope_theta", 10000.0)),
+        rope_theta=float(rope_theta),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),

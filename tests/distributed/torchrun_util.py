@@ -1,0 +1,36 @@
+"""Run a job script under torchrun with a hard timeout; any rank failing fails the test with its output."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+JOBS = Path(__file__).parent / "jobs"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_torchrun(script: str, nproc: int, *args: str, timeout: float = 600, env: dict | None = None) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+           f"--master-port={free_port()}", "--master-addr=127.0.0.1", str(JOBS / script), *args]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+                "VLLM_CPU_CI_ENV": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"{script} timed out after {timeout}s:\n{out[-6000:]}") from None
+    if proc.returncode != 0:
+        raise AssertionError(f"{script} failed (rc={proc.returncode}):\n{out[-8000:]}")
+    return out

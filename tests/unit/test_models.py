@@ -1,0 +1,147 @@
+"""Model building and HF⇄mcore mapping in one process (world of one, CPU)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from verl_mega.models.hf_config import ModelConfigError, arch_from_hf, load_hf_config, transformer_config
+from verl_mega.models.hf_io import CheckpointError, HFCheckpointReader
+from verl_mega.models.tiny import make_tiny_hf_model
+
+FIXTURES = Path(__file__).parent.parent / "fixtures" / "hf_configs"
+
+
+@pytest.fixture(scope="module")
+def world():
+    from verl_mega.parallel.state import init_distributed
+
+    return init_distributed(tp=1, pp=1)
+
+
+@pytest.mark.parametrize("name", ["llama-2-7b", "qwen2.5-7b", "qwen3-8b", "mistral-7b", "llama-3.1-8b"])
+def test_param_count_matches_hf_on_meta(world, name):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from verl_mega.models.build import count_parameters
+
+    hf_cfg = json.loads((FIXTURES / f"{name}.json").read_text())
+    arch = arch_from_hf(hf_cfg)
+    cfg = AutoConfig.for_model(**hf_cfg)
+    with torch.device("meta"):
+        hf_model = AutoModelForCausalLM.from_config(cfg)
+    hf_count = sum(p.numel() for p in hf_model.parameters())
+    assert count_parameters(arch) == hf_count
+    assert arch.num_parameters() == hf_count
+
+
+@pytest.mark.parametrize("model_type,tied", [("qwen2", False), ("llama", True), ("qwen3", False), ("mistral", False)])
+def test_logits_match_hf_tp1(world, tmp_path, model_type, tied):
+    from transformers import AutoModelForCausalLM
+
+    from verl_mega.models.build import build_model_chunks
+    from verl_mega.models.loader import iter_hf_tensors, load_hf_weights
+
+    path = make_tiny_hf_model(tmp_path / model_type, model_type=model_type, tie_word_embeddings=tied)
+    arch = arch_from_hf(load_hf_config(path))
+    chunks = build_model_chunks(arch, transformer_config(arch, use_cpu_initialization=True), use_te="false")
+    reader = HFCheckpointReader(path)
+    load_hf_weights(chunks, reader, arch)
+    ids = torch.randint(0, arch.vocab_size, (2, 20))
+    with torch.no_grad():
+        out = chunks[0].eval()(ids, torch.arange(20).expand(2, 20), None)[..., : arch.vocab_size]
+        ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)(ids).logits
+    assert (out - ref).abs().max().item() < 1e-5
+    exported = dict(iter_hf_tensors(chunks, arch))
+    assert set(exported) == set(reader.keys())
+    for name, tensor in exported.items():
+        assert torch.equal(tensor, reader.get(name)), name
+
+
+def test_llama3_rope_scaling_matches_hf(world, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from verl_mega.models.build import build_model_chunks
+    from verl_mega.models.loader import load_hf_weights
+
+    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64, "rope_type": "llama3"}
+    path = make_tiny_hf_model(tmp_path / "l3", model_type="llama", extra={"rope_scaling": scaling,
+                                                                          "rope_theta": 500000.0})
+    arch = arch_from_hf(load_hf_config(path))
+    assert arch.rope_scaling is not None
+    chunks = build_model_chunks(arch, transformer_config(arch, use_cpu_initialization=True), use_te="false")
+    load_hf_weights(chunks, HFCheckpointReader(path), arch)
+    ids = torch.randint(0, arch.vocab_size, (1, 200))
+    with torch.no_grad():
+        out = chunks[0].eval()(ids, torch.arange(200)[None], None)[..., : arch.vocab_size]
+        ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)(ids).logits
+    assert (out - ref).abs().max().item() < 1e-4
+
+
+def test_vocab_padding_and_value_head(world, tmp_path):
+    from verl_mega.models.build import build_model_chunks
+
+    path = make_tiny_hf_model(tmp_path / "m", model_type="qwen2")
+    arch = arch_from_hf(load_hf_config(path))
+    assert arch.padded_vocab_size(1) % 128 == 0 and arch.padded_vocab_size(2) % 256 == 0
+    chunks = build_model_chunks(arch, transformer_config(arch, use_cpu_initialization=True), value_head=True,
+                                use_te="false")
+    with torch.no_grad():
+        values = chunks[0](torch.zeros(2, 5, dtype=torch.long), torch.arange(5).expand(2, 5), None)
+    assert values.shape == (2, 5, 1)
+
+
+BAD_CONFIGS = [
+    ({"model_type": "gpt2"}, "model_type='gpt2' is not supported"),
+    ({"hidden_size": 0}, "'hidden_size' must be a positive int"),
+    ({"num_key_value_heads": 3}, "is not a multiple of num_key_value_heads=3"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn' is not supported"),
+]
+
+
+@pytest.mark.parametrize("patch,message", BAD_CONFIGS)
+def test_bad_model_configs(patch, message):
+    base = json.loads((FIXTURES / "qwen2.5-7b.json").read_text())
+    with pytest.raises(ModelConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        arch_from_hf({**base, **patch})
+
+
+def test_bad_layouts():
+    arch = arch_from_hf(json.loads((FIXTURES / "qwen2.5-7b.json").read_text()))
+    with pytest.raises(ModelConfigError, match=r"parallel.tp=8 must divide num_attention_heads=28"):
+        transformer_config(arch, tp=8)
+    with pytest.raises(ModelConfigError, match=r"parallel.pp·vpp=3 must divide num_hidden_layers=28"):
+        transformer_config(arch, pp=3)
+    with pytest.raises(ModelConfigError, match=r"model.dtype='fp8' is not supported"):
+        transformer_config(arch, dtype="fp8")
+
+
+def test_corrupt_and_mismatched_checkpoints(tmp_path):
+    path = make_tiny_hf_model(tmp_path / "m", model_type="qwen2", with_tokenizer=False)
+    data = (path / "model.safetensors").read_bytes()
+    trunc = tmp_path / "trunc"
+    trunc.mkdir()
+    (trunc / "config.json").write_text((path / "config.json").read_text())
+    (trunc / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="truncated"):
+        HFCheckpointReader(trunc)
+    garbage = tmp_path / "garbage"
+    garbage.mkdir()
+    (garbage / "model.safetensors").write_bytes(b"\x00" * 64)
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        HFCheckpointReader(garbage)
+    with pytest.raises(CheckpointError, match="no model.safetensors"):
+        HFCheckpointReader(tmp_path)
+    from verl_mega.models.loader import check_checkpoint_matches
+
+    other = arch_from_hf({**load_hf_config(path), "num_hidden_layers": 3})
+    with pytest.raises(CheckpointError, match="tensors the config needs are missing"):
+        check_checkpoint_matches(HFCheckpointReader(path), other)
+    wider = arch_from_hf({**load_hf_config(path), "vocab_size": 999})
+    with pytest.raises(CheckpointError, match="belong to another model"):
+        check_checkpoint_matches(HFCheckpointReader(path), wider)
+    with pytest.raises(ModelConfigError, match="no config.json"):
+        load_hf_config(tmp_path / "nowhere")

@@ -1,0 +1,37 @@
+"""Convert an HF safetensors checkpoint into a Megatron dist checkpoint (one CPU process, no torchrun).
+
+    python tools/convert_hf_to_mcore.py --hf-path DIR --output DIR [--tp N] [--pp M] [--dtype bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hf-path", required=True, help="HF model directory (config.json + *.safetensors)")
+    parser.add_argument("--output", required=True, help="new directory for the Megatron dist checkpoint")
+    parser.add_argument("--tp", type=int, default=1, help="training tensor-parallel size to validate against")
+    parser.add_argument("--pp", type=int, default=1, help="training pipeline-parallel size to validate against")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                        help="parameter dtype (default: the checkpoint's)")
+    args = parser.parse_args(argv)
+    if args.tp < 1 or args.pp < 1:
+        parser.error("--tp and --pp must be ≥ 1")
+    from verl_mega.models.hf_config import ModelConfigError
+    from verl_mega.models.hf_io import CheckpointError
+    from verl_mega.models.mcore_ckpt import convert_hf_to_mcore
+
+    try:
+        out = convert_hf_to_mcore(args.hf_path, args.output, tp=args.tp, pp=args.pp, dtype=args.dtype)
+    except (ModelConfigError, CheckpointError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote Megatron dist checkpoint to {out} (loads at any tp/pp; validated for tp={args.tp}, pp={args.pp})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

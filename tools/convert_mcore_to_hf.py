@@ -1,0 +1,31 @@
+"""Convert a Megatron dist checkpoint written by verl_mega back to HF safetensors + config.json (one CPU process).
+
+    python tools/convert_mcore_to_hf.py --mcore-path DIR --output DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mcore-path", required=True, help="Megatron dist checkpoint directory")
+    parser.add_argument("--output", required=True, help="new directory for the HF checkpoint")
+    args = parser.parse_args(argv)
+    from verl_mega.models.hf_config import ModelConfigError
+    from verl_mega.models.hf_io import CheckpointError
+    from verl_mega.models.mcore_ckpt import convert_mcore_to_hf
+
+    try:
+        out = convert_mcore_to_hf(args.mcore_path, args.output)
+    except (ModelConfigError, CheckpointError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote HF checkpoint to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,269 @@
+"""The Megatron-Core engine: forward-only and forward-backward through mcore's pipeline schedules, the
+distributed optimizer, LR schedule, micro-batching and offload. It knows Megatron, not RL: roles hand it
+micro-batches and a loss / post-processing function.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from verl_mega.models.loader import unwrap
+
+MicroBatch = dict[str, torch.Tensor]
+# post_fn(output, micro_batch) -> dict of per-sample tensors (forward-only), run on the last pipeline stage.
+PostFn = Callable[[torch.Tensor, MicroBatch], dict[str, torch.Tensor]]
+# loss_fn(output, micro_batch) -> (scalar loss already scaled for accumulation, metrics dict of floats/tensors)
+LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, Any]]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduleSpec:
+    """LR schedule for OptimizerParamScheduler (mcore's own class does the arithmetic)."""
+
+    warmup_steps: int = 0
+    total_steps: int = 1
+    decay_style: str = "constant"
+
+
+class MegatronEngine:
+    """Owns mcore model chunks of one role on this rank (+ DDP, optimizer, scheduler when trainable)."""
+
+    def __init__(
+        self,
+        chunks: list[torch.nn.Module],
+        model_config,
+        *,
+        optimizer_config: OptimizerConfig | None = None,
+        schedule: ScheduleSpec | None = None,
+    ) -> None:
+        self.config = model_config
+        self.trainable = optimizer_config is not None
+        self.version = 0  # bumped on every optimizer step; rollout reports the version it generated with
+        if self.trainable:
+            ddp_cfg = DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True,
+                overlap_grad_reduce=False,
+                use_distributed_optimizer=optimizer_config.use_distributed_optimizer,
+            )
+            self.chunks = [
+                DistributedDataParallel(config=model_config, ddp_config=ddp_cfg, module=c,
+                                        disable_bucketing=(i > 0))
+                for i, c in enumerate(chunks)
+            ]
+            self.optimizer = get_megatron_optimizer(optimizer_config, self.chunks)
+            sched = schedule or ScheduleSpec()
+            lr, min_lr = optimizer_config.lr, optimizer_config.min_lr or 0.0
+            self.scheduler = OptimizerParamScheduler(
+                self.optimizer,
+                init_lr=0.0 if sched.warmup_steps else lr,
+                max_lr=lr,
+                min_lr=min_lr if sched.decay_style != "constant" else lr,
+                lr_warmup_steps=sched.warmup_steps,
+                lr_decay_steps=max(sched.total_steps, sched.warmup_steps + 1),
+                lr_decay_style=sched.decay_style,
+                start_wd=optimizer_config.weight_decay,
+                end_wd=optimizer_config.weight_decay,
+                wd_incr_steps=1,
+                wd_incr_style="constant",
+            )
+            model_config.finalize_model_grads_func = finalize_model_grads
+            model_config.grad_scale_func = self.optimizer.scale_loss
+        else:
+            self.chunks = chunks
+            self.optimizer = None
+            self.scheduler = None
+            for c in chunks:
+                c.requires_grad_(False)
+        self._offloaded = False
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def modules(self) -> list[torch.nn.Module]:
+        return [unwrap(c) for c in self.chunks]
+
+    def _run_schedule(self, micro_batches: list[MicroBatch], step_fn, forward_only: bool) -> list[Any]:
+        seq_len = max(mb["input_ids"].shape[1] for mb in micro_batches)
+        mbs = micro_batches[0]["input_ids"].shape[0]
+        for mb in micro_batches:
+            if mb["input_ids"].shape != (mbs, seq_len):
+                raise ValueError("engine: every micro-batch of one call must have the same [batch, seq] shape")
+        vpp = len(self.chunks)
+        iterators = [iter(micro_batches) for _ in range(vpp)] if vpp > 1 else iter(micro_batches)
+        fb = get_forward_backward_func()
+        return fb(
+            forward_step_func=step_fn,
+            data_iterator=iterators,
+            model=self.chunks if vpp > 1 else self.chunks[0],
+            num_microbatches=len(micro_batches),
+            seq_length=seq_len,
+            micro_batch_size=mbs,
+            forward_only=forward_only,
+        )
+
+    @staticmethod
+    def _model_forward(model, mb: MicroBatch) -> torch.Tensor:
+        return model(mb["input_ids"], mb["position_ids"], mb.get("attention_mask"))
+
+    # ------------------------------------------------------------------ public API
+    @torch.no_grad()
+    def forward(self, micro_batches: list[MicroBatch], post_fn: PostFn) -> list[dict[str, torch.Tensor]]:
+        """Forward-only over micro-batches; returns post_fn's outputs per micro-batch on EVERY rank."""
+        for c in self.chunks:
+            c.eval()
+
+        def step(data_iterator, model):
+            mb = next(data_iterator)
+            out = self._model_forward(model, mb)
+
+            def collect(output):
+                return torch.zeros((), device=output.device), post_fn(output, mb)
+
+            return out, collect
+
+        results = self._run_schedule(micro_batches, step, forward_only=True)
+        return self._broadcast_from_last_stage(results, len(micro_batches))
+
+    def train_step(self, micro_batches: list[MicroBatch], loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step over the given micro-batches (gradient accumulation across them)."""
+        if not self.trainable:
+            raise RuntimeError("engine: train_step on a frozen engine (no optimizer configured)")
+        for c in self.chunks:
+            c.train()
+            c.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+        def step(data_iterator, model):
+            mb = next(data_iterator)
+            out = self._model_forward(model, mb)
+            return out, partial(self._loss_wrapper, loss_fn, mb)
+
+        outputs = self._run_schedule(micro_batches, step, forward_only=False)
+        update_ok, grad_norm, _ = self.optimizer.step()
+        if update_ok:
+            self.scheduler.step(increment=1)
+            self.version += 1
+        metrics = self._reduce_metrics(outputs)
+        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        metrics["update_skipped"] = float(not update_ok)
+        metrics["lr"] = self.optimizer.param_groups[0]["lr"]
+        return metrics
+
+    @staticmethod
+    def _loss_wrapper(loss_fn: LossFn, mb: MicroBatch, output: torch.Tensor):
+        loss, metrics = loss_fn(output, mb)
+        return loss, {k: (v.detach().float() if torch.is_tensor(v) else torch.tensor(float(v)))
+                      for k, v in metrics.items()}
+
+    def _reduce_metrics(self, outputs: list[dict]) -> dict[str, float]:
+        """Mean of per-micro-batch metrics, from the last stage, averaged over DP, known on every rank."""
+        keys = sorted(outputs[0].keys()) if outputs else []
+        n = len(outputs)
+        vec = torch.tensor([sum(float(o[k]) for o in outputs) / max(n, 1) for k in keys], dtype=torch.float64)
+        keys = self._bcast_obj(keys)
+        if vec.numel() != len(keys):
+            vec = torch.zeros(len(keys), dtype=torch.float64)
+        vec = self._bcast_tensor(vec)
+        if mpu.get_data_parallel_world_size() > 1:
+            dist.all_reduce(vec, group=mpu.get_data_parallel_group())
+            vec /= mpu.get_data_parallel_world_size()
+        return {k: float(v) for k, v in zip(keys, vec.tolist())}
+
+    def _bcast_obj(self, obj):
+        if mpu.get_pipeline_model_parallel_world_size() == 1:
+            return obj
+        box = [obj]
+        group = mpu.get_pipeline_model_parallel_group()
+        src = dist.get_global_rank(group, mpu.get_pipeline_model_parallel_world_size() - 1)
+        dist.broadcast_object_list(box, src=src, group=group)
+        return box[0]
+
+    def _bcast_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        if mpu.get_pipeline_model_parallel_world_size() == 1:
+            return t
+        group = mpu.get_pipeline_model_parallel_group()
+        src = dist.get_global_rank(group, mpu.get_pipeline_model_parallel_world_size() - 1)
+        dist.broadcast(t, src=src, group=group)
+        return t
+
+    def _broadcast_from_last_stage(self, results: list, n: int) -> list[dict[str, torch.Tensor]]:
+        if mpu.get_pipeline_model_parallel_world_size() == 1:
+            return results
+        meta = self._bcast_obj([{k: (tuple(v.shape), v.dtype) for k, v in r.items()} for r in results])
+        out = []
+        last = mpu.is_pipeline_last_stage()
+        for i, spec in enumerate(meta):
+            item = {}
+            for k, (shape, dtype) in spec.items():
+                t = results[i][k].contiguous() if last else torch.empty(shape, dtype=dtype,
+                                                                       device=_device())
+                item[k] = self._bcast_tensor(t)
+            out.append(item)
+        return out
+
+    # ------------------------------------------------------------------ memory
+    def offload(self, *, params: bool = True, grads: bool = True, optimizer: bool = True) -> None:
+        """Move this role's state to host memory while another stage (rollout) needs the accelerator."""
+        if self._offloaded or not torch.cuda.is_available():
+            return
+        if self.trainable:
+            for c in self.chunks:
+                for buf in c.buffers + c.expert_parallel_buffers:
+                    buf.offload_to_cpu(move_params=params, move_grads=grads)
+            if optimizer:
+                _move_optimizer_state(self.optimizer, "cpu")
+        elif params:
+            for c in self.chunks:
+                c.to("cpu")
+        self._offloaded = True
+        torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        if not self._offloaded:
+            return
+        if self.trainable:
+            for c in self.chunks:
+                for buf in c.buffers + c.expert_parallel_buffers:
+                    buf.reload_from_cpu()
+            _move_optimizer_state(self.optimizer, "cuda")
+        else:
+            for c in self.chunks:
+                c.to("cuda")
+        self._offloaded = False
+
+    def named_parameters(self) -> Iterable[tuple[str, torch.Tensor]]:
+        for m in self.modules:
+            yield from m.named_parameters()
+
+    def state_for_checkpoint(self) -> dict[str, Any]:
+        return {"version": self.version, "scheduler": self.scheduler.state_dict() if self.scheduler else None}
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _move_optimizer_state(optimizer, device: str) -> None:
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None:
+            continue
+        for state in inner.state.values():
+            for k, v in state.items():
+                if torch.is_tensor(v):
+                    state[k] = v.to(device, non_blocking=True)
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if p.device.type != device and device == "cpu":
+                    p.data = p.data.to(device, non_blocking=True)
+                elif device == "cuda" and p.device.type == "cpu":
+                    p.data = p.data.to(device, non_blocking=True)

@@ -1,0 +1,123 @@
+"""Megatron dist checkpoints of model weights (layout-free: load at any tp/pp) and the HF⇄mcore converters."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from verl_mega.models.hf_config import ModelArch, arch_from_hf, load_hf_config, transformer_config
+from verl_mega.models.hf_io import AtomicDir, CheckpointError, HFCheckpointReader, write_hf_checkpoint
+
+META_FILE = "verl_mega_model.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
+
+
+def model_sharded_state_dict(chunks: list[torch.nn.Module]) -> dict[str, Any]:
+    """mcore's sharded state dict, keyed like Megatron-LM (`model`, or `model0`, `model1`, … with VPP)."""
+    from verl_mega.models.loader import unwrap
+
+    if len(chunks) == 1:
+        return {"model": unwrap(chunks[0]).sharded_state_dict()}
+    return {f"model{i}": unwrap(c).sharded_state_dict() for i, c in enumerate(chunks)}
+
+
+def save_model_dist(chunks: list[torch.nn.Module], out_dir: str | Path) -> None:
+    from megatron.core import dist_checkpointing
+
+    dist_checkpointing.save(model_sharded_state_dict(chunks), str(out_dir))
+
+
+def load_model_dist(chunks: list[torch.nn.Module], ckpt_dir: str | Path) -> None:
+    """Load weights saved at any tp/pp into this rank's chunks (mcore reshards on load)."""
+    from megatron.core import dist_checkpointing
+
+    from verl_mega.models.loader import unwrap
+
+    ckpt_dir = Path(ckpt_dir)
+    if not (ckpt_dir / "metadata.json").exists():
+        raise CheckpointError(f"checkpoint: {ckpt_dir} is not a Megatron dist checkpoint (no metadata.json)")
+    sharded = model_sharded_state_dict(chunks)
+    try:
+        state = dist_checkpointing.load(sharded, str(ckpt_dir))
+    except Exception as exc:  # mcore raises several types for missing/corrupt shards
+        raise CheckpointError(
+            f"checkpoint: cannot load {ckpt_dir} ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
+            "the checkpoint is incomplete or belongs to another model"
+        ) from None
+    if len(chunks) == 1:
+        unwrap(chunks[0]).load_state_dict(state["model"], strict=False)
+    else:
+        for i, c in enumerate(chunks):
+            unwrap(c).load_state_dict(state[f"model{i}"], strict=False)
+
+
+def read_model_meta(ckpt_dir: str | Path) -> dict[str, Any]:
+    meta = Path(ckpt_dir) / META_FILE
+    if not meta.exists():
+        raise CheckpointError(
+            f"checkpoint: {meta} is missing; only checkpoints written by verl_mega carry the HF config needed here"
+        )
+    return json.loads(meta.read_text())
+
+
+def _copy_tokenizer(src: Path, dst: Path) -> None:
+    for name in TOKENIZER_FILES:
+        if (src / name).exists():
+            shutil.copy2(src / name, dst / name)
+
+
+def _single_process_model(arch: ModelArch, dtype: str):
+    from verl_mega.models.build import build_model_chunks
+    from verl_mega.parallel.state import init_distributed
+
+    init_distributed(tp=1, pp=1)
+    cfg = transformer_config(arch, dtype=dtype, use_cpu_initialization=True, perform_initialization=False)
+    return build_model_chunks(arch, cfg, use_te="false")
+
+
+def convert_hf_to_mcore(hf_path: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int = 1,
+                        dtype: str | None = None) -> Path:
+    """HF safetensors → Megatron dist checkpoint, in one CPU process. Validates that (tp, pp) is a legal layout
+    for the model; the checkpoint itself is layout-free and loads at any tp/pp."""
+    from verl_mega.models.loader import check_checkpoint_matches, load_hf_weights
+
+    hf_path = Path(hf_path)
+    hf_cfg = load_hf_config(hf_path)
+    arch = arch_from_hf(hf_cfg)
+    transformer_config(arch, tp=tp, pp=pp)  # layout check up front (one-line error), before any allocation
+    reader = HFCheckpointReader(hf_path)
+    check_checkpoint_matches(reader, arch)
+    dtype = dtype or _dtype_name(reader.dtype("model.embed_tokens.weight"))
+    with AtomicDir(out_dir) as tmp:
+        chunks = _single_process_model(arch, dtype)
+        load_hf_weights(chunks, reader, arch)
+        save_model_dist(chunks, tmp)
+        meta = {"hf_config": hf_cfg, "dtype": dtype, "layout_hint": {"tp": tp, "pp": pp}, "format": "mcore_dist"}
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
+        _copy_tokenizer(hf_path, tmp)
+    return Path(out_dir)
+
+
+def convert_mcore_to_hf(mcore_path: str | Path, out_dir: str | Path) -> Path:
+    """Megatron dist checkpoint (written by verl_mega) → HF safetensors + config.json, in one CPU process."""
+    from verl_mega.models.loader import iter_hf_tensors
+
+    mcore_path = Path(mcore_path)
+    meta = read_model_meta(mcore_path)
+    arch = arch_from_hf(meta["hf_config"])
+    with AtomicDir(out_dir) as tmp:
+        chunks = _single_process_model(arch, meta["dtype"])
+        load_model_dist(chunks, mcore_path)
+        write_hf_checkpoint(tmp, iter_hf_tensors(chunks, arch))
+        (tmp / "config.json").write_text(json.dumps(meta["hf_config"], indent=2))
+        _copy_tokenizer(mcore_path, tmp)
+    return Path(out_dir)
+
+
+def _dtype_name(st_dtype: str) -> str:
+    return {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}.get(st_dtype, "float32")
