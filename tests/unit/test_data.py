@@ -14,6 +14,7 @@ from verl_mega.data import (
     PromptDataset,
     PromptLoader,
     generate_arithmetic,
+    generated_task,
     load_prompt_records,
     write_arithmetic_jsonl,
 )
@@ -143,6 +144,31 @@ def test_no_answer_key_and_message_list_needs_template(tmp_path):
     assert recs[0].ground_truth is None
     with pytest.raises(PromptDataError, match="d.jsonl:line 1: the prompt is a chat message list but the tokenizer"):
         PromptDataset(recs, make_tokenizer(False), max_prompt_length=16)
+
+
+def test_chat_template_modes_and_overlong_error(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "3+4=", "answer": "7"}, {"prompt": "12+34=", "answer": "46"}])
+    recs = load_prompt_records(path)
+    with pytest.raises(PromptDataError, match="apply_chat_template=true but the tokenizer has no chat_template"):
+        PromptDataset(recs, make_tokenizer(False), max_prompt_length=8, apply_chat_template=True)
+    with pytest.raises(PromptDataError, match="d.jsonl:line 2: prompt has 6 tokens > max_prompt_length=5"):
+        PromptDataset(recs, make_tokenizer(False), max_prompt_length=5, filter_overlong=False)
+    messages = load_prompt_records(write_jsonl(tmp_path / "m.jsonl", [{"prompt": [{"role": "user", "content": "1"}],
+                                                                       "answer": "1"}]))
+    with pytest.raises(PromptDataError, match="m.jsonl:line 1: the prompt is a chat message list but "
+                                              "apply_chat_template is off"):
+        PromptDataset(messages, make_tokenizer(True), max_prompt_length=8, apply_chat_template=False)
+
+
+def test_generated_task_entries(tmp_path):
+    ds = PromptDataset.from_files(["generated:arithmetic"], make_tokenizer(False), max_prompt_length=8,
+                                  prompt_key="question", answer_key="solution", generated_size=32, generated_seed=5)
+    assert [(it.prompt_text, it.ground_truth) for it in ds] == [
+        (r["prompt"], r["answer"]) for r in generate_arithmetic(32, seed=5)]
+    assert ds[0].extra == {"data_source": "arithmetic"}
+    assert generated_task("generated:arithmetic").reward_spec == "arithmetic"
+    with pytest.raises(PromptDataError, match="unknown generated task 'sudoku'; available: generated:arithmetic"):
+        load_prompt_records("generated:sudoku")
 
 
 def test_parquet_without_pyarrow_gives_install_hint(tmp_path, monkeypatch):

@@ -208,3 +208,13 @@ def test_process_pool_time_limit_errors_and_stuck_worker(user_file):
         result = pool.score(["ok", "stuck"], [0, 0])
         assert result.scores == [1.0, 0.0] and result.num_timeouts == 1
         assert pool.score(["ok"], [0]).scores == [1.0]  # the pool was restarted and still works
+
+
+def test_inline_pool_when_no_workers(user_file):
+    with RewardPool(f"{user_file}:slow_or_bad", num_workers=0) as pool:
+        future = pool.submit(["ab", "bad", "nan"], [0, 0, 0])
+        assert future.done()  # scored in the calling thread
+        result = future.result()
+        assert result.scores == [2.0, 0.0, 0.0] and result.num_errors == 2
+    with RewardPool(f"{user_file}:batch_len", num_workers=0) as pool:
+        assert pool.score(["a", "bb"], [0, 0]).scores == [1.0, 2.0]

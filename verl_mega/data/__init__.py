@@ -11,6 +11,7 @@ from verl_mega.data.prompts import (
     PromptRecord,
     load_prompt_records,
 )
+from verl_mega.data.tasks import GENERATED_TASKS, GeneratedTask, generated_task, is_generated
 
 __all__ = [
     "ARITHMETIC_REWARD_SPEC",
@@ -23,4 +24,8 @@ __all__ = [
     "PromptLoader",
     "PromptRecord",
     "load_prompt_records",
+    "GENERATED_TASKS",
+    "GeneratedTask",
+    "generated_task",
+    "is_generated",
 ]

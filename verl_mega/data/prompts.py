@@ -3,7 +3,8 @@ one), drop overlong prompts, and serve deterministic, resumable, data-parallel-s
 
 A record holds the prompt under ``prompt_key`` — a string or a chat message list ``[{"role", "content"}, ...]`` —
 and the ground truth under ``answer_key`` (dotted keys reach nested fields, e.g. ``reward_model.ground_truth`` for
-verl-style parquet). Every other field is kept in ``extra`` and passed on to the reward function.
+verl-style parquet). Every other field is kept in ``extra`` and passed on to the reward function. A path
+``generated:<task>`` stands for a built-in generated task (:mod:`verl_mega.data.tasks`).
 
 Order: epoch ``e`` visits the prompts in a permutation seeded by ``(seed, e)``; each global batch of
 ``global_batch_size`` prompts is split into ``dp_size`` contiguous shards, rank ``r`` taking shard ``r``. The
@@ -18,7 +19,9 @@ import logging
 import os
 import random
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Literal, Sequence
+
+from verl_mega.data.tasks import GeneratedTask, generated_task, is_generated
 
 __all__ = ["PromptDataError", "PromptRecord", "PromptItem", "PromptBatch", "load_prompt_records", "PromptDataset",
            "PromptLoader"]
@@ -144,50 +147,88 @@ def _rows(path: str) -> Iterator[tuple[str, Any]]:
         raise PromptDataError(f"prompt file '{path}' has extension '{ext}'; use .jsonl, .json or .parquet")
 
 
+def _generated_rows(task: GeneratedTask, entry: str, num_examples: int, seed: int) -> Iterator[tuple[str, Any]]:
+    for i, row in enumerate(task.generate(num_examples, seed=seed), start=1):
+        yield f"{entry}:item {i}", row
+
+
 def load_prompt_records(
     paths: str | os.PathLike | Sequence[str | os.PathLike],
     *,
     prompt_key: str = "prompt",
     answer_key: str | None = "answer",
+    generated_size: int = 1024,
+    generated_seed: int = 0,
 ) -> list[PromptRecord]:
-    """Read and validate records from one or more files (in order). ``answer_key=None``: no ground truth."""
+    """Read and validate records from one or more files (in order). ``answer_key=None``: no ground truth.
+
+    An entry ``generated:<task>`` (see :mod:`verl_mega.data.tasks`) yields ``generated_size`` records of that task made
+    with ``generated_seed`` (use another seed for a validation set); its own prompt/answer keys are used.
+    """
     path_list = [os.fspath(paths)] if isinstance(paths, (str, os.PathLike)) else [os.fspath(p) for p in paths]
     if not path_list:
         raise PromptDataError("no prompt files given; pass at least one .jsonl/.json/.parquet path")
     records: list[PromptRecord] = []
     for path in path_list:
         before = len(records)
-        for where, row in _rows(path):
+        file_prompt_key, file_answer_key = prompt_key, answer_key
+        if is_generated(path):
+            try:
+                task = generated_task(path)
+            except ValueError as exc:
+                raise PromptDataError(str(exc)) from None
+            rows = _generated_rows(task, path, generated_size, generated_seed)
+            file_prompt_key, file_answer_key = task.prompt_key, task.answer_key
+        else:
+            rows = _rows(path)
+        for where, row in rows:
             if not isinstance(row, dict):
                 raise PromptDataError(f"{where}: expected a JSON object, got {type(row).__name__}")
-            prompt = _lookup(row, prompt_key)
+            prompt = _lookup(row, file_prompt_key)
             if prompt is _MISSING:
                 raise PromptDataError(
-                    f"{where}: missing field '{prompt_key}' (fields: {', '.join(sorted(row)) or 'none'}); set "
+                    f"{where}: missing field '{file_prompt_key}' (fields: {', '.join(sorted(row)) or 'none'}); set "
                     "prompt_key to the field holding the prompt"
                 )
             truth = None
-            if answer_key is not None:
-                truth = _lookup(row, answer_key)
+            if file_answer_key is not None:
+                truth = _lookup(row, file_answer_key)
                 if truth is _MISSING:
                     raise PromptDataError(
-                        f"{where}: missing field '{answer_key}' (fields: {', '.join(sorted(row)) or 'none'}); set "
-                        "answer_key to the field holding the ground truth, or null if there is none"
+                        f"{where}: missing field '{file_answer_key}' (fields: {', '.join(sorted(row)) or 'none'}); "
+                        "set answer_key to the field holding the ground truth, or null if there is none"
                     )
-            extra = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}
-            records.append(PromptRecord(_check_prompt(prompt, where, prompt_key), truth, extra, where))
+            extra = {k: v for k, v in row.items() if k not in (file_prompt_key, file_answer_key)}
+            records.append(PromptRecord(_check_prompt(prompt, where, file_prompt_key), truth, extra, where))
         if len(records) == before:
             raise PromptDataError(f"prompt file '{path}' is empty (no records); add prompts or remove it from the list")
     return records
 
 
 # --------------------------------------------------------------------------------------------------- tokenizing
-def _render(record: PromptRecord, tokenizer: Any, apply_chat_template: bool) -> tuple[str, bool]:
+ChatTemplateMode = Literal["auto"] | bool
+
+
+def _use_template(tokenizer: Any, apply_chat_template: ChatTemplateMode) -> bool:
+    has = bool(getattr(tokenizer, "chat_template", None))
+    if apply_chat_template == "auto":
+        return has
+    if apply_chat_template is True and not has:
+        raise PromptDataError(
+            "apply_chat_template=true but the tokenizer has no chat_template; set it to auto or false, or use a "
+            "tokenizer with a template"
+        )
+    if not isinstance(apply_chat_template, bool):
+        raise PromptDataError(f"apply_chat_template must be auto, true or false, got {apply_chat_template!r}")
+    return apply_chat_template
+
+
+def _render(record: PromptRecord, tokenizer: Any, use_template: bool, apply_chat_template: Any) -> tuple[str, bool]:
     """(text to tokenize, whether it came from the chat template)."""
-    has_template = apply_chat_template and bool(getattr(tokenizer, "chat_template", None))
+    has_template = use_template
     messages = record.prompt if isinstance(record.prompt, list) else None
     if messages is not None and not has_template:
-        reason = "apply_chat_template is off" if not apply_chat_template else "the tokenizer has no chat_template"
+        reason = "apply_chat_template is off" if apply_chat_template is False else "the tokenizer has no chat_template"
         raise PromptDataError(
             f"{record.source}: the prompt is a chat message list but {reason}; give plain-string prompts or use a "
             "tokenizer with a chat template"
@@ -200,7 +241,9 @@ def _render(record: PromptRecord, tokenizer: Any, apply_chat_template: bool) -> 
 
 
 class PromptDataset(Sequence[PromptItem]):
-    """Tokenized prompts with overlong ones removed (the count is logged and kept in ``num_filtered``)."""
+    """Tokenized prompts with overlong ones removed (the count is logged and kept in ``num_filtered``), or refused
+    with an error when ``filter_overlong`` is off. ``apply_chat_template``: ``auto`` uses the tokenizer's chat
+    template when it has one, ``True`` requires one, ``False`` never uses it."""
 
     def __init__(
         self,
@@ -208,17 +251,24 @@ class PromptDataset(Sequence[PromptItem]):
         tokenizer: Any,
         *,
         max_prompt_length: int,
-        apply_chat_template: bool = True,
+        apply_chat_template: ChatTemplateMode = "auto",
+        filter_overlong: bool = True,
     ):
         if max_prompt_length < 1:
             raise PromptDataError(f"max_prompt_length must be >= 1, got {max_prompt_length}")
         if tokenizer is None or not hasattr(tokenizer, "encode"):
             raise PromptDataError("a tokenizer with .encode() is needed to build the prompt dataset")
-        rendered = [_render(r, tokenizer, apply_chat_template) for r in records]
+        use_template = _use_template(tokenizer, apply_chat_template)
+        rendered = [_render(r, tokenizer, use_template, apply_chat_template) for r in records]
         ids_list = self._tokenize(tokenizer, rendered)
         self.items: list[PromptItem] = []
         for record, (text, _), ids in zip(records, rendered, ids_list):
             if len(ids) > max_prompt_length:
+                if not filter_overlong:
+                    raise PromptDataError(
+                        f"{record.source}: prompt has {len(ids)} tokens > max_prompt_length={max_prompt_length}; "
+                        "raise max_prompt_length or turn on filtering of overlong prompts"
+                    )
                 continue
             self.items.append(PromptItem(len(self.items), list(ids), text, record.ground_truth, record.extra))
         self.num_filtered = len(records) - len(self.items)
@@ -259,10 +309,16 @@ class PromptDataset(Sequence[PromptItem]):
         max_prompt_length: int,
         prompt_key: str = "prompt",
         answer_key: str | None = "answer",
-        apply_chat_template: bool = True,
+        apply_chat_template: ChatTemplateMode = "auto",
+        filter_overlong: bool = True,
+        generated_size: int = 1024,
+        generated_seed: int = 0,
     ) -> "PromptDataset":
-        records = load_prompt_records(paths, prompt_key=prompt_key, answer_key=answer_key)
-        return cls(records, tokenizer, max_prompt_length=max_prompt_length, apply_chat_template=apply_chat_template)
+        """``paths`` are files or ``generated:<task>`` entries; see :func:`load_prompt_records`."""
+        records = load_prompt_records(paths, prompt_key=prompt_key, answer_key=answer_key,
+                                      generated_size=generated_size, generated_seed=generated_seed)
+        return cls(records, tokenizer, max_prompt_length=max_prompt_length, apply_chat_template=apply_chat_template,
+                   filter_overlong=filter_overlong)
 
     def __len__(self) -> int:
         return len(self.items)

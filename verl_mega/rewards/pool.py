@@ -10,6 +10,8 @@ Modes:
 * ``thread`` (default): cheap, shares memory; right for fast or I/O-bound functions. A Python thread cannot be
   stopped, so a timed-out call is abandoned (scored 0) and its thread replaced; the stuck thread is a daemon and does
   not block exit.
+* ``num_workers=0``: inline — scored in the calling thread when submitted (the Future is already done); for cheap
+  functions. Errors still score 0, but the time limit cannot be enforced.
 * ``process``: worker processes (``spawn``); right for CPU-heavy or untrusted code. The time limit interrupts the
   call inside the worker (SIGALRM); a worker stuck in native code (past every call's limit plus ``stuck_grace_s``)
   is killed and the pool restarted after the batch.
@@ -154,8 +156,10 @@ class RewardPool:
     ):
         if mode not in ("thread", "process"):
             raise ValueError(f"reward pool mode must be 'thread' or 'process', got '{mode}'")
-        if num_workers < 1:
-            raise ValueError(f"reward pool num_workers must be >= 1, got {num_workers}")
+        if num_workers < 0:
+            raise ValueError(f"reward pool num_workers must be >= 0 (0 scores inline), got {num_workers}")
+        if num_workers == 0:
+            mode = "inline"
         if not timeout_s > 0:
             raise ValueError(f"reward timeout_s must be > 0, got {timeout_s}")
         self.fn = reward_fn if isinstance(reward_fn, RewardFunction) else load_reward_fn(reward_fn)
@@ -171,7 +175,7 @@ class RewardPool:
         self._pickled_fn: bytes | None = None
         if mode == "thread":
             self._threads = _DaemonThreadPool(num_workers, "reward-worker")
-        else:
+        elif mode == "process":
             if self.fn.spec is None:
                 try:
                     self._pickled_fn = pickle.dumps(self.fn)
@@ -210,6 +214,10 @@ class RewardPool:
                 f"reward batch lengths differ: {len(responses)} responses, {len(ground_truths)} ground truths, "
                 f"{len(extras)} extras"
             )
+        if self.mode == "inline":
+            done: Future = Future()
+            done.set_result(self._score_batch(responses, ground_truths, extras))
+            return done
         return self._dispatcher.submit(self._score_batch, responses, ground_truths, extras)
 
     def score(self, responses, ground_truths, extras=None) -> RewardBatchResult:
@@ -237,7 +245,7 @@ class RewardPool:
     def _units(self, n: int) -> list[range]:
         if not self.fn.batched:
             return [range(i, i + 1) for i in range(n)]  # one call = one sample, so the time limit is per sample
-        size = self.chunk_size or max(1, math.ceil(n / self.num_workers))
+        size = self.chunk_size or max(1, math.ceil(n / max(1, self.num_workers)))
         return [range(i, min(i + size, n)) for i in range(0, n, size)]
 
     def _score_batch(self, responses, ground_truths, extras) -> RewardBatchResult:
@@ -246,8 +254,10 @@ class RewardPool:
         args = [([responses[i] for i in u], [ground_truths[i] for i in u], [extras[i] for i in u]) for u in units]
         if self.mode == "thread":
             outcomes = self._run_threads(args)
-        else:
+        elif self.mode == "process":
             outcomes = self._run_processes(args)
+        else:
+            outcomes = [_call_unit(self.fn, *a) for a in args]
         scores = [0.0] * len(responses)
         timeouts = errors = 0
         first_error = None
