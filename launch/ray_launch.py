@@ -1,0 +1,192 @@
+"""Start verl_mega (or any Python entry point) as one Ray actor per rank.
+
+    python launch/ray_launch.py [--address ADDR] [--nnodes N] [--nproc-per-node P] [--cpu] [--timeout S]
+                                [--wait-for-nodes S] [--] [PYTHON_ARGS...]
+
+Connects to the Ray cluster at ADDR (default: RAY_ADDRESS or a running local cluster; if none is running, starts
+one on this machine). For each of N nodes it reserves a placement group of P bundles, one per GPU ({"GPU": 1}, or
+{"CPU": 1} with --cpu), STRICT_PACK on that node, and starts one actor per bundle. Each actor runs
+``python PYTHON_ARGS`` with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR and MASTER_PORT
+set exactly as torchrun would (ranks numbered node by node), so the same SPMD entry point runs unchanged. Output
+lines are streamed to this driver prefixed with the rank. If any rank exits non-zero, every other rank is stopped
+and this command exits non-zero. PYTHON_ARGS default to ``-m verl_mega.train``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+
+
+def _python_args(rest: list[str]) -> list[str]:
+    if rest and rest[0] == "--":
+        rest = rest[1:]
+    if not rest:
+        return ["-m", "verl_mega.train"]
+    if rest[0] == "-m" or rest[0].endswith(".py"):
+        return rest
+    return ["-m", "verl_mega.train", *rest]
+
+
+def _import_ray():
+    try:
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    except ImportError:
+        sys.exit("ray_launch: error: ray is not installed: pip install 'ray[default]' (extra verl_mega[ray])")
+    return ray, placement_group, remove_placement_group, PlacementGroupSchedulingStrategy
+
+
+def _connect(ray, address: str | None, node_ip: str | None) -> None:
+    kwargs = {"logging_level": "ERROR", "log_to_driver": True}
+    if node_ip:
+        kwargs["_node_ip_address"] = node_ip
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, **kwargs)
+        return
+    try:
+        ray.init(address="auto", **kwargs)
+    except ConnectionError:
+        print("ray_launch: no running Ray cluster found; starting one on this machine", flush=True)
+        ray.init(**kwargs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Run one Ray actor per rank with torchrun-style environment.")
+    ap.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS / running / new)")
+    ap.add_argument("--node-ip-address", default=None, help="this driver's node IP if Ray cannot infer it")
+    ap.add_argument("--nnodes", type=int, default=None, help="number of nodes (default: all alive nodes)")
+    ap.add_argument("--nproc-per-node", type=int, default=None,
+                    help="ranks per node (default: GPUs of the smallest selected node, or 1 with --cpu)")
+    ap.add_argument("--cpu", action="store_true", help="one CPU slot per rank instead of one GPU")
+    ap.add_argument("--master-port", type=int, default=None, help="default: a free port on rank 0's node")
+    ap.add_argument("--timeout", type=float, default=None, help="fail if the job runs longer (seconds)")
+    ap.add_argument("--wait-for-nodes", type=float, default=60.0,
+                    help="seconds to wait for enough nodes to join the cluster (default 60)")
+    ap.add_argument("rest", nargs=argparse.REMAINDER, help="[--] PYTHON_ARGS")
+    args = ap.parse_args(argv)
+    prog = _python_args(args.rest)
+
+    ray, placement_group, remove_placement_group, PGStrategy = _import_ray()
+    _connect(ray, args.address, args.node_ip_address)
+    unit = "CPU" if args.cpu else "GPU"
+
+    deadline = time.monotonic() + args.wait_for_nodes
+    while True:
+        nodes = sorted((n for n in ray.nodes() if n["Alive"] and n["Resources"].get(unit, 0) >= 1),
+                       key=lambda n: (n["NodeManagerAddress"], n["NodeID"]))
+        nnodes = args.nnodes or len(nodes)
+        ppn = args.nproc_per_node or (1 if args.cpu else int(min((n["Resources"][unit] for n in nodes), default=0)))
+        fit = [n for n in nodes if n["Resources"].get(unit, 0) >= ppn]
+        if ppn >= 1 and len(fit) >= nnodes > 0:
+            break
+        if time.monotonic() > deadline:
+            print(f"ray_launch: error: need {nnodes} node(s) with {ppn} {unit}(s) each, the cluster has "
+                  f"{[(n['NodeManagerAddress'], n['Resources'].get(unit, 0)) for n in nodes]}", file=sys.stderr)
+            return 2
+        time.sleep(1)
+    chosen = fit[:nnodes]
+    world = nnodes * ppn
+
+    @ray.remote(num_cpus=0, max_concurrency=2)
+    class RankProcess:
+        """Runs one rank's Python process; a second thread can stop it."""
+
+        def __init__(self) -> None:
+            self.proc = None
+
+        def node(self) -> tuple[str, str]:
+            return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
+
+        def free_port(self) -> int:
+            import socket
+
+            with socket.socket() as s:
+                s.bind(("", 0))
+                return s.getsockname()[1]
+
+        def run(self, python_args: list[str], env: dict[str, str], prefix: str) -> int:
+            import ctypes
+
+            def die_with_parent() -> None:  # SIGKILL the rank if this actor dies (PR_SET_PDEATHSIG)
+                ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+                os.setsid()
+
+            self.proc = subprocess.Popen([sys.executable, "-u", *python_args], env={**os.environ, **env},
+                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                         preexec_fn=die_with_parent)
+            for line in self.proc.stdout:
+                print(f"{prefix} {line}", end="", flush=True)
+            return self.proc.wait()
+
+        def stop(self) -> None:
+            if self.proc is not None and self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+    groups, actors = [], []
+    try:
+        for node_rank, node in enumerate(chosen):
+            bundles = [{unit: 1}] * ppn
+            pg = placement_group(bundles, strategy="STRICT_PACK", name=f"verl_mega_node{node_rank}",
+                                 bundle_label_selector=[{"ray.io/node-id": node["NodeID"]}] * ppn)
+            groups.append(pg)
+        ray.get([pg.ready() for pg in groups], timeout=120)
+        for node_rank, pg in enumerate(groups):
+            for local_rank in range(ppn):
+                opts = {"scheduling_strategy": PGStrategy(placement_group=pg, placement_group_bundle_index=local_rank)}
+                opts["num_gpus" if unit == "GPU" else "num_cpus"] = 1
+                actors.append(RankProcess.options(**opts).remote())
+        where = ray.get([a.node.remote() for a in actors])
+        master_addr = where[0][0]
+        master_port = args.master_port or ray.get(actors[0].free_port.remote())
+        refs = {}
+        for rank, actor in enumerate(actors):
+            node_rank, local_rank = divmod(rank, ppn)
+            env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local_rank),
+                   "LOCAL_WORLD_SIZE": str(ppn), "GROUP_RANK": str(node_rank), "NODE_RANK": str(node_rank),
+                   "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port), "VERL_MEGA_LAUNCHER": "ray",
+                   "VERL_MEGA_RAY_NODE_ID": where[rank][1]}
+            if unit == "CPU":
+                env["CUDA_VISIBLE_DEVICES"] = ""
+            refs[actor.run.remote(prog, env, f"[rank{rank}]")] = rank
+        print(f"ray_launch: {world} rank(s) on {nnodes} node(s) {[n['NodeManagerAddress'] for n in chosen]}, "
+              f"MASTER_ADDR={master_addr}:{master_port}", flush=True)
+
+        deadline = None if args.timeout is None else time.monotonic() + args.timeout
+        pending = list(refs)
+        while pending:
+            wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
+            done, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
+            if not done:
+                print(f"ray_launch: error: job exceeded --timeout {args.timeout}s; stopping all ranks",
+                      file=sys.stderr)
+                return 1
+            rank = refs[done[0]]
+            try:
+                rc = ray.get(done[0])
+            except Exception as exc:  # the actor itself died (node lost, OOM kill, ...)
+                print(f"ray_launch: error: rank {rank} failed: {exc}; stopping all ranks", file=sys.stderr)
+                return 1
+            if rc != 0:
+                print(f"ray_launch: error: rank {rank} exited with code {rc}; stopping all ranks", file=sys.stderr)
+                return rc if 0 < rc < 256 else 1
+        return 0
+    finally:
+        for a in actors:
+            try:
+                ray.get(a.stop.remote(), timeout=10)
+            except Exception:  # noqa: BLE001 - best effort: the actor may already be gone
+                pass
+            ray.kill(a)
+        for pg in groups:
+            remove_placement_group(pg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
