@@ -16,6 +16,7 @@ from verl_mega.algos import (
     compute_remax_advantage,
     compute_rloo_outcome_advantage,
     masked_whiten,
+    outcome_to_token_rewards,
 )
 
 D = torch.float64
@@ -203,3 +204,10 @@ def test_outputs_are_zero_outside_mask_for_every_estimator():
         assert adv.shape == ret.shape == (6, 5)
         assert torch.isfinite(adv).all() and torch.isfinite(ret).all(), e
         assert torch.all(adv[mask == 0] == 0) and torch.all(ret[mask == 0] == 0), e
+
+
+def test_outcome_to_token_rewards_places_score_on_last_response_token():
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0], [1, 0, 1, 0]])
+    out = outcome_to_token_rewards(torch.tensor([0.5, 1.0, 7.0, -2.0]), mask)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, torch.tensor([[0, 0, 0.5, 0], [1.0, 0, 0, 0], [0, 0, 0, 0], [0, 0, -2.0, 0]]))

@@ -9,6 +9,7 @@ from verl_mega.algos.advantages import (
     compute_reinforce_plus_plus_baseline_advantage,
     compute_remax_advantage,
     compute_rloo_outcome_advantage,
+    outcome_to_token_rewards,
 )
 from verl_mega.algos.kl import (
     KL_ESTIMATORS,
@@ -39,6 +40,7 @@ __all__ = [
     "compute_reinforce_plus_plus_baseline_advantage",
     "compute_remax_advantage",
     "compute_rloo_outcome_advantage",
+    "outcome_to_token_rewards",
     "KL_ESTIMATORS",
     "AdaptiveKLController",
     "FixedKLController",

@@ -25,6 +25,7 @@ __all__ = [
     "compute_reinforce_plus_plus_advantage",
     "compute_reinforce_plus_plus_baseline_advantage",
     "compute_remax_advantage",
+    "outcome_to_token_rewards",
 ]
 
 GroupIndex = torch.Tensor | Sequence[Hashable] | Any  # tensor, numpy array or list of prompt ids
@@ -227,6 +228,20 @@ def compute_remax_advantage(
     baselines = reward_baselines.reshape(-1).to(device=mask.device, dtype=mask.dtype)
     advantages = returns - baselines.unsqueeze(-1) * mask
     return advantages, returns
+
+
+def outcome_to_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Token-level rewards [B, T] holding each sequence's outcome score [B] on its last response token (the last
+    position where the mask is set), zeros elsewhere; rows with an empty mask get nothing."""
+    mask = _float_mask(response_mask, torch.float32).bool()
+    positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
+    last = torch.where(mask, positions, torch.full_like(positions, -1)).max(dim=-1).values
+    scores = scores.reshape(-1).to(device=mask.device)
+    rewards = torch.zeros(mask.shape, dtype=scores.dtype if scores.is_floating_point() else torch.float32,
+                          device=mask.device)
+    rows = torch.nonzero(last >= 0).squeeze(-1)
+    rewards[rows, last[rows]] = scores[rows].to(rewards.dtype)
+    return rewards
 
 
 def _require(name: str, value: Any, estimator: str) -> Any:

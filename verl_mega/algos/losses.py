@@ -16,12 +16,16 @@ Averaging per-micro-batch means is *not* the mean of the whole batch when micro-
 To get exactly the gradient of one big batch, the engine should, per optimizer step:
 
 1. on every DP rank, sum ``agg_loss_normalizer(mask_mb, mode)`` over its micro-batches;
-2. ``all_reduce(SUM)`` that number over the gradient-averaging group (DP x CP in Megatron terms) -> ``n_global``;
+2. ``all_reduce(SUM)`` that number over the data-parallel group -> ``n_global``;
 3. per micro-batch use ``agg_loss(..., normalizer=n_global)`` (same for the value/entropy/KL terms). Each result is
    that micro-batch's *share*, and the sum over micro-batches and ranks equals the big-batch loss;
-4. undo the averaging that would otherwise happen twice: Megatron's pipeline schedule divides each micro-batch loss
-   by ``num_microbatches`` (unless ``calculate_per_token_loss``) and DDP averages gradients over the DP group, so
-   hand ``loss * num_microbatches * dp_size`` to the schedule.
+4. undo the averaging that would otherwise happen on top: with a loss function returning ``(loss, metrics)``,
+   megatron-core's schedule multiplies the loss by the CP size and divides it by ``num_microbatches``, and DDP scales
+   gradients by 1 / (DP x CP) (``calculate_per_token_loss`` off) — a net 1 / (num_microbatches x DP). So hand
+   ``share * num_microbatches * dp_size`` to the schedule.
+
+Context parallelism (rows split across CP ranks) is not covered: token counts would have to be summed over the CP
+group too, and ``seq-mean-token-mean`` would need each row's full token count.
 
 With ``normalizer=None`` everything is normalised locally (fine for a single micro-batch on a single rank).
 """
@@ -78,7 +82,8 @@ def agg_loss(
     elif mode == "seq-mean-token-mean":
         row_tokens = mask.to(loss_mat.dtype).sum(dim=-1)
         row_sums = masked_sum(loss_mat, mask, dim=-1)
-        numerator = torch.where(row_tokens > 0, row_sums / row_tokens.clamp_min(1e-12), torch.zeros_like(row_sums)).sum()
+        row_means = torch.where(row_tokens > 0, row_sums / row_tokens.clamp_min(1e-12), torch.zeros_like(row_sums))
+        numerator = row_means.sum()
     else:
         horizon = float(loss_scale_factor) if loss_scale_factor is not None else float(mask.shape[-1])
         if horizon <= 0:
@@ -114,7 +119,7 @@ def compute_policy_loss(
     if clip_ratio_low < 0 or clip_ratio_high < 0:
         raise ValueError("actor.clip_ratio_low/clip_ratio_high must be >= 0 (e.g. 0.2)")
     if clip_ratio_c is not None and clip_ratio_c <= 1.0:
-        raise ValueError(f"actor.clip_ratio_c must be > 1.0 (e.g. 3.0) or null to disable dual-clip, got {clip_ratio_c}")
+        raise ValueError(f"actor.clip_ratio_c must be > 1.0 (e.g. 3.0), or None for no dual-clip; got {clip_ratio_c}")
     log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
     ratio = torch.exp(log_ratio)
     losses_unclipped = -advantages * ratio

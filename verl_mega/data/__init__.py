@@ -1,4 +1,4 @@
-"""Prompt datasets (JSONL / JSON / parquet, chat templates, resumable DP-sharded batches) and the toy arithmetic task."""
+"""Prompt datasets (JSONL / JSON / parquet, chat templates, resumable DP-sharded batches) and generated tasks."""
 
 from verl_mega.data.arithmetic import REWARD_SPEC as ARITHMETIC_REWARD_SPEC
 from verl_mega.data.arithmetic import generate_arithmetic, write_arithmetic_jsonl

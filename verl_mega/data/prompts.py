@@ -126,9 +126,13 @@ def _rows(path: str) -> Iterator[tuple[str, Any]]:
             with open(path, encoding="utf-8") as f:
                 data = json.load(f)
         except json.JSONDecodeError as exc:
-            raise PromptDataError(f"{path}:line {exc.lineno}: invalid JSON ({exc.msg}); expected a list of objects") from None
+            raise PromptDataError(
+                f"{path}:line {exc.lineno}: invalid JSON ({exc.msg}); expected a list of objects"
+            ) from None
         if not isinstance(data, list):
-            raise PromptDataError(f"'{path}' holds a JSON {type(data).__name__}; expected a list of objects (or use .jsonl)")
+            raise PromptDataError(
+                f"'{path}' holds a JSON {type(data).__name__}; expected a list of objects (or use .jsonl)"
+            )
         for i, row in enumerate(data, start=1):
             yield f"{path}:item {i}", row
     elif ext == ".jsonl":
