@@ -93,6 +93,16 @@ def _int(env: Mapping[str, str], key: str, launcher: str) -> int:
         raise LaunchEnvError(f"{key}={env[key]!r} is not an integer ({launcher})") from None
 
 
+def _check_ranges(rank: int, world: int, local_rank: int, local_world: int, launcher: str) -> None:
+    """Range errors first: they explain more than the cross-checks that would fail because of them."""
+    if world < 1 or not 0 <= rank < world:
+        raise LaunchEnvError(f"rank {rank} is outside [0, {world}) ({launcher}): check the launcher's rank and "
+                             f"size variables")
+    if local_world < 1 or not 0 <= local_rank < local_world:
+        raise LaunchEnvError(f"local rank {local_rank} is outside [0, {local_world}) ({launcher}): check the local "
+                             f"rank/size variables")
+
+
 def _slurm_tasks_per_node(env: Mapping[str, str]) -> int | None:
     """SLURM_NTASKS_PER_NODE, or the first entry of SLURM_STEP_TASKS_PER_NODE / SLURM_TASKS_PER_NODE ("4(x2),3")."""
     if env.get("SLURM_NTASKS_PER_NODE", "").isdigit():
@@ -203,6 +213,7 @@ def discover(environ: Mapping[str, str] | None = None) -> DistEnv:
         launcher = env.get("VERL_MEGA_LAUNCHER") or ("torchrun" if "TORCHELASTIC_RUN_ID" in env else "env")
         rank, world = _int(env, "RANK", launcher), _int(env, "WORLD_SIZE", launcher)
         local_rank, local_world = _int(env, "LOCAL_RANK", launcher), _int(env, "LOCAL_WORLD_SIZE", launcher)
+        _check_ranges(rank, world, local_rank, local_world, launcher)
         node_rank = rank // local_world
         for key in ("GROUP_RANK", "NODE_RANK"):
             if key in env and _int(env, key, launcher) != node_rank:
@@ -226,6 +237,7 @@ def discover(environ: Mapping[str, str] | None = None) -> DistEnv:
         world = _int(env, "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS", launcher)
         local_rank = _int(env, "SLURM_LOCALID", launcher)
         local_world = _slurm_tasks_per_node(env) or world
+        _check_ranges(rank, world, local_rank, local_world, launcher)
         node_rank = int(env["SLURM_NODEID"]) if env.get("SLURM_NODEID", "").isdigit() else rank // local_world
         if node_rank != rank // local_world:
             raise LaunchEnvError(f"SLURM_NODEID={node_rank} contradicts SLURM_PROCID={rank} // tasks per node "

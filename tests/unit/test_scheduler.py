@@ -1,0 +1,202 @@
+"""TopologyAwareScheduler on recorded topologies: groups land on NVLink where the hardware allows it."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+import warnings
+from itertools import combinations
+from pathlib import Path
+
+import pytest
+
+from verl_mega.parallel.scheduler import (
+    ParallelLayout,
+    TopologyAwareScheduler,
+    TopologyFallbackWarning,
+    hybrid_engine_groups,
+    megatron_rank_groups,
+)
+from verl_mega.parallel.topology import parse_topology
+
+REPO = Path(__file__).resolve().parents[2]
+FIX = REPO / "tests" / "fixtures" / "topo"
+
+
+def topo(name: str):
+    return parse_topology((FIX / name).read_text())
+
+
+def plan_quietly(topos, layout):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TopologyFallbackWarning)
+        return TopologyAwareScheduler(topos).plan(layout)
+
+
+@pytest.mark.parametrize("tp,cp,dp,pp", [(2, 1, 4, 2), (4, 2, 2, 1), (1, 1, 8, 1), (8, 1, 2, 4), (2, 2, 2, 2)])
+def test_rank_groups_match_megatron(tp, cp, dp, pp):
+    from megatron.core.parallel_state import RankGenerator
+
+    world = tp * cp * dp * pp
+    ours = megatron_rank_groups(world, tp, cp, dp, pp)
+    gen = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order="tp-cp-ep-dp-pp")
+    for kind in ("tp", "cp", "dp", "pp"):
+        assert sorted(map(tuple, gen.get_ranks(kind))) == sorted(ours[kind]), kind
+
+
+def test_hybrid_engine_groups_follow_hybridflow():
+    gen, micro = hybrid_engine_groups([(0, 1, 2, 3)], 2)
+    assert gen == [(0, 2), (1, 3)] and micro == [(0, 1), (2, 3)]
+    gen, micro = hybrid_engine_groups([(8, 9, 10, 11, 12, 13, 14, 15)], 2)
+    assert gen == [(8, 12), (9, 13), (10, 14), (11, 15)]
+    assert micro == [(8, 9, 10, 11), (12, 13, 14, 15)]
+    gen, micro = hybrid_engine_groups([(0, 1, 2, 3)], 4)
+    assert gen == [(0, 1, 2, 3)] and micro == [(0,), (1,), (2,), (3,)]
+
+
+def test_tp2_lands_on_nvlink_pairs_of_8gpu_box():
+    t = topo("a6000_8gpu_nvlink_pairs.txt")
+    plan = plan_quietly([t, t], ParallelLayout(tp=2))
+    pairs = set(t.nvlink_islands)
+    for rep in plan.reports["tp"]:
+        node = rep.devices[0][0]
+        assert {d[0] for d in rep.devices} == {node}
+        assert tuple(sorted(d[1] for d in rep.devices)) in pairs
+        assert rep.link == "NV4" and rep.in_nvlink_island
+    assert plan.warnings == ()
+
+
+@pytest.mark.parametrize("tp,tg", [(1, 1), (2, 1), (2, 2), (4, 2), (4, 4), (8, 2), (8, 4), (8, 8)])
+def test_nvswitch_any_grouping_is_island_local(tp, tg):
+    t = topo("dgx_h100_8gpu_12nic.txt")
+    plan = plan_quietly([t] * 2, ParallelLayout(tp=tp, gen_tp=tg))
+    for kind in ("tp", "gen_tp", "micro_dp"):
+        for rep in plan.reports[kind]:
+            assert rep.in_nvlink_island
+            assert rep.link == ("NV18" if len(rep.ranks) > 1 else "X")
+
+
+def test_unequal_bonds_prefer_the_strongest():
+    # DGX-1 hybrid cube-mesh GPU block (NVIDIA/nccl-tests#29): quads {0..3},{4..7} with NV2 and NV1 bonds.
+    rows = ["X NV2 NV2 NV1 NV1 SYS SYS SYS", "NV2 X NV1 NV2 SYS NV1 SYS SYS", "NV2 NV1 X NV1 SYS SYS NV2 SYS",
+            "NV1 NV2 NV1 X SYS SYS SYS NV2", "NV1 SYS SYS SYS X NV2 NV2 NV1", "SYS NV1 SYS SYS NV2 X NV1 NV2",
+            "SYS SYS NV2 SYS NV2 NV1 X NV1", "SYS SYS SYS NV2 NV1 NV2 NV1 X"]
+    text = "\t" + "\t".join(f"GPU{i}" for i in range(8)) + "\n" + "".join(
+        f"GPU{i}\t" + "\t".join(r.split()) + "\n" for i, r in enumerate(rows))
+    t = parse_topology(text)
+    plan = plan_quietly([t], ParallelLayout(tp=2))
+    assert [r.link for r in plan.reports["tp"]] == ["NV2"] * 4  # pairs {0,2},{1,3},{4,6},{5,7}
+    plan = plan_quietly([t], ParallelLayout(tp=4, gen_tp=2))
+    assert all(r.in_nvlink_island for r in plan.reports["tp"])
+    assert [r.link for r in plan.reports["gen_tp"]] == ["NV2"] * 4  # strided ranks get the NV2 bonds
+    # given those, the best micro-DP pairs are one NV2 and one NV1 pair per quad
+    assert [r.link for r in plan.reports["micro_dp"]] == ["NV2", "NV1", "NV2", "NV1"]
+
+
+def test_fallback_warns_and_keeps_locality():
+    t = topo("a6000_8gpu_nvlink_pairs.txt")
+    with pytest.warns(TopologyFallbackWarning, match="cannot sit inside one NVLink island"):
+        plan = TopologyAwareScheduler([t]).plan(ParallelLayout(tp=4, gen_tp=2))
+    for rep in plan.reports["tp"]:
+        gpus = [d[1] for d in rep.devices]
+        assert len({t.numa_node(g) for g in gpus}) == 1  # NODE, never SYS
+        assert rep.link == "NODE" and not rep.in_nvlink_island
+    assert all(r.link == "NV4" for r in plan.reports["gen_tp"])  # generation TP keeps the NVLink pairs
+
+    one_pair = topo("a100_4gpu_one_nvlink_pair.txt")
+    with pytest.warns(TopologyFallbackWarning):
+        plan = TopologyAwareScheduler([one_pair]).plan(ParallelLayout(tp=2))
+    assert [(r.link, r.in_nvlink_island) for r in plan.reports["tp"]] == [("NV12", True), ("NODE", False)]
+
+    pcie = topo("t4_4gpu_pcie.txt")
+    with pytest.warns(TopologyFallbackWarning):
+        plan = TopologyAwareScheduler([pcie]).plan(ParallelLayout(tp=2))
+    assert sorted(r.link for r in plan.reports["tp"]) == ["NODE", "SYS"]  # GPU0 is alone on its socket
+
+
+def test_tp_spanning_nodes_is_reported_as_network():
+    t = topo("a30_4gpu_nvlink_pairs.txt")
+    with pytest.warns(TopologyFallbackWarning, match="spans 2 nodes"):
+        plan = TopologyAwareScheduler([t] * 4).plan(ParallelLayout(tp=8))
+    assert all(r.link == "NET" for r in plan.reports["tp"])
+
+
+def test_128_nodes_tp8_pp4_tg4_under_two_seconds():
+    text = (FIX / "dgx_h100_8gpu_12nic.txt").read_text()
+    start = time.perf_counter()
+    topos = [parse_topology(text) for _ in range(128)]
+    plan = plan_quietly(topos, ParallelLayout(tp=8, pp=4, gen_tp=4))
+    elapsed = time.perf_counter() - start
+    assert elapsed < 2.0, f"planning took {elapsed:.2f}s"
+
+    assert plan.world_size == 1024 and plan.dp == 32
+    devices = [plan.device_for(r) for r in range(1024)]
+    assert len(set(devices)) == 1024  # a bijection rank <-> (node, GPU)
+    for node, order in enumerate(plan.device_order):
+        assert sorted(order) == list(range(8))
+    assert all(devices[r][0] == r // 8 for r in range(1024))  # launchers number ranks node by node
+    expect_sizes = {"tp": (128, 8), "gen_tp": (256, 4), "micro_dp": (512, 2), "dp": (32, 32), "pp": (256, 4)}
+    for kind, (count, size) in expect_sizes.items():
+        reps = plan.reports[kind]
+        assert len(reps) == count and all(len(r.ranks) == size for r in reps), kind
+        assert sorted(x for r in reps for x in r.ranks) == list(range(1024)), kind  # a partition of the ranks
+    for kind in ("tp", "gen_tp", "micro_dp"):
+        for rep in plan.reports[kind]:
+            assert len({d[0] for d in rep.devices}) == 1 and rep.in_nvlink_island and rep.link == "NV18", kind
+    for rep in plan.reports["tp"]:
+        assert list(rep.ranks) == list(range(rep.ranks[0], rep.ranks[0] + 8)) and rep.ranks[0] % 8 == 0
+    for rep in plan.reports["gen_tp"]:
+        assert [b - a for a, b in zip(rep.ranks, rep.ranks[1:])] == [2, 2, 2]  # strided by tp/tg = 2
+    for rep in plan.reports["micro_dp"]:
+        assert rep.ranks[1] - rep.ranks[0] == 1 and rep.ranks[0] % 2 == 0  # runs of 2 consecutive ranks
+    for rep in plan.reports["dp"]:
+        assert len({d[0] for d in rep.devices}) == 32 and rep.link == "NET"  # DP crosses nodes
+        assert len({r % 8 for r in rep.ranks}) == 1 and len({r // 256 for r in rep.ranks}) == 1
+    for rep in plan.reports["pp"]:
+        assert len({d[0] for d in rep.devices}) == 4 and rep.link == "NET"  # PP crosses nodes
+        assert [b - a for a, b in zip(rep.ranks, rep.ranks[1:])] == [256, 256, 256]
+
+
+def test_layout_and_topology_validation():
+    t = topo("a6000_8gpu_nvlink_pairs.txt")
+    with pytest.raises(ValueError, match="gen_tp=3 must divide layout.tp=4"):
+        ParallelLayout(tp=4, gen_tp=3)
+    with pytest.raises(ValueError, match="tp=3 does not divide the 8 GPUs"):
+        TopologyAwareScheduler([t] * 3).plan(ParallelLayout(tp=3))
+    with pytest.raises(ValueError, match="layout.dp=3"):
+        TopologyAwareScheduler([t]).plan(ParallelLayout(tp=2, dp=3))
+    with pytest.raises(ValueError, match="same number of GPUs"):
+        TopologyAwareScheduler([t, topo("a30_4gpu_nvlink_pairs.txt")])
+    with pytest.raises(ValueError, match="not divisible by tp\\*cp\\*pp"):
+        TopologyAwareScheduler([t]).plan(ParallelLayout(tp=2, pp=3))
+
+
+def _tools_topo():
+    spec = importlib.util.spec_from_file_location("tools_topo", REPO / "tools" / "topo.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_tools_topo_json_and_text(capsys):
+    tool = _tools_topo()
+    rc = tool.main(["--file", str(FIX / "a30_4gpu_nvlink_pairs.txt"), "--tp", "2", "--nodes", "2", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["gpus"] == 4 and out["islands"] == [[0, 1], [2, 3]]
+    assert out["tp_groups"] == [[0, 1], [2, 3], [4, 5], [6, 7]] and out["world_size"] == 8
+    for pair in combinations(range(4), 2):  # islands really are NVLink cliques
+        assert (pair in [(0, 1), (2, 3)]) == (out["rank_to_device"][pair[0]][1] // 2 == out["rank_to_device"][
+            pair[1]][1] // 2)
+    rc = tool.main(["--file", str(FIX / "a6000_8gpu_nvlink_pairs.txt"), "--tp", "4", "--tg", "2"])
+    text = capsys.readouterr().out
+    assert rc == 0 and "NVLink islands" in text and "WARNING" in text and "Why:" in text
+    rc = tool.main(["--file", str(FIX / "a30_4gpu_nvlink_pairs.txt"), "--tp", "3", "--nodes", "3"])
+    assert rc == 2 and "tp=3 does not divide" in capsys.readouterr().err
+
+
+def test_tools_topo_without_nvidia_smi(capsys, monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    tool = _tools_topo()
+    assert tool.main(["--tp", "2"]) == 2
+    assert "nvidia-smi is not on PATH" in capsys.readouterr().err
