@@ -140,3 +140,15 @@ def test_progress_bar_postfix_on_a_tty(tmp_path, capsys, monkeypatch):
     captured = capsys.readouterr()
     assert captured.out == ""  # the bar replaces the per-step lines
     assert "2/2" in captured.err and "reward 0.2 kl 0.02 ent 1.8 1.50s/step" in captured.err
+
+
+def test_curve_keys_follow_the_trainer_names(tmp_path, capsys):
+    with MetricsLogger(tmp_path, tensorboard=False, plot=False) as log:
+        log.log({"reward/mean": 0.5, "kl/coef": 0.1, "kl/actor_ref": 0.02, "actor/entropy_rollout": 1.25}, step=1)
+        log.log({"reward/mean": 0.5, "kl/coef": 0.1, "kl/reward_kl": 0.03}, step=2)
+        log.log({"reward/mean": 0.5, "kl/coef": 0.1, "my/kl": 0.04, "policy/entropy": 1.5}, step=3)
+    assert capsys.readouterr().out.splitlines() == [
+        "step 1 | reward/mean 0.5 | kl/actor_ref 0.02 | actor/entropy_rollout 1.25",
+        "step 2 | reward/mean 0.5 | kl/reward_kl 0.03",
+        "step 3 | reward/mean 0.5 | my/kl 0.04 | policy/entropy 1.5",
+    ]

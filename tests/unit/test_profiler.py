@@ -218,7 +218,7 @@ def test_concurrent_stages_of_one_name_from_threads():
 def test_format_tree_has_promised_sections():
     prof = StageProfiler(peak_flops=1e12, flops_per_token=1e9)
     _pipelined_step(prof)
-    prof.record("reward_model", 9, 12)
+    prof.record("rm_score", 9, 12)
     prof.record("my_filter", 21, 21.5)
     prof.add_counter("tokens", 4200)
     prof.add_counter("decode_steps", 64)

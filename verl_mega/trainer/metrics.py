@@ -30,13 +30,14 @@ METRICS_FILE = "metrics.jsonl"
 CURVES_FILE = "curves.png"
 TENSORBOARD_DIR = "tensorboard"
 
-# (panel title, preferred keys in order, fallback name): the first preferred key present wins, else any key whose
-# last `/` segment is the fallback name or `<name>_mean`, or `<name>/mean`.
+# (panel title, preferred keys in order, fallback name): the first preferred key present wins, else the first key
+# (sorted) whose last `/` segment is `<name>` or `<name>_mean`, else one under `<name>/` that is not a coefficient.
 _PANELS = (
     ("reward/mean", ("reward/mean",), "reward"),
-    ("KL", ("actor/kl", "kl/mean", "actor/ppo_kl", "rollout/kl", "kl"), "kl"),
-    ("entropy", ("actor/entropy", "entropy/mean", "entropy"), "entropy"),
+    ("KL", ("kl/actor_ref", "kl/reward_kl", "actor/kl", "kl/mean", "actor/ppo_kl", "kl"), "kl"),
+    ("entropy", ("actor/entropy", "actor/entropy_rollout", "entropy/mean", "entropy"), "entropy"),
 )
+_NOT_A_CURVE = ("coef", "coeff", "target", "horizon")
 _STEP_TIME_KEY = "timing/step_s"
 
 
@@ -45,9 +46,12 @@ def _find_key(keys: Sequence[str], preferred: Sequence[str], name: str) -> str |
     for key in preferred:
         if key in present:
             return key
-    for key in sorted(present):
-        parts = key.lower().split("/")
-        if parts[-1] in (name, f"{name}_mean") or (len(parts) == 2 and parts == [name, "mean"]):
+    lowered = sorted((key.lower().split("/"), key) for key in present)
+    for parts, key in lowered:
+        if parts[-1] in (name, f"{name}_mean"):
+            return key
+    for parts, key in lowered:
+        if parts[0] == name and len(parts) > 1 and parts[-1] not in _NOT_A_CURVE:
             return key
     return None
 

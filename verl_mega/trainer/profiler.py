@@ -50,7 +50,7 @@ POSTPROCESS = "rollout/postprocess"
 OLD_LOGPROB = "old_logprob"
 REF_LOGPROB = "ref_logprob"
 VALUES = "values"
-REWARD_MODEL = "reward_model"
+REWARD_MODEL = "rm_score"
 REWARD = "reward"
 ADVANTAGE = "advantage"
 CRITIC_UPDATE = "critic_update"
@@ -373,7 +373,9 @@ class StageProfiler:
                     ov = s.get(f"overlap/{stage}_with_rollout_s", 0.0)
                     text += f"  overlap with rollout {ov:.3f}s ({pct(ov, t).strip()})"
                 hidden = s.get(f"overlap/{stage}_s", 0.0)
-                text += f", with any stage {hidden:.3f}s"
+                text += f", with any stage {hidden:.3f}s ({pct(hidden, t).strip()})"
+            elif s.get(f"overlap/{stage}_s", 0.0) > 0:
+                text += f"  overlaps other stages {s[f'overlap/{stage}_s']:.3f}s"
             return text
 
         known = {stage for stage, _, _ in _TREE}
