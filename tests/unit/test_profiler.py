@@ -263,3 +263,16 @@ def test_transformer_flops_against_published_parameter_counts():
 
     with pytest.raises(ValueError, match="kv_heads"):
         transformer_flops_per_token(2, 64, 128, 6, 4, 16, 100, 8, training=True)
+
+
+def test_decode_step_average_needs_a_step_count():
+    once = StageProfiler()
+    once.record("rollout/decode", 0, 2)
+    assert "timing/decode_step_ms" not in once.step_summary()
+    assert "ms/step" not in once.format_tree()
+
+    per_step = StageProfiler()
+    for i in range(4):
+        per_step.record("decode", i, i + 0.25, parent="rollout")
+    assert per_step.step_summary()["timing/decode_step_ms"] == 250.0
+    assert "avg 250.00 ms/step over 4 steps" in per_step.format_tree()

@@ -286,11 +286,12 @@ class StageProfiler:
         * ``timing/<stage>_s`` — wall time of every stage and sub-stage: length of the union of its intervals.
         * ``timing/step_s`` — from the earliest start to the latest end of any interval in the step.
         * ``timing/untracked_s`` — part of the step inside no top-level stage.
-        * ``timing/decode_step_ms`` — ``rollout/decode`` time / ``decode_steps`` counter (or its interval count).
+        * ``timing/decode_step_ms`` — ``rollout/decode`` time / ``decode_steps`` counter (or its interval count
+          when it was recorded once per decode step).
         * ``overlap/<stage>_s`` — for each top-level stage: seconds it ran while any *other* top-level stage ran.
         * ``overlap/<stage>_with_rollout_s`` — for each scoring stage: seconds it overlapped ``rollout``.
-        * ``overlap/scoring_serial_s`` = Σ_i |S_i| over scoring stages i (their cost if run one after another);
-          ``overlap/scoring_exposed_s`` = |∪_i S_i \\ O| where O is the union of all non-scoring top-level stages
+        * ``overlap/scoring_serial_s`` = Σ_i len(S_i) over scoring stages i (their cost if run one after another);
+          ``overlap/scoring_exposed_s`` = len(∪_i S_i \\ O) where O is the union of all non-scoring top-level stages
           (time in which only scoring ran: what scoring added to the step); ``overlap/scoring_hidden_s`` = their
           difference; ``overlap/efficiency`` = hidden / serial ∈ [0, 1]: the share of scoring time hidden behind
           other stages, including behind other scoring stages.
@@ -311,9 +312,10 @@ class StageProfiler:
         out["timing/step_s"] = step_s
         top = [name for name in sets if "/" not in name]
         out["timing/untracked_s"] = max(0.0, step_s - total_length(s for name in top for s in sets[name]))
-        if DECODE in sets:
-            steps = counters.get(DECODE_STEPS) or len(iv[DECODE])
-            out["timing/decode_step_ms"] = 1e3 * out[f"timing/{DECODE}_s"] / steps
+        # Per-decode-step time needs a step count: the counter, else one interval per decode step.
+        decode_steps = counters.get(DECODE_STEPS) or (len(iv[DECODE]) if len(iv.get(DECODE, ())) > 1 else 0)
+        if DECODE in sets and decode_steps:
+            out["timing/decode_step_ms"] = 1e3 * out[f"timing/{DECODE}_s"] / decode_steps
 
         for name in top:
             others = [s for other in top if other != name for s in sets[other]]
@@ -363,7 +365,7 @@ class StageProfiler:
                 return f"{prefix}{label:<{width - len(prefix)}} {'not run':>10}"
             t = s[key]
             text = f"{prefix}{label:<{width - len(prefix)}} {t:9.3f}s  {pct(t, step_s)}"
-            if stage == DECODE:
+            if stage == DECODE and "timing/decode_step_ms" in s:
                 steps = int(s.get(f"count/{DECODE_STEPS}", n_calls[stage]))
                 text += f"  (avg {s['timing/decode_step_ms']:.2f} ms/step over {steps} steps)"
             elif n_calls.get(stage, 0) > 1:
