@@ -178,6 +178,8 @@ class MetricsLogger:
         if self.jsonl_path is not None:
             kept = self._truncate_jsonl(resume_step)
             self._file = open(self.jsonl_path, "a", encoding="utf-8")
+        if resume_step is not None:  # steps up to the checkpoint belong to the earlier run, logged or not
+            self._last_step = resume_step
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -209,8 +211,6 @@ class MetricsLogger:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.jsonl_path)
-        if keep:
-            self._last_step = max(r["step"] for _, r in keep)
         return len(keep)
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
