@@ -33,6 +33,7 @@ def _python_args(rest: list[str]) -> list[str]:
 
 
 def _import_ray():
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # read at import: stream every rank's lines, not "[repeated 3x]"
     try:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
@@ -101,8 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         def __init__(self) -> None:
             self.proc = None
 
-        def node(self) -> tuple[str, str]:
-            return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
+        def node(self) -> tuple[str, str, list[str]]:
+            gpus = [str(g) for g in ray.get_runtime_context().get_accelerator_ids().get("GPU", [])]
+            return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id(), gpus
 
         def free_port(self) -> int:
             import socket
@@ -154,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
                    "VERL_MEGA_RAY_NODE_ID": where[rank][1]}
             if unit == "CPU":
                 env["CUDA_VISIBLE_DEVICES"] = ""
+            else:  # like torchrun: every rank of a node sees the node's GPUs, local_rank i drives the i-th
+                node_gpus = [g for r in range(node_rank * ppn, (node_rank + 1) * ppn) for g in where[r][2]]
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(node_gpus)
             refs[actor.run.remote(prog, env, f"[rank{rank}]")] = rank
         print(f"ray_launch: {world} rank(s) on {nnodes} node(s) {[n['NodeManagerAddress'] for n in chosen]}, "
               f"MASTER_ADDR={master_addr}:{master_port}", flush=True)

@@ -2,7 +2,8 @@
 
 It initialises gloo through ``verl_mega.parallel.launch_env`` (whatever launcher started it), checks an all_reduce,
 checks that node_rank/local_rank agree with where the ranks actually run, then trains a 4->1 linear model for two
-SGD steps with data-parallel gradient averaging and writes the losses (rank 0) to ``--out``.
+SGD steps with data-parallel gradient averaging and writes the losses (rank 0) to ``--out``. ``--backend nccl``
+runs the same on one GPU per rank.
 Any failed check raises, so the launcher sees a non-zero exit.
 """
 
@@ -41,23 +42,29 @@ def initial_weights() -> tuple[torch.Tensor, torch.Tensor]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     args = ap.parse_args()
 
     env = discover()
     env.export_to_os_environ()
-    dist.init_process_group("gloo", init_method="env://", rank=env.rank, world_size=env.world_size,
+    device = torch.device("cpu")
+    if args.backend == "nccl":
+        device = torch.device("cuda", env.local_rank)
+        torch.cuda.set_device(device)
+    dist.init_process_group(args.backend, init_method="env://", rank=env.rank, world_size=env.world_size,
                             timeout=timedelta(seconds=90))
     world = dist.get_world_size()
     assert dist.get_rank() == env.rank and world == env.world_size
 
-    t = torch.tensor([float(env.rank + 1)])
+    t = torch.tensor([float(env.rank + 1)], device=device)
     dist.all_reduce(t)
     assert t.item() == world * (world + 1) / 2, f"all_reduce gave {t.item()}"
 
     # Where this rank really runs: the test gives each simulated node an id (or the hostname differs per node).
     where = os.environ.get("TEST_NODE_ID") or os.environ.get("VERL_MEGA_RAY_NODE_ID") or socket.gethostname()
     info = {"rank": env.rank, "node_rank": env.node_rank, "local_rank": env.local_rank,
-            "local_world_size": env.local_world_size, "launcher": env.launcher, "where": where}
+            "local_world_size": env.local_world_size, "launcher": env.launcher, "where": where,
+            "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device)}
     infos: list = [None] * world
     dist.all_gather_object(infos, info)
     by_where: dict[str, list[dict]] = {}
@@ -71,8 +78,8 @@ def main() -> None:
 
     x, y = global_batch(world)
     lo = env.rank * ROWS_PER_RANK
-    xs, ys = x[lo:lo + ROWS_PER_RANK], y[lo:lo + ROWS_PER_RANK]
-    w0, b0 = initial_weights()
+    xs, ys = x[lo:lo + ROWS_PER_RANK].to(device), y[lo:lo + ROWS_PER_RANK].to(device)
+    w0, b0 = (t.to(device) for t in initial_weights())
     w, b = w0.clone().requires_grad_(True), b0.clone().requires_grad_(True)
     losses = []
     for _ in range(STEPS):
