@@ -1,0 +1,206 @@
+"""Checkpoints of the full training state, written atomically, and resume.
+
+Layout under ``<trainer.output_dir>/checkpoints/``::
+
+    step_000010/
+        actor/           mcore dist checkpoint: model + distributed-optimizer state (reshards on load)
+        critic/          same, when a critic runs
+        rank_00000.pt    per-rank RNG states (torch, cuda, python, numpy, mcore tracker)
+        trainer.json     step, data-loader position, KL controller, LR schedulers, engine versions, config
+        COMPLETE         written last, inside the temp dir, before the rename
+    latest               name of the newest complete checkpoint (replaced atomically, after the rename)
+
+Every rank writes into ``.tmp-step_N``; after a barrier rank 0 marks it COMPLETE and renames it. A directory
+without COMPLETE is never loaded, so a kill at any point leaves either the previous or the new checkpoint usable.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from verl_mega.config import diff_configs, to_dict
+
+log = logging.getLogger("verl_mega.checkpoint")
+# Optimizer state in a canonical per-parameter form, so a resume may change tp/pp/dp (mcore reshards it).
+_OPTIM_META = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+class ResumeError(ValueError):
+    """A checkpoint that cannot be resumed from; the message says why and what to do."""
+
+
+class NonFiniteError(RuntimeError):
+    pass
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def rng_state() -> dict[str, Any]:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    np_state = np.random.get_state()
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
+             "tracker": get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), *rest))
+    get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class CheckpointManager:
+    def __init__(self, cfg, *, engines: dict[str, Any], loader, kl_ctrl) -> None:
+        self.cfg = cfg
+        self.root = Path(cfg.trainer.output_dir) / "checkpoints"
+        self.engines = {k: v for k, v in engines.items() if v is not None}
+        self.loader = loader
+        self.kl_ctrl = kl_ctrl
+        self._nonfinite = 0
+
+    # ------------------------------------------------------------------ save
+    def should_save(self, step: int, total_steps: int) -> bool:
+        every = self.cfg.trainer.save_every
+        return bool(every) and (step % every == 0 or step == total_steps)
+
+    def save(self, step: int) -> Path:
+        from megatron.core import dist_checkpointing
+
+        from verl_mega.models.mcore_ckpt import model_sharded_state_dict
+
+        name = f"step_{step:06d}"
+        tmp = self.root / f".tmp-{name}"
+        final = self.root / name
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        _barrier()
+        for role, engine in self.engines.items():
+            model_sd = model_sharded_state_dict(engine.chunks)
+            sd = dict(model_sd)
+            if self.cfg.checkpoint.save_optimizer:
+                flat = {k: v for d in model_sd.values() for k, v in d.items()} if len(model_sd) > 1 else model_sd["model"]
+                sd["optimizer"] = engine.optimizer.sharded_state_dict(flat, metadata=_OPTIM_META)
+            (tmp / role).mkdir(exist_ok=True) if _rank() == 0 else None
+            _barrier()
+            dist_checkpointing.save(sd, str(tmp / role))
+        torch.save(rng_state(), tmp / f"rank_{_rank():05d}.pt")
+        _barrier()
+        if _rank() == 0:
+            state = {"step": step, "loader": self.loader.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
+                     "engines": {r: {"version": e.version, "scheduler": e.scheduler.state_dict()}
+                                 for r, e in self.engines.items()},
+                     "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                     "config": to_dict(self.cfg)}
+            (tmp / "trainer.json").write_text(json.dumps(state, indent=1, default=str))
+            (tmp / "COMPLETE").write_text("ok\n")
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            latest_tmp = self.root / ".latest.tmp"
+            latest_tmp.write_text(name + "\n")
+            os.replace(latest_tmp, self.root / "latest")
+            self._prune()
+        _barrier()
+        return final
+
+    def _prune(self) -> None:
+        keep = self.cfg.checkpoint.keep_last
+        done = sorted(p for p in self.root.glob("step_*") if (p / "COMPLETE").exists())
+        for old in done[:-keep] if keep else []:
+            shutil.rmtree(old, ignore_errors=True)
+
+    # ------------------------------------------------------------------ resume
+    def find(self) -> Path | None:
+        mode = self.cfg.trainer.resume
+        if mode == "off":
+            return None
+        if mode != "auto":
+            path = Path(mode)
+            if not (path / "COMPLETE").exists():
+                raise ResumeError(f"trainer.resume={mode}: not a complete checkpoint (no COMPLETE marker); "
+                                  "pick a step_* directory or use resume=auto")
+            return path
+        candidates = sorted(p for p in self.root.glob("step_*") if (p / "COMPLETE").exists())
+        return candidates[-1] if candidates else None
+
+    def maybe_resume(self) -> int:
+        """Load the checkpoint chosen by trainer.resume; returns the step it holds (0 when starting fresh)."""
+        path = self.find()
+        if path is None:
+            return 0
+        from megatron.core import dist_checkpointing
+
+        from verl_mega.models.loader import unwrap
+        from verl_mega.models.mcore_ckpt import model_sharded_state_dict
+
+        state = json.loads((path / "trainer.json").read_text())
+        changes = diff_configs(state["config"], self.cfg)
+        if changes and not self.cfg.trainer.resume_allow_config_change:
+            raise ResumeError(f"resume: config differs from {path.name} in result-changing keys ({'; '.join(changes)}); "
+                              "restore them or set trainer.resume_allow_config_change=true")
+        for role, engine in self.engines.items():
+            if not (path / role).exists():
+                raise ResumeError(f"resume: {path} has no {role}/ state; it was saved by a run without that role")
+            model_sd = model_sharded_state_dict(engine.chunks)
+            sd = dict(model_sd)
+            if self.cfg.checkpoint.save_optimizer:
+                flat = {k: v for d in model_sd.values() for k, v in d.items()} if len(model_sd) > 1 else model_sd["model"]
+                sd["optimizer"] = engine.optimizer.sharded_state_dict(flat, is_loading=True, metadata=_OPTIM_META)
+            loaded = dist_checkpointing.load(sd, str(path / role))
+            for i, c in enumerate(engine.chunks):
+                unwrap(c).load_state_dict(loaded["model" if len(engine.chunks) == 1 else f"model{i}"])
+            if "optimizer" in loaded:
+                engine.optimizer.load_state_dict(loaded["optimizer"])
+            engine.version = state["engines"][role]["version"]
+            engine.scheduler.load_state_dict(state["engines"][role]["scheduler"])
+        self.loader.load_state_dict(state["loader"])
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        rank_file = path / f"rank_{_rank():05d}.pt"
+        if rank_file.exists() and state["world_size"] == (dist.get_world_size() if dist.is_initialized() else 1):
+            set_rng_state(torch.load(rank_file, weights_only=True))
+        else:
+            log.warning("resume: world size changed; RNG streams restart from the seed (results will differ)")
+        log.info("resumed from %s (step %d)", path, state["step"])
+        return int(state["step"])
+
+    # ------------------------------------------------------------------ guards
+    def guard_nonfinite(self, metrics: dict[str, float], step: int) -> None:
+        bad = [k for k in ("actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm")
+               if k in metrics and not math.isfinite(metrics[k])]
+        if not bad:
+            self._nonfinite = 0
+            return
+        self._nonfinite += 1
+        log.warning("step %d: non-finite %s; the optimizer step was skipped (%d in a row)", step, bad, self._nonfinite)
+        if self._nonfinite >= self.cfg.trainer.max_consecutive_nonfinite:
+            raise NonFiniteError(f"step {step}: {self._nonfinite} consecutive steps with non-finite {bad}; lower the "
+                                 "learning rate or check the reward function, then resume from the last checkpoint")

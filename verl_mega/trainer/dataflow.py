@@ -1,0 +1,116 @@
+"""The RL step as a small dataflow graph.
+
+Stages declare what they depend on. Device stages (Megatron / vLLM work with collectives) run in the main thread
+in declaration order — every SPMD rank must issue collectives in the same order. Host stages (reward functions,
+sandboxes, anything CPU-only) start in a thread as soon as their inputs exist and overlap the device stages that
+follow; a stage that needs a host stage's output waits for it. Each stage's wall interval goes to the profiler,
+which turns the intervals into overlap figures.
+
+    flow = (DataflowBuilder(profiler)
+            .add_rollout(actor=rollout_fn, env=prompts_fn)
+            .add_stage("reward", reward_fn, deps=("rollout",), host=True)
+            .add_stage("old_logprob", ..., deps=("rollout",))
+            .add_critic_update(critic=critic_fn, data="advantage")
+            .add_policy_update(actor=actor_fn, data="advantage")
+            .build())
+    outputs = flow.run()
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+StageFn = Callable[[dict[str, Any]], Any]
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    fn: StageFn
+    deps: tuple[str, ...] = ()
+    host: bool = False
+
+
+@dataclass
+class Dataflow:
+    stages: list[Stage]
+    profiler: Any = None
+    max_host_workers: int = 4
+    _pool: ThreadPoolExecutor | None = field(default=None, repr=False)
+
+    def run(self, inputs: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Run every stage once; returns {stage name: its result} (plus `inputs`)."""
+        results: dict[str, Any] = dict(inputs or {})
+        futures: dict[str, Future] = {}
+        if self._pool is None and any(s.host for s in self.stages):
+            self._pool = ThreadPoolExecutor(max_workers=self.max_host_workers, thread_name_prefix="host-stage")
+
+        def ready(stage: Stage) -> dict[str, Any]:
+            for dep in stage.deps:
+                if dep in futures:
+                    results[dep] = futures.pop(dep).result()  # re-raises a host stage's error here
+            return results
+
+        for stage in self.stages:
+            if stage.host:
+                deps_view = ready(stage)
+                futures[stage.name] = self._pool.submit(self._timed, stage, dict(deps_view))
+            else:
+                results[stage.name] = self._timed(stage, ready(stage))
+        for name, fut in futures.items():
+            results[name] = fut.result()
+        return results
+
+    def _timed(self, stage: Stage, ctx: dict[str, Any]) -> Any:
+        if self.profiler is None:
+            return stage.fn(ctx)
+        # host stages run in threads: a device synchronize there would only inflate their time
+        with self.profiler.stage(stage.name, sync=not stage.host):
+            return stage.fn(ctx)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+class DataflowBuilder:
+    """Declares the stages of one RL step; `build()` validates names and dependency order."""
+
+    def __init__(self, profiler: Any = None) -> None:
+        self._stages: list[Stage] = []
+        self._profiler = profiler
+
+    def add_stage(self, name: str, fn: StageFn, *, deps: tuple[str, ...] | list[str] = (), host: bool = False
+                  ) -> "DataflowBuilder":
+        self._stages.append(Stage(name, fn, tuple(deps), host))
+        return self
+
+    # Façades named after the RL roles, so a step reads like the algorithm.
+    def add_rollout(self, *, actor: StageFn, env: StageFn | None = None) -> "DataflowBuilder":
+        """`env` produces the prompts (stage "prompts"); `actor` generates from them in inference mode."""
+        if env is not None:
+            self.add_stage("prompts", env, host=False)
+        return self.add_stage("rollout", actor, deps=("prompts",) if env is not None else ())
+
+    def add_critic_update(self, *, critic: StageFn, data: str) -> "DataflowBuilder":
+        return self.add_stage("critic_update", critic, deps=(data,))
+
+    def add_policy_update(self, *, actor: StageFn, data: str) -> "DataflowBuilder":
+        return self.add_stage("actor_update", actor, deps=(data,))
+
+    def build(self, *, max_host_workers: int = 4) -> Dataflow:
+        seen: set[str] = set()
+        for stage in self._stages:
+            if stage.name in seen:
+                raise ValueError(f"dataflow: stage {stage.name!r} is declared twice")
+            missing = [d for d in stage.deps if d not in seen]
+            if missing:
+                raise ValueError(
+                    f"dataflow: stage {stage.name!r} depends on {missing}, which are not declared before it; "
+                    "declare stages in dependency order"
+                )
+            seen.add(stage.name)
+        return Dataflow(list(self._stages), self._profiler, max_host_workers)

@@ -1,0 +1,198 @@
+"""One RL step (rollout → score → advantage → critic update → actor update → weight sync) as a dataflow.
+
+This is the control flow a researcher edits: the algorithm is plain Python over batches and the pure functions of
+:mod:`verl_mega.algos`; communication and memory live in the engine, the rollout and the hybrid engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+
+from verl_mega import algos
+from verl_mega.config import TrainConfig
+from verl_mega.trainer.batch import Batch, pack_sequences
+from verl_mega.trainer.dataflow import DataflowBuilder
+
+
+class RLTrainer:
+    def __init__(self, cfg: TrainConfig, *, actor, ref, critic, reward_model, rollout, weight_sync, reward_pool,
+                 tokenizer, profiler, kl_ctrl) -> None:
+        self.cfg = cfg
+        self.actor, self.ref, self.critic, self.reward_model = actor, ref, critic, reward_model
+        self.rollout, self.weight_sync, self.reward_pool = rollout, weight_sync, reward_pool
+        self.tokenizer, self.profiler, self.kl_ctrl = tokenizer, profiler, kl_ctrl
+        self.dp, self.dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
+        self.flow = self._build_flow()
+
+    # ------------------------------------------------------------------ the step, as a graph
+    def _build_flow(self):
+        b = DataflowBuilder(self.profiler).add_rollout(actor=self._rollout)
+        b.add_stage("reward", self._reward, deps=("rollout",), host=True)  # CPU scoring overlaps device scoring
+        b.add_stage("old_logprob", self._old_logprob, deps=("rollout",))
+        if self.ref is not None:
+            b.add_stage("ref_logprob", self._ref_logprob, deps=("rollout",))
+        if self.critic is not None:
+            b.add_stage("values", self._values, deps=("rollout",))
+        if self.reward_model is not None:
+            b.add_stage("rm_score", self._rm_score, deps=("rollout",))
+        b.add_stage("advantage", self._advantage, deps=("reward", "old_logprob"))
+        if self.critic is not None:
+            b.add_critic_update(critic=self._critic_update, data="advantage")
+        b.add_policy_update(actor=self._actor_update, data="advantage")
+        b.add_stage("weight_sync", self._weight_sync, deps=("actor_update",))
+        return b.build()
+
+    def step(self, prompt_batch) -> dict[str, float]:
+        out = self.flow.run({"prompts": prompt_batch})
+        metrics: dict[str, float] = {}
+        for name in ("rollout", "reward", "advantage", "critic_update", "actor_update", "weight_sync"):
+            if isinstance(out.get(name), dict):
+                metrics.update({k: v for k, v in out[name].items() if isinstance(v, float)})
+        return metrics
+
+    # ------------------------------------------------------------------ stages
+    def _rollout(self, ctx) -> dict[str, Any]:
+        """Every rank holds the global prompt batch; each vLLM engine generates its share; all ranks gather all."""
+        prompts = ctx["prompts"].items
+        rcfg = self.cfg.rollout
+        from verl_mega.rollout.vllm_rollout import SamplingSpec
+
+        self.rollout.wake_up()
+        mine = self.rollout.engine_share(list(range(len(prompts))))
+        sampling = SamplingSpec(n=rcfg.n, max_tokens=rcfg.max_response_length, temperature=rcfg.temperature,
+                                top_p=rcfg.top_p, top_k=max(rcfg.top_k, 0), ignore_eos=rcfg.ignore_eos,
+                                stop_token_ids=(self.tokenizer.eos_token_id,), logprobs=False,
+                                seed=None)
+        gen = self.rollout.generate([prompts[i].prompt_ids for i in mine], sampling)
+        local = (self.rollout.engine_index, [(mine[p], ids) for p, ids in zip(gen.prompt_index, gen.token_ids)],
+                 gen.weight_version)
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local)
+        if self.cfg.rollout.free_cache_engine:
+            self.rollout.sleep()
+        by_engine = {e: (samples, v) for e, samples, v in gathered}
+        samples = [s for e in sorted(by_engine) for s in by_engine[e][0]]
+        versions = {v for _, v in by_engine.values()}
+        eos = self.tokenizer.eos_token_id
+        prompt_ids = [prompts[p].prompt_ids for p, _ in samples]
+        # the EOS token is kept in the response: the policy must learn to stop
+        responses = [ids[: rcfg.max_response_length] for _, ids in samples]
+        packed = pack_sequences(prompt_ids, responses, pad_id=self.tokenizer.pad_token_id or 0,
+                                max_response_length=rcfg.max_response_length)
+        meta = {"group": [p for p, _ in samples],
+                "ground_truth": [prompts[p].ground_truth for p, _ in samples],
+                "response_text": [self.tokenizer.decode([t for t in ids if t != eos]) for _, ids in samples]}
+        full = Batch(packed, meta)
+        rows = len(full) // self.dp
+        self.batch = full.select(range(self.dp_rank * rows, (self.dp_rank + 1) * rows))
+        self.global_rows = len(full)
+        n_tokens = float(packed["response_len"].sum())
+        self.profiler.add_counter("tokens", n_tokens)
+        return {"rollout/response_length": n_tokens / len(full), "rollout/weight_version": float(max(versions)),
+                "rollout/truncated_frac": float((packed["response_len"] >= rcfg.max_response_length).float().mean())}
+
+    def _reward(self, ctx) -> torch.Tensor:
+        result = self.reward_pool.score(self.batch.meta["response_text"], self.batch.meta["ground_truth"])
+        return torch.tensor(result.scores, dtype=torch.float32)
+
+    def _old_logprob(self, ctx) -> torch.Tensor:
+        out = self.actor.compute_logprobs(self.batch, with_entropy=True)
+        self.batch["old_logprobs"] = out["logprobs"]
+        self.batch["entropy"] = out["entropy"]
+        return out["logprobs"]
+
+    def _ref_logprob(self, ctx) -> torch.Tensor:
+        self.batch["ref_logprobs"] = self.ref.compute_logprobs(self.batch)["logprobs"]
+        return self.batch["ref_logprobs"]
+
+    def _values(self, ctx) -> torch.Tensor:
+        self.batch["values"] = self.critic.compute_values(self.batch)
+        return self.batch["values"]
+
+    def _rm_score(self, ctx) -> torch.Tensor:
+        return self.reward_model.score(self.batch)
+
+    def _advantage(self, ctx) -> dict[str, float]:
+        acfg = self.cfg.algorithm
+        b = self.batch
+        scores = ctx["reward"] + (ctx["rm_score"] if "rm_score" in ctx else 0.0)
+        mask = b["response_mask"]
+        token_rewards = algos.outcome_to_token_rewards(scores, mask)
+        metrics = {}
+        if acfg.use_kl_in_reward:
+            token_rewards, kl_metrics = algos.apply_kl_penalty(token_rewards, b["old_logprobs"], b["ref_logprobs"],
+                                                               mask, self.kl_ctrl.value, acfg.kl_penalty)
+            current_kl = float(_dp_mean(torch.tensor(kl_metrics["kl"])))
+            self.kl_ctrl.update(current_kl, self.global_rows)
+            metrics.update({"kl/reward_kl": current_kl, "kl/coef": float(self.kl_ctrl.value)})
+        # advantages see the whole global batch (group baselines, global whitening), then each rank keeps its rows
+        fields = {"token_rewards": token_rewards, "mask": mask}
+        if self.critic is not None:
+            fields["values"] = b["values"]
+        full = _dp_all_gather(fields)
+        group = torch.tensor(_dp_all_gather_list(b.meta["group"]))
+        adv, ret = algos.compute_advantage(
+            acfg.adv_estimator, token_level_rewards=full["token_rewards"], response_mask=full["mask"],
+            values=full.get("values"), group_index=group, gamma=acfg.gamma, lam=acfg.lam,
+            norm_adv_by_std_in_grpo=acfg.norm_adv_by_std_in_grpo)
+        rows = len(b)
+        own = slice(self.dp_rank * rows, (self.dp_rank + 1) * rows)
+        b["advantages"], b["returns"] = adv[own], ret[own]
+        if "ref_logprobs" not in b:
+            b["ref_logprobs"] = b["old_logprobs"]
+        all_scores = torch.cat(_dp_all_gather({"s": scores[:, None]})["s"].unbind(0))
+        metrics.update({"reward/mean": float(all_scores.mean()), "reward/max": float(all_scores.max()),
+                        "reward/min": float(all_scores.min()),
+                        "actor/entropy_rollout": float(_dp_mean(algos.masked_mean(b["entropy"], mask)))})
+        if "ref_logprobs" in b.tensors and self.ref is not None:
+            kl = algos.masked_mean(algos.kl_penalty(b["old_logprobs"], b["ref_logprobs"], "kl"), mask)
+            metrics["kl/actor_ref"] = float(_dp_mean(kl))
+        return metrics
+
+    def _critic_update(self, ctx) -> dict[str, float]:
+        rows = self._mini_rows(self.cfg.critic.ppo_mini_batch_size)
+        return self.critic.update(self.batch, mini_batch_rows=rows)
+
+    def _actor_update(self, ctx) -> dict[str, float]:
+        return self.actor.update(self.batch, mini_batch_rows=self._mini_rows(self.cfg.actor.ppo_mini_batch_size))
+
+    def _weight_sync(self, ctx) -> dict[str, float]:
+        metrics = dict(self.weight_sync.sync())
+        metrics["actor/version"] = float(self.actor.engine.version)
+        return metrics
+
+    def _mini_rows(self, prompts_per_mini: int) -> int:
+        return max(1, prompts_per_mini * self.cfg.rollout.n // self.dp)
+
+
+def _dp_all_gather(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    dp = mpu.get_data_parallel_world_size()
+    if dp == 1:
+        return tensors
+    out = {}
+    for k, t in tensors.items():
+        parts = [torch.empty_like(t) for _ in range(dp)]
+        dist.all_gather(parts, t.contiguous(), group=mpu.get_data_parallel_group())
+        out[k] = torch.cat(parts)
+    return out
+
+
+def _dp_all_gather_list(values: list) -> list:
+    dp = mpu.get_data_parallel_world_size()
+    if dp == 1:
+        return list(values)
+    parts: list = [None] * dp
+    dist.all_gather_object(parts, list(values), group=mpu.get_data_parallel_group())
+    return [v for p in parts for v in p]
+
+
+def _dp_mean(value: torch.Tensor) -> torch.Tensor:
+    value = torch.as_tensor(value, dtype=torch.float64).clone()
+    if mpu.get_data_parallel_world_size() > 1:
+        dist.all_reduce(value, group=mpu.get_data_parallel_group())
+        value /= mpu.get_data_parallel_world_size()
+    return value

@@ -1,0 +1,193 @@
+"""RL roles over the Megatron engine: actor, reference, critic and reward model.
+
+A role knows RL (which quantity it computes, which loss it minimises); the engine knows Megatron. Every tensor a
+role hands the engine is in the left-aligned sequence layout of :mod:`verl_mega.trainer.batch`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+
+from verl_mega import algos
+from verl_mega.engine.logprobs import vocab_parallel_logprobs_entropy
+from verl_mega.engine.megatron_engine import MegatronEngine
+from verl_mega.trainer.batch import Batch, response_positions
+
+_SEQ_KEYS = ("input_ids",)
+
+
+def micro_batches(batch: Batch, size: int, keys: tuple[str, ...]) -> tuple[list[dict[str, torch.Tensor]], int]:
+    """Split into equal-shape micro-batches (the pipeline schedule needs one shape); the last one is padded with
+    copies of row 0 whose masks are zeroed. Returns the micro-batches and the number of real rows."""
+    n = len(batch)
+    pad = (-n) % size
+    rows = list(range(n)) + [0] * pad
+    out = []
+    for start in range(0, len(rows), size):
+        idx = torch.tensor(rows[start:start + size])
+        mb = {k: batch[k][idx] for k in keys if k in batch.tensors}
+        real = torch.tensor([start + i < n for i in range(size)], dtype=torch.float32)
+        if "response_mask" in mb:
+            mb["response_mask"] = mb["response_mask"] * real[:, None]
+        s = mb["input_ids"].shape[1]
+        mb["position_ids"] = torch.arange(s).expand(size, s)
+        out.append(mb)
+    return out, n
+
+
+def _response_frame(full: torch.Tensor, mb: dict[str, torch.Tensor], width: int) -> torch.Tensor:
+    """Per-position values over the sequence ([b, s-1]) → the response frame [b, width]."""
+    idx = response_positions(mb["prompt_len"], width).clamp(max=full.shape[1] - 1)
+    return full.gather(1, idx)
+
+
+class PolicyRole:
+    """Log-probs of responses under a (vocab-parallel) LM head: shared by actor and reference."""
+
+    def __init__(self, engine: MegatronEngine, *, vocab_size: int, micro_batch_size: int, temperature: float) -> None:
+        self.engine = engine
+        self.vocab_size = vocab_size
+        self.micro_batch_size = micro_batch_size
+        self.temperature = temperature
+
+    def _logprobs(self, output: torch.Tensor, mb: dict[str, torch.Tensor], with_entropy: bool):
+        ids = mb["input_ids"]
+        lp, ent = vocab_parallel_logprobs_entropy(output[:, :-1], ids[:, 1:], vocab_size=self.vocab_size,
+                                                  temperature=self.temperature, with_entropy=with_entropy)
+        width = mb["response_mask"].shape[1]
+        return _response_frame(lp, mb, width), (_response_frame(ent, mb, width) if ent is not None else None)
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: Batch, *, with_entropy: bool = False) -> dict[str, torch.Tensor]:
+        mbs, n = micro_batches(batch, self.micro_batch_size, ("input_ids", "prompt_len", "response_mask"))
+
+        def post(output, mb):
+            lp, ent = self._logprobs(output, mb, with_entropy)
+            return {"logprobs": lp} | ({"entropy": ent} if ent is not None else {})
+
+        res = self.engine.forward(mbs, post)
+        return {k: torch.cat([r[k] for r in res])[:n] for k in res[0]}
+
+
+def _dp_sum(value: torch.Tensor) -> torch.Tensor:
+    value = value.detach().clone().double()
+    if mpu.get_data_parallel_world_size() > 1:
+        dist.all_reduce(value, group=mpu.get_data_parallel_group())
+    return value
+
+
+class Actor(PolicyRole):
+    def __init__(self, engine: MegatronEngine, cfg, *, vocab_size: int, temperature: float) -> None:
+        super().__init__(engine, vocab_size=vocab_size, micro_batch_size=cfg.micro_batch_size_per_gpu,
+                         temperature=temperature)
+        self.cfg = cfg
+
+    def update(self, batch: Batch, *, mini_batch_rows: int) -> dict[str, float]:
+        """PPO epochs × mini-batches over this rank's samples; one optimizer step per mini-batch."""
+        cfg = self.cfg
+        keys = ("input_ids", "prompt_len", "response_mask", "old_logprobs", "advantages", "ref_logprobs")
+        history: list[dict[str, float]] = []
+        for epoch in range(cfg.ppo_epochs):
+            order = torch.randperm(len(batch)) if cfg.shuffle else torch.arange(len(batch))
+            for start in range(0, len(batch), mini_batch_rows):
+                mini = batch.select(order[start:start + mini_batch_rows])
+                mbs, _ = micro_batches(mini, self.micro_batch_size, keys)
+                normalizer = _dp_sum(sum(algos.agg_loss_normalizer(mb["response_mask"], cfg.loss_agg_mode)
+                                         for mb in mbs))
+                scale = mpu.get_data_parallel_world_size() * len(mbs)
+                history.append(self.engine.train_step(mbs, self._loss_fn(normalizer, scale)))
+        return {f"actor/{k}": sum(h[k] for h in history) / len(history) for k in history[0]}
+
+    def _loss_fn(self, normalizer: torch.Tensor, scale: int):
+        cfg = self.cfg
+
+        def loss_fn(output, mb):
+            need_entropy = True
+            lp, ent = self._logprobs(output, mb, need_entropy)
+            mask = mb["response_mask"]
+            norm = normalizer.to(lp.dtype)
+            pg_loss, metrics = algos.compute_policy_loss(
+                log_prob=lp, old_log_prob=mb["old_logprobs"], advantages=mb["advantages"], response_mask=mask,
+                clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
+                clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=cfg.loss_agg_mode, normalizer=norm)
+            entropy = algos.agg_loss(ent, mask, cfg.loss_agg_mode, normalizer=norm)
+            loss = pg_loss - cfg.entropy_coeff * entropy
+            if cfg.use_kl_loss:
+                kl = algos.compute_kl_loss(lp, mb["ref_logprobs"], mask, kind=cfg.kl_loss_type,
+                                           loss_agg_mode=cfg.loss_agg_mode, normalizer=norm)
+                loss = loss + cfg.kl_loss_coef * kl
+                metrics["kl_loss"] = kl.detach() * scale
+            # Per-micro-batch values are partial sums over the global normaliser: × scale gives the mini-batch
+            # value after the schedule's 1/num_microbatches and DP averaging.
+            metrics.update(pg_loss=pg_loss.detach() * scale, entropy=entropy.detach() * scale)
+            return loss * scale, metrics
+
+        return loss_fn
+
+
+class Critic:
+    def __init__(self, engine: MegatronEngine, cfg) -> None:
+        self.engine = engine
+        self.cfg = cfg
+
+    @staticmethod
+    def _values(output: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+        full = output[..., 0].float()[:, :-1]
+        return _response_frame(full, mb, mb["response_mask"].shape[1])
+
+    @torch.no_grad()
+    def compute_values(self, batch: Batch) -> torch.Tensor:
+        mbs, n = micro_batches(batch, self.cfg.micro_batch_size_per_gpu, ("input_ids", "prompt_len", "response_mask"))
+        res = self.engine.forward(mbs, lambda out, mb: {"values": self._values(out, mb) * mb["response_mask"]})
+        return torch.cat([r["values"] for r in res])[:n]
+
+    def update(self, batch: Batch, *, mini_batch_rows: int) -> dict[str, float]:
+        cfg = self.cfg
+        keys = ("input_ids", "prompt_len", "response_mask", "values", "returns")
+        history = []
+        for _ in range(cfg.ppo_epochs):
+            for start in range(0, len(batch), mini_batch_rows):
+                mini = batch.select(range(start, min(start + mini_batch_rows, len(batch))))
+                mbs, _ = micro_batches(mini, cfg.micro_batch_size_per_gpu, keys)
+                normalizer = _dp_sum(sum(algos.agg_loss_normalizer(mb["response_mask"]) for mb in mbs))
+                scale = mpu.get_data_parallel_world_size() * len(mbs)
+
+                def loss_fn(output, mb, normalizer=normalizer, scale=scale):
+                    values = self._values(output, mb)
+                    loss, metrics = algos.compute_value_loss(
+                        values=values, old_values=mb["values"], returns=mb["returns"],
+                        response_mask=mb["response_mask"], cliprange_value=cfg.cliprange_value,
+                        normalizer=normalizer.to(values.dtype))
+                    metrics["vf_loss"] = loss.detach() * scale
+                    return loss * scale, metrics
+
+                history.append(self.engine.train_step(mbs, loss_fn))
+        return {f"critic/{k}": sum(h[k] for h in history) / len(history) for k in history[0]}
+
+
+class RewardModel:
+    """A value-head model whose output at the last response token is the sequence reward."""
+
+    def __init__(self, engine: MegatronEngine, *, micro_batch_size: int) -> None:
+        self.engine = engine
+        self.micro_batch_size = micro_batch_size
+
+    @torch.no_grad()
+    def score(self, batch: Batch) -> torch.Tensor:
+        mbs, n = micro_batches(batch, self.micro_batch_size, ("input_ids", "prompt_len", "response_len",
+                                                              "response_mask"))
+
+        def post(output, mb):
+            last = (mb["prompt_len"] + mb["response_len"] - 1).clamp_min(0)
+            return {"score": output[..., 0].float().gather(1, last[:, None])[:, 0]}
+
+        res = self.engine.forward(mbs, post)
+        return torch.cat([r["score"] for r in res])[:n]
+
+
+def metrics_mean(values: dict[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in values.items()}
