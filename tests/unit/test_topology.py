@@ -35,7 +35,7 @@ EXPECTED = {
         8, ["mlx5_0", "mlx5_1"], [(0, 1), (2, 3), (4, 5), (6, 7)], [0, 0, 0, 0, 1, 1, 1, 1], ["mlx5_0"] * 8),
     "a100_4gpu_one_nvlink_pair.txt": (
         4, ["mlx5_0", "mlx5_1"], [(0, 1), (2,), (3,)], [0, 0, 1, 1], ["mlx5_0"] * 4),
-    "rtx3090_2gpu_nvlink.txt": (2, [], [(0, 1)], [0, 0], [None, None]),
+    "h200_2gpu_nvlink.txt": (2, [], [(0, 1)], [0, 0], [None, None]),
     "rtx3090_2gpu_pcie_sys.txt": (2, [], [(0,), (1,)], [None, 1], [None, None]),
     "rtx4090_8gpu_pcie.txt": (
         8, ["NIC0", "NIC1"], [(g,) for g in range(8)], [0, 0, 0, 0, 1, 1, 1, 1], ["NIC0"] * 8),
@@ -99,6 +99,13 @@ def test_bandwidth_rank_order():
     assert Link(LinkKind.SELF).bandwidth_rank > ranks[0]
 
 
+def test_real_h200_output_with_its_ansi_underline():
+    text = load("h200_2gpu_nvlink.txt")  # nvidia-smi 580 underlines the header even when writing to a file
+    assert "\x1b[4m" in text
+    topo = parse_topology(text)
+    assert str(topo.link(0, 1)) == "NV18" and topo.gpus[1].cpu_affinity == tuple(range(32))
+
+
 def test_ansi_escapes_and_crlf_are_ignored():
     plain = load("dgx_h100_8gpu_12nic.txt")
     coloured = (plain.replace("NV18", "\x1b[32mNV18\x1b[0m").replace("PIX", "\x1b[1;33mPIX\x1b[0m")
@@ -106,8 +113,8 @@ def test_ansi_escapes_and_crlf_are_ignored():
     assert parse_topology(coloured) == parse_topology(plain)
 
 
-@pytest.mark.parametrize("name", ["rtx4090_8gpu_pcie.txt", "a100_4gpu_one_nvlink_pair.txt",
-                                  "rtx3090_2gpu_nvlink.txt", "pcie_8gpu_switches_mlx5.txt"])
+@pytest.mark.parametrize("name", ["rtx4090_8gpu_pcie.txt", "a100_4gpu_one_nvlink_pair.txt", "h200_2gpu_nvlink.txt",
+                                  "rtx3090_2gpu_pcie_sys.txt", "pcie_8gpu_switches_mlx5.txt"])
 def test_tab_and_space_layouts_agree(name):
     text = load(name)
     assert "\t" in text
