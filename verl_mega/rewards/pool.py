@@ -28,7 +28,7 @@ import queue
 import signal
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import ALL_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -37,6 +37,8 @@ from verl_mega.rewards.loader import RewardFunction, load_reward_fn
 __all__ = ["RewardPool", "RewardBatchResult"]
 
 logger = logging.getLogger("verl_mega.rewards")
+
+_STARTUP_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -193,8 +195,16 @@ class RewardPool:
             initializer=_init_worker,
             initargs=(self.fn.spec, self._pickled_fn, self.fn.batched, self.fn.reward_kwargs),
         )
-        # Wait for the workers to boot so start-up time is not charged to the first batch's time limit.
-        procs.map(_ping, range(self.num_workers), chunksize=1)
+        # Wait for the workers to boot so start-up time is not charged to the first batch's time limit. Bounded:
+        # a worker that dies while starting is re-spawned by the pool forever, which would otherwise hang here.
+        try:
+            procs.map_async(_ping, range(self.num_workers), chunksize=1).get(timeout=_STARTUP_TIMEOUT_S)
+        except mp.TimeoutError:
+            procs.terminate()
+            raise RuntimeError(
+                f"reward worker processes did not start within {_STARTUP_TIMEOUT_S:g}s (see their errors above; "
+                "spawned workers must be able to import the main module and the reward function); use mode='thread'"
+            ) from None
         return procs
 
     # -------------------------------------------------------------------------------------------------- public
@@ -299,8 +309,8 @@ class RewardPool:
                     outcomes[k] = ("timeout", None)
                     pending.discard(k)
                     self._threads.add_worker()  # the stuck thread keeps running; keep the pool at full strength
-            if pending:
-                time.sleep(poll)
+            if pending:  # wake as soon as everything is done, or at the next poll to check time limits
+                wait([futures[k] for k in pending], timeout=poll, return_when=ALL_COMPLETED)
         return outcomes
 
     def _run_processes(self, args) -> list[tuple[str, Any]]:
