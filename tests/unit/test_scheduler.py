@@ -124,11 +124,11 @@ def test_tp_spanning_nodes_is_reported_as_network():
 
 def test_128_nodes_tp8_pp4_tg4_under_two_seconds():
     text = (FIX / "dgx_h100_8gpu_12nic.txt").read_text()
-    start = time.perf_counter()
+    start = time.process_time()  # CPU time of this process: other jobs on a shared CI box do not count
     topos = [parse_topology(text) for _ in range(128)]
     plan = plan_quietly(topos, ParallelLayout(tp=8, pp=4, gen_tp=4))
-    elapsed = time.perf_counter() - start
-    assert elapsed < 2.0, f"planning took {elapsed:.2f}s"
+    elapsed = time.process_time() - start
+    assert elapsed < 2.0, f"parsing 128 topologies and planning took {elapsed:.2f}s of CPU"
 
     assert plan.world_size == 1024 and plan.dp == 32
     devices = [plan.device_for(r) for r in range(1024)]

@@ -247,21 +247,28 @@ class _Token:
     column: int  # 1-based column in the original line
 
 
-def _clean_line(raw: str) -> tuple[str, list[int]]:
+class _Identity:
+    """Index map of a line that needed no cleaning."""
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+def _clean_line(raw: str) -> tuple[str, list[int] | _Identity]:
     """Drop ANSI escapes and CR; return the clean line and, per clean character, its 0-based raw index."""
+    if "\x1b" not in raw and "\r" not in raw:
+        return raw, _Identity()
     keep: list[int] = []
     out: list[str] = []
     pos = 0
-    for m in _ANSI_RE.finditer(raw):
-        for i in range(pos, m.start()):
+    for m in [*_ANSI_RE.finditer(raw), None]:
+        end = len(raw) if m is None else m.start()
+        for i in range(pos, end):
             if raw[i] != "\r":
                 keep.append(i)
                 out.append(raw[i])
-        pos = m.end()
-    for i in range(pos, len(raw)):
-        if raw[i] != "\r":
-            keep.append(i)
-            out.append(raw[i])
+        if m is not None:
+            pos = m.end()
     return "".join(out), keep
 
 
@@ -288,7 +295,7 @@ def _err(line_no: int, column: int, msg: str) -> TopologyParseError:
     return TopologyParseError(f"nvidia-smi topo -m, line {line_no}, column {column}: {msg}")
 
 
-def _parse_header(line: str, index_map: list[int], line_no: int) -> tuple[list[str], list[str]]:
+def _parse_header(line: str, index_map, line_no: int) -> tuple[list[str], list[str]]:
     """Return (device column names, affinity column names) of the header line."""
     devices: list[str] = []
     affinity: list[str] = []
