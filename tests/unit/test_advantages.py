@@ -211,3 +211,15 @@ def test_outcome_to_token_rewards_places_score_on_last_response_token():
     out = outcome_to_token_rewards(torch.tensor([0.5, 1.0, 7.0, -2.0]), mask)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, torch.tensor([[0, 0, 0.5, 0], [1.0, 0, 0, 0], [0, 0, 0, 0], [0, 0, -2.0, 0]]))
+
+
+def test_low_precision_inputs_are_computed_in_float32():
+    # 200 tokens of reward 0.01 with gamma = lam = 1: A_0 = 2.0 - V_0 exactly; a bf16 recursion would drift
+    rewards = torch.full((1, 200), 0.01, dtype=torch.bfloat16)
+    values = torch.zeros(1, 200, dtype=torch.bfloat16)
+    mask = torch.ones(1, 200)
+    _, ret = compute_gae_advantage_return(rewards, values, mask, 1.0, 1.0, whiten=False)
+    expected_r0 = 200 * float(torch.tensor(0.01, dtype=torch.bfloat16))
+    assert ret.dtype == torch.bfloat16 and abs(float(ret[0, 0]) - expected_r0) < 0.02
+    _, ret = compute_reinforce_plus_plus_advantage(rewards, mask, gamma=1.0)
+    assert ret.dtype == torch.bfloat16 and abs(float(ret[0, 0]) - expected_r0) < 0.02

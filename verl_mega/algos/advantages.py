@@ -111,8 +111,10 @@ def compute_gae_advantage_return(
     _check_bt("token_level_rewards", token_level_rewards, response_mask)
     _check_bt("values", values, response_mask)
     with torch.no_grad():
-        mask = _float_mask(response_mask, values.dtype)
-        rewards = token_level_rewards.to(values.dtype)
+        work = torch.promote_types(values.dtype, torch.float32)  # the recursion accumulates: never in bf16/fp16
+        mask = _float_mask(response_mask, work)
+        rewards = token_level_rewards.to(work)
+        values = values.to(work)
         next_value = torch.zeros_like(values[:, 0])
         last_gae = torch.zeros_like(values[:, 0])
         advantages = torch.zeros_like(values)
@@ -178,17 +180,20 @@ def compute_reinforce_plus_plus_advantage(
     """REINFORCE++ (Hu 2025): G_t = sum_{k>=t} gamma^{k-t} r_k (within the response), A = whiten(G) over the batch."""
     _check_bt("token_level_rewards", token_level_rewards, response_mask)
     with torch.no_grad():
-        mask = _float_mask(response_mask, token_level_rewards.dtype)
-        returns = torch.zeros_like(token_level_rewards)
-        running = torch.zeros_like(token_level_rewards[:, 0])
-        for t in reversed(range(token_level_rewards.shape[-1])):
-            running = token_level_rewards[:, t] * mask[:, t] + gamma * running
+        work = torch.promote_types(token_level_rewards.dtype, torch.float32)
+        mask = _float_mask(response_mask, work)
+        rewards = token_level_rewards.to(work)
+        returns = torch.zeros_like(rewards)
+        running = torch.zeros_like(rewards[:, 0])
+        for t in reversed(range(rewards.shape[-1])):
+            running = rewards[:, t] * mask[:, t] + gamma * running
             returns[:, t] = running
             # Padding resets the running return so a row's tail padding never feeds its response.
             running = running * mask[:, t]
         returns = returns * mask
         advantages = masked_whiten(returns, mask)
-    return advantages, returns
+    dtype = token_level_rewards.dtype
+    return advantages.to(dtype), returns.to(dtype)
 
 
 def compute_reinforce_plus_plus_baseline_advantage(
