@@ -65,10 +65,11 @@ class RLTrainer:
         mine = self.rollout.engine_share(list(range(len(prompts))))
         sampling = SamplingSpec(n=rcfg.n, max_tokens=rcfg.max_response_length, temperature=rcfg.temperature,
                                 top_p=rcfg.top_p, top_k=max(rcfg.top_k, 0), ignore_eos=rcfg.ignore_eos,
-                                stop_token_ids=(self.tokenizer.eos_token_id,), logprobs=False,
+                                stop_token_ids=(self.tokenizer.eos_token_id,), logprobs=True,
                                 seed=None)
         gen = self.rollout.generate([prompts[i].prompt_ids for i in mine], sampling)
-        local = (self.rollout.engine_index, [(mine[p], ids) for p, ids in zip(gen.prompt_index, gen.token_ids)],
+        local = (self.rollout.engine_index,
+                 [(mine[p], ids, lps) for p, ids, lps in zip(gen.prompt_index, gen.token_ids, gen.logprobs)],
                  gen.weight_version)
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, local)
@@ -78,14 +79,19 @@ class RLTrainer:
         samples = [s for e in sorted(by_engine) for s in by_engine[e][0]]
         versions = {v for _, v in by_engine.values()}
         eos = self.tokenizer.eos_token_id
-        prompt_ids = [prompts[p].prompt_ids for p, _ in samples]
+        prompt_ids = [prompts[p].prompt_ids for p, _, _ in samples]
         # the EOS token is kept in the response: the policy must learn to stop
-        responses = [ids[: rcfg.max_response_length] for _, ids in samples]
+        responses = [ids[: rcfg.max_response_length] for _, ids, _ in samples]
         packed = pack_sequences(prompt_ids, responses, pad_id=self.tokenizer.pad_token_id or 0,
                                 max_response_length=rcfg.max_response_length)
-        meta = {"group": [p for p, _ in samples],
-                "ground_truth": [prompts[p].ground_truth for p, _ in samples],
-                "response_text": [self.tokenizer.decode([t for t in ids if t != eos]) for _, ids in samples]}
+        # vLLM's own log-probs of the sampled tokens: a live check that rollout and training agree
+        packed["rollout_logprobs"] = torch.zeros_like(packed["response_mask"])
+        for i, (_, _, lps) in enumerate(samples):
+            packed["rollout_logprobs"][i, : len(lps[: rcfg.max_response_length])] = torch.tensor(
+                lps[: rcfg.max_response_length])
+        meta = {"group": [p for p, _, _ in samples],
+                "ground_truth": [prompts[p].ground_truth for p, _, _ in samples],
+                "response_text": [self.tokenizer.decode([t for t in ids if t != eos]) for _, ids, _ in samples]}
         full = Batch(packed, meta)
         rows = len(full) // self.dp
         self.batch = full.select(range(self.dp_rank * rows, (self.dp_rank + 1) * rows))
@@ -103,6 +109,10 @@ class RLTrainer:
         out = self.actor.compute_logprobs(self.batch, with_entropy=True)
         self.batch["old_logprobs"] = out["logprobs"]
         self.batch["entropy"] = out["entropy"]
+        mask = self.batch["response_mask"]
+        diff = (out["logprobs"] - self.batch["rollout_logprobs"]).abs() * mask
+        self.logprob_gap = {"rollout/logprob_diff_max": float(_dp_max(diff.max() if mask.any() else diff.sum())),
+                            "rollout/logprob_diff_mean": float(_dp_mean(algos.masked_mean(diff, mask)))}
         return out["logprobs"]
 
     def _ref_logprob(self, ctx) -> torch.Tensor:
@@ -145,6 +155,7 @@ class RLTrainer:
         if "ref_logprobs" not in b:
             b["ref_logprobs"] = b["old_logprobs"]
         all_scores = torch.cat(_dp_all_gather({"s": scores[:, None]})["s"].unbind(0))
+        metrics.update(self.logprob_gap)
         metrics.update({"reward/mean": float(all_scores.mean()), "reward/max": float(all_scores.max()),
                         "reward/min": float(all_scores.min()),
                         "actor/entropy_rollout": float(_dp_mean(algos.masked_mean(b["entropy"], mask)))})
@@ -188,6 +199,13 @@ def _dp_all_gather_list(values: list) -> list:
     parts: list = [None] * dp
     dist.all_gather_object(parts, list(values), group=mpu.get_data_parallel_group())
     return [v for p in parts for v in p]
+
+
+def _dp_max(value: torch.Tensor) -> torch.Tensor:
+    value = torch.as_tensor(value, dtype=torch.float64).clone()
+    if mpu.get_data_parallel_world_size() > 1:
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=mpu.get_data_parallel_group())
+    return value
 
 
 def _dp_mean(value: torch.Tensor) -> torch.Tensor:
