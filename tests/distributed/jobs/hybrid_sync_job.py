@@ -42,7 +42,8 @@ def perturb(chunks, arch) -> None:
                 key += f"#tp{mpu.get_tensor_model_parallel_rank()}"
             g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
             with torch.no_grad():
-                p.add_(0.3 * p.detach().abs().mean() * torch.randn(p.shape, generator=g, dtype=p.dtype))
+                noise = torch.randn(p.shape, generator=g, dtype=p.dtype).to(p.device)
+                p.add_(0.3 * p.detach().abs().mean() * noise)
 
 
 def install_capture(model, store: dict) -> None:
@@ -103,6 +104,7 @@ def main() -> None:
     ap.add_argument("--pp", type=int, required=True)
     ap.add_argument("--gen-tp", type=int, required=True)
     ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--lp-tol", type=float, default=1e-4)
     args = ap.parse_args()
 
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region  # noqa: F401
@@ -147,7 +149,7 @@ def main() -> None:
     after = rollout.generate(prompts, greedy)
 
     # HF transformers on the perturbed full weights (gathered over TP/PP: collective on every rank).
-    full = {name: t.clone() for name, t in iter_hf_tensors(chunks, arch)}
+    full = {name: t.detach().to("cpu", copy=True) for name, t in iter_hf_tensors(chunks, arch)}
     hf = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
     missing, unexpected = hf.load_state_dict(full, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
@@ -167,10 +169,11 @@ def main() -> None:
     seqs = [p + t for p, t in zip(prompts, after.token_ids)]
     width = max(len(s) for s in seqs)
     engine = MegatronEngine(chunks, cfg)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     lp_diff = 0.0
     for i, seq in enumerate(seqs):
-        ids = torch.tensor([seq + [0] * (width - len(seq))])
-        mb = {"input_ids": ids, "position_ids": torch.arange(width)[None]}
+        ids = torch.tensor([seq + [0] * (width - len(seq))], device=device)
+        mb = {"input_ids": ids, "position_ids": torch.arange(width, device=device)[None]}
 
         def post(output, mb):
             lp, _ = vocab_parallel_logprobs_entropy(output[:, :-1], mb["input_ids"][:, 1:],
@@ -179,9 +182,9 @@ def main() -> None:
 
         mlp = engine.forward([mb], post)[0]["logprobs"][0]
         n = len(prompts[i])
-        mcore_lp = mlp[n - 1:n - 1 + MAX_NEW].double()
+        mcore_lp = mlp[n - 1:n - 1 + MAX_NEW].double().cpu()
         lp_diff = max(lp_diff, (mcore_lp - torch.tensor(after.logprobs[i]).double()).abs().max().item())
-    assert lp_diff < 1e-4, f"rank {rank}: vLLM vs Megatron log-probs differ by {lp_diff}"
+    assert lp_diff < args.lp_tol, f"rank {rank}: vLLM vs Megatron log-probs differ by {lp_diff}"
 
     # vLLM's own loader on full tensors (the reference path), captured the same way.
     ref: dict = {}
@@ -193,7 +196,7 @@ def main() -> None:
     checked = 0
     for name in sorted(names):
         assert name in ours and name in ref, f"rank {rank}: {name} not captured (ours={name in ours})"
-        a, b = ours[name], ref[name]
+        a, b = ours[name].cpu(), ref[name].cpu()
         assert a.shape == b.shape and torch.equal(a, b), (
             f"rank {rank}: {name} differs: ours {tuple(a.shape)} vs vLLM loader {tuple(b.shape)}, "
             f"max diff {(a - b).abs().max().item() if a.shape == b.shape else 'shape'}")
