@@ -1,0 +1,589 @@
+"""Per-GPU memory model of one RL step: training (params, grads, optimizer, activations), vLLM rollout and the
+3D-HybridEngine transition. Pure arithmetic over a :class:`~verl_mega.models.hf_config.ModelArch`; every number
+comes with the formula that produced it (:class:`Term`), so ``tools/plan.py --explain`` can print the arithmetic.
+
+Symbols: L layers, h hidden, a heads, k key/value heads, d head dim, f FFN hidden, V vocabulary padded for tp
+(Megatron pads to a multiple of 128·tp), s sequence length, b micro-batch, B bytes per activation element (2 bf16,
+4 fp32), t training TP, σ = t with sequence parallelism (else 1), p PP, v virtual stages, D data parallel, tg
+generation TP.
+
+**Training state** (Megatron-Core DDP with ``grad_reduce_in_fp32`` and the distributed optimizer, per rank holding
+P parameters): bf16 params 2P + fp32 main grads 4P + (fp32 master params, Adam m, v) 12P/D; with fp32 params there
+is no master copy: 4P + 4P + 8P/D.
+
+**Activations** follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
+§4) — count every tensor autograd keeps for the backward pass — redone for our layer spec (RMSNorm, GQA with RoPE,
+SDPA/flash attention, SwiGLU, no dropout). Per layer and micro-batch, in bytes::
+
+    A_layer = s·b·[ 2·(4 + 2B)·h/σ       two RMSNorms: input (kept as an fp32 copy), normalised value, output
+                  + B·(3a + v_kv)·d/t     q and k after RoPE, v (k and v expanded to a heads for SDPA), attn out
+                  + 4·a/t                 flash-attention log-sum-exp (fp32)
+                  + 5·B·f/t ]             SwiGLU: fc1 output (2f), linear half + offset, SiLU output, product
+              + 4·B·s·d                   RoPE cos/sin tables for q and k
+              [+ s·b·(4 + B)·(a + k)·d/t  q/k RMSNorm of Qwen3]
+
+with v_kv = a when a > k (the expanded copy) and a + 2k when a = k (v stays a view of the fused QKV output).
+Flash attention never materialises Korthikanti's 5·a·s²·b term. Sequence parallelism divides the h terms by t.
+``selective`` recompute (mcore core-attention recompute) drops the log-sum-exp and RoPE tables; ``full``
+recompute keeps only each layer's input, B·s·b·h/σ, plus one recomputed layer during its backward pass.
+
+The last stage keeps the final norm, (4 + 2B)·s·b·h/σ, and for the log-prob loss over vocabulary-parallel
+logits (B + 8)·s·b·V/t: the logits, the shifted logits and their exponentials (fp32); entropy keeps 12·s·b·V/t
+more. The activation peak is the larger of two backward moments: its start, with the loss gradient (fp32, plus
+its cast back to 16-bit) next to everything kept, or — once the logits are freed — the last layer's MLP backward,
+2·B·s·b·f/t for the fc1-output gradient (with ``full`` recompute, after rebuilding that layer). Stage r of a 1F1B
+pipeline holds min(p − r, M) micro-batches of its L/p layers (Megatron's warm-up), the interleaved schedule
+2(p − r − 1) + (v − 1)·p + 1 chunks of L/(p·v) layers, so stage 0 holds L·(1 + (p − 1)/(p·v)) layers' worth
+(Korthikanti eq. 5); each in-flight micro-batch also keeps its received input and sent output, 2·B·s·b·h/σ.
+
+Transients after the backward pass, when activations are gone: torch's foreach AdamW (the fallback without
+transformer-engine/apex) allocates one fp32 temporary over the optimizer shard, 4P/D (the single-tensor CPU
+implementation only one parameter's worth); gloo's coalesced reduce-scatter flattens the whole fp32 grad buffer
+of a model chunk (NCCL works in place).
+
+**Rollout** (vLLM, per GPU): weights of the tg-sharded model (vocabulary padded to 64), 2 bytes each; vLLM
+takes gpu_memory_utilization × GPU memory in total (the KV cache is what remains after weights and its profiling
+activations), or weights + activations + an explicit KV budget. KV bytes per token per GPU: 2·L·(k/tg)·d·2.
+Idle roles keep params/grads/optimizer on the GPU unless offloaded.
+
+**3D-HybridEngine** (HybridFlow Table 2, pg = 1): each GPU receives (t·p − tg)/(tg·t·p)·M bytes of an M-byte
+model and holds M/tg of generation weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from verl_mega.hybrid.layout import HybridLayout
+from verl_mega.models.hf_config import ModelArch
+
+GiB = 2**30
+_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+_RECOMPUTE = ("none", "selective", "full")
+VLLM_VOCAB_PADDING = 64  # vLLM's VocabParallelEmbedding pads the vocabulary to a multiple of 64
+
+
+class PlanningError(ValueError):
+    """An impossible planning request; the message names the flag or field and the fix."""
+
+
+def gib(nbytes: float) -> float:
+    return nbytes / GiB
+
+
+def _fmt_bytes(nbytes: float) -> str:
+    return f"{nbytes / GiB:.2f} GiB" if abs(nbytes) >= GiB / 100 else f"{nbytes / 2**20:.2f} MiB"
+
+
+@dataclass(frozen=True)
+class Term:
+    """One addend of a memory total, with the arithmetic that produced it."""
+
+    name: str
+    bytes: float
+    formula: str
+
+    def line(self) -> str:
+        return f"{self.name:<36} {_fmt_bytes(self.bytes):>11}  = {self.formula}"
+
+
+@dataclass(frozen=True)
+class Phase:
+    """Per-GPU memory of one phase of the RL step: the sum of its terms."""
+
+    name: str
+    terms: tuple[Term, ...]
+    note: str = ""
+
+    @property
+    def total(self) -> float:
+        return sum(t.bytes for t in self.terms)
+
+    def breakdown_gib(self) -> dict[str, float]:
+        return {t.name: round(gib(t.bytes), 4) for t in self.terms}
+
+    def explain(self) -> list[str]:
+        head = f"[{self.name}] {_fmt_bytes(self.total)}" + (f"  ({self.note})" if self.note else "")
+        return [head] + ["  " + t.line() for t in self.terms]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Inputs
+# ------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """Training layout (tp, pp, vpp, dp) plus generation TP size tg; world = tp·pp·dp (cp = 1)."""
+
+    tp: int
+    pp: int
+    dp: int
+    tg: int
+    vpp: int | None = None
+    sequence_parallel: bool | None = None  # None: on when tp > 1
+
+    def __post_init__(self) -> None:
+        for key in ("tp", "pp", "dp", "tg"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise PlanningError(f"layout: {key}={value!r} must be a positive int")
+        if self.vpp is not None and (self.vpp < 2 or self.pp < 2):
+            raise PlanningError(f"layout: vpp={self.vpp} needs vpp >= 2 and pp > 1 (pp={self.pp}); use vpp=None")
+        if self.tp % self.tg:
+            raise PlanningError(f"layout: tg={self.tg} must divide tp={self.tp}; pick a divisor of tp")
+        if self.sequence_parallel is None:
+            object.__setattr__(self, "sequence_parallel", self.tp > 1)
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def chunks(self) -> int:
+        return self.pp * (self.vpp or 1)
+
+    def describe(self) -> str:
+        vpp = f" vpp={self.vpp}" if self.vpp else ""
+        sp = " sp" if self.sequence_parallel else ""
+        return f"tp={self.tp} pp={self.pp}{vpp} dp={self.dp} tg={self.tg}{sp}"
+
+    def hybrid(self, arch: ModelArch | None = None) -> HybridLayout:
+        from verl_mega.hybrid.layout import ModelDims, plan_layout
+
+        dims = None if arch is None else ModelDims(num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads,
+                                                   ffn_hidden_size=arch.ffn_hidden_size, num_layers=arch.num_layers)
+        return plan_layout(world_size=self.world, tp=self.tp, pp=self.pp, gen_tp=self.tg, dims=dims)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """What one training micro-batch looks like and how it is run."""
+
+    micro_batch: int = 1
+    seq_len: int = 4096
+    recompute: Literal["none", "selective", "full"] = "none"
+    dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    num_microbatches: int | None = None  # per DP rank and optimizer step; None: enough to fill the pipeline
+    entropy: bool = False  # the actor loss also computes the entropy (entropy_coeff > 0)
+    backend: Literal["nccl", "gloo"] = "nccl"
+
+    def __post_init__(self) -> None:
+        for key in ("micro_batch", "seq_len"):
+            if getattr(self, key) < 1:
+                raise PlanningError(f"workload: {key}={getattr(self, key)} must be >= 1")
+        if self.num_microbatches is not None and self.num_microbatches < 1:
+            raise PlanningError(f"workload: num_microbatches={self.num_microbatches} must be >= 1")
+        if self.recompute not in _RECOMPUTE:
+            raise PlanningError(f"workload: recompute={self.recompute!r} is not one of {'|'.join(_RECOMPUTE)}")
+        if self.dtype not in _DTYPE_BYTES:
+            raise PlanningError(f"workload: dtype={self.dtype!r} is not one of {sorted(_DTYPE_BYTES)}")
+        if self.backend not in ("nccl", "gloo"):
+            raise PlanningError(f"workload: backend={self.backend!r} is not nccl|gloo")
+
+    @property
+    def act_bytes(self) -> int:
+        return _DTYPE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoleSpec:
+    """One role colocated on every GPU, and what it moves to host memory while idle."""
+
+    name: str
+    trainable: bool = True
+    value_head: bool = False
+    offload_params: bool = False
+    offload_grads: bool = False
+    offload_optimizer: bool = False
+
+
+def default_roles(*, critic: bool = True, ref: bool = True, offload: tuple[str, ...] = (),
+                  offload_ref: bool = False) -> tuple[RoleSpec, ...]:
+    """Actor (+ critic with a value head) (+ frozen reference). `offload` ⊆ {params, grads, optimizer}."""
+    bad = set(offload) - {"params", "grads", "optimizer"}
+    if bad:
+        raise PlanningError(f"offload: {sorted(bad)} not among params, grads, optimizer")
+    flags = {f"offload_{name}": name in offload for name in ("params", "grads", "optimizer")}
+    roles = [RoleSpec(name="actor", **flags)]
+    if critic:
+        roles.append(RoleSpec(name="critic", value_head=True, **flags))
+    if ref:
+        roles.append(RoleSpec(name="ref", trainable=False, offload_params=offload_ref))
+    return tuple(roles)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutSpec:
+    """vLLM memory settings (``rollout.*`` of the config)."""
+
+    gpu_memory_utilization: float = 0.5
+    kv_cache_bytes: float | None = None  # explicit KV budget per GPU (rollout.kv_cache_memory_bytes)
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    free_cache_engine: bool = True  # vLLM sleeps during training (KV cache and weights released)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise PlanningError(f"rollout: gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise PlanningError(f"rollout: kv_cache_bytes={self.kv_cache_bytes} must be > 0")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Parameters
+# ------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """Parameters held by one rank of pipeline stage `stage` (all its virtual chunks)."""
+
+    layers: int  # transformer layers on this rank
+    per_layer: int
+    embedding: int
+    output: int
+    final_norm: int
+    largest: int  # the biggest single parameter tensor
+
+    @property
+    def total(self) -> int:
+        return self.layers * self.per_layer + self.embedding + self.output + self.final_norm
+
+
+def layer_params(arch: ModelArch, tp: int) -> int:
+    """Parameters of one transformer layer on one TP rank (norm weights replicated)."""
+    h, d, f = arch.hidden_size, arch.head_dim, arch.ffn_hidden_size
+    qkv_out = (arch.num_heads + 2 * arch.num_kv_heads) * d
+    n = h * qkv_out // tp + arch.num_heads * d * h // tp + 3 * h * f // tp + 2 * h
+    if arch.qkv_bias:
+        n += qkv_out // tp
+    if arch.qk_norm:
+        n += 2 * d
+    return n
+
+
+def stage_params(arch: ModelArch, layout: Layout, stage: int, *, value_head: bool = False,
+                 divisible_by: int = 128) -> StageParams:
+    """Parameters of a rank of pipeline stage `stage` as Megatron-Core builds them (layers split evenly)."""
+    t, p = layout.tp, layout.pp
+    if not 0 <= stage < p:
+        raise PlanningError(f"stage {stage} is outside pp={p}")
+    if arch.num_layers % layout.chunks:
+        raise PlanningError(f"pp·vpp={layout.chunks} must divide num_layers={arch.num_layers}")
+    vocab_rows = arch.padded_vocab_size(t, divisible_by) * arch.hidden_size // t
+    first, last = stage == 0, stage == p - 1
+    embedding = vocab_rows if first else 0
+    if value_head:
+        output = arch.hidden_size if last else 0
+    else:
+        # Tied embeddings: mcore keeps a synchronised copy of the embedding as the last stage's output layer.
+        output = vocab_rows if last and (not arch.tie_word_embeddings or p > 1) else 0
+    per_layer = layer_params(arch, t)
+    h, f = arch.hidden_size, arch.ffn_hidden_size
+    qkv = h * (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim // t
+    largest = max(2 * f * h // t, qkv, embedding, output)
+    return StageParams(layers=arch.num_layers // p, per_layer=per_layer, embedding=embedding, output=output,
+                       final_norm=arch.hidden_size if last else 0, largest=largest)
+
+
+def generation_params(arch: ModelArch, tg: int) -> int:
+    """Parameters of the vLLM model on one GPU of a generation TP group of size tg."""
+    h = arch.hidden_size
+    vocab_rows = -(-arch.vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING * h // tg
+    heads = 1 if arch.tie_word_embeddings else 2
+    return arch.num_layers * layer_params(arch, tg) + heads * vocab_rows + h
+
+
+def training_state_terms(params: int, dp: int, dtype: str) -> list[Term]:
+    """Params, fp32 main grads and distributed-optimizer state of a rank holding `params` parameters."""
+    pb = _DTYPE_BYTES[dtype]
+    terms = [Term("params", pb * params, f"{pb} B × {params:,} params"),
+             Term("grads (fp32 main grads)", 4 * params, f"4 B × {params:,}")]
+    if pb == 4:
+        terms.append(Term("optimizer (Adam m, v)", 8 * params / dp, f"(4 + 4) B × {params:,} / dp={dp}"))
+    else:
+        terms.append(Term("optimizer (master, m, v)", 12 * params / dp,
+                          f"(4 master + 4 m + 4 v) B × {params:,} / dp={dp}"))
+    return terms
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Activations
+# ------------------------------------------------------------------------------------------------------------
+
+
+def layer_activation_bytes(arch: ModelArch, layout: Layout, work: Workload, *, recompute: str | None = None) -> float:
+    """A_layer: bytes autograd keeps for one transformer layer and one micro-batch (module docstring)."""
+    rec = work.recompute if recompute is None else recompute
+    s, b, B = work.seq_len, work.micro_batch, work.act_bytes
+    h, a, k, d, f, t = (arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.ffn_hidden_size,
+                        layout.tp)
+    sigma = t if layout.sequence_parallel else 1
+    if rec == "full":
+        return B * s * b * h / sigma
+    v_kv = a if a > k else a + 2 * k
+    per_token = (2 * (4 + 2 * B) * h / sigma + B * (3 * a + v_kv) * d / t + 5 * B * f / t)
+    if arch.qk_norm:
+        # fp32: the norm's input is the tensor itself, and k is a view that keeps the fused QKV output alive.
+        per_token += ((4 + B) * (a + k) + (4 * (a + k) if B == 4 else 0)) * d / t
+    total = s * b * per_token
+    if rec == "none":
+        total += s * b * 4 * a / t + 4 * B * s * d
+    return total
+
+
+def logits_bytes(arch: ModelArch, layout: Layout, work: Workload, *, value_head: bool = False) -> float:
+    """Last stage, kept until the backward pass: final norm plus the log-prob loss over vocabulary-parallel logits
+    (the logits, the shifted logits and their exponentials: (B + 8)·s·b·V/t; entropy adds 12·s·b·V/t)."""
+    s, b, B, t = work.seq_len, work.micro_batch, work.act_bytes, layout.tp
+    sigma = t if layout.sequence_parallel else 1
+    norm = (4 + 2 * B) * s * b * arch.hidden_size / sigma
+    if value_head:
+        return norm + 3 * 4 * s * b  # values [s, b, 1] and their fp32 loss terms
+    per_vocab = B + 8 + (12 if work.entropy else 0)
+    return norm + per_vocab * s * b * arch.padded_vocab_size(t) / t
+
+
+def in_flight(layout: Layout, stage: int, num_microbatches: int | None) -> int:
+    """Micro-batch chunks (of L/(p·v) layers) whose activations `stage` holds at its peak under Megatron's 1F1B."""
+    p, v = layout.pp, layout.vpp or 1
+    if p == 1:
+        held = 1
+    elif layout.vpp is None:
+        held = p - stage
+    else:
+        held = 2 * (p - stage - 1) + (v - 1) * p + 1
+    if num_microbatches is not None:
+        held = min(held, num_microbatches * v)
+    return held
+
+
+def activation_terms(arch: ModelArch, layout: Layout, work: Workload, stage: int, *,
+                     value_head: bool = False) -> list[Term]:
+    """Activations of `stage` at its peak: everything kept for backward plus the larger of two backward moments —
+    the loss gradient on the last stage (logits still alive), or the last layer's MLP backward (logits freed; with
+    full recompute, that layer rebuilt first)."""
+    p, v = layout.pp, layout.vpp or 1
+    chunk_layers = arch.num_layers // (p * v)
+    held = in_flight(layout, stage, work.num_microbatches)
+    per_layer = layer_activation_bytes(arch, layout, work)
+    s, b, B, t = work.seq_len, work.micro_batch, work.act_bytes, layout.tp
+    sigma = t if layout.sequence_parallel else 1
+    rec = work.recompute
+    terms = [Term(f"activations ({rec} recompute)", held * chunk_layers * per_layer,
+                  f"{held} micro-batch chunk(s) × {chunk_layers} layers × {_fmt_bytes(per_layer)}/layer "
+                  f"(s={s}, b={b}, B={B})")]
+    if p > 1:
+        buf = 2 * B * s * b * arch.hidden_size / sigma
+        terms.append(Term("pipeline send/recv", held * buf, f"{held} × 2 × {B} B × s·b·h/σ"))
+    mlp_grad = 2 * B * s * b * arch.ffn_hidden_size / t
+    layer_moment, layer_formula = mlp_grad, "MLP backward: fc1-output grad 2·B·s·b·f/t"
+    if rec == "full":
+        layer_moment += layer_activation_bytes(arch, layout, work, recompute="none")
+        layer_formula = "recomputed layer + " + layer_formula
+    if stage == p - 1:
+        kept = logits_bytes(arch, layout, work, value_head=value_head)
+        what = "value head" if value_head else f"log-prob loss, V={arch.padded_vocab_size(t)}"
+        terms.append(Term("final norm + logits", kept, f"(4 + 2B)·s·b·h/σ + {what}"))
+        # fp32 gradient of the loss w.r.t. the logits, plus its cast back to the logits' dtype when that is 16-bit.
+        grad_bytes = 4 + (B if B < 4 else 0)
+        loss_grad = 0.0 if value_head else grad_bytes * s * b * arch.padded_vocab_size(t) / t
+        if loss_grad + kept >= layer_moment:
+            terms.append(Term("backward peak: loss grad", loss_grad,
+                              f"{grad_bytes} B × s·b·V/t (fp32 grad{' + its cast' if B < 4 else ''}), logits alive"))
+        else:
+            terms.append(Term("backward peak: last layer", layer_moment - kept, layer_formula + ", logits freed"))
+    else:
+        terms.append(Term("backward peak: last layer", layer_moment, layer_formula))
+    return terms
+
+
+def forward_only_terms(arch: ModelArch, layout: Layout, work: Workload, *, value_head: bool = False) -> list[Term]:
+    """Scoring (ref / old log-prob / critic values): no activations kept, one layer's and the logits' transients."""
+    one = layer_activation_bytes(arch, layout, work, recompute="none")
+    return [Term("forward transients", one, "≤ one layer's intermediates (nothing kept without grad)"),
+            Term("final norm + logits", logits_bytes(arch, layout, work, value_head=value_head),
+                 "as in training, last stage")]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Phases
+# ------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MemoryPrediction:
+    """Per-GPU memory of each phase on the worst pipeline stage, plus the rollout and reshard figures."""
+
+    layout: Layout
+    phases: dict[str, Phase]
+    worst_stage: dict[str, int]
+    kv_cache_bytes: float
+    kv_bytes_per_token: float
+    reshard_bytes_per_gpu: float
+    reshard_extra_peak_bytes: float
+    host_offload_bytes: float
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def totals_gib(self) -> dict[str, float]:
+        return {name: round(gib(ph.total), 3) for name, ph in self.phases.items()}
+
+    @property
+    def peak(self) -> float:
+        return max(ph.total for ph in self.phases.values())
+
+    def explain(self) -> list[str]:
+        lines: list[str] = []
+        for name, phase in self.phases.items():
+            lines += phase.explain() + [f"  (worst pipeline stage: {self.worst_stage[name]})"]
+        lines.append(f"KV cache per GPU {_fmt_bytes(self.kv_cache_bytes)} at {_fmt_bytes(self.kv_bytes_per_token)}"
+                     f"/token → {int(self.kv_cache_bytes // max(self.kv_bytes_per_token, 1)):,} tokens")
+        lines += list(self.notes)
+        return lines
+
+
+def _resident_terms(role: RoleSpec, params: int, dp: int, dtype: str, *, keep_params: bool = False) -> list[Term]:
+    """What an idle role leaves on the GPU (its offload flags applied)."""
+    terms = training_state_terms(params, dp, dtype) if role.trainable else training_state_terms(params, dp, dtype)[:1]
+    kept = []
+    for term in terms:
+        kind = term.name.split(" ")[0]
+        offloaded = {"params": role.offload_params and not keep_params, "grads": role.offload_grads,
+                     "optimizer": role.offload_optimizer}[kind]
+        if not offloaded:
+            kept.append(Term(f"{role.name} {term.name}", term.bytes, term.formula))
+    return kept
+
+
+def _stage_state(arch: ModelArch, layout: Layout, role: RoleSpec, stage: int) -> int:
+    return stage_params(arch, layout, stage, value_head=role.value_head).total
+
+
+def predict_memory(arch: ModelArch, layout: Layout, work: Workload, *, roles: tuple[RoleSpec, ...] | None = None,
+                   rollout: RolloutSpec | None = None, gpu_mem_bytes: float | None = None) -> MemoryPrediction:
+    """Per-GPU memory of every phase, on the pipeline stage where it peaks."""
+    roles = roles or default_roles()
+    rollout = rollout or RolloutSpec()
+    if roles[0].name != "actor" or not roles[0].trainable:
+        raise PlanningError("roles: the first role must be the trainable actor")
+    if arch.num_layers % layout.chunks:
+        raise PlanningError(f"pp·vpp={layout.chunks} must divide num_layers={arch.num_layers}")
+    hybrid = layout.hybrid(arch)
+    dt = work.dtype
+    gen_bytes = 2 * generation_params(arch, layout.tg)
+    model_bytes = 2 * arch.num_parameters()  # M of HybridFlow Table 2, bf16 weights
+    vllm_weights = Term("vLLM weights", gen_bytes, f"2 B × {generation_params(arch, layout.tg):,} params at tg="
+                                                   f"{layout.tg}")
+    tokens = rollout.max_num_batched_tokens
+    h, f, d = arch.hidden_size, arch.ffn_hidden_size, arch.head_dim
+    qkv = (arch.num_heads + 2 * arch.num_kv_heads) * d
+    act_reserve = (2 * tokens * (qkv + 3 * f + 3 * h) / layout.tg
+                   + 2 * 4 * rollout.max_num_seqs * arch.vocab_size)
+    vllm_act = Term("vLLM profiling activations", act_reserve,
+                    f"2 B × {tokens} tokens × ((a+2k)·d + 3f + 3h)/tg + 2 × 4 B × {rollout.max_num_seqs} seqs × "
+                    f"vocab")
+    kv_per_token = 2 * arch.num_layers * (arch.num_kv_heads // layout.tg) * d * 2
+    if rollout.kv_cache_bytes is not None:
+        kv = float(rollout.kv_cache_bytes)
+        vllm_terms = [vllm_weights, vllm_act, Term("vLLM KV cache", kv, "rollout.kv_cache_memory_bytes")]
+    else:
+        if gpu_mem_bytes is None:
+            raise PlanningError("rollout: give the GPU memory or an explicit KV-cache budget to size the KV cache")
+        share = rollout.gpu_memory_utilization * gpu_mem_bytes
+        kv = share - gen_bytes - act_reserve
+        vllm_terms = [vllm_weights, vllm_act,
+                      Term("vLLM KV cache", kv, f"{rollout.gpu_memory_utilization} × {_fmt_bytes(gpu_mem_bytes)} − "
+                                                f"weights − profiling activations")]
+
+    phases: dict[str, Phase] = {}
+    worst: dict[str, int] = {}
+
+    def pick(name: str, candidates: list[tuple[int, Phase]]) -> None:
+        stage, phase = max(candidates, key=lambda sp: sp[1].total)
+        phases[name], worst[name] = phase, stage
+
+    stages = sorted({0, layout.pp - 1})  # embedding / most activations on the first, logits on the last
+
+    def idle(others: list[RoleSpec], stage: int, *, keep: str | None = None) -> list[Term]:
+        out: list[Term] = []
+        for r in others:
+            out += _resident_terms(r, _stage_state(arch, layout, r, stage), layout.dp, dt, keep_params=r.name == keep)
+        return out
+
+    # Training: each trainable role in turn, the others idle, vLLM asleep.
+    train_candidates = []
+    for role in (r for r in roles if r.trainable):
+        for stage in stages:
+            params = _stage_state(arch, layout, role, stage)
+            sp = stage_params(arch, layout, stage, value_head=role.value_head)
+            state = [Term(f"{role.name} {t.name}", t.bytes, t.formula) for t in training_state_terms(params, layout.dp, dt)]
+            acts = [Term(f"{role.name} {t.name}", t.bytes, t.formula)
+                    for t in activation_terms(arch, layout, work, stage, value_head=role.value_head)]
+            step_tmp = 4 * (params if work.backend == "nccl" else sp.largest) / layout.dp
+            transient = Term(f"{role.name} optimizer step temporaries", step_tmp,
+                             f"4 B × {'P' if work.backend == 'nccl' else 'largest param'}/dp (AdamW "
+                             f"{'foreach' if work.backend == 'nccl' else 'single-tensor'})")
+            if work.backend == "gloo":
+                copy = Term(f"{role.name} gloo grad flatten copy", 4 * params / (layout.vpp or 1),
+                            "4 B × P / vpp (coalesced reduce-scatter of one chunk's grad buffer)")
+                transient = max(transient, copy, key=lambda term: term.bytes)
+            act_total = sum(t.bytes for t in acts)
+            peak_terms = acts if act_total >= transient.bytes else [transient]
+            others = [r for r in roles if r is not role]
+            vllm_idle = [] if rollout.free_cache_engine else vllm_terms
+            note = "activations peak" if act_total >= transient.bytes else "after backward: step transient peak"
+            train_candidates.append((stage, Phase(f"train:{role.name}", tuple(state + peak_terms + idle(others, stage)
+                                                                              + vllm_idle), note)))
+    pick("train", train_candidates)
+
+    # Scoring: frozen forward passes (ref log-probs, old log-probs, critic values).
+    score_candidates = []
+    for role in roles:
+        for stage in stages:
+            own = _resident_terms(role, _stage_state(arch, layout, role, stage), layout.dp, dt, keep_params=True)
+            fwd = forward_only_terms(arch, layout, work, value_head=role.value_head)
+            if stage != layout.pp - 1:
+                fwd = fwd[:1]
+            fwd = [Term(f"{role.name} {t.name}", t.bytes, t.formula) for t in fwd]
+            others = [r for r in roles if r is not role]
+            score_candidates.append((stage, Phase(f"score:{role.name}", tuple(own + fwd + idle(others, stage)))))
+    pick("score", score_candidates)
+
+    # Train → generate transition: vLLM weights woken, the actor's shards still on the GPU, one layer in flight.
+    layer_block = 2 * layer_params(arch, layout.tg)
+    reshard_candidates = []
+    for stage in stages:
+        actor = roles[0]
+        keep = idle([actor], stage, keep="actor")
+        buf = Term("reshard buffers", (layout.pp + 1) * layer_block,
+                   f"(pp + 1) × one layer at tg ({_fmt_bytes(layer_block)}): micro-DP gather + PP exchange")
+        reshard_candidates.append((stage, Phase("reshard", tuple(keep + idle(list(roles[1:]), stage)
+                                                                 + [vllm_weights, buf]))))
+    pick("reshard", reshard_candidates)
+
+    # Rollout: vLLM awake with its KV cache, every role idle.
+    rollout_candidates = [(stage, Phase("rollout", tuple(idle(list(roles), stage) + vllm_terms)))
+                          for stage in stages]
+    pick("rollout", rollout_candidates)
+
+    host = 0.0
+    for role in roles:
+        params = max(_stage_state(arch, layout, role, s) for s in stages)
+        for term in training_state_terms(params, layout.dp, dt)[: 3 if role.trainable else 1]:
+            kind = term.name.split(" ")[0]
+            if getattr(role, f"offload_{kind}", False):
+                host += term.bytes
+    notes = [f"3D-HybridEngine: {hybrid.describe()}",
+             f"reshard bytes per GPU = (t·p − tg)/(tg·t·p)·M = ({layout.tp}·{layout.pp} − {layout.tg})/"
+             f"({layout.tg}·{layout.tp}·{layout.pp}) × {_fmt_bytes(model_bytes)} = "
+             f"{_fmt_bytes(hybrid.predicted_bytes_per_rank(model_bytes))}; extra peak M/tg = "
+             f"{_fmt_bytes(hybrid.generation_weight_bytes(model_bytes))}"]
+    if kv < kv_per_token * work.seq_len:
+        notes.append(f"vLLM KV cache {_fmt_bytes(kv)} cannot hold one {work.seq_len}-token sequence")
+    return MemoryPrediction(layout=layout, phases=phases, worst_stage=worst, kv_cache_bytes=kv,
+                            kv_bytes_per_token=kv_per_token,
+                            reshard_bytes_per_gpu=hybrid.predicted_bytes_per_rank(model_bytes),
+                            reshard_extra_peak_bytes=hybrid.generation_weight_bytes(model_bytes),
+                            host_offload_bytes=host, notes=tuple(notes))
