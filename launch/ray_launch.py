@@ -9,7 +9,8 @@ one on this machine). For each of N nodes it reserves a placement group of P bun
 ``python PYTHON_ARGS`` with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR and MASTER_PORT
 set exactly as torchrun would (ranks numbered node by node), so the same SPMD entry point runs unchanged. Output
 lines are streamed to this driver prefixed with the rank. If any rank exits non-zero, every other rank is stopped
-and this command exits non-zero. PYTHON_ARGS default to ``-m verl_mega.train``.
+and this command exits non-zero. PYTHON_ARGS default to ``-m verl_mega.train``; unless they start with -m, -c or a
+*.py file they are arguments for it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def _python_args(rest: list[str]) -> list[str]:
         rest = rest[1:]
     if not rest:
         return ["-m", "verl_mega.train"]
-    if rest[0] == "-m" or rest[0].endswith(".py"):
+    if rest[0] in ("-m", "-c") or rest[0].endswith(".py"):
         return rest
     return ["-m", "verl_mega.train", *rest]
 

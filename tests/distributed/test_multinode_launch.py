@@ -252,6 +252,17 @@ def test_ray_two_nodes(procs, tmp_path):
         check_result(out, "ray")
         log = job_log.read_text()
         assert "[rank3] JOB OK" in log and "[rank0] JOB OK" in log, log[-3000:]  # rank output is streamed
+
+        # One failing rank stops the whole job: rank 1 exits with 3 while the others would sleep for minutes.
+        fail_log = tmp_path / "fail.log"
+        code = ("import os, sys, time; r = int(os.environ['RANK']); print('started', r, flush=True); "
+                "sys.exit(3) if r == 1 else time.sleep(300)")
+        t0 = time.monotonic()
+        failing = procs.start("ray_launch fail", [*cmd[:cmd.index("--") + 1], "-c", code], env, fail_log)
+        rc = failing.wait(timeout=120)
+        text = fail_log.read_text()
+        assert rc != 0 and "rank 1 exited with code 3" in text, text[-3000:]
+        assert time.monotonic() - t0 < 100, "the job was not stopped when rank 1 failed"
     finally:
         procs.kill_all()
         shutil.rmtree(temp, ignore_errors=True)

@@ -117,3 +117,16 @@ def test_shim_exports_and_execs():
     assert r.returncode == 0 and r.stdout.split() == ["3", "4", "1", "n1", "20007"]
     r = _run_shim(["--", "-c", "pass"], {"RANK": "1", "WORLD_SIZE": "1"})
     assert r.returncode == 2 and "launch_env: error: rank 1" not in r.stderr and "LOCAL_RANK is not set" in r.stderr
+
+
+def test_launch_scripts_parse_and_explain_themselves():
+    for script in ("torchrun.sh", "mpirun.sh", "slurm_example.sbatch"):
+        r = subprocess.run(["bash", "-n", str(REPO / "launch" / script)], capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0, r.stderr
+    for script in ("torchrun.sh", "mpirun.sh"):
+        r = subprocess.run(["bash", str(REPO / "launch" / script), "--help"], capture_output=True, text=True,
+                           timeout=30)
+        assert r.returncode == 0 and "PYTHON_ARGS" in r.stdout and "set -e" not in r.stdout
+    r = subprocess.run(["bash", str(REPO / "launch" / "mpirun.sh"), "--", "-c", "pass"], capture_output=True,
+                       text=True, timeout=30, env={**os.environ, "MPIRUN": "no-such-mpirun"})
+    assert r.returncode == 2 and "'no-such-mpirun' not found" in r.stderr
