@@ -112,6 +112,7 @@ def main() -> None:
 
     from verl_mega.engine.logprobs import vocab_parallel_logprobs_entropy
     from verl_mega.engine.megatron_engine import MegatronEngine
+    from verl_mega.hybrid.engine import HybridEngine
     from verl_mega.hybrid.layout import ModelDims, plan_layout
     from verl_mega.hybrid.sync import WeightSync
     from verl_mega.models.build import build_model_chunks
@@ -119,7 +120,7 @@ def main() -> None:
     from verl_mega.models.hf_io import HFCheckpointReader
     from verl_mega.models.loader import iter_hf_tensors, load_hf_weights
     from verl_mega.parallel.state import init_distributed
-    from verl_mega.rollout.vllm_rollout import SamplingSpec, VLLMRollout, VLLMRolloutConfig
+    from verl_mega.rollout.vllm_rollout import SamplingSpec, VLLMRolloutConfig
 
     init_distributed(tp=args.tp, pp=args.pp, seed=1)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -133,9 +134,12 @@ def main() -> None:
     load_hf_weights(chunks, HFCheckpointReader(args.model_dir), arch)
     perturb(chunks, arch)
 
-    rollout = VLLMRollout(VLLMRolloutConfig(model_path=args.model_dir, gen_tp=args.gen_tp, dtype="float32",
-                                            max_model_len=128, max_num_seqs=8, enforce_eager=True,
-                                            kv_cache_memory_bytes=32 << 20), layout)
+    assert HybridEngine().is_available(), HybridEngine.why_unavailable()
+    engine = HybridEngine(arch=arch, chunks=chunks, rollout_config=VLLMRolloutConfig(
+        model_path=args.model_dir, gen_tp=args.gen_tp, dtype="float32", max_model_len=128, max_num_seqs=8,
+        enforce_eager=True, kv_cache_memory_bytes=32 << 20))
+    assert engine.layout == layout  # planned from Megatron's own groups
+    rollout = engine.rollout
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, arch.vocab_size, (n,), generator=g).tolist() for n in (5, 9, 3, 7)]
     greedy = SamplingSpec(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
@@ -143,8 +147,8 @@ def main() -> None:
 
     ours: dict = {}
     install_capture(rollout.model, ours)
-    sync = WeightSync(layout=layout, arch=arch, chunks=chunks, rollout=rollout, mode="inplace")
-    metrics = sync.sync()
+    engine.to_training()
+    metrics = engine.to_generation()
     plain_params(rollout.model, ours)
     after = rollout.generate(prompts, greedy)
 
@@ -163,7 +167,8 @@ def main() -> None:
             hf_tokens.append(out[0, len(p):].tolist())
     assert after.token_ids == hf_tokens, f"rank {rank}: vLLM {after.token_ids} != HF {hf_tokens}"
     assert before.token_ids != hf_tokens, f"rank {rank}: perturbation did not change the greedy output"
-    assert after.weight_version == 1 and before.weight_version == 0
+    assert after.weight_version == 1 and before.weight_version == 0 and engine.weight_version == 1
+    assert metrics["switch/to_generation_s"] >= metrics["weight_sync/seconds"]
 
     # Log-prob parity: Megatron's log-probs of vLLM's tokens (same sequences on every rank).
     seqs = [p + t for p, t in zip(prompts, after.token_ids)]
