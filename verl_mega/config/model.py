@@ -35,8 +35,13 @@ class ModelConfig(ConfigSection):
         "auto", help="Use Transformer Engine layers: `auto` when `transformer_engine` imports, else our SDPA spec.",
         affects_results=False)
 
+    tiny_warmstart_steps: int = option(
+        20, help="With `path: tiny`: supervised warm-start steps on the generated task before RL, so that the "
+                 "policy sometimes samples a right answer (0 = start from random weights).")
+
     def validate(self) -> None:
         self._require(bool(self.path.strip()), "model.path is empty; set model.path to an HF model directory or tiny")
         if self.tokenizer_path is None:
             self._set("tokenizer_path", self.path)
         self._check_range("make_vocab_size_divisible_by", ge=1, example=128)
+        self._check_range("tiny_warmstart_steps", ge=0, example=20)

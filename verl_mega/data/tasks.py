@@ -7,6 +7,7 @@ its own reward function, which the trainer uses when ``reward.function`` is null
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable
 
 from verl_mega.config.rl import GENERATED_PREFIX
@@ -27,6 +28,9 @@ class GeneratedTask:
 
 GENERATED_TASKS: dict[str, GeneratedTask] = {
     "arithmetic": GeneratedTask("arithmetic", generate_arithmetic, _ARITHMETIC_REWARD),
+    # 25 distinct sums a+b with a, b in 0..4: small enough for a 2-core CPU run to learn by RL alone in minutes
+    "addition_small": GeneratedTask("addition_small", partial(generate_arithmetic, ops="+", max_operand=4),
+                                    _ARITHMETIC_REWARD),
 }
 
 

@@ -24,7 +24,6 @@ log = logging.getLogger("verl_mega")
 
 TINY_SIZES = dict(model_type="qwen2", hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
                   num_kv_heads=2, tie_word_embeddings=True)
-TINY_WARMSTART_STEPS = 60
 
 
 def resolve_model_path(cfg: TrainConfig) -> Path:
@@ -37,7 +36,8 @@ def resolve_model_path(cfg: TrainConfig) -> Path:
     entry = next((f for f in cfg.data.train_files if is_generated(f)), "generated:arithmetic")
     seed = cfg.trainer.seed
     root = Path(os.environ.get("VERL_MEGA_CACHE", Path.home() / ".cache" / "verl_mega"))
-    target = root / f"tiny-{entry.split(':')[-1]}-s{seed}-w{TINY_WARMSTART_STEPS}"
+    steps = cfg.model.tiny_warmstart_steps
+    target = root / f"tiny-{entry.split(':')[-1]}-s{seed}-w{steps}"
     root.mkdir(parents=True, exist_ok=True)
     with open(root / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # every local rank waits while one builds
@@ -45,7 +45,7 @@ def resolve_model_path(cfg: TrainConfig) -> Path:
             tmp = target.with_name(target.name + f".tmp{os.getpid()}")
             make_tiny_hf_model(tmp, seed=seed, **TINY_SIZES)
             records = generated_task(entry).generate(1024, seed=seed)
-            stats = warm_start(tmp, records, steps=TINY_WARMSTART_STEPS, seed=seed)
+            stats = warm_start(tmp, records, steps=steps, seed=seed)
             (tmp / "warmstart.json").write_text(json.dumps(stats))
             os.replace(tmp, target)
     return target
@@ -73,7 +73,8 @@ def build_role_engine(cfg: TrainConfig, dims: ParallelDims, path: Path, *, role_
     tcfg = transformer_config(arch, tp=dims.tp, pp=dims.pp, vpp=dims.vpp, cp=dims.cp,
                               sequence_parallel=cfg.parallel.sequence_parallel, dtype=cfg.model.dtype,
                               recompute=cfg.model.recompute, use_cpu_initialization=not torch.cuda.is_available())
-    chunks = build_model_chunks(arch, tcfg, value_head=value_head, use_te=cfg.model.use_te,
+    use_te = {True: "true", False: "false"}.get(cfg.model.use_te, cfg.model.use_te)
+    chunks = build_model_chunks(arch, tcfg, value_head=value_head, use_te=use_te,
                                 make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
     if torch.cuda.is_available():
         chunks = [c.cuda() for c in chunks]

@@ -1,0 +1,170 @@
+"""GPU model benchmark (run on a CUDA machine; prints a table and writes JSON).
+
+    # parity at tp=2 (2 GPUs) — mcore (our SDPA spec, bf16) vs HF transformers (bf16) logits:
+    torchrun --nproc-per-node 2 benchmarks/bench_model_gpu.py parity --out parity.json
+    # fwd+bwd throughput on 1 GPU, our SDPA spec vs mcore's local spec, 8×1024 tokens:
+    python benchmarks/bench_model_gpu.py throughput --out throughput.json
+
+The model is a Qwen2.5-1.5B-architecture model with random weights (no download).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+QWEN25_1_5B = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu", "hidden_size": 1536,
+    "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
+    "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True,
+    "vocab_size": 151936, "initializer_range": 0.02, "bos_token_id": 151643, "eos_token_id": 151643,
+}
+
+
+def make_model(path: Path) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if (path / "model.safetensors").exists() or (path / "model.safetensors.index.json").exists():
+        return
+    cfg = AutoConfig.for_model(**QWEN25_1_5B)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(str(path), safe_serialization=True)
+
+
+def parity(args) -> dict:
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+    from transformers import AutoModelForCausalLM
+
+    from verl_mega.engine.megatron_engine import MegatronEngine
+    from verl_mega.models.build import build_model_chunks
+    from verl_mega.models.hf_config import arch_from_hf, load_hf_config, transformer_config
+    from verl_mega.models.hf_io import HFCheckpointReader
+    from verl_mega.models.loader import load_hf_weights
+    from verl_mega.parallel.state import init_distributed
+
+    path = Path(args.model_dir)
+    if int(os.environ.get("RANK", "0")) == 0:
+        make_model(path)
+    info = init_distributed(tp=int(os.environ.get("WORLD_SIZE", "1")), pp=1)
+    dist.barrier()
+    arch = arch_from_hf(load_hf_config(path))
+    cfg = transformer_config(arch, tp=info["world"], dtype="bfloat16")
+    chunks = [c.cuda() for c in build_model_chunks(arch, cfg, use_te="false")]
+    load_hf_weights(chunks, HFCheckpointReader(path), arch)
+    engine = MegatronEngine(chunks, cfg)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, arch.vocab_size, (4, 512), generator=g).cuda()
+    pos = torch.arange(512, device="cuda").expand(4, 512)
+    res = engine.forward([{"input_ids": ids, "position_ids": pos}],
+                         lambda out, mb: {"logits": gather_from_tensor_model_parallel_region(out)[..., :arch.vocab_size]})
+    out = {}
+    if dist.get_rank() == 0:
+        logits = res[0]["logits"].float()
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).cuda().eval()
+        with torch.no_grad():
+            ref = hf(ids).logits.float()
+        lp, lq = torch.log_softmax(ref.double(), -1), torch.log_softmax(logits.double(), -1)
+        kl = (lp.exp() * (lp - lq)).sum(-1)
+        out = {"tp": info["world"], "dtype": "bfloat16", "tokens": ids.numel(),
+               "logits_max_abs": float((logits - ref).abs().max()), "logits_mean_abs": float((logits - ref).abs().mean()),
+               "mean_kl_hf_to_mcore": float(kl.mean()), "max_kl": float(kl.max()),
+               "argmax_agreement": float((logits.argmax(-1) == ref.argmax(-1)).float().mean())}
+        print(json.dumps(out, indent=1))
+    dist.barrier()
+    return out
+
+
+def _time_fwd_bwd(use_te: str, spec: str, arch, args) -> float:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from verl_mega.models.build import build_model_chunks
+    from verl_mega.models.hf_config import transformer_config
+
+    cfg = transformer_config(arch, dtype="bfloat16")
+    if spec == "ours":
+        model = build_model_chunks(arch, cfg, use_te=use_te)[0].cuda()
+    else:
+        model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+                         vocab_size=arch.padded_vocab_size(1), max_sequence_length=4096,
+                         share_embeddings_and_output_weights=arch.tie_word_embeddings, position_embedding_type="rope",
+                         rotary_base=int(arch.rope_theta)).cuda()
+    b, s = args.micro_batch, args.seq_len
+    ids = torch.randint(0, arch.vocab_size, (b, s), device="cuda")
+    pos = torch.arange(s, device="cuda").expand(b, s)
+    causal = None if spec == "ours" else torch.triu(torch.ones(s, s, dtype=torch.bool, device="cuda"), 1)[None, None]
+
+    def step():
+        logits = model(ids, pos, causal)
+        loss = torch.nn.functional.cross_entropy(logits.float().view(-1, logits.shape[-1]), ids.view(-1))
+        loss.backward()
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(args.iters):
+        step()
+    torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / args.iters
+    del model
+    torch.cuda.empty_cache()
+    return seconds
+
+
+def throughput(args) -> dict:
+    from verl_mega.models.hf_config import arch_from_hf
+    from verl_mega.parallel.state import init_distributed
+    from verl_mega.trainer.profiler import transformer_flops_per_token
+
+    init_distributed(tp=1, pp=1)
+    arch = arch_from_hf(QWEN25_1_5B)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ a
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ a
+    torch.cuda.synchronize()
+    peak = 2 * 8192**3 * 10 / (time.perf_counter() - t0)
+    del a
+    flops_tok = transformer_flops_per_token(arch.num_layers, arch.hidden_size, arch.ffn_hidden_size, arch.num_heads,
+                                            arch.num_kv_heads, arch.head_dim, arch.vocab_size, args.seq_len, True)
+    tokens = args.micro_batch * args.seq_len
+    rows = {}
+    for name, spec in (("ours_sdpa", "ours"), ("mcore_local", "local")):
+        sec = _time_fwd_bwd("false", spec, arch, args)
+        tflops = flops_tok * tokens / sec / 1e12
+        rows[name] = {"s_per_iter": sec, "tokens_per_s": tokens / sec, "tflops_per_gpu": tflops,
+                      "fraction_of_peak": tflops * 1e12 / peak}
+    out = {"model": "Qwen2.5-1.5B architecture (random weights)", "tokens_per_iter": tokens,
+           "measured_bf16_peak_tflops": peak / 1e12, "flops_per_token": flops_tok, **rows}
+    print(json.dumps(out, indent=1))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["parity", "throughput"])
+    ap.add_argument("--model-dir", default="/tmp/qwen25_1_5b_random")
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    result = parity(args) if args.mode == "parity" else throughput(args)
+    if args.out and result:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
