@@ -1,0 +1,162 @@
+"""Plan a job before the cluster exists: rank training/generation layouts by predicted per-GPU memory and cost.
+
+    python tools/plan.py --model CONFIG.json --gpus N --gpus-per-node G --gpu-mem-gb M [--topo F]
+                         [--tp T --pp P --vpp V --tg G] [--micro-batch B --seq-len S --recompute R]
+                         [--global-batch N] [--offload params,grads,optimizer] [--explain] [--json]
+                         [--dry-run --rank R]
+
+Memory is in GiB (2^30 bytes) per GPU. --json prints one JSON object whose ``plans`` list is ranked best first;
+each plan has ``tp``, ``pp``, ``vpp``, ``dp``, ``tg``, ``memory_gb`` per phase (``train``, ``rollout``,
+``reshard``, ``score``), ``reshard_bytes_per_gpu`` and the breakdown. --dry-run builds every process group and the
+model on the meta device for rank R of the best plan (or the pinned layout) in this one process.
+See docs/planning.md for the formulas and the cost model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
+
+from verl_mega.models.hf_config import arch_from_hf, load_hf_config  # noqa: E402
+from verl_mega.planning.memory import GiB, PlanningError, RolloutSpec, Workload, default_roles  # noqa: E402
+from verl_mega.planning.plan import Cluster, Pins, plan_layouts  # noqa: E402
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, no usage dump
+        print(f"error: {message}; see --help", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _positive(kind=int):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
+        return value
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _OneLineParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True, help="HF config.json (or a model directory holding one)")
+    ap.add_argument("--gpus", type=_positive(), required=True, help="total GPUs")
+    ap.add_argument("--gpus-per-node", type=_positive(), default=8)
+    ap.add_argument("--gpu-mem-gb", type=_positive(float), default=80.0, help="memory per GPU, GiB")
+    ap.add_argument("--reserve-gb", type=float, default=2.0, help="per-GPU memory kept free (CUDA context, NCCL, "
+                                                                  "fragmentation), GiB")
+    ap.add_argument("--topo", default=None, help="saved `nvidia-smi topo -m` of one node (NVLink islands)")
+    for name in ("tp", "pp", "tg"):
+        ap.add_argument(f"--{name}", type=_positive(), default=None, help=f"pin {name} (default: enumerate)")
+    ap.add_argument("--vpp", type=_positive(), default=None, help="pin virtual pipeline stages (1 = no interleaving)")
+    ap.add_argument("--micro-batch", type=_positive(), default=1, help="samples per micro-batch per GPU")
+    ap.add_argument("--seq-len", type=_positive(), default=4096, help="prompt + response tokens")
+    ap.add_argument("--global-batch", type=_positive(), default=1024, help="samples per optimizer step")
+    ap.add_argument("--recompute", choices=("none", "selective", "full"), default=None,
+                    help="pin activation recompute (default: try none and full)")
+    ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    ap.add_argument("--entropy", action="store_true", help="the actor loss computes the entropy")
+    ap.add_argument("--no-sequence-parallel", action="store_true", help="disable SP (on by default when tp > 1)")
+    ap.add_argument("--no-critic", action="store_true", help="no critic (GRPO/RLOO/...)")
+    ap.add_argument("--no-ref", action="store_true", help="no reference policy (no KL)")
+    ap.add_argument("--offload", default="", help="comma list of params,grads,optimizer moved to the host while "
+                                                  "actor/critic are idle")
+    ap.add_argument("--offload-ref", action="store_true", help="keep reference weights on the host between uses")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="vLLM's share of GPU memory")
+    ap.add_argument("--kv-cache-gb", type=_positive(float), default=None, help="explicit vLLM KV budget, GiB")
+    ap.add_argument("--max-num-seqs", type=_positive(), default=256)
+    ap.add_argument("--max-num-batched-tokens", type=_positive(), default=8192)
+    ap.add_argument("--top", type=_positive(), default=10, help="plans to print (text mode)")
+    ap.add_argument("--explain", action="store_true", help="print the arithmetic of the best plan")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--dry-run", action="store_true", help="build all groups + meta model for --rank")
+    ap.add_argument("--rank", type=int, default=0, help="rank for --dry-run")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        arch = arch_from_hf(load_hf_config(args.model))
+        topology = None
+        if args.topo:
+            from verl_mega.parallel.topology import parse_topology
+
+            topology = parse_topology(Path(args.topo).read_text())
+        cluster = Cluster(gpus=args.gpus, gpus_per_node=args.gpus_per_node, gpu_mem_gib=args.gpu_mem_gb,
+                          reserve_gib=args.reserve_gb, topology=topology)
+        work = Workload(micro_batch=args.micro_batch, seq_len=args.seq_len, dtype=args.dtype, entropy=args.entropy)
+        offload = tuple(x for x in args.offload.split(",") if x)
+        roles = default_roles(critic=not args.no_critic, ref=not args.no_ref, offload=offload,
+                              offload_ref=args.offload_ref)
+        rollout = RolloutSpec(gpu_memory_utilization=args.gpu_memory_utilization,
+                              kv_cache_bytes=args.kv_cache_gb * GiB if args.kv_cache_gb else None,
+                              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+        pins = Pins(tp=args.tp, pp=args.pp, vpp=args.vpp, tg=args.tg, recompute=args.recompute)
+        plans, rejected = plan_layouts(arch, cluster, work, global_batch=args.global_batch, roles=roles,
+                                       rollout=rollout, pins=pins, sequence_parallel=not args.no_sequence_parallel)
+        if not plans:
+            reason = rejected[0].reason if rejected else "no tp/pp combination divides the cluster"
+            raise PlanningError(f"no feasible layout (first reason: {reason}); relax the pinned flags")
+        report = None
+        if args.dry_run:
+            from verl_mega.planning.dry_run import dry_run
+
+            report = dry_run(arch, plans[0].layout, rank=args.rank, dtype=args.dtype)
+    except (OSError, ValueError) as exc:  # PlanningError, ModelConfigError, LayoutError, TopologyParseError
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    name = Path(args.model).stem if Path(args.model).is_file() else Path(args.model).name
+    if args.json:
+        out = {"model": {"name": name, "params": arch.num_parameters(), "layers": arch.num_layers,
+                         "hidden": arch.hidden_size, "heads": arch.num_heads, "kv_heads": arch.num_kv_heads},
+               "cluster": {"gpus": cluster.gpus, "gpus_per_node": cluster.gpus_per_node,
+                           "gpu_mem_gb": cluster.gpu_mem_gib, "reserve_gb": cluster.reserve_gib},
+               "workload": {"micro_batch": work.micro_batch, "seq_len": work.seq_len, "dtype": work.dtype,
+                            "global_batch": args.global_batch, "roles": [r.name for r in roles]},
+               "units": "memory in GiB (2^30 bytes) per GPU; bytes are bytes",
+               "plans": [p.to_json(i + 1) for i, p in enumerate(plans)],
+               "rejected": [r.to_json() for r in rejected]}
+        if report is not None:
+            out["dry_run"] = report.to_json()
+        print(json.dumps(out))
+        return 0
+
+    fitting = sum(p.fits for p in plans)
+    print(f"{name}: {arch.num_parameters() / 1e9:.2f} B params, {arch.num_layers} layers, h={arch.hidden_size}, "
+          f"heads {arch.num_heads}/{arch.num_kv_heads} kv; {cluster.gpus} GPUs ({cluster.gpus_per_node}/node, "
+          f"{cluster.gpu_mem_gib:g} GiB); micro-batch {work.micro_batch} × {work.seq_len} tokens, global batch "
+          f"{args.global_batch}, roles {'+'.join(r.name for r in roles)}")
+    print(f"{len(plans)} layouts evaluated, {fitting} fit; {len(rejected)} rejected. Best first:")
+    for i, plan in enumerate(plans[: args.top]):
+        print(f"{i + 1:>3}. {plan.headline()}")
+    if args.explain:
+        print("\nArithmetic of the best plan:")
+        print("\n".join(plans[0].explain(cluster)))
+        if rejected:
+            reasons: dict[str, int] = {}
+            for r in rejected:
+                key = r.reason.split(" (")[0]
+                reasons[key] = reasons.get(key, 0) + 1
+            print("\nRejected layouts:")
+            for reason, count in sorted(reasons.items(), key=lambda kv: -kv[1]):
+                print(f"  {count:>4} × {reason}")
+    if report is not None:
+        print()
+        print("\n".join(report.lines()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,280 @@
+"""Layout planner: enumerate feasible training layouts (tp, pp, vpp, dp) and generation tg for a cluster, predict
+per-GPU memory of every phase (:mod:`verl_mega.planning.memory`) and rank them.
+
+All roles (actor, critic, reference) are colocated on every GPU and share one training layout (the config has one
+``parallel`` section); the critic differs by its value head, the reference by being frozen.
+
+**Feasibility** (a layout breaking one is listed as rejected, with the reason):
+tp divides the GPUs of a node (TP groups never cross nodes) and the model's heads, key/value heads and FFN width;
+pp divides the layers and tp·pp divides the GPU count; vpp needs pp > 1, pp·vpp dividing the layers and a number of
+micro-batches M divisible by pp (Megatron's interleaved schedule); tg divides tp (3D-HybridEngine); the global batch
+splits into dp × micro-batch × M; with sequence parallelism tp divides the sequence length.
+
+**Cost model** (lexicographic, smaller first):
+
+1. fits: every phase ≤ GPU memory − reserve and the KV cache holds at least one full sequence (plans that do not
+   fit follow, least over budget first);
+2. TP groups (training and generation) that leave an NVLink island (from ``--topo``; 0 without a topology, since
+   TP groups never span nodes);
+3. compute time factor (1 + bubble) × recompute, with the 1F1B bubble (p − 1)/(v·M) (Narayanan et al. 2021) and
+   4/3 for full recompute (one extra forward per forward + backward), compared at 1% granularity;
+4. 3D-HybridEngine bytes received per GPU at the train→generate switch;
+5. smaller model-parallel size tp·pp (less TP/PP communication per layer), then fewer virtual stages (fewer
+   pipeline messages), then more memory headroom.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from itertools import product
+
+from verl_mega.models.hf_config import ModelArch
+from verl_mega.parallel.topology import NodeTopology
+from verl_mega.planning.memory import (
+    GiB,
+    Layout,
+    MemoryPrediction,
+    PlanningError,
+    RoleSpec,
+    RolloutSpec,
+    Workload,
+    default_roles,
+    gib,
+    predict_memory,
+)
+
+PHASES = ("train", "rollout", "reshard", "score")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """GPUs available to the job: identical nodes of `gpus_per_node` GPUs with `gpu_mem_gib` each."""
+
+    gpus: int
+    gpus_per_node: int
+    gpu_mem_gib: float
+    reserve_gib: float = 2.0  # CUDA context, NCCL buffers, allocator fragmentation
+    topology: NodeTopology | None = None
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1 or self.gpus_per_node < 1:
+            raise PlanningError(f"--gpus={self.gpus} and --gpus-per-node={self.gpus_per_node} must be >= 1")
+        if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
+            raise PlanningError(f"--gpus={self.gpus} is not a whole number of {self.gpus_per_node}-GPU nodes; "
+                                f"use a multiple of --gpus-per-node")
+        if self.gpu_mem_gib <= 0 or self.reserve_gib < 0 or self.reserve_gib >= self.gpu_mem_gib:
+            raise PlanningError(f"--gpu-mem-gb={self.gpu_mem_gib} must be > 0 and above --reserve-gb="
+                                f"{self.reserve_gib}")
+        if self.topology is not None and self.topology.num_gpus != self.gpus_per_node:
+            raise PlanningError(f"--topo describes {self.topology.num_gpus} GPUs per node but --gpus-per-node="
+                                f"{self.gpus_per_node}; make them agree")
+
+    @property
+    def node_gpus(self) -> int:
+        """GPUs per node actually used (a job smaller than one node uses part of it)."""
+        return min(self.gpus, self.gpus_per_node)
+
+    @property
+    def budget_bytes(self) -> float:
+        return (self.gpu_mem_gib - self.reserve_gib) * GiB
+
+
+@dataclass(frozen=True, kw_only=True)
+class Pins:
+    """Values fixed on the command line; None enumerates. vpp=1 means no interleaving."""
+
+    tp: int | None = None
+    pp: int | None = None
+    vpp: int | None = None
+    tg: int | None = None
+    recompute: str | None = None
+
+
+@dataclass(frozen=True)
+class Rejected:
+    tp: int
+    pp: int
+    vpp: int | None
+    tg: int | None
+    reason: str
+
+    def to_json(self) -> dict:
+        return {"tp": self.tp, "pp": self.pp, "vpp": self.vpp, "tg": self.tg, "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class Plan:
+    layout: Layout
+    recompute: str
+    num_microbatches: int
+    memory: MemoryPrediction
+    over_budget: tuple[str, ...]  # why it does not fit (empty when it fits)
+    bubble: float
+    time_factor: float
+    tp_off_island: int
+    gen_off_island: int
+    headroom_bytes: float
+
+    @property
+    def fits(self) -> bool:
+        return not self.over_budget
+
+    @property
+    def cost(self) -> tuple:
+        over = max(0.0, -self.headroom_bytes)
+        # Time at 1% granularity: a negligible bubble must not outweigh gigabytes of reshard traffic.
+        return (0 if self.fits else 1, round(gib(over), 2), self.tp_off_island + self.gen_off_island,
+                round(self.time_factor, 2), round(self.memory.reshard_bytes_per_gpu / 2**20),
+                self.layout.tp * self.layout.pp, self.layout.vpp or 1, -round(gib(self.headroom_bytes), 2))
+
+    def to_json(self, rank: int) -> dict:
+        lay, mem = self.layout, self.memory
+        totals = mem.totals_gib()
+        return {
+            "rank": rank, "tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "dp": lay.dp, "tg": lay.tg,
+            "sequence_parallel": lay.sequence_parallel, "recompute": self.recompute,
+            "num_microbatches": self.num_microbatches, "fits": self.fits, "over_budget": list(self.over_budget),
+            "memory_gb": {name: totals[name] for name in PHASES},
+            "memory_breakdown_gb": {name: mem.phases[name].breakdown_gib() for name in PHASES},
+            "worst_stage": dict(mem.worst_stage),
+            "headroom_gb": round(gib(self.headroom_bytes), 3),
+            "kv_cache_gb": round(gib(mem.kv_cache_bytes), 3),
+            "kv_cache_tokens": int(max(mem.kv_cache_bytes, 0) // mem.kv_bytes_per_token),
+            "reshard_bytes_per_gpu": int(round(mem.reshard_bytes_per_gpu)),
+            "reshard_extra_peak_bytes": int(round(mem.reshard_extra_peak_bytes)),
+            "host_offload_gb": round(gib(mem.host_offload_bytes), 3),
+            "pipeline_bubble": round(self.bubble, 4), "time_factor": round(self.time_factor, 4),
+            "tp_groups_off_nvlink": self.tp_off_island, "gen_tp_groups_off_nvlink": self.gen_off_island,
+            "cost": list(self.cost),
+        }
+
+    def headline(self) -> str:
+        totals = self.memory.totals_gib()
+        mem = " ".join(f"{p}={totals[p]:.1f}" for p in PHASES)
+        fit = "fits" if self.fits else "DOES NOT FIT (" + "; ".join(self.over_budget) + ")"
+        return (f"{self.layout.describe()} recompute={self.recompute} M={self.num_microbatches}: {fit}; GiB/GPU "
+                f"{mem}; bubble {self.bubble:.3f}; reshard {self.memory.reshard_bytes_per_gpu / GiB:.2f} GiB/GPU")
+
+    def explain(self, cluster: Cluster) -> list[str]:
+        lay = self.layout
+        v = lay.vpp or 1
+        lines = [self.headline(),
+                 f"  budget per GPU: {cluster.gpu_mem_gib} GiB − reserve {cluster.reserve_gib} GiB = "
+                 f"{cluster.budget_bytes / GiB:.2f} GiB; headroom {gib(self.headroom_bytes):.2f} GiB",
+                 f"  bubble = (p − 1)/(v·M) = ({lay.pp} − 1)/({v}·{self.num_microbatches}) = {self.bubble:.4f}; "
+                 f"time factor = (1 + bubble) × {4 / 3 if self.recompute == 'full' else 1:.3f} (recompute) = "
+                 f"{self.time_factor:.4f}",
+                 f"  TP groups off NVLink islands per node: training {self.tp_off_island}, generation "
+                 f"{self.gen_off_island}",
+                 f"  cost key (fits, GiB over, off-island, time, reshard MiB, tp·pp, vpp, −headroom) = {self.cost}"]
+        lines += ["  " + line for line in self.memory.explain()]
+        return lines
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _island_report(topology: NodeTopology | None, tp: int, tg: int, cache: dict) -> tuple[int, int]:
+    """(training TP groups, generation TP groups) per node that leave an NVLink island."""
+    if topology is None:
+        return 0, 0
+    key = (tp, tg)
+    if key not in cache:
+        from verl_mega.parallel.scheduler import ParallelLayout, TopologyAwareScheduler
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the counts below carry the information
+            placement = TopologyAwareScheduler([topology]).plan(ParallelLayout(tp=tp, gen_tp=tg))
+        cache[key] = tuple(sum(not r.in_nvlink_island for r in placement.reports[kind]) for kind in ("tp", "gen_tp"))
+    return cache[key]
+
+
+def _structural_reason(arch: ModelArch, cluster: Cluster, tp: int, pp: int, vpp: int | None, tg: int,
+                       work: Workload, global_batch: int, sequence_parallel: bool) -> str | None:
+    node = cluster.node_gpus
+    if node % tp:
+        return f"tp={tp} does not divide the {node} GPUs of a node (TP groups would cross nodes)"
+    for name, value in (("heads", arch.num_heads), ("kv heads", arch.num_kv_heads), ("ffn", arch.ffn_hidden_size)):
+        if value % tp:
+            return f"tp={tp} does not divide {name}={value}"
+    if arch.num_layers % pp:
+        return f"pp={pp} does not divide layers={arch.num_layers}"
+    if cluster.gpus % (tp * pp):
+        return f"tp·pp={tp * pp} does not divide {cluster.gpus} GPUs"
+    if tp % tg:
+        return f"tg={tg} does not divide tp={tp}"
+    dp = cluster.gpus // (tp * pp)
+    if global_batch % (dp * work.micro_batch):
+        return f"global batch {global_batch} does not split into dp={dp} × micro-batch {work.micro_batch}"
+    m = global_batch // (dp * work.micro_batch)
+    if vpp is not None:
+        if pp == 1:
+            return "vpp needs pp > 1"
+        if arch.num_layers % (pp * vpp):
+            return f"pp·vpp={pp * vpp} does not divide layers={arch.num_layers}"
+        if m % pp:
+            return f"interleaving needs the {m} micro-batches per step to be a multiple of pp={pp}"
+    if sequence_parallel and tp > 1 and work.seq_len % tp:
+        return f"sequence parallelism needs tp={tp} to divide seq_len={work.seq_len}"
+    return None
+
+
+def plan_layouts(arch: ModelArch, cluster: Cluster, work: Workload, *, global_batch: int,
+                 roles: tuple[RoleSpec, ...] | None = None, rollout: RolloutSpec | None = None,
+                 pins: Pins | None = None, sequence_parallel: bool = True) -> tuple[list[Plan], list[Rejected]]:
+    """Every layout allowed by `pins`, ranked by the cost model (best first), and the rejected ones with reasons."""
+    pins = pins or Pins()
+    roles = roles or default_roles()
+    rollout = rollout or RolloutSpec()
+    if global_batch < 1:
+        raise PlanningError(f"--global-batch={global_batch} must be >= 1")
+    node = cluster.node_gpus
+    tps = [pins.tp] if pins.tp else _divisors(node)
+    if pins.tp and pins.tp > node:
+        raise PlanningError(f"--tp={pins.tp} exceeds the {node} GPUs of a node; TP groups must stay inside a node")
+    pps = [pins.pp] if pins.pp else _divisors(arch.num_layers)
+    recomputes = [pins.recompute] if pins.recompute else ["none", "full"]
+    plans: list[Plan] = []
+    rejected: list[Rejected] = []
+    island_cache: dict = {}
+    for tp, pp in product(tps, pps):
+        if pins.pp is None and cluster.gpus % (tp * pp):
+            continue  # not a layout of this cluster at all; not worth listing
+        if pins.vpp is not None:
+            vpps: list[int | None] = [None if pins.vpp == 1 else pins.vpp]
+        else:
+            vpps = [None] + ([v for v in _divisors(arch.num_layers // pp) if v > 1] if pp > 1 and
+                             arch.num_layers % pp == 0 else [])
+        tgs = [pins.tg] if pins.tg else _divisors(tp)
+        for vpp, tg in product(vpps, tgs):
+            reason = _structural_reason(arch, cluster, tp, pp, vpp, tg, work, global_batch, sequence_parallel)
+            if reason:
+                rejected.append(Rejected(tp, pp, vpp, tg, reason))
+                continue
+            dp = cluster.gpus // (tp * pp)
+            m = global_batch // (dp * work.micro_batch)
+            layout = Layout(tp=tp, pp=pp, dp=dp, tg=tg, vpp=vpp, sequence_parallel=sequence_parallel and tp > 1)
+            tp_off, gen_off = _island_report(cluster.topology, tp, tg, island_cache)
+            for rec in recomputes:
+                w = Workload(**{**work.__dict__, "recompute": rec, "num_microbatches": m})
+                plans.append(_evaluate(arch, cluster, layout, w, roles, rollout, tp_off, gen_off))
+    plans.sort(key=lambda p: p.cost)
+    return plans, rejected
+
+
+def _evaluate(arch: ModelArch, cluster: Cluster, layout: Layout, work: Workload, roles: tuple[RoleSpec, ...],
+              rollout: RolloutSpec, tp_off: int, gen_off: int) -> Plan:
+    mem = predict_memory(arch, layout, work, roles=roles, rollout=rollout, gpu_mem_bytes=cluster.gpu_mem_gib * GiB)
+    budget = cluster.budget_bytes
+    over = [f"{name} {gib(ph.total):.1f} > {gib(budget):.1f} GiB" for name, ph in mem.phases.items()
+            if ph.total > budget]
+    if mem.kv_cache_bytes < mem.kv_bytes_per_token * work.seq_len:
+        over.append(f"KV cache {gib(mem.kv_cache_bytes):.2f} GiB < one {work.seq_len}-token sequence")
+    m, v = work.num_microbatches or 1, layout.vpp or 1
+    bubble = (layout.pp - 1) / (v * m)
+    time_factor = (1 + bubble) * (4 / 3 if work.recompute == "full" else 1.0)
+    return Plan(layout=layout, recompute=work.recompute, num_microbatches=m, memory=mem, over_budget=tuple(over),
+                bubble=bubble, time_factor=time_factor, tp_off_island=tp_off, gen_off_island=gen_off,
+                headroom_bytes=budget - mem.peak)
