@@ -73,7 +73,11 @@ class VLLMRolloutConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class SamplingSpec:
-    """How to sample. ``temperature=0`` is greedy; ``top_k=0`` and ``top_p=1`` disable those filters."""
+    """How to sample. ``temperature=0`` is greedy; ``top_k=0`` and ``top_p=1`` disable those filters.
+
+    ``seed=None`` samples from a stream shared by the engine's ranks, fresh for every call and engine;
+    an explicit seed gives prompt i the seed ``seed + i`` (reproducible, through vLLM's per-request generators).
+    """
 
     n: int = 1
     max_tokens: int = 256
@@ -133,6 +137,7 @@ class VLLMRollout:
         self.is_cpu = _compat_is_cpu()
         self.weight_version = 0
         self._asleep = False
+        self._calls = 0
         _prepare_env(self.rank)
         order = layout.vllm_rank_order() if layout is not None else list(range(world))
         with _vllm_rank_order(order, self.is_cpu):
@@ -180,15 +185,23 @@ class VLLMRollout:
             top_p=sampling.top_p,
             stop_token_ids=list(sampling.stop_token_ids),
             ignore_eos=sampling.ignore_eos,
-            seed=sampling.seed,
             logprobs=0 if sampling.logprobs else None,
             detokenize=False,
         )
         if sampling.top_k > 0:
             kwargs["top_k"] = sampling.top_k
-        params = SamplingParams(**kwargs)
         prompts = [{"prompt_token_ids": [int(t) for t in p]} for p in prompt_token_ids]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
+        self._calls += 1
+        if sampling.seed is None:
+            params = SamplingParams(**kwargs)
+            # Every rank of an engine samples on its own and must draw the same tokens, but training consumes the
+            # global RNG differently on each rank; run vLLM's sampler from a stream shared by the engine's ranks
+            # (distinct per engine and call) and give the training RNG back untouched.
+            with _forked_rng(hash((self.config.seed, self.engine_index, self._calls)) % (2**31)):
+                outputs = self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
+        else:  # explicit seeds: one per prompt, so prompts do not share noise
+            params = [SamplingParams(**{**kwargs, "seed": sampling.seed + i}) for i in range(len(prompts))]
+            outputs = self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
         batch = RolloutBatch(prompt_index=[], token_ids=[], logprobs=[] if sampling.logprobs else None,
                              finish_reasons=[], weight_version=self.weight_version)
         for i, out in enumerate(outputs):
@@ -232,6 +245,19 @@ class VLLMRollout:
         del self.llm
         vps.destroy_model_parallel()
         vps.destroy_distributed_environment()
+
+
+@contextlib.contextmanager
+def _forked_rng(seed: int) -> Iterator[None]:
+    cpu_state = torch.get_rng_state()
+    cuda_state = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+    torch.manual_seed(seed)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu_state)
+        if cuda_state is not None:
+            torch.cuda.set_rng_state(cuda_state)
 
 
 def _sampled_logprobs(step_logprobs: Any, ids: list[int]) -> list[float]:

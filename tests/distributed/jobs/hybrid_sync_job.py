@@ -191,6 +191,21 @@ def main() -> None:
         lp_diff = max(lp_diff, (mcore_lp - torch.tensor(after.logprobs[i]).double()).abs().max().item())
     assert lp_diff < args.lp_tol, f"rank {rank}: vLLM vs Megatron log-probs differ by {lp_diff}"
 
+    # Random sampling: ranks of one engine must draw the same tokens even when training left their global RNGs in
+    # different states, and the training RNG must come back untouched.
+    torch.manual_seed(1000 + rank)
+    rng_before = torch.get_rng_state()
+    sampled = rollout.generate(prompts, SamplingSpec(n=2, max_tokens=6, temperature=1.0, ignore_eos=True))
+    assert torch.equal(torch.get_rng_state(), rng_before)
+    assert sampled.prompt_index == [0, 0, 1, 1, 2, 2, 3, 3] and all(len(t) == 6 for t in sampled.token_ids)
+    seeded = [rollout.generate(prompts[:2], SamplingSpec(max_tokens=6, temperature=1.0, ignore_eos=True, seed=5))
+              for _ in range(2)]
+    assert seeded[0].token_ids == seeded[1].token_ids
+    everyone = [None] * world
+    dist.all_gather_object(everyone, sampled.token_ids)
+    for other in plan.gen_tp_group:
+        assert everyone[other] == sampled.token_ids, f"rank {rank} and {other} of one engine sampled differently"
+
     # vLLM's own loader on full tensors (the reference path), captured the same way.
     ref: dict = {}
     install_capture(rollout.model, ref)
