@@ -40,8 +40,11 @@ def train(cfg) -> dict[str, float]:
                             apply_chat_template=cfg.data.apply_chat_template,
                             filter_overlong=cfg.data.filter_overlong_prompts)
     # every rank sees the global prompt batch: vLLM engines split it, DP ranks split the samples
+    # trainer.total_steps, when set, wins over trainer.total_epochs: the loader then cycles epochs as needed
+    epochs = cfg.trainer.total_epochs if not cfg.trainer.total_steps else 1 + cfg.trainer.total_steps * \
+        cfg.data.train_batch_size // max(len(dataset), 1)
     loader = PromptLoader(dataset, global_batch_size=cfg.data.train_batch_size, seed=cfg.data.seed,
-                          shuffle=cfg.data.shuffle, num_epochs=cfg.trainer.total_epochs or 1_000_000)
+                          shuffle=cfg.data.shuffle, num_epochs=epochs or 1)
     total_steps = cfg.trainer.total_steps or loader.total_batches
 
     # --- build roles, rollout and the 3D-HybridEngine
