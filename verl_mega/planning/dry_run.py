@@ -51,11 +51,11 @@ def fake_world(rank: int, world_size: int) -> Iterator[None]:
     from megatron.core import parallel_state as mpu
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
+    if not 0 <= rank < world_size:
+        raise DryRunError(f"dry run: --rank {rank} is outside the world of {world_size} ranks")
     if dist.is_initialized():
         raise DryRunError("dry run: torch.distributed is already initialised in this process; run the dry run in "
                           "a fresh process (e.g. tools/plan.py --dry-run)")
-    if not 0 <= rank < world_size:
-        raise DryRunError(f"dry run: --rank {rank} is outside the world of {world_size} ranks")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield

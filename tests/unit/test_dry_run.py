@@ -1,0 +1,185 @@
+"""A 1024-rank world (128 nodes × 8 GPUs, tp=8, pp=4, generation tg=4) built in one process.
+
+The group arithmetic is swept over every rank; the real dry run (torch's fake backend + Megatron-Core's own
+``initialize_model_parallel`` + the 3D-HybridEngine groups + a meta-device model) runs for ranks of every pipeline
+stage. Invariants are computed here from the definitions, never copied from the code under test.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from verl_mega.models.hf_config import arch_from_hf, load_hf_config
+from verl_mega.planning.dry_run import DryRunError, expected_rank_groups
+from verl_mega.planning.memory import Layout
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL = REPO / "tests" / "fixtures" / "hf_configs" / "llama-2-7b.json"
+WORLD, NODE, TP, PP, TG = 1024, 8, 8, 4, 4
+DP = WORLD // (TP * PP)
+LAYOUT = Layout(tp=TP, pp=PP, dp=DP, tg=TG)
+TIME_LIMIT_S = 10.0
+
+
+def check_rank_groups(rank: int, groups: dict[str, tuple[int, ...]]) -> None:
+    tp, pp, dp, gen, micro = (groups[k] for k in ("tp", "pp", "dp", "gen_tp", "micro_dp"))
+    # TP: tp consecutive ranks, all on the node of this rank.
+    assert len(tp) == TP and rank in tp
+    assert list(tp) == list(range(tp[0], tp[0] + TP)) and tp[0] % TP == 0
+    assert {r // NODE for r in tp} == {rank // NODE}
+    # PP: one rank per stage, same position in every other dimension (stride tp·dp in Megatron's order).
+    assert len(pp) == PP and rank in pp and all(b - a == TP * DP for a, b in zip(pp, pp[1:]))
+    # DP: same TP rank and stage, dp different replicas.
+    assert len(dp) == DP and rank in dp
+    assert {r % TP for r in dp} == {rank % TP} and {r // (TP * DP) for r in dp} == {rank // (TP * DP)}
+    for a, b in ((tp, pp), (tp, dp), (pp, dp)):
+        assert set(a) & set(b) == {rank}
+    # 3D-HybridEngine: generation TP = tg ranks of the training TP group strided by t/tg (ascending: new_group
+    # sorts); micro-DP = t/tg consecutive ranks; they meet in this rank only.
+    assert len(gen) == TG and set(gen) <= set(tp) and list(gen) == sorted(gen)
+    assert all(b - a == TP // TG for a, b in zip(gen, gen[1:]))
+    assert len(micro) == TP // TG and set(micro) <= set(tp) and list(micro) == list(range(micro[0], micro[0] + TP // TG))
+    assert set(gen) & set(micro) == {rank}
+
+
+def test_group_arithmetic_for_every_rank():
+    from megatron.core.parallel_state import RankGenerator
+
+    from verl_mega.parallel.scheduler import hybrid_engine_groups
+
+    start = time.perf_counter()
+    seen: dict[str, set[tuple[int, ...]]] = defaultdict(set)
+    for rank in range(WORLD):
+        groups = expected_rank_groups(LAYOUT, rank)
+        check_rank_groups(rank, groups)
+        for kind, group in groups.items():
+            seen[kind].add(group)
+    elapsed = time.perf_counter() - start
+    counts = {"tp": WORLD // TP, "pp": WORLD // PP, "dp": WORLD // DP, "gen_tp": WORLD // TG,
+              "micro_dp": WORLD // (TP // TG)}
+    for kind, groups in seen.items():
+        assert len(groups) == counts[kind], kind
+        assert sorted(r for g in groups for r in g) == list(range(WORLD)), f"{kind} groups do not partition the world"
+    # Megatron's own rank generator (what initialize_model_parallel uses) agrees on every group.
+    gen = RankGenerator(tp=TP, ep=1, dp=DP, pp=PP, cp=1, order="tp-cp-ep-dp-pp")
+    for kind in ("tp", "pp", "dp"):
+        assert {tuple(g) for g in gen.get_ranks(kind)} == seen[kind], kind
+    # The topology scheduler's independent 3D-HybridEngine grouping agrees too.
+    gen_groups, micro_groups = hybrid_engine_groups(gen.get_ranks("tp"), TG)
+    assert set(gen_groups) == seen["gen_tp"] and set(micro_groups) == seen["micro_dp"]
+    assert elapsed < TIME_LIMIT_S
+
+
+_SUBPROCESS = """
+import json, sys, time, warnings
+warnings.filterwarnings("ignore")
+from verl_mega.models.hf_config import arch_from_hf, load_hf_config
+from verl_mega.planning.dry_run import dry_run
+from verl_mega.planning.memory import Layout
+spec = json.loads(sys.argv[1])
+arch = arch_from_hf(load_hf_config(spec["model"]))
+out = []
+for rank in spec["ranks"]:
+    start = time.perf_counter()
+    report = dry_run(arch, Layout(**spec["layout"]), rank=rank)
+    out.append({**report.to_json(), "wall_s": time.perf_counter() - start})
+print("REPORTS " + json.dumps(out))
+"""
+
+
+def run_dry_runs(ranks: list[int], layout: Layout) -> list[dict]:
+    """In this process when it has no torch.distributed state, else in a fresh one (the fake world needs that)."""
+    spec = {"model": str(MODEL), "ranks": ranks,
+            "layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "tg": layout.tg, "vpp": layout.vpp}}
+    if dist.is_initialized():
+        proc = subprocess.run([sys.executable, "-c", _SUBPROCESS, json.dumps(spec)], capture_output=True, text=True,
+                              timeout=600, cwd=REPO)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        line = next(x for x in proc.stdout.splitlines() if x.startswith("REPORTS "))
+        return json.loads(line[len("REPORTS "):])
+    import megatron.core.parallel_state  # noqa: F401  (import time is not part of the dry run)
+
+    from verl_mega.planning.dry_run import dry_run
+
+    arch = arch_from_hf(load_hf_config(MODEL))
+    out = []
+    for rank in ranks:
+        start = time.perf_counter()
+        report = dry_run(arch, layout, rank=rank)
+        out.append({**report.to_json(), "wall_s": time.perf_counter() - start})
+        assert not dist.is_initialized()  # the fake world is torn down again
+    return out
+
+
+def test_dry_run_1024_ranks_every_stage():
+    ranks = [0, 300, 517, 1023, 255, 768]  # stages 0, 1, 2, 3, 0, 3
+    reports = run_dry_runs(ranks, LAYOUT)
+    arch = arch_from_hf(load_hf_config(MODEL))
+    h, L = arch.hidden_size, arch.num_layers
+    for rank, rep in zip(ranks, reports):
+        assert rep["wall_s"] < TIME_LIMIT_S, rep
+        assert rep["pp_stage"] == rank // (TP * DP)
+        check_rank_groups(rank, {k: tuple(v) for k, v in rep["groups"].items()})
+        assert rep["new_group_calls"] >= WORLD // TP + WORLD // PP + WORLD // DP + WORLD // TG + WORLD // (TP // TG)
+        assert rep["chunk_layer_offsets"] == [rep["pp_stage"] * L // PP]
+    # Parameters: one rank per stage, sharded parts × tp add up to the HF model (+ Megatron's vocabulary padding).
+    per_stage = {rep["pp_stage"]: rep["params_on_rank"] for rep in reports}
+    assert sorted(per_stage) == list(range(PP))
+    replicated = {s: 2 * h * L // PP + (h if s == PP - 1 else 0) for s in range(PP)}  # RMSNorm weights
+    padded_vocab = math.ceil(arch.vocab_size / (128 * TP)) * 128 * TP
+    sharded_total = sum(TP * (per_stage[s] - replicated[s]) for s in range(PP))
+    assert sharded_total == arch.num_parameters() - (2 * h * L + h) + 2 * (padded_vocab - arch.vocab_size) * h
+
+
+def test_dry_run_interleaved_chunks():
+    layout = Layout(tp=TP, pp=PP, dp=DP, tg=TG, vpp=2)
+    (rep,) = run_dry_runs([777], layout)
+    stage, per_chunk = 777 // (TP * DP), 32 // (PP * 2)
+    assert rep["chunk_layer_offsets"] == [(c * PP + stage) * per_chunk for c in range(2)]
+    assert rep["wall_s"] < TIME_LIMIT_S
+
+
+def test_dry_run_rejects_bad_rank_and_layout():
+    from verl_mega.hybrid.layout import LayoutError
+    from verl_mega.planning.dry_run import dry_run
+
+    arch = arch_from_hf(load_hf_config(MODEL))
+    was_initialized = dist.is_initialized()
+    with pytest.raises(DryRunError, match="outside the world"):
+        dry_run(arch, LAYOUT, rank=WORLD, build_model=False)
+    with pytest.raises(LayoutError, match="num_heads=28"):  # Qwen2.5-7B: 28 heads, tp=8
+        dry_run(arch_from_hf(load_hf_config(MODEL.parent / "qwen2.5-7b.json")), LAYOUT, rank=0)
+    assert dist.is_initialized() == was_initialized  # nothing was left behind
+
+
+def test_plan_cli_dry_run_bad_rank():
+    cmd = [sys.executable, str(REPO / "tools" / "plan.py"), "--model", str(MODEL), "--gpus", "16", "--tp", "8",
+           "--dry-run", "--rank", "16"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 2 and proc.stdout == ""
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert len(lines) == 1 and "outside the world of 16" in lines[0], proc.stderr[-2000:]
+
+
+def test_plan_cli_dry_run_json():
+    cmd = [sys.executable, str(REPO / "tools" / "plan.py"), "--model", str(MODEL), "--gpus", str(WORLD),
+           "--gpus-per-node", str(NODE), "--gpu-mem-gb", "80", "--tp", str(TP), "--pp", str(PP), "--tg", str(TG),
+           "--vpp", "1", "--dry-run", "--rank", "517", "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(proc.stdout)
+    rep = data["dry_run"]
+    assert rep["world_size"] == WORLD and rep["rank"] == 517
+    check_rank_groups(517, {k: tuple(v) for k, v in rep["groups"].items()})
+    assert rep["seconds_groups"] + rep["seconds_model"] < TIME_LIMIT_S
+    best = data["plans"][0]
+    assert (best["tp"], best["pp"], best["tg"], best["dp"]) == (TP, PP, TG, DP)
