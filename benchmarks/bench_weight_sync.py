@@ -131,8 +131,8 @@ def main() -> None:
         g = torch.Generator().manual_seed(rank // args.gen_tp)  # same prompts inside one engine
         prompts = [torch.randint(10, arch.vocab_size, (args.prompt_len,), generator=g).tolist()
                    for _ in range(args.batch)]
-        spec = SamplingSpec(max_tokens=args.max_tokens, temperature=1.0, ignore_eos=True, seed=0)
-        raw_params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, ignore_eos=True, seed=0,
+        spec = SamplingSpec(max_tokens=args.max_tokens, temperature=1.0, ignore_eos=True)
+        raw_params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, ignore_eos=True,
                                     logprobs=0, detokenize=False)
         raw_prompts = [{"prompt_token_ids": p} for p in prompts]
         times: dict[str, list[float]] = {"ours": [], "raw_vllm": []}

@@ -202,6 +202,7 @@ class WeightSync:
         """Write the current training weights into vLLM. Returns metrics (also kept in ``last_metrics``)."""
         self._received = 0
         self._peak = 0
+        self.rollout.wake_up(["weights"])  # a sleeping engine's weight memory may be unmapped (GPU, level 2)
         _synchronize()
         start = time.perf_counter()
         if self.mode == "inplace":

