@@ -49,24 +49,23 @@ def block_shape(rule: ParamRule, shard_shape: Sequence[int], m: int) -> tuple[in
     return tuple(shape)
 
 
-@torch.no_grad()
-def write_block(rule: ParamRule, dst: torch.Tensor, shards: Sequence[torch.Tensor], arch: ModelArch) -> None:
-    """Write generation block j, made of ``shards`` (training TP order), into ``dst`` in vLLM's layout."""
+def block_copies(rule: ParamRule, dst: torch.Tensor, shards: Sequence[torch.Tensor],
+                 arch: ModelArch) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The (destination view, source view) pairs that write generation block j, made of ``shards`` (training TP
+    order), into ``dst`` in vLLM's layout. Views only: nothing is copied here."""
     m = len(shards)
     kind = rule.kind
     if kind == "replicated":
-        dst.copy_(shards[0])
-    elif kind == "row":
+        return [(dst, shards[0])]
+    if kind == "row":
         cols = shards[0].shape[1]
-        for i, shard in enumerate(shards):
-            dst[:, i * cols:(i + 1) * cols].copy_(shard)
-    elif kind == "gate_up":
+        return [(dst[:, i * cols:(i + 1) * cols], shard) for i, shard in enumerate(shards)]
+    if kind == "gate_up":
         half = shards[0].shape[0] // 2
         gate, up = dst[: m * half], dst[m * half:]
-        for i, shard in enumerate(shards):
-            gate[i * half:(i + 1) * half].copy_(shard[:half])
-            up[i * half:(i + 1) * half].copy_(shard[half:])
-    elif kind == "qkv":
+        pairs = [(gate[i * half:(i + 1) * half], shard[:half]) for i, shard in enumerate(shards)]
+        return pairs + [(up[i * half:(i + 1) * half], shard[half:]) for i, shard in enumerate(shards)]
+    if kind == "qkv":
         d, qpg = arch.head_dim, arch.q_per_group
         tail = tuple(shards[0].shape[1:])
         groups = shards[0].shape[0] // ((qpg + 2) * d)  # query groups per training shard
@@ -75,14 +74,20 @@ def write_block(rule: ParamRule, dst: torch.Tensor, shards: Sequence[torch.Tenso
         q = dst[:q_rows].view(total, qpg, d, *tail)
         k = dst[q_rows:q_rows + kv_rows].view(total, d, *tail)
         v = dst[q_rows + kv_rows:].view(total, d, *tail)
+        pairs = []
         for i, shard in enumerate(shards):
             packed = shard.view(groups, qpg + 2, d, *tail)
             sl = slice(i * groups, (i + 1) * groups)
-            q[sl].copy_(packed[:, :qpg])
-            k[sl].copy_(packed[:, qpg])
-            v[sl].copy_(packed[:, qpg + 1])
-    else:
-        raise ValueError(f"write_block: kind {kind!r} is handled by the vocab path")
+            pairs += [(q[sl], packed[:, :qpg]), (k[sl], packed[:, qpg]), (v[sl], packed[:, qpg + 1])]
+        return pairs
+    raise ValueError(f"block_copies: kind {kind!r} is handled by the vocab path")
+
+
+@torch.no_grad()
+def write_block(rule: ParamRule, dst: torch.Tensor, shards: Sequence[torch.Tensor], arch: ModelArch) -> None:
+    """Write generation block j, made of ``shards`` (training TP order), into ``dst`` in vLLM's layout."""
+    for to, src in block_copies(rule, dst, shards, arch):
+        to.copy_(src)
 
 
 def make_block(rule: ParamRule, shards: Sequence[torch.Tensor], arch: ModelArch,

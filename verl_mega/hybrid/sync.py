@@ -26,7 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from verl_mega.hybrid.convert import block_shape, vllm_name, vllm_vocab_rows, vocab_row_plan, write_block
+from verl_mega.hybrid.convert import (block_copies, block_shape, vllm_name, vllm_vocab_rows, vocab_row_plan,
+                                      write_block)
 from verl_mega.hybrid.layout import HybridLayout
 from verl_mega.models.hf_config import ModelArch
 from verl_mega.models.loader import iter_hf_tensors, unwrap
@@ -118,6 +119,7 @@ class WeightSync:
         self._stage_layers = self._all_stage_layers()
         self._top = self._local_top_params()
         self._check_coverage()
+        self._direct: tuple[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] | None = None
 
     # ---- setup -------------------------------------------------------------------------------------------
     def _check_megatron_groups(self) -> None:
@@ -233,14 +235,34 @@ class WeightSync:
     def _sync_inplace(self) -> None:
         target = _VLLMTarget(self.rollout.model, repacks=self.rollout.is_cpu)
         self._sync_vocab(target, "embedding.word_embeddings.weight", "model.embed_tokens.weight", stage=0)
-        for step in range(len(self._layers)):
-            self._sync_layer(target, step)
-            target.commit()
+        if self.layout.micro_dp == 1 and self.layout.p == 1 and not target.repacks:
+            self._copy_layers_direct(target)
+        else:
+            for step in range(len(self._layers)):
+                self._sync_layer(target, step)
+                target.commit()
         last = self.layout.p - 1
         self._sync_replicated(target, "decoder.final_layernorm.weight", "model.norm.weight", stage=last)
         if not self.arch.tie_word_embeddings:
             self._sync_vocab(target, "output_layer.weight", "lm_head.weight", stage=last)
         target.commit()
+
+    def _copy_layers_direct(self, target: _VLLMTarget) -> None:
+        """No communication (t = tg, p = 1): strided copies from Megatron's parameters straight into vLLM's.
+
+        The copy plan is built once and reused while both sides keep their storage (offload/onload or a vLLM
+        restart moves it, which the pointer key detects)."""
+        key = tuple(p.tensor.data_ptr() for _, params in self._layers for p in params)
+        key += tuple(t.data_ptr() for t in target.params.values())
+        if self._direct is None or self._direct[0] != key:
+            pairs = []
+            for _, params in self._layers:
+                for p in params:
+                    shape = block_shape(p.rule, p.tensor.shape, 1)
+                    pairs += block_copies(p.rule, target.buffer(vllm_name(p.rule), shape), [p.tensor.data], self.arch)
+            self._direct = (key, pairs)
+        for dst, src in self._direct[1]:
+            dst.copy_(src)
 
     def _sync_layer(self, target: _VLLMTarget, step: int) -> None:
         _, params = self._layers[step]
