@@ -120,6 +120,7 @@ class WeightSync:
         self._top = self._local_top_params()
         self._check_coverage()
         self._direct: tuple[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+        self._target: _VLLMTarget | None = None
 
     # ---- setup -------------------------------------------------------------------------------------------
     def _check_megatron_groups(self) -> None:
@@ -233,7 +234,10 @@ class WeightSync:
         return self.arch.num_parameters() * elem
 
     def _sync_inplace(self) -> None:
-        target = _VLLMTarget(self.rollout.model, repacks=self.rollout.is_cpu)
+        model = self.rollout.model
+        if self._target is None or self._target.model is not model:
+            self._target = _VLLMTarget(model, repacks=self.rollout.is_cpu)
+        target = self._target
         self._sync_vocab(target, "embedding.word_embeddings.weight", "model.embed_tokens.weight", stage=0)
         if self.layout.micro_dp == 1 and self.layout.p == 1 and not target.repacks:
             self._copy_layers_direct(target)

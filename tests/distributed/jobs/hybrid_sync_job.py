@@ -230,6 +230,10 @@ def main() -> None:
         checked += 1
     ref_after = rollout.generate(prompts, greedy)
     assert ref_after.token_ids == hf_tokens
+    engine.to_training()  # and once more through our path, reusing its cached target after vLLM's own reload
+    engine.to_generation()
+    again = rollout.generate(prompts, greedy)
+    assert again.token_ids == hf_tokens and again.weight_version == 3
 
     elem = 4
     measured = int(metrics["weight_sync/bytes_received"])
