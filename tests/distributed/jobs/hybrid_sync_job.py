@@ -180,7 +180,7 @@ def main() -> None:
     # Log-prob parity: Megatron's log-probs of vLLM's tokens (same sequences on every rank).
     seqs = [p + t for p, t in zip(prompts, after.token_ids)]
     width = max(len(s) for s in seqs)
-    engine = MegatronEngine(chunks, cfg)
+    mcore_engine = MegatronEngine(chunks, cfg)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     lp_diff = 0.0
     for i, seq in enumerate(seqs):
@@ -192,7 +192,7 @@ def main() -> None:
                                                     vocab_size=arch.vocab_size)
             return {"logprobs": lp}
 
-        mlp = engine.forward([mb], post)[0]["logprobs"][0]
+        mlp = mcore_engine.forward([mb], post)[0]["logprobs"][0]
         n = len(prompts[i])
         mcore_lp = mlp[n - 1:n - 1 + MAX_NEW].double().cpu()
         lp_diff = max(lp_diff, (mcore_lp - torch.tensor(after.logprobs[i]).double()).abs().max().item())
