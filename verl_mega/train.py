@@ -20,7 +20,7 @@ def train(cfg) -> dict[str, float]:
     from verl_mega.parallel.state import init_distributed
     from verl_mega.rewards.pool import RewardPool
     from verl_mega.trainer import setup
-    from verl_mega.trainer.checkpoint import CheckpointManager
+    from verl_mega.trainer.checkpoint import CheckpointManager, fault_point
     from verl_mega.trainer.metrics import MetricsLogger
     from verl_mega.trainer.profiler import StageProfiler
     from verl_mega.trainer.rl_trainer import RLTrainer
@@ -88,6 +88,7 @@ def train(cfg) -> dict[str, float]:
     # --- the RL loop
     metrics: dict[str, float] = {}
     for step in range(start_step + 1, total_steps + 1):
+        fault_point("step_start", step)
         prompts = loader.next_batch()
         if prompts is None:
             break

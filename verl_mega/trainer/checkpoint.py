@@ -44,6 +44,17 @@ class NonFiniteError(RuntimeError):
     pass
 
 
+FAULT_ENV = "VERL_MEGA_FAULT_INJECT"
+
+
+def fault_point(phase: str, step: int) -> None:
+    """Crash-consistency testing hook: ``VERL_MEGA_FAULT_INJECT=<phase>@<step>`` SIGKILLs this process at that
+    point (phases: step_start, save_begin, save_shards_written, save_renamed, save_done). Inert otherwise."""
+    spec = os.environ.get(FAULT_ENV)
+    if spec and spec == f"{phase}@{step}":
+        os.kill(os.getpid(), 9)
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -96,6 +107,7 @@ class CheckpointManager:
 
         from verl_mega.models.mcore_ckpt import model_sharded_state_dict
 
+        fault_point("save_begin", step)
         name = f"step_{step:06d}"
         tmp = self.root / f".tmp-{name}"
         final = self.root / name
@@ -114,6 +126,7 @@ class CheckpointManager:
             dist_checkpointing.save(sd, str(tmp / role))
         torch.save(rng_state(), tmp / f"rank_{_rank():05d}.pt")
         _barrier()
+        fault_point("save_shards_written", step)
         if _rank() == 0:
             state = {"step": step, "loader": self.loader.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
                      "engines": {r: {"version": e.version, "scheduler": e.scheduler.state_dict()}
@@ -125,11 +138,13 @@ class CheckpointManager:
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
+            fault_point("save_renamed", step)
             latest_tmp = self.root / ".latest.tmp"
             latest_tmp.write_text(name + "\n")
             os.replace(latest_tmp, self.root / "latest")
             self._prune()
         _barrier()
+        fault_point("save_done", step)
         return final
 
     def _prune(self) -> None:

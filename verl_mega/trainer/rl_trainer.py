@@ -66,7 +66,7 @@ class RLTrainer:
         sampling = SamplingSpec(n=rcfg.n, max_tokens=rcfg.max_response_length, temperature=rcfg.temperature,
                                 top_p=rcfg.top_p, top_k=max(rcfg.top_k, 0), ignore_eos=rcfg.ignore_eos,
                                 stop_token_ids=(self.tokenizer.eos_token_id,), logprobs=True,
-                                seed=None)
+                                seed=self._sampling_seed(ctx["prompts"], mine))
         gen = self.rollout.generate([prompts[i].prompt_ids for i in mine], sampling)
         local = (self.rollout.engine_index,
                  [(mine[p], ids, lps) for p, ids, lps in zip(gen.prompt_index, gen.token_ids, gen.logprobs)],
@@ -100,6 +100,13 @@ class RLTrainer:
         self.profiler.add_counter("tokens", n_tokens)
         return {"rollout/response_length": n_tokens / len(full), "rollout/weight_version": float(max(versions)),
                 "rollout/truncated_frac": float((packed["response_len"] >= rcfg.max_response_length).float().mean())}
+
+    def _sampling_seed(self, prompt_batch, mine: list[int]) -> int:
+        """Explicit per-prompt seeds derived from the data position: a resumed run samples exactly what an
+        uninterrupted one would (vLLM gives prompt i of this call the seed + i)."""
+        base = self.cfg.rollout.seed if self.cfg.rollout.seed is not None else self.cfg.trainer.seed
+        position = prompt_batch.epoch * 1_000_003 + prompt_batch.batch_index
+        return (base * 7_919 + position * 65_537 + (mine[0] if mine else 0)) % (2**31 - 1)
 
     def _reward(self, ctx) -> torch.Tensor:
         result = self.reward_pool.score(self.batch.meta["response_text"], self.batch.meta["ground_truth"])

@@ -131,6 +131,8 @@ def main() -> None:
     plan = layout.rank_plan(rank)
     cfg = transformer_config(arch, tp=args.tp, pp=args.pp, use_cpu_initialization=True)
     chunks = build_model_chunks(arch, cfg, use_te="false")
+    if torch.cuda.is_available():
+        chunks = [c.cuda() for c in chunks]
     load_hf_weights(chunks, HFCheckpointReader(args.model_dir), arch)
     perturb(chunks, arch)
 
