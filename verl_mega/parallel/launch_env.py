@@ -263,7 +263,8 @@ def discover(environ: Mapping[str, str] | None = None) -> DistEnv:
         launcher = "single"
         rank, world, local_rank, local_world, node_rank = 0, 1, 0, 1, 0
         master_addr = master_addr or "127.0.0.1"
-        master_port = master_port or DEFAULT_MASTER_PORT
+        # a single process is a private world: a free port keeps two such jobs on one box from colliding
+        master_port = master_port or _free_port()
 
     if mpi_like and (master_addr is None or master_port is None):
         addr, port = _mpi_rendezvous(env, master_addr is None, master_port is None)
