@@ -40,7 +40,6 @@ from torch.utils._pytree import tree_flatten  # noqa: E402
 from verl_mega.models.hf_config import ModelArch  # noqa: E402
 from verl_mega.planning.memory import (  # noqa: E402
     Layout,
-    RoleSpec,
     Workload,
     activation_terms,
     stage_params,
@@ -178,7 +177,6 @@ def main(argv: list[str] | None = None) -> int:
     from verl_mega.parallel.state import init_distributed
 
     init_distributed(tp=1, pp=1)
-    assert RoleSpec  # the planner's role model is the actor's here (one trainable role, nothing offloaded)
     rows = []
     header = (f"{'configuration':<30} {'what':<10} {'predicted MiB':>14} {'measured MiB':>13} {'error':>8}")
     print(f"dtype={args.dtype}, torch {torch.__version__}, world of one (tp=pp=dp=1), CPU")

@@ -47,7 +47,8 @@ def check_rank_groups(rank: int, groups: dict[str, tuple[int, ...]]) -> None:
     # sorts); micro-DP = t/tg consecutive ranks; they meet in this rank only.
     assert len(gen) == TG and set(gen) <= set(tp) and list(gen) == sorted(gen)
     assert all(b - a == TP // TG for a, b in zip(gen, gen[1:]))
-    assert len(micro) == TP // TG and set(micro) <= set(tp) and list(micro) == list(range(micro[0], micro[0] + TP // TG))
+    assert len(micro) == TP // TG and set(micro) <= set(tp)
+    assert list(micro) == list(range(micro[0], micro[0] + TP // TG))
     assert set(gen) & set(micro) == {rank}
 
 

@@ -78,7 +78,8 @@ def test_layer_activations_by_hand():
     no_sp = Layout(tp=2, pp=1, dp=1, tg=2, sequence_parallel=False)
     assert layer_activation_bytes(SMALL, no_sp, work, recompute="selective") == 64 * (1024 + 256 + 640)
     mha = _small(num_kv_heads=4)  # v stays a view of the fused QKV output: a + 2k = 12 heads
-    assert layer_activation_bytes(mha, lay, work, recompute="selective") == 64 * (512 + 2 * (12 + 12) * 16 / 2 + 640)
+    attention = 2 * (3 * 4 + 12) * 16 / 2
+    assert layer_activation_bytes(mha, lay, work, recompute="selective") == 64 * (512 + attention + 640)
     fp32 = Workload(micro_batch=2, seq_len=32, dtype="fp32")
     assert layer_activation_bytes(SMALL, lay, fp32, recompute="selective") == 64 * (
         2 * (4 + 8) * 64 / 2 + 4 * 16 * 16 / 2 + 5 * 4 * 128 / 2)
@@ -93,7 +94,8 @@ def test_stage_activations_by_hand():
     # 4 layers + logits + loss gradient (4 + 2)·64·1024/2 (larger than the MLP moment 2·2·64·128/2)
     assert sum(t.bytes for t in terms) == 4 * 94720 + 344064 + 196608
     two = Layout(tp=2, pp=2, dp=1, tg=2)
-    # stage 0 holds 2 micro-batches × 2 layers, their send/recv buffers 2·(2·2·64·64/2), MLP backward 2·2·64·128/2
+    # stage 0 holds 2 micro-batches × 2 layers and their send/recv buffers 2·(2·2·64·64/2);
+    # MLP backward 2·2·64·128/2
     assert sum(t.bytes for t in activation_terms(SMALL, two, work, 0)) == 2 * 2 * 94720 + 2 * 8192 + 16384
     assert in_flight(Layout(tp=1, pp=4, dp=1, tg=1), 0, None) == 4
     assert in_flight(Layout(tp=1, pp=4, dp=1, tg=1), 3, None) == 1

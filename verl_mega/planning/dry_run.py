@@ -92,7 +92,9 @@ class DryRunReport:
 
     def lines(self) -> list[str]:
         def short(ranks: tuple[int, ...]) -> str:
-            return str(list(ranks)) if len(ranks) <= 12 else f"[{ranks[0]}, {ranks[1]}, …, {ranks[-1]}] ({len(ranks)})"
+            if len(ranks) <= 12:
+                return str(list(ranks))
+            return f"[{ranks[0]}, {ranks[1]}, …, {ranks[-1]}] ({len(ranks)})"
 
         out = [f"dry run: rank {self.rank} of {self.world_size} ({self.layout.describe()}), pipeline stage "
                f"{self.stage}: {self.new_group_calls} process groups built ({self.member_of} with this rank) in "

@@ -73,7 +73,9 @@ def gib(nbytes: float) -> float:
 
 
 def _fmt_bytes(nbytes: float) -> str:
-    return f"{nbytes / GiB:.2f} GiB" if abs(nbytes) >= GiB / 100 else f"{nbytes / 2**20:.2f} MiB"
+    if abs(nbytes) >= GiB / 100:
+        return f"{nbytes / GiB:.2f} GiB"
+    return f"{nbytes / 2**20:.2f} MiB" if abs(nbytes) >= 2**20 else f"{nbytes / 2**10:.1f} KiB"
 
 
 @dataclass(frozen=True)
@@ -518,7 +520,8 @@ def predict_memory(arch: ModelArch, layout: Layout, work: Workload, *, roles: tu
         for stage in stages:
             params = _stage_state(arch, layout, role, stage)
             sp = stage_params(arch, layout, stage, value_head=role.value_head)
-            state = [Term(f"{role.name} {t.name}", t.bytes, t.formula) for t in training_state_terms(params, layout.dp, dt)]
+            state = [Term(f"{role.name} {t.name}", t.bytes, t.formula)
+                     for t in training_state_terms(params, layout.dp, dt)]
             acts = [Term(f"{role.name} {t.name}", t.bytes, t.formula)
                     for t in activation_terms(arch, layout, work, stage, value_head=role.value_head)]
             step_tmp = 4 * (params if work.backend == "nccl" else sp.largest) / layout.dp
