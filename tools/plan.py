@@ -1,6 +1,7 @@
 """Plan a job before the cluster exists: rank training/generation layouts by predicted per-GPU memory and cost.
 
     python tools/plan.py --model CONFIG.json --gpus N --gpus-per-node G --gpu-mem-gb M [--topo F]
+                         [--config RECIPE.yaml [--set key=value ...]]
                          [--tp T --pp P --vpp V --tg G] [--micro-batch B --seq-len S --recompute R]
                          [--global-batch N] [--offload params,grads,optimizer] [--explain] [--json]
                          [--dry-run --rank R]
@@ -49,7 +50,11 @@ def _positive(kind=int):
 
 def build_parser() -> argparse.ArgumentParser:
     ap = _OneLineParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", required=True, help="HF config.json (or a model directory holding one)")
+    ap.add_argument("--model", default=None, help="HF config.json (or a model directory holding one); with --config "
+                                                  "it replaces the recipe's model.path")
+    ap.add_argument("--config", default=None, help="a training recipe (YAML): its layout, batch sizes, sequence "
+                                                   "lengths, offload and rollout settings replace the flags below")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="dotted override of --config")
     ap.add_argument("--gpus", type=_positive(), required=True, help="total GPUs")
     ap.add_argument("--gpus-per-node", type=_positive(), default=8)
     ap.add_argument("--gpu-mem-gb", type=_positive(float), default=80.0, help="memory per GPU, GiB")
@@ -87,7 +92,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        arch = arch_from_hf(load_hf_config(args.model))
+        cfg = None
+        if args.config:
+            from verl_mega.config import load_config
+
+            cfg = load_config(args.config, args.set, check_paths=False)
+        elif args.set:
+            raise PlanningError("--set needs --config")
+        model = args.model or (cfg.model.path if cfg is not None else None)
+        if model is None:
+            raise PlanningError("--model is required (or a --config whose model.path holds config.json)")
+        arch = arch_from_hf(load_hf_config(model))
         topology = None
         if args.topo:
             from verl_mega.parallel.topology import parse_topology
@@ -103,33 +118,48 @@ def main(argv: list[str] | None = None) -> int:
                               kv_cache_bytes=args.kv_cache_gb * GiB if args.kv_cache_gb else None,
                               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
         pins = Pins(tp=args.tp, pp=args.pp, vpp=args.vpp, tg=args.tg, recompute=args.recompute)
-        plans, rejected = plan_layouts(arch, cluster, work, global_batch=args.global_batch, roles=roles,
-                                       rollout=rollout, pins=pins, sequence_parallel=not args.no_sequence_parallel)
+        global_batch, sequence_parallel = args.global_batch, not args.no_sequence_parallel
+        if cfg is not None:
+            from verl_mega.planning.plan import inputs_from_config
+
+            from verl_mega.config import ParallelDims
+
+            # The recipe's own runtime checks for this world size (batch splits, layout vs model shape).
+            dims = ParallelDims.resolve(cfg.parallel, cluster.gpus, num_layers=arch.num_layers,
+                                        num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads)
+            cfg.validate_runtime(dims, cuda_available=True)
+            given = inputs_from_config(cfg)
+            pins, work, roles, rollout = given.pins, given.workload, given.roles, given.rollout
+            global_batch, sequence_parallel = given.global_batch, given.sequence_parallel
+        plans, rejected = plan_layouts(arch, cluster, work, global_batch=global_batch, roles=roles,
+                                       rollout=rollout, pins=pins, sequence_parallel=sequence_parallel)
         if not plans:
             reason = rejected[0].reason if rejected else "no tp/pp combination divides the cluster"
             raise PlanningError(f"no feasible layout (first reason: {reason}); relax the pinned flags")
-        report = None
+        reports = {}
         if args.dry_run:
             from verl_mega.planning.dry_run import dry_run
 
-            report = dry_run(arch, plans[0].layout, rank=args.rank, dtype=args.dtype)
+            reports["dry_run"] = dry_run(arch, plans[0].layout, rank=args.rank, dtype=work.dtype)
+            if any(r.value_head for r in roles):  # the critic's stage differs by its value head
+                reports["dry_run_critic"] = dry_run(arch, plans[0].layout, rank=args.rank, dtype=work.dtype,
+                                                    value_head=True)
     except (OSError, ValueError) as exc:  # PlanningError, ModelConfigError, LayoutError, TopologyParseError
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
-    name = Path(args.model).stem if Path(args.model).is_file() else Path(args.model).name
+    name = Path(model).stem if Path(model).is_file() else Path(model).name
     if args.json:
         out = {"model": {"name": name, "params": arch.num_parameters(), "layers": arch.num_layers,
                          "hidden": arch.hidden_size, "heads": arch.num_heads, "kv_heads": arch.num_kv_heads},
                "cluster": {"gpus": cluster.gpus, "gpus_per_node": cluster.gpus_per_node,
                            "gpu_mem_gb": cluster.gpu_mem_gib, "reserve_gb": cluster.reserve_gib},
                "workload": {"micro_batch": work.micro_batch, "seq_len": work.seq_len, "dtype": work.dtype,
-                            "global_batch": args.global_batch, "roles": [r.name for r in roles]},
+                            "global_batch": global_batch, "roles": [r.name for r in roles]},
                "units": "memory in GiB (2^30 bytes) per GPU; bytes are bytes",
                "plans": [p.to_json(i + 1) for i, p in enumerate(plans)],
                "rejected": [r.to_json() for r in rejected]}
-        if report is not None:
-            out["dry_run"] = report.to_json()
+        out.update({key: rep.to_json() for key, rep in reports.items()})
         print(json.dumps(out))
         return 0
 
@@ -137,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{name}: {arch.num_parameters() / 1e9:.2f} B params, {arch.num_layers} layers, h={arch.hidden_size}, "
           f"heads {arch.num_heads}/{arch.num_kv_heads} kv; {cluster.gpus} GPUs ({cluster.gpus_per_node}/node, "
           f"{cluster.gpu_mem_gib:g} GiB); micro-batch {work.micro_batch} × {work.seq_len} tokens, global batch "
-          f"{args.global_batch}, roles {'+'.join(r.name for r in roles)}")
+          f"{global_batch}, roles {'+'.join(r.name for r in roles)}")
     print(f"{len(plans)} layouts evaluated, {fitting} fit; {len(rejected)} rejected. Best first:")
     for i, plan in enumerate(plans[: args.top]):
         print(f"{i + 1:>3}. {plan.headline()}")
@@ -152,9 +182,8 @@ def main(argv: list[str] | None = None) -> int:
             print("\nRejected layouts:")
             for reason, count in sorted(reasons.items(), key=lambda kv: -kv[1]):
                 print(f"  {count:>4} × {reason}")
-    if report is not None:
-        print()
-        print("\n".join(report.lines()))
+    for key, rep in reports.items():
+        print(f"\n{'critic ' if key.endswith('critic') else ''}" + "\n".join(rep.lines()))
     return 0
 
 

@@ -267,3 +267,30 @@ def test_cli_explain_prints_the_arithmetic(capsys):
     assert code == 0, err
     assert "Arithmetic of the best plan" in out and "bubble = (p − 1)/(v·M)" in out
     assert "reshard bytes per GPU = (t·p − tg)/(tg·t·p)·M" in out
+
+
+def test_inputs_from_a_training_recipe(capsys):
+    import yaml
+
+    from verl_mega.config import load_config
+    from verl_mega.planning.plan import inputs_from_config
+
+    recipe = REPO / "configs" / "ppo_llama2_7b.yaml"
+    raw = yaml.safe_load(recipe.read_text())
+    given = inputs_from_config(load_config(recipe, check_paths=False))
+    assert (given.pins.tp, given.pins.pp, given.pins.tg) == (raw["parallel"]["tp"], raw["parallel"]["pp"],
+                                                             raw["rollout"]["tg"])
+    assert given.workload.micro_batch == raw["actor"]["micro_batch_size_per_gpu"]
+    assert given.workload.seq_len == raw["data"]["max_prompt_length"] + raw["rollout"]["max_response_length"]
+    assert given.workload.recompute == raw["model"]["recompute"]
+    assert given.global_batch == raw["actor"]["ppo_mini_batch_size"] * raw["rollout"]["n"]
+    roles = {r.name: r for r in given.roles}
+    assert set(roles) == {"actor", "critic", "ref"}  # gae → critic, KL in reward → reference
+    assert roles["critic"].offload_optimizer and not roles["actor"].offload_optimizer
+    assert roles["ref"].offload_params and not roles["ref"].trainable
+
+    code, out, err = _run(capsys, "--config", str(recipe), "--model", str(CONFIGS / "llama-2-7b.json"),
+                          "--gpus", "8", "--json", "--set", "rollout.tg=4")
+    assert code == 0, err
+    plans = json.loads(out)["plans"]
+    assert {(p["tp"], p["tg"], p["recompute"]) for p in plans} == {(4, 4, "selective")}

@@ -278,3 +278,41 @@ def _evaluate(arch: ModelArch, cluster: Cluster, layout: Layout, work: Workload,
     return Plan(layout=layout, recompute=work.recompute, num_microbatches=m, memory=mem, over_budget=tuple(over),
                 bubble=bubble, time_factor=time_factor, tp_off_island=tp_off, gen_off_island=gen_off,
                 headroom_bytes=budget - mem.peak)
+
+
+@dataclass(frozen=True)
+class ConfigInputs:
+    """What a TrainConfig fixes for the planner (the cluster comes from the caller)."""
+
+    pins: Pins
+    workload: Workload
+    roles: tuple[RoleSpec, ...]
+    rollout: RolloutSpec
+    global_batch: int
+    sequence_parallel: bool
+
+
+def inputs_from_config(cfg) -> ConfigInputs:
+    """Planner inputs of a validated :class:`~verl_mega.config.TrainConfig`: its layout is pinned, the micro-batch
+    is the actor's, a sample is max_prompt_length + max_response_length tokens, an optimizer step takes
+    ppo_mini_batch_size · rollout.n samples, and the roles carry their own offload flags."""
+    actor, critic, ref, rollout, p = cfg.actor, cfg.critic, cfg.ref, cfg.rollout, cfg.parallel
+    dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[cfg.model.dtype]
+    work = Workload(micro_batch=actor.micro_batch_size_per_gpu, dtype=dtype, recompute=cfg.model.recompute,
+                    seq_len=cfg.data.max_prompt_length + rollout.max_response_length,
+                    entropy=actor.entropy_coeff > 0)
+    roles = [RoleSpec(name="actor", offload_params=actor.offload_params, offload_grads=actor.offload_grads,
+                      offload_optimizer=actor.offload_optimizer)]
+    if critic.enable:
+        roles.append(RoleSpec(name="critic", value_head=True, offload_params=critic.offload_params,
+                              offload_grads=critic.offload_grads, offload_optimizer=critic.offload_optimizer))
+    if ref.enable:
+        roles.append(RoleSpec(name="ref", trainable=False, offload_params=ref.offload_params))
+    defaults = RolloutSpec()
+    spec = RolloutSpec(gpu_memory_utilization=rollout.gpu_memory_utilization,
+                       kv_cache_bytes=rollout.kv_cache_memory_bytes, free_cache_engine=rollout.free_cache_engine,
+                       max_num_seqs=rollout.max_num_seqs or defaults.max_num_seqs,
+                       max_num_batched_tokens=rollout.max_num_batched_tokens or defaults.max_num_batched_tokens)
+    pins = Pins(tp=p.tp, pp=p.pp, vpp=p.vpp or 1, tg=rollout.tg, recompute=cfg.model.recompute)
+    return ConfigInputs(pins=pins, workload=work, roles=tuple(roles), rollout=spec,
+                        global_batch=actor.ppo_mini_batch_size * rollout.n, sequence_parallel=p.sequence_parallel)
