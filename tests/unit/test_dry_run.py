@@ -91,15 +91,15 @@ arch = arch_from_hf(load_hf_config(spec["model"]))
 out = []
 for rank in spec["ranks"]:
     start = time.perf_counter()
-    report = dry_run(arch, Layout(**spec["layout"]), rank=rank)
+    report = dry_run(arch, Layout(**spec["layout"]), rank=rank, build_model=spec["build_model"])
     out.append({**report.to_json(), "wall_s": time.perf_counter() - start})
 print("REPORTS " + json.dumps(out))
 """
 
 
-def run_dry_runs(ranks: list[int], layout: Layout) -> list[dict]:
+def run_dry_runs(ranks: list[int], layout: Layout, *, build_model: bool = True) -> list[dict]:
     """In this process when it has no torch.distributed state, else in a fresh one (the fake world needs that)."""
-    spec = {"model": str(MODEL), "ranks": ranks,
+    spec = {"model": str(MODEL), "ranks": ranks, "build_model": build_model,
             "layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "tg": layout.tg, "vpp": layout.vpp}}
     if dist.is_initialized():
         proc = subprocess.run([sys.executable, "-c", _SUBPROCESS, json.dumps(spec)], capture_output=True, text=True,
@@ -115,7 +115,7 @@ def run_dry_runs(ranks: list[int], layout: Layout) -> list[dict]:
     out = []
     for rank in ranks:
         start = time.perf_counter()
-        report = dry_run(arch, layout, rank=rank)
+        report = dry_run(arch, layout, rank=rank, build_model=build_model)
         out.append({**report.to_json(), "wall_s": time.perf_counter() - start})
         assert not dist.is_initialized()  # the fake world is torn down again
     return out
@@ -139,6 +139,15 @@ def test_dry_run_1024_ranks_every_stage():
     padded_vocab = math.ceil(arch.vocab_size / (128 * TP)) * 128 * TP
     sharded_total = sum(TP * (per_stage[s] - replicated[s]) for s in range(PP))
     assert sharded_total == arch.num_parameters() - (2 * h * L + h) + 2 * (padded_vocab - arch.vocab_size) * h
+
+
+def test_mcore_groups_at_every_tp_and_stage_position():
+    # One rank for each (TP rank, pipeline stage) pair, the DP replica varying, through mcore's real group setup.
+    ranks = [t + TP * ((7 * t + 3 * s) % DP + DP * s) for t in range(TP) for s in range(PP)]
+    reports = run_dry_runs(ranks, LAYOUT, build_model=False)
+    for rank, rep in zip(ranks, reports):
+        check_rank_groups(rank, {k: tuple(v) for k, v in rep["groups"].items()})
+        assert rep["wall_s"] < TIME_LIMIT_S
 
 
 def test_dry_run_interleaved_chunks():
