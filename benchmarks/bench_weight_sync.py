@@ -98,7 +98,7 @@ def main() -> None:
                      ffn_hidden_size=arch.ffn_hidden_size, num_layers=arch.num_layers)
     layout = plan_layout(world_size=world, tp=args.tp, pp=1, gen_tp=args.gen_tp, dims=dims)
     cfg = transformer_config(arch, tp=args.tp, dtype="bfloat16")
-    chunks = build_model_chunks(arch, cfg, use_te="false")
+    chunks = [c.cuda() for c in build_model_chunks(arch, cfg, use_te="false")]
 
     rollout = VLLMRollout(VLLMRolloutConfig(
         model_path=str(model_dir), gen_tp=args.gen_tp, dtype="bfloat16", load_format="dummy",

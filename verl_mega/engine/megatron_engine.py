@@ -112,6 +112,10 @@ class MegatronEngine:
 
     @staticmethod
     def _model_forward(model, mb: MicroBatch) -> torch.Tensor:
+        device = _device()
+        for k, v in mb.items():  # roles build batches on the host; the model and loss run on the device
+            if v.device != device:
+                mb[k] = v.to(device, non_blocking=True)
         return model(mb["input_ids"], mb["position_ids"], mb.get("attention_mask"))
 
     # ------------------------------------------------------------------ public API
@@ -131,7 +135,8 @@ class MegatronEngine:
             return out, collect
 
         results = self._run_schedule(micro_batches, step, forward_only=True)
-        return self._broadcast_from_last_stage(results, len(micro_batches))
+        results = self._broadcast_from_last_stage(results, len(micro_batches))
+        return [{k: v.cpu() for k, v in r.items()} for r in results]
 
     def train_step(self, micro_batches: list[MicroBatch], loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step over the given micro-batches (gradient accumulation across them)."""
@@ -172,11 +177,11 @@ class MegatronEngine:
         keys = self._bcast_obj(keys)
         if vec.numel() != len(keys):
             vec = torch.zeros(len(keys), dtype=torch.float64)
-        vec = self._bcast_tensor(vec)
+        vec = self._bcast_tensor(vec.to(_device()))
         if mpu.get_data_parallel_world_size() > 1:
             dist.all_reduce(vec, group=mpu.get_data_parallel_group())
             vec /= mpu.get_data_parallel_world_size()
-        return {k: float(v) for k, v in zip(keys, vec.tolist())}
+        return {k: float(v) for k, v in zip(keys, vec.cpu().tolist())}
 
     def _bcast_obj(self, obj):
         if mpu.get_pipeline_model_parallel_world_size() == 1:
@@ -204,8 +209,8 @@ class MegatronEngine:
         for i, spec in enumerate(meta):
             item = {}
             for k, (shape, dtype) in spec.items():
-                t = results[i][k].contiguous() if last else torch.empty(shape, dtype=dtype,
-                                                                       device=_device())
+                t = results[i][k].to(_device()).contiguous() if last else torch.empty(shape, dtype=dtype,
+                                                                                       device=_device())
                 item[k] = self._bcast_tensor(t)
             out.append(item)
         return out

@@ -168,3 +168,8 @@ def default_device() -> torch.device:
 
 def default_backend() -> str:
     return "nccl" if cuda_available() else "gloo"
+
+
+def comm_device() -> torch.device:
+    """Where tensors must live for collectives: NCCL needs CUDA tensors, gloo CPU ones."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

@@ -93,5 +93,5 @@ def pack_sequences(prompts: Sequence[Sequence[int]], responses: Sequence[Sequenc
 
 def response_positions(prompt_len: torch.Tensor, width: int) -> torch.Tensor:
     """Index into the full-sequence log-prob frame (position t predicts token t+1) for each response token."""
-    idx = prompt_len[:, None] - 1 + torch.arange(width)[None, :]
+    idx = prompt_len[:, None] - 1 + torch.arange(width, device=prompt_len.device)[None, :]
     return idx.clamp_min(0)

@@ -14,6 +14,7 @@ from megatron.core import parallel_state as mpu
 
 from verl_mega import algos
 from verl_mega.config import TrainConfig
+from verl_mega.parallel.cpu_mode import comm_device
 from verl_mega.trainer.batch import Batch, pack_sequences
 from verl_mega.trainer.dataflow import DataflowBuilder
 
@@ -193,9 +194,10 @@ def _dp_all_gather(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return tensors
     out = {}
     for k, t in tensors.items():
+        t = t.to(comm_device()).contiguous()
         parts = [torch.empty_like(t) for _ in range(dp)]
-        dist.all_gather(parts, t.contiguous(), group=mpu.get_data_parallel_group())
-        out[k] = torch.cat(parts)
+        dist.all_gather(parts, t, group=mpu.get_data_parallel_group())
+        out[k] = torch.cat(parts).cpu()
     return out
 
 
@@ -209,15 +211,15 @@ def _dp_all_gather_list(values: list) -> list:
 
 
 def _dp_max(value: torch.Tensor) -> torch.Tensor:
-    value = torch.as_tensor(value, dtype=torch.float64).clone()
+    value = torch.as_tensor(value, dtype=torch.float64).clone().to(comm_device())
     if mpu.get_data_parallel_world_size() > 1:
         dist.all_reduce(value, op=dist.ReduceOp.MAX, group=mpu.get_data_parallel_group())
-    return value
+    return value.cpu()
 
 
 def _dp_mean(value: torch.Tensor) -> torch.Tensor:
-    value = torch.as_tensor(value, dtype=torch.float64).clone()
+    value = torch.as_tensor(value, dtype=torch.float64).clone().to(comm_device())
     if mpu.get_data_parallel_world_size() > 1:
         dist.all_reduce(value, group=mpu.get_data_parallel_group())
         value /= mpu.get_data_parallel_world_size()
-    return value
+    return value.cpu()

@@ -15,6 +15,7 @@ from megatron.core import parallel_state as mpu
 from verl_mega import algos
 from verl_mega.engine.logprobs import vocab_parallel_logprobs_entropy
 from verl_mega.engine.megatron_engine import MegatronEngine
+from verl_mega.parallel.cpu_mode import comm_device
 from verl_mega.trainer.batch import Batch, response_positions
 
 _SEQ_KEYS = ("input_ids",)
@@ -76,8 +77,9 @@ class PolicyRole:
 def _dp_sum(value: torch.Tensor) -> torch.Tensor:
     value = value.detach().clone().double()
     if mpu.get_data_parallel_world_size() > 1:
+        value = value.to(comm_device())
         dist.all_reduce(value, group=mpu.get_data_parallel_group())
-    return value
+    return value.cpu()
 
 
 class Actor(PolicyRole):
@@ -109,7 +111,7 @@ class Actor(PolicyRole):
             need_entropy = True
             lp, ent = self._logprobs(output, mb, need_entropy)
             mask = mb["response_mask"]
-            norm = normalizer.to(lp.dtype)
+            norm = normalizer.to(device=lp.device, dtype=lp.dtype)
             pg_loss, metrics = algos.compute_policy_loss(
                 log_prob=lp, old_log_prob=mb["old_logprobs"], advantages=mb["advantages"], response_mask=mask,
                 clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
@@ -161,7 +163,7 @@ class Critic:
                     loss, metrics = algos.compute_value_loss(
                         values=values, old_values=mb["values"], returns=mb["returns"],
                         response_mask=mb["response_mask"], cliprange_value=cfg.cliprange_value,
-                        normalizer=normalizer.to(values.dtype))
+                        normalizer=normalizer.to(device=values.device, dtype=values.dtype))
                     metrics["vf_loss"] = loss.detach() * scale
                     return loss * scale, metrics
 
