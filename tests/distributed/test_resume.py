@@ -32,9 +32,23 @@ def _env(cache: str, fault: str | None = None) -> dict:
 
 
 def _train(out: Path, cache: str, fault: str | None = None, *extra: str) -> subprocess.CompletedProcess:
+    """Run the trainer in its own session; afterwards kill the whole session, since a SIGKILLed parent leaves
+    its multiprocessing helpers (checkpoint writer, resource tracker) behind as a real crash would."""
     cmd = [sys.executable, "-m", "verl_mega.train", "--config", str(ROOT / "configs" / "quickstart_cpu.yaml"),
            f"trainer.output_dir={out}", *FAST, *extra]
-    return subprocess.run(cmd, env=_env(cache, fault), capture_output=True, text=True, timeout=400)
+    log = out.parent / "train.log"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, env=_env(cache, fault), stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=400)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    return subprocess.CompletedProcess(cmd, rc, "", log.read_text()[-6000:])
 
 
 def _rows(out: Path) -> list[dict]:
@@ -82,14 +96,22 @@ def test_sigterm_saves_current_step(reference, tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "verl_mega.train", "--config", str(ROOT / "configs" / "quickstart_cpu.yaml"),
            f"trainer.output_dir={out}", *FAST, "trainer.total_steps=200", "trainer.save_every=0"]
-    proc = subprocess.Popen(cmd, env=_env(cache), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    err_log = tmp_path / "sigterm.log"
+    proc = subprocess.Popen(cmd, env=_env(cache), stdout=subprocess.DEVNULL, stderr=open(err_log, "w"),
+                            start_new_session=True)
     metrics = out / "metrics.jsonl"
     deadline = time.time() + 300
     while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
         time.sleep(0.5)
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-3000:]
+    try:
+        rc = proc.wait(timeout=300)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert rc == 0, err_log.read_text()[-3000:]
     last_logged = _rows(out)[-1]["step"]
     _check_checkpoints(out)
     saved = sorted((out / "checkpoints").glob("step_*"))
