@@ -9,6 +9,7 @@ import signal
 import sys
 
 from verl_mega.config import ConfigError, ParallelDims, load_config
+from verl_mega.trainer.checkpoint import NonFiniteError
 
 
 def train(cfg) -> dict[str, float]:
@@ -74,7 +75,7 @@ def train(cfg) -> dict[str, float]:
                         weight_sync=weight_sync, reward_pool=reward_pool, tokenizer=tokenizer, profiler=profiler,
                         kl_ctrl=kl_ctrl)
     ckpt = CheckpointManager(cfg, engines={"actor": actor_m.engine, "critic": critic and critic.engine},
-                             loader=loader, kl_ctrl=kl_ctrl)
+                             loader=loader, kl_ctrl=kl_ctrl, hf_source=path, arch=arch)
     start_step = ckpt.maybe_resume()
     if start_step:
         weight_sync.sync()
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         train(cfg)
-    except (ConfigError, ValueError, FileNotFoundError) as exc:
+    except (ConfigError, ValueError, FileNotFoundError, NonFiniteError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     finally:

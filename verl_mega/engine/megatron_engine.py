@@ -153,7 +153,10 @@ class MegatronEngine:
             return out, partial(self._loss_wrapper, loss_fn, mb)
 
         outputs = self._run_schedule(micro_batches, step, forward_only=False)
-        update_ok, grad_norm, _ = self.optimizer.step()
+        if self._grads_finite():
+            update_ok, grad_norm, _ = self.optimizer.step()
+        else:  # bf16/fp32 optimizers have no loss scaler to catch this: skip the update on every rank
+            update_ok, grad_norm = False, float("nan")
         if update_ok:
             self.scheduler.step(increment=1)
             self.version += 1
@@ -162,6 +165,13 @@ class MegatronEngine:
         metrics["update_skipped"] = float(not update_ok)
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         return metrics
+
+    def _grads_finite(self) -> bool:
+        """True when every gradient (after the DP reduction) is finite on every rank."""
+        local = all(bool(torch.isfinite(buf.grad_data).all()) for c in self.chunks for buf in c.buffers)
+        flag = torch.tensor([1.0 if local else 0.0], device=_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item() == 1.0)
 
     @staticmethod
     def _loss_wrapper(loss_fn: LossFn, mb: MicroBatch, output: torch.Tensor):

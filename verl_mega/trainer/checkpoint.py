@@ -89,8 +89,13 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 class CheckpointManager:
-    def __init__(self, cfg, *, engines: dict[str, Any], loader, kl_ctrl) -> None:
+    def __init__(self, cfg, *, engines: dict[str, Any], loader, kl_ctrl, hf_source: Path | None = None,
+                 arch=None) -> None:
+        if cfg.checkpoint.async_save:
+            raise ResumeError("checkpoint.async_save=true is not supported by this trainer yet (saves are synchronous "
+                              "and atomic); set checkpoint.async_save=false")
         self.cfg = cfg
+        self.hf_source, self.arch = hf_source, arch
         self.root = Path(cfg.trainer.output_dir) / "checkpoints"
         self.engines = {k: v for k, v in engines.items() if v is not None}
         self.loader = loader
@@ -124,6 +129,8 @@ class CheckpointManager:
             (tmp / role).mkdir(exist_ok=True) if _rank() == 0 else None
             _barrier()
             dist_checkpointing.save(sd, str(tmp / role))
+        if self.cfg.checkpoint.export_hf:
+            self._export_hf(tmp / "hf")
         torch.save(rng_state(), tmp / f"rank_{_rank():05d}.pt")
         _barrier()
         fault_point("save_shards_written", step)
@@ -146,6 +153,23 @@ class CheckpointManager:
         _barrier()
         fault_point("save_done", step)
         return final
+
+    def _export_hf(self, out: Path) -> None:
+        """The actor as HF safetensors + config + tokenizer (collective over the model-parallel ranks)."""
+        from verl_mega.models.hf_io import write_hf_checkpoint
+        from verl_mega.models.loader import iter_hf_tensors
+        from verl_mega.models.mcore_ckpt import TOKENIZER_FILES
+
+        stream = iter_hf_tensors(self.engines["actor"].chunks, self.arch)
+        if _rank() != 0:
+            for _ in stream:  # other ranks take part in the gathers
+                pass
+            return
+        out.mkdir(parents=True)
+        write_hf_checkpoint(out, ((k, v.cpu()) for k, v in stream))
+        for name in ("config.json", *TOKENIZER_FILES):
+            if self.hf_source is not None and (self.hf_source / name).exists():
+                shutil.copy2(self.hf_source / name, out / name)
 
     def _prune(self) -> None:
         keep = self.cfg.checkpoint.keep_last

@@ -18,11 +18,13 @@ which turns the intervals into overlap figures.
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 StageFn = Callable[[dict[str, Any]], Any]
+log = logging.getLogger("verl_mega.dataflow")
 
 
 @dataclass(frozen=True)
@@ -64,11 +66,18 @@ class Dataflow:
         return results
 
     def _timed(self, stage: Stage, ctx: dict[str, Any]) -> Any:
-        if self.profiler is None:
-            return stage.fn(ctx)
-        # host stages run in threads: a device synchronize there would only inflate their time
-        with self.profiler.stage(stage.name, sync=not stage.host):
-            return stage.fn(ctx)
+        try:
+            if self.profiler is None:
+                return stage.fn(ctx)
+            # host stages run in threads: a device synchronize there would only inflate their time
+            with self.profiler.stage(stage.name, sync=not stage.host):
+                return stage.fn(ctx)
+        except Exception as exc:
+            # a timed-out collective surfaces here: say which stage of the step it belonged to
+            exc.add_note(f"(in RL stage '{stage.name}')")
+            log.error("RL stage '%s' failed: %s: %s", stage.name, type(exc).__name__, str(exc).splitlines()[0][:300]
+                      if str(exc) else "")
+            raise
 
     def close(self) -> None:
         if self._pool is not None:

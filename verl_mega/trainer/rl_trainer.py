@@ -62,6 +62,7 @@ class RLTrainer:
         rcfg = self.cfg.rollout
         from verl_mega.rollout.vllm_rollout import SamplingSpec
 
+        self._offload_trainers(True)  # free the accelerator for the KV cache while vLLM generates
         self.rollout.wake_up()
         mine = self.rollout.engine_share(list(range(len(prompts))))
         sampling = SamplingSpec(n=rcfg.n, max_tokens=rcfg.max_response_length, temperature=rcfg.temperature,
@@ -76,6 +77,7 @@ class RLTrainer:
         dist.all_gather_object(gathered, local)
         if self.cfg.rollout.free_cache_engine:
             self.rollout.sleep()
+        self._offload_trainers(False)
         by_engine = {e: (samples, v) for e, samples, v in gathered}
         samples = [s for e in sorted(by_engine) for s in by_engine[e][0]]
         versions = {v for _, v in by_engine.values()}
@@ -101,6 +103,20 @@ class RLTrainer:
         self.profiler.add_counter("tokens", n_tokens)
         return {"rollout/response_length": n_tokens / len(full), "rollout/weight_version": float(max(versions)),
                 "rollout/truncated_frac": float((packed["response_len"] >= rcfg.max_response_length).float().mean())}
+
+    def _offload_trainers(self, offload: bool) -> None:
+        """actor/critic.offload_* and ref.offload_params: move idle training state to host memory during rollout
+        (a no-op on CPU)."""
+        for role, cfg in ((self.actor, self.cfg.actor), (self.critic, self.cfg.critic)):
+            if role is None or not (cfg.offload_params or cfg.offload_grads or cfg.offload_optimizer):
+                continue
+            if offload:
+                role.engine.offload(params=cfg.offload_params, grads=cfg.offload_grads,
+                                    optimizer=cfg.offload_optimizer)
+            else:
+                role.engine.onload()
+        if self.ref is not None and self.cfg.ref.offload_params:
+            self.ref.engine.offload() if offload else self.ref.engine.onload()
 
     def _sampling_seed(self, prompt_batch, mine: list[int]) -> int:
         """Explicit per-prompt seeds derived from the data position: a resumed run samples exactly what an
