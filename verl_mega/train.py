@@ -19,9 +19,10 @@ def train(cfg) -> dict[str, float]:
     from verl_mega.data.prompts import PromptDataset, PromptLoader, load_prompt_records
     from verl_mega.parallel import launch_env
     from verl_mega.parallel.state import init_distributed
+    from verl_mega.rewards.loader import load_reward_fn
     from verl_mega.rewards.pool import RewardPool
     from verl_mega.trainer import setup
-    from verl_mega.trainer.checkpoint import CheckpointManager, fault_point
+    from verl_mega.trainer.checkpoint import CheckpointManager, fault_point, find_checkpoint
     from verl_mega.trainer.metrics import MetricsLogger
     from verl_mega.trainer.profiler import StageProfiler
     from verl_mega.trainer.rl_trainer import RLTrainer
@@ -34,6 +35,8 @@ def train(cfg) -> dict[str, float]:
     dims = ParallelDims.resolve(cfg.parallel, int(launch_env.discover().world_size), num_layers=arch.num_layers,
                                 num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads)
     cfg.validate_runtime(dims)
+    find_checkpoint(cfg)  # a bad resume target fails here, before anything is built
+    reward_fn = load_reward_fn(cfg.reward.function, reward_kwargs=dict(cfg.reward.kwargs))
     tokenizer = setup.load_tokenizer(cfg.model.tokenizer_path if cfg.model.path != "tiny" else path)
     records = load_prompt_records(cfg.data.train_files, prompt_key=cfg.data.prompt_key,
                                   answer_key=cfg.data.answer_key, generated_seed=cfg.data.seed)
@@ -66,7 +69,7 @@ def train(cfg) -> dict[str, float]:
                                    micro_batch_size=cfg.actor.micro_batch_size_per_gpu)
     rollout, weight_sync = setup.build_rollout(cfg, dims, path, actor_m)
     weight_sync.sync()  # vLLM starts from the actor's exact weights (and version 1)
-    reward_pool = RewardPool(cfg.reward.function, num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s,
+    reward_pool = RewardPool(reward_fn, num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s,
                              mode="thread")
     kc = cfg.algorithm.kl_ctrl
     kl_ctrl = algos.make_kl_controller(kc.type, kc.kl_coef, kc.target_kl or 0.1, kc.horizon)

@@ -88,6 +88,35 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def find_checkpoint(cfg) -> Path | None:
+    """The checkpoint `trainer.resume` selects, validated (complete, readable, compatible config) — cheap, so the
+    trainer calls it before building anything."""
+    mode = cfg.trainer.resume
+    if mode == "off":
+        return None
+    if mode != "auto":
+        path = Path(mode)
+        if not (path / "COMPLETE").exists():
+            raise ResumeError(f"trainer.resume={mode}: not a complete checkpoint (no COMPLETE marker); "
+                              "pick a step_* directory or use trainer.resume=auto")
+    else:
+        root = Path(cfg.trainer.output_dir) / "checkpoints"
+        candidates = sorted(p for p in root.glob("step_*") if (p / "COMPLETE").exists())
+        if not candidates:
+            return None
+        path = candidates[-1]
+    try:
+        state = json.loads((path / "trainer.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ResumeError(f"resume: {path}/trainer.json is unreadable ({exc}); pick an older checkpoint with "
+                          "trainer.resume=PATH or start over with trainer.resume=off") from None
+    changes = diff_configs(state["config"], cfg)
+    if changes and not cfg.trainer.resume_allow_config_change:
+        raise ResumeError(f"resume: config differs from {path.name} in result-changing keys ({'; '.join(changes)}); "
+                          "restore them or set trainer.resume_allow_config_change=true")
+    return path
+
+
 class CheckpointManager:
     def __init__(self, cfg, *, engines: dict[str, Any], loader, kl_ctrl, hf_source: Path | None = None,
                  arch=None) -> None:
@@ -178,22 +207,9 @@ class CheckpointManager:
             shutil.rmtree(old, ignore_errors=True)
 
     # ------------------------------------------------------------------ resume
-    def find(self) -> Path | None:
-        mode = self.cfg.trainer.resume
-        if mode == "off":
-            return None
-        if mode != "auto":
-            path = Path(mode)
-            if not (path / "COMPLETE").exists():
-                raise ResumeError(f"trainer.resume={mode}: not a complete checkpoint (no COMPLETE marker); "
-                                  "pick a step_* directory or use resume=auto")
-            return path
-        candidates = sorted(p for p in self.root.glob("step_*") if (p / "COMPLETE").exists())
-        return candidates[-1] if candidates else None
-
     def maybe_resume(self) -> int:
         """Load the checkpoint chosen by trainer.resume; returns the step it holds (0 when starting fresh)."""
-        path = self.find()
+        path = find_checkpoint(self.cfg)
         if path is None:
             return 0
         from megatron.core import dist_checkpointing
@@ -202,10 +218,6 @@ class CheckpointManager:
         from verl_mega.models.mcore_ckpt import model_sharded_state_dict
 
         state = json.loads((path / "trainer.json").read_text())
-        changes = diff_configs(state["config"], self.cfg)
-        if changes and not self.cfg.trainer.resume_allow_config_change:
-            raise ResumeError(f"resume: config differs from {path.name} in result-changing keys ({'; '.join(changes)}); "
-                              "restore them or set trainer.resume_allow_config_change=true")
         for role, engine in self.engines.items():
             if not (path / role).exists():
                 raise ResumeError(f"resume: {path} has no {role}/ state; it was saved by a run without that role")
