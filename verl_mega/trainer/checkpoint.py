@@ -88,6 +88,20 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _prime_optimizer_state(optimizer) -> None:
+    """Give a fresh optimizer the state slots a checkpoint fills. mcore's Adam init fills exp_avg/exp_avg_sq but not
+    `step`, which torch's Adam keeps per parameter and mcore's state_dict requires (TE/apex Adam keep it per group)."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None:
+            continue
+        if getattr(opt, "init_state_fn", None) is not None:
+            opt.init_state_fn(inner, opt.config)
+        for group in inner.param_groups:
+            for p in group["params"]:
+                inner.state[p].setdefault("step", torch.tensor(0.0))
+
+
 def find_checkpoint(cfg) -> Path | None:
     """The checkpoint `trainer.resume` selects, validated (complete, readable, compatible config) — cheap, so the
     trainer calls it before building anything."""
@@ -225,6 +239,7 @@ class CheckpointManager:
             sd = dict(model_sd)
             if self.cfg.checkpoint.save_optimizer:
                 flat = {k: v for d in model_sd.values() for k, v in d.items()} if len(model_sd) > 1 else model_sd["model"]
+                _prime_optimizer_state(engine.optimizer)
                 sd["optimizer"] = engine.optimizer.sharded_state_dict(flat, is_loading=True, metadata=_OPTIM_META)
             loaded = dist_checkpointing.load(sd, str(path / role))
             for i, c in enumerate(engine.chunks):
