@@ -157,6 +157,9 @@ class TrainConfig(ConfigSection):
             self._require(samples % dp == 0,
                           f"{mini_key}·rollout.n = {mini}·{n} = {samples} samples do not split over {dp} "
                           f"data-parallel ranks; make {mini_key}·rollout.n a multiple of {dp}")
+            self._require(not role.use_dynamic_bsz or parallel_dims.pp == 1,
+                          f"{role.key('use_dynamic_bsz')}=true needs parallel.pp=1 (pipeline stages exchange "
+                          f"fixed-shape micro-batches); set it to false or use pp=1")
             per_rank, micro = samples // dp, role.micro_batch_size_per_gpu
             self._require(role.use_dynamic_bsz or per_rank % micro == 0,
                           f"the {role.SECTION} mini-batch has {per_rank} samples per data-parallel rank "

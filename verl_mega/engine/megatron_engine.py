@@ -94,9 +94,11 @@ class MegatronEngine:
     def _run_schedule(self, micro_batches: list[MicroBatch], step_fn, forward_only: bool) -> list[Any]:
         seq_len = max(mb["input_ids"].shape[1] for mb in micro_batches)
         mbs = micro_batches[0]["input_ids"].shape[0]
-        for mb in micro_batches:
-            if mb["input_ids"].shape != (mbs, seq_len):
-                raise ValueError("engine: every micro-batch of one call must have the same [batch, seq] shape")
+        if mpu.get_pipeline_model_parallel_world_size() > 1:  # p2p exchanges assume one activation shape
+            for mb in micro_batches:
+                if mb["input_ids"].shape != (mbs, seq_len):
+                    raise ValueError("engine: with pp>1 every micro-batch of one call must have the same "
+                                     "[batch, seq] shape")
         vpp = len(self.chunks)
         iterators = [iter(micro_batches) for _ in range(vpp)] if vpp > 1 else iter(micro_batches)
         fb = get_forward_backward_func()

@@ -21,9 +21,16 @@ from verl_mega.trainer.batch import Batch, response_positions
 _SEQ_KEYS = ("input_ids",)
 
 
-def micro_batches(batch: Batch, size: int, keys: tuple[str, ...]) -> tuple[list[dict[str, torch.Tensor]], int]:
+def micro_batches(batch: Batch, size: int, keys: tuple[str, ...], *, token_budget: int | None = None
+                  ) -> tuple[list[dict[str, torch.Tensor]], int]:
     """Split into equal-shape micro-batches (the pipeline schedule needs one shape); the last one is padded with
-    copies of row 0 whose masks are zeroed. Returns the micro-batches and the number of real rows."""
+    copies of row 0 whose masks are zeroed. Returns the micro-batches and the number of real rows.
+
+    With `token_budget` (dynamic batching, pp=1 only) consecutive rows are packed while rows × longest row stays
+    within the budget, and each micro-batch is cut to its own longest row: short responses cost less compute.
+    """
+    if token_budget is not None:
+        return _token_budget_batches(batch, token_budget, keys), len(batch)
     n = len(batch)
     pad = (-n) % size
     rows = list(range(n)) + [0] * pad
@@ -40,6 +47,29 @@ def micro_batches(batch: Batch, size: int, keys: tuple[str, ...]) -> tuple[list[
     return out, n
 
 
+def _token_budget_batches(batch: Batch, budget: int, keys: tuple[str, ...]) -> list[dict[str, torch.Tensor]]:
+    lengths = (batch["prompt_len"] + batch["response_len"]).tolist()
+    groups, current, longest = [], [], 0
+    for i, length in enumerate(lengths):
+        if current and (len(current) + 1) * max(longest, length) > budget:
+            groups.append(current)
+            current, longest = [], 0
+        current.append(i)
+        longest = max(longest, length)
+    if current:
+        groups.append(current)
+    out = []
+    for rows in groups:
+        idx = torch.tensor(rows)
+        width = int(max(lengths[i] for i in rows))
+        width = min(batch["input_ids"].shape[1], -(-width // 8) * 8)
+        mb = {k: batch[k][idx] for k in keys if k in batch.tensors}
+        mb["input_ids"] = mb["input_ids"][:, :width]
+        mb["position_ids"] = torch.arange(width).expand(len(rows), width)
+        out.append(mb)
+    return out
+
+
 def _response_frame(full: torch.Tensor, mb: dict[str, torch.Tensor], width: int) -> torch.Tensor:
     """Per-position values over the sequence ([b, s-1]) → the response frame [b, width]."""
     idx = response_positions(mb["prompt_len"], width).clamp(max=full.shape[1] - 1)
@@ -49,11 +79,16 @@ def _response_frame(full: torch.Tensor, mb: dict[str, torch.Tensor], width: int)
 class PolicyRole:
     """Log-probs of responses under a (vocab-parallel) LM head: shared by actor and reference."""
 
-    def __init__(self, engine: MegatronEngine, *, vocab_size: int, micro_batch_size: int, temperature: float) -> None:
+    def __init__(self, engine: MegatronEngine, *, vocab_size: int, micro_batch_size: int, temperature: float,
+                 max_tokens_per_micro_batch: int | None = None) -> None:
         self.engine = engine
+        self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
         self.vocab_size = vocab_size
         self.micro_batch_size = micro_batch_size
         self.temperature = temperature
+
+    def _token_budget(self) -> int | None:
+        return self.max_tokens_per_micro_batch
 
     def _logprobs(self, output: torch.Tensor, mb: dict[str, torch.Tensor], with_entropy: bool):
         ids = mb["input_ids"]
@@ -64,7 +99,8 @@ class PolicyRole:
 
     @torch.no_grad()
     def compute_logprobs(self, batch: Batch, *, with_entropy: bool = False) -> dict[str, torch.Tensor]:
-        mbs, n = micro_batches(batch, self.micro_batch_size, ("input_ids", "prompt_len", "response_mask"))
+        mbs, n = micro_batches(batch, self.micro_batch_size, ("input_ids", "prompt_len", "response_mask"),
+                               token_budget=self._token_budget())
 
         def post(output, mb):
             lp, ent = self._logprobs(output, mb, with_entropy)
@@ -85,7 +121,8 @@ def _dp_sum(value: torch.Tensor) -> torch.Tensor:
 class Actor(PolicyRole):
     def __init__(self, engine: MegatronEngine, cfg, *, vocab_size: int, temperature: float) -> None:
         super().__init__(engine, vocab_size=vocab_size, micro_batch_size=cfg.micro_batch_size_per_gpu,
-                         temperature=temperature)
+                         temperature=temperature,
+                         max_tokens_per_micro_batch=cfg.max_tokens_per_gpu if cfg.use_dynamic_bsz else None)
         self.cfg = cfg
 
     def update(self, batch: Batch, *, mini_batch_rows: int) -> dict[str, float]:
@@ -97,7 +134,7 @@ class Actor(PolicyRole):
             order = torch.randperm(len(batch)) if cfg.shuffle else torch.arange(len(batch))
             for start in range(0, len(batch), mini_batch_rows):
                 mini = batch.select(order[start:start + mini_batch_rows])
-                mbs, _ = micro_batches(mini, self.micro_batch_size, keys)
+                mbs, _ = micro_batches(mini, self.micro_batch_size, keys, token_budget=self._token_budget())
                 normalizer = _dp_sum(sum(algos.agg_loss_normalizer(mb["response_mask"], cfg.loss_agg_mode)
                                          for mb in mbs))
                 scale = mpu.get_data_parallel_world_size() * len(mbs)
