@@ -3,10 +3,10 @@ The mean reward must rise clearly: first 10 steps < 0.3, last 10 steps > 0.6 (me
 
 import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
+
+from torchrun_util import run_in_session
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -17,15 +17,7 @@ def test_quickstart_reward_rises(tmp_path):
     cmd = [sys.executable, "-m", "verl_mega.train", "--config", str(ROOT / "configs" / "quickstart_cpu.yaml"),
            f"trainer.output_dir={out}", "logging.progress_bar=false"]
     log = tmp_path / "train.log"
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
-        try:
-            rc = proc.wait(timeout=900)
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    rc = run_in_session(cmd, env=env, log=log, timeout=900, cwd=ROOT)
     assert rc == 0, log.read_text()[-5000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 151))

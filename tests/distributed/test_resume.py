@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from torchrun_util import run_in_session
+
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 6
 FAST = [f"trainer.total_steps={STEPS}", "trainer.save_every=2", "checkpoint.keep_last=2", "logging.progress_bar=false",
@@ -38,16 +40,7 @@ def _train(out: Path, cache: str, fault: str | None = None, *extra: str) -> subp
            f"trainer.output_dir={out}", *FAST, *extra]
     log = out.parent / "train.log"
     out.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, env=_env(cache, fault), stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            rc = proc.wait(timeout=400)
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    rc = run_in_session(cmd, env=_env(cache, fault), log=log, timeout=400)
     return subprocess.CompletedProcess(cmd, rc, "", log.read_text()[-6000:])
 
 

@@ -34,3 +34,17 @@ def run_torchrun(script: str, nproc: int, *args: str, timeout: float = 600, env:
     if proc.returncode != 0:
         raise AssertionError(f"{script} failed (rc={proc.returncode}):\n{out[-8000:]}")
     return out
+
+
+def run_in_session(cmd: list[str], *, env: dict, log: Path, timeout: float, cwd: Path | None = None) -> int:
+    """Run `cmd` in its own session with output to `log`; afterwards kill the whole session (a killed trainer
+    leaves multiprocessing helpers behind, which would otherwise hold pipes or linger). Returns the exit code."""
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd)
+        try:
+            return proc.wait(timeout=timeout)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

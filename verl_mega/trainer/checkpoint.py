@@ -32,8 +32,10 @@ import torch.distributed as dist
 from verl_mega.config import diff_configs, to_dict
 
 log = logging.getLogger("verl_mega.checkpoint")
-# Optimizer state in a canonical per-parameter form, so a resume may change tp/pp/dp (mcore reshards it).
-_OPTIM_META = {"distrib_optim_sharding_type": "fully_reshardable"}
+# Optimizer state per DP bucket ("dp_reshardable"): mcore 0.16.1's layout-free forms fail with torch's Adam
+# (fully_sharded_model_space refuses flattened ranges on save; fully_reshardable drops Adam's per-parameter `step` on
+# load). Model weights stay layout-free; after a tp/pp change the optimizer state restarts (see maybe_resume).
+_OPTIM_META = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
 class ResumeError(ValueError):
@@ -88,6 +90,13 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _layout() -> dict[str, int]:
+    from megatron.core import parallel_state as mpu
+
+    return {"tp": mpu.get_tensor_model_parallel_world_size(), "pp": mpu.get_pipeline_model_parallel_world_size(),
+            "dp": mpu.get_data_parallel_world_size()}
+
+
 def _prime_optimizer_state(optimizer) -> None:
     """Give a fresh optimizer the state slots a checkpoint fills. mcore's Adam init fills exp_avg/exp_avg_sq but not
     `step`, which torch's Adam keeps per parameter and mcore's state_dict requires (TE/apex Adam keep it per group)."""
@@ -100,6 +109,16 @@ def _prime_optimizer_state(optimizer) -> None:
         for group in inner.param_groups:
             for p in group["params"]:
                 inner.state[p].setdefault("step", torch.tensor(0.0))
+
+
+def _restore_adam_steps(optimizer) -> None:
+    """mcore stores Adam's step once per param group; torch's Adam reads it per parameter (bias correction)."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        for group in getattr(inner, "param_groups", []):
+            if "step" in group:
+                for p in group["params"]:
+                    inner.state[p]["step"] = torch.tensor(float(group["step"]))
 
 
 def find_checkpoint(cfg) -> Path | None:
@@ -182,6 +201,7 @@ class CheckpointManager:
                      "engines": {r: {"version": e.version, "scheduler": e.scheduler.state_dict()}
                                  for r, e in self.engines.items()},
                      "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                     "layout": _layout(),
                      "config": to_dict(self.cfg)}
             (tmp / "trainer.json").write_text(json.dumps(state, indent=1, default=str))
             (tmp / "COMPLETE").write_text("ok\n")
@@ -237,7 +257,11 @@ class CheckpointManager:
                 raise ResumeError(f"resume: {path} has no {role}/ state; it was saved by a run without that role")
             model_sd = model_sharded_state_dict(engine.chunks)
             sd = dict(model_sd)
-            if self.cfg.checkpoint.save_optimizer:
+            same_layout = state.get("layout") == _layout()
+            if not same_layout:
+                log.warning("resume: layout %s differs from the checkpoint's %s; model weights are resharded, the "
+                            "optimizer state of %s restarts from zero", _layout(), state.get("layout"), role)
+            if self.cfg.checkpoint.save_optimizer and same_layout:
                 flat = {k: v for d in model_sd.values() for k, v in d.items()} if len(model_sd) > 1 else model_sd["model"]
                 _prime_optimizer_state(engine.optimizer)
                 sd["optimizer"] = engine.optimizer.sharded_state_dict(flat, is_loading=True, metadata=_OPTIM_META)
@@ -245,7 +269,9 @@ class CheckpointManager:
             for i, c in enumerate(engine.chunks):
                 unwrap(c).load_state_dict(loaded["model" if len(engine.chunks) == 1 else f"model{i}"])
             if "optimizer" in loaded:
-                engine.optimizer.load_state_dict(loaded["optimizer"])
+                with torch.no_grad():  # mcore copies into main params (views of leaves) without its own no_grad
+                    engine.optimizer.load_state_dict(loaded["optimizer"])
+                _restore_adam_steps(engine.optimizer)
             engine.version = state["engines"][role]["version"]
             engine.scheduler.load_state_dict(state["engines"][role]["scheduler"])
         self.loader.load_state_dict(state["loader"])
