@@ -116,13 +116,15 @@ def test_negative_lr():
 
 
 def test_train_batch_not_multiple_of_mini_batch():
-    assert _error(load_config, QUICKSTART, ["data.train_batch_size=12", "actor.ppo_mini_batch_size=8"]) == (
+    assert _error(load_config, QUICKSTART, ["data.train_batch_size=12", "actor.ppo_mini_batch_size=8",
+                                            "rollout.n=4"]) == (
         "data.train_batch_size=12 is not a multiple of actor.ppo_mini_batch_size=8 (both in prompts; ×rollout.n=4 in "
         "samples); set actor.ppo_mini_batch_size to a divisor of 12")
 
 
 def test_mini_batch_not_divisible_over_dp_and_micro():
-    cfg = load_config(QUICKSTART, ["actor.ppo_mini_batch_size=2", "data.train_batch_size=6"])  # 8 samples per mini
+    cfg = load_config(QUICKSTART, ["actor.ppo_mini_batch_size=2", "data.train_batch_size=6",
+                                   "rollout.n=4"])  # 8 samples per mini
     dims3 = ParallelDims(tp=1, pp=1, vpp=None, cp=1, dp=3, world=3)
     assert _error(cfg.validate_runtime, dims3, cuda_available=False) == (
         "actor.ppo_mini_batch_size·rollout.n = 2·4 = 8 samples do not split over 3 data-parallel ranks; make "
@@ -315,14 +317,14 @@ def test_diff_configs_reports_only_result_changing_keys():
     # The quickstart runs GRPO without a critic, so critic keys cannot change its results.
     assert diff_configs(base, load_config(QUICKSTART, ["critic.lr=1e-3"])) == []
     changed = load_config(QUICKSTART, ["actor.lr=4e-5", "rollout.temperature=0.7", "reward.kwargs={scale: 2}"])
-    assert diff_configs(base, changed) == ["actor.lr: 2e-05 -> 4e-05", "reward.kwargs: {} -> <absent>",
+    assert diff_configs(base, changed) == ["actor.lr: 0.0003 -> 4e-05", "reward.kwargs: {} -> <absent>",
                                            "rollout.temperature: 1.0 -> 0.7", "reward.kwargs.scale: <absent> -> 2"]
 
 
 def test_diff_configs_run_length_counts_when_lr_decays_over_it():
     cosine = ["actor.lr_decay_style=cosine"]
     a, b = load_config(QUICKSTART, cosine), load_config(QUICKSTART, [*cosine, "trainer.total_steps=80"])
-    assert diff_configs(a, b) == ["trainer.total_steps: 40 -> 80"]
+    assert diff_configs(a, b) == ["trainer.total_steps: 150 -> 80"]
     fixed = ["actor.lr_decay_style=cosine", "actor.lr_decay_steps=100"]
     assert diff_configs(load_config(QUICKSTART, fixed), load_config(QUICKSTART, [*fixed, "trainer.total_steps=80"])) \
         == []
