@@ -77,6 +77,8 @@ def train(cfg) -> dict[str, float]:
     trainer = RLTrainer(cfg, actor=actor, ref=ref, critic=critic, reward_model=reward_model, rollout=rollout,
                         weight_sync=weight_sync, reward_pool=reward_pool, tokenizer=tokenizer, profiler=profiler,
                         kl_ctrl=kl_ctrl)
+    if cfg.trainer.profile:
+        trainer.enable_profiling()
     ckpt = CheckpointManager(cfg, engines={"actor": actor_m.engine, "critic": critic and critic.engine},
                              loader=loader, kl_ctrl=kl_ctrl, hf_source=path, arch=arch)
     start_step = ckpt.maybe_resume()
@@ -101,8 +103,6 @@ def train(cfg) -> dict[str, float]:
         metrics.update(profiler.step_summary())
         ckpt.guard_nonfinite(metrics, step)
         logger.log(metrics, step)
-        if cfg.trainer.profile and dist.get_rank() == 0:
-            print(profiler.format_tree(), flush=True)
         if ckpt.should_save(step, total_steps) or stop["signal"] is not None:
             ckpt.save(step)
         if stop["signal"] is not None:

@@ -47,8 +47,18 @@ class RLTrainer:
         b.add_stage("weight_sync", self._weight_sync, deps=("actor_update",))
         return b.build()
 
+    def enable_profiling(self) -> None:
+        """Print the per-stage profile tree after every step (same as trainer.profile=true)."""
+        self.print_each_step = True
+
+    def print_profiling_summary(self) -> None:
+        """The last step's stage tree: rollout, scoring and its overlap, updates, sync, overlap efficiency."""
+        print(self.profiler.format_tree(), flush=True)
+
     def step(self, prompt_batch) -> dict[str, float]:
         out = self.flow.run({"prompts": prompt_batch})
+        if getattr(self, "print_each_step", False) and dist.get_rank() == 0:
+            self.print_profiling_summary()
         metrics: dict[str, float] = {}
         for name in ("rollout", "reward", "advantage", "critic_update", "actor_update", "weight_sync"):
             if isinstance(out.get(name), dict):
