@@ -31,6 +31,7 @@ from verl_mega.hybrid.convert import (block_copies, block_shape, vllm_name, vllm
 from verl_mega.hybrid.layout import HybridLayout
 from verl_mega.models.hf_config import ModelArch
 from verl_mega.models.loader import iter_hf_tensors, unwrap
+from verl_mega.parallel.state import new_groups
 from verl_mega.models.weights import ParamRule, rule_for
 from verl_mega.rollout.vllm_rollout import VLLMRollout, compat_model_runner
 
@@ -113,8 +114,8 @@ class WeightSync:
         self.version = 0
         self.last_metrics: dict[str, float] = {}
         self._check_megatron_groups()
-        self._micro_group = self._new_groups(layout.micro_dp_groups, self.plan.micro_dp_group) if layout.micro_dp > 1 else None
-        self._pp_group = self._new_groups(layout.pp_groups, self.plan.pp_group) if layout.p > 1 else None
+        self._micro_group = new_groups(layout.micro_dp_groups, self.plan.micro_dp_group) if layout.micro_dp > 1 else None
+        self._pp_group = new_groups(layout.pp_groups, self.plan.pp_group) if layout.p > 1 else None
         self._layers = self._local_layers()
         self._stage_layers = self._all_stage_layers()
         self._top = self._local_top_params()
@@ -138,16 +139,6 @@ class WeightSync:
                     f"Megatron's {label}-parallel group {ranks} differs from the layout's {expected}; build the "
                     f"layout with the same tp/pp and rank order as megatron.core.parallel_state"
                 )
-
-    @staticmethod
-    def _new_groups(groups: list[tuple[int, ...]], mine: tuple[int, ...]):
-        # new_group is collective over the world: every rank creates every group, in the same order.
-        found = None
-        for ranks in groups:
-            group = dist.new_group(list(ranks))
-            if ranks == mine:
-                found = group
-        return found
 
     def _local_layers(self) -> list[tuple[int, list[_Param]]]:
         layers = []

@@ -102,3 +102,14 @@ def rank_info() -> dict[str, Any]:
         dp=mpu.get_data_parallel_world_size(),
         dp_rank=mpu.get_data_parallel_rank(),
     )
+
+
+def new_groups(groups: list[tuple[int, ...]], mine: tuple[int, ...]):
+    """Create every group in the same order on every rank (`new_group` is collective over the world) and return
+    the one this rank belongs to (None if it is in none)."""
+    found = None
+    for ranks in groups:
+        group = dist.new_group(list(ranks))
+        if ranks == mine:
+            found = group
+    return found

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from verl_mega.models.hf_config import ModelArch
+from verl_mega.parallel.state import new_groups
 from verl_mega.planning.memory import Layout, PlanningError, stage_params
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -129,16 +130,6 @@ def _group_ranks(group) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(group))
 
 
-def _new_groups(groups: list[tuple[int, ...]], mine: tuple[int, ...]):
-    """Create every group in the same order on every rank (new_group is collective); return this rank's."""
-    found = None
-    for ranks in groups:
-        group = dist.new_group(list(ranks))
-        if ranks == mine:
-            found = group
-    return found
-
-
 def _expect(label: str, actual: tuple[int, ...], expected: tuple[int, ...]) -> None:
     if actual != expected:
         raise DryRunError(f"dry run: {label} group {list(actual)[:16]} differs from the plan's {list(expected)[:16]}; "
@@ -165,8 +156,8 @@ def dry_run(arch: ModelArch, layout: Layout, *, rank: int, build_model: bool = T
             mpu.initialize_model_parallel(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
                                           virtual_pipeline_model_parallel_size=layout.vpp,
                                           create_gloo_process_groups=False)
-            gen_group = _new_groups(hybrid.gen_tp_groups, plan.gen_tp_group) if layout.tg > 1 else None
-            micro_group = _new_groups(hybrid.micro_dp_groups, plan.micro_dp_group) if hybrid.micro_dp > 1 else None
+            gen_group = new_groups(hybrid.gen_tp_groups, plan.gen_tp_group) if layout.tg > 1 else None
+            micro_group = new_groups(hybrid.micro_dp_groups, plan.micro_dp_group) if hybrid.micro_dp > 1 else None
         seconds_groups = time.perf_counter() - start
         member_of = len(dist.distributed_c10d._world.pg_names) - before
         actual = {"tp": _group_ranks(mpu.get_tensor_model_parallel_group()),
