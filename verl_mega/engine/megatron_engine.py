@@ -18,6 +18,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from verl_mega.models.loader import unwrap
+from verl_mega.parallel.cpu_mode import comm_device as _device
 
 MicroBatch = dict[str, torch.Tensor]
 # post_fn(output, micro_batch) -> dict of per-sample tensors (forward-only), run on the last pipeline stage.
@@ -261,12 +262,6 @@ class MegatronEngine:
         for m in self.modules:
             yield from m.named_parameters()
 
-    def state_for_checkpoint(self) -> dict[str, Any]:
-        return {"version": self.version, "scheduler": self.scheduler.state_dict() if self.scheduler else None}
-
-
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _move_optimizer_state(optimizer, device: str) -> None:

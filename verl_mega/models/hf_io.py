@@ -8,7 +8,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import torch
 from safetensors import safe_open
@@ -162,7 +162,3 @@ def write_hf_checkpoint(
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
 
-
-def iter_state(reader: HFCheckpointReader) -> Iterator[tuple[str, torch.Tensor]]:
-    for name in reader.keys():
-        yield name, reader.get(name)

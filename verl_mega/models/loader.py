@@ -108,13 +108,10 @@ def iter_hf_tensors(chunks: list[torch.nn.Module], arch: ModelArch, *, include_v
                         dist.broadcast(tensor.contiguous(), src=src, group=pp_group)
                     yield hf_name, tensor
             else:
-                for hf_name in _hf_outputs(rule):
+                for hf_name in rule.hf_names:
                     shape_box = [None]
                     dist.broadcast_object_list(shape_box, src=src, group=pp_group)
                     tensor = torch.empty(shape_box[0], dtype=dtype, device=device)
                     dist.broadcast(tensor, src=src, group=pp_group)
                     yield hf_name, tensor
 
-
-def _hf_outputs(rule) -> tuple[str, ...]:
-    return rule.hf_names

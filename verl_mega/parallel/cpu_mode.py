@@ -16,7 +16,6 @@ process-global, idempotent, and a no-op when CUDA is available.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 from typing import Any
@@ -73,10 +72,6 @@ def cuda_available() -> bool:
     return torch.cuda.is_available() and os.environ.get("VERL_MEGA_FORCE_CPU", "0") != "1"
 
 
-def cpu_mode_enabled() -> bool:
-    return bool(_STATE["enabled"])
-
-
 def enable_cpu_mode() -> bool:
     """Install the shim if CUDA is absent. Returns True when CPU mode is active. Safe to call repeatedly."""
     with _LOCK:
@@ -131,43 +126,6 @@ def _patch_mcore_rng() -> None:
     _STATE["saved_mcore"] = (mcore_random._get_cuda_rng_state, mcore_random._set_cuda_rng_state)
     mcore_random._get_cuda_rng_state = _get_state
     mcore_random._set_cuda_rng_state = _set_state
-
-
-def disable_cpu_mode() -> None:
-    """Undo :func:`enable_cpu_mode` (used by tests that need a clean interpreter state)."""
-    with _LOCK:
-        if not _STATE["enabled"]:
-            return
-        _STATE.pop("mode").__exit__(None, None, None)
-        for name, fn in _STATE.pop("saved_cuda").items():
-            if fn is not None:
-                setattr(torch.cuda, name, fn)
-        from megatron.core.tensor_parallel import random as mcore_random
-
-        mcore_random._get_cuda_rng_state, mcore_random._set_cuda_rng_state = _STATE.pop("saved_mcore")
-        _STATE["enabled"] = False
-
-
-@contextlib.contextmanager
-def suspended():
-    """Temporarily leave the CUDA→CPU function mode (e.g. around third-party code with its own device logic)."""
-    mode = _STATE.get("mode")
-    if not _STATE["enabled"] or mode is None:
-        yield
-        return
-    mode.__exit__(None, None, None)
-    try:
-        yield
-    finally:
-        mode.__enter__()
-
-
-def default_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if cuda_available() else torch.device("cpu")
-
-
-def default_backend() -> str:
-    return "nccl" if cuda_available() else "gloo"
 
 
 def comm_device() -> torch.device:

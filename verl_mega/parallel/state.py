@@ -5,8 +5,6 @@ from __future__ import annotations
 import datetime
 import os
 import random
-from typing import Any
-
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -91,17 +89,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_info() -> dict[str, Any]:
+def dp_all_reduce(value, op: str = "sum") -> torch.Tensor:
+    """A float64 scalar/tensor reduced over the data-parallel group (`sum`, `max` or `mean`), back on the host."""
     from megatron.core import parallel_state as mpu
 
-    return dict(
-        tp=mpu.get_tensor_model_parallel_world_size(),
-        tp_rank=mpu.get_tensor_model_parallel_rank(),
-        pp=mpu.get_pipeline_model_parallel_world_size(),
-        pp_rank=mpu.get_pipeline_model_parallel_rank(),
-        dp=mpu.get_data_parallel_world_size(),
-        dp_rank=mpu.get_data_parallel_rank(),
-    )
+    value = torch.as_tensor(value, dtype=torch.float64).detach().clone()
+    dp = mpu.get_data_parallel_world_size()
+    if dp > 1:
+        value = value.to(cpu_mode.comm_device())
+        reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+        dist.all_reduce(value, op=reduce_op, group=mpu.get_data_parallel_group())
+        if op == "mean":
+            value /= dp
+    return value.cpu()
 
 
 def new_groups(groups: list[tuple[int, ...]], mine: tuple[int, ...]):

@@ -15,6 +15,7 @@ from megatron.core import parallel_state as mpu
 from verl_mega import algos
 from verl_mega.config import TrainConfig
 from verl_mega.parallel.cpu_mode import comm_device
+from verl_mega.parallel.state import dp_all_reduce
 from verl_mega.trainer.batch import Batch, pack_sequences
 from verl_mega.trainer.dataflow import DataflowBuilder
 
@@ -145,8 +146,9 @@ class RLTrainer:
         self.batch["entropy"] = out["entropy"]
         mask = self.batch["response_mask"]
         diff = (out["logprobs"] - self.batch["rollout_logprobs"]).abs() * mask
-        self.logprob_gap = {"rollout/logprob_diff_max": float(_dp_max(diff.max() if mask.any() else diff.sum())),
-                            "rollout/logprob_diff_mean": float(_dp_mean(algos.masked_mean(diff, mask)))}
+        worst = diff.max() if mask.any() else diff.sum()
+        self.logprob_gap = {"rollout/logprob_diff_max": float(dp_all_reduce(worst, "max")),
+                            "rollout/logprob_diff_mean": float(dp_all_reduce(algos.masked_mean(diff, mask), "mean"))}
         return out["logprobs"]
 
     def _ref_logprob(self, ctx) -> torch.Tensor:
@@ -170,7 +172,7 @@ class RLTrainer:
         if acfg.use_kl_in_reward:
             token_rewards, kl_metrics = algos.apply_kl_penalty(token_rewards, b["old_logprobs"], b["ref_logprobs"],
                                                                mask, self.kl_ctrl.value, acfg.kl_penalty)
-            current_kl = float(_dp_mean(torch.tensor(kl_metrics["kl"])))
+            current_kl = float(dp_all_reduce(kl_metrics["kl"], "mean"))
             self.kl_ctrl.update(current_kl, self.global_rows)
             metrics.update({"kl/reward_kl": current_kl, "kl/coef": float(self.kl_ctrl.value)})
         # advantages see the whole global batch (group baselines, global whitening), then each rank keeps its rows
@@ -192,10 +194,10 @@ class RLTrainer:
         metrics.update(self.logprob_gap)
         metrics.update({"reward/mean": float(all_scores.mean()), "reward/max": float(all_scores.max()),
                         "reward/min": float(all_scores.min()),
-                        "actor/entropy_rollout": float(_dp_mean(algos.masked_mean(b["entropy"], mask)))})
+                        "actor/entropy_rollout": float(dp_all_reduce(algos.masked_mean(b["entropy"], mask), "mean"))})
         if "ref_logprobs" in b.tensors and self.ref is not None:
             kl = algos.masked_mean(algos.kl_penalty(b["old_logprobs"], b["ref_logprobs"], "kl"), mask)
-            metrics["kl/actor_ref"] = float(_dp_mean(kl))
+            metrics["kl/actor_ref"] = float(dp_all_reduce(kl, "mean"))
         return metrics
 
     def _critic_update(self, ctx) -> dict[str, float]:
@@ -234,18 +236,3 @@ def _dp_all_gather_list(values: list) -> list:
     parts: list = [None] * dp
     dist.all_gather_object(parts, list(values), group=mpu.get_data_parallel_group())
     return [v for p in parts for v in p]
-
-
-def _dp_max(value: torch.Tensor) -> torch.Tensor:
-    value = torch.as_tensor(value, dtype=torch.float64).clone().to(comm_device())
-    if mpu.get_data_parallel_world_size() > 1:
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=mpu.get_data_parallel_group())
-    return value.cpu()
-
-
-def _dp_mean(value: torch.Tensor) -> torch.Tensor:
-    value = torch.as_tensor(value, dtype=torch.float64).clone().to(comm_device())
-    if mpu.get_data_parallel_world_size() > 1:
-        dist.all_reduce(value, group=mpu.get_data_parallel_group())
-        value /= mpu.get_data_parallel_world_size()
-    return value.cpu()

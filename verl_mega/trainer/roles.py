@@ -6,19 +6,14 @@ role hands the engine is in the left-aligned sequence layout of :mod:`verl_mega.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
 from verl_mega import algos
 from verl_mega.engine.logprobs import vocab_parallel_logprobs_entropy
 from verl_mega.engine.megatron_engine import MegatronEngine
-from verl_mega.parallel.cpu_mode import comm_device
+from verl_mega.parallel.state import dp_all_reduce
 from verl_mega.trainer.batch import Batch, response_positions
-
-_SEQ_KEYS = ("input_ids",)
 
 
 def micro_batches(batch: Batch, size: int, keys: tuple[str, ...], *, token_budget: int | None = None
@@ -110,14 +105,6 @@ class PolicyRole:
         return {k: torch.cat([r[k] for r in res])[:n] for k in res[0]}
 
 
-def _dp_sum(value: torch.Tensor) -> torch.Tensor:
-    value = value.detach().clone().double()
-    if mpu.get_data_parallel_world_size() > 1:
-        value = value.to(comm_device())
-        dist.all_reduce(value, group=mpu.get_data_parallel_group())
-    return value.cpu()
-
-
 class Actor(PolicyRole):
     def __init__(self, engine: MegatronEngine, cfg, *, vocab_size: int, temperature: float) -> None:
         super().__init__(engine, vocab_size=vocab_size, micro_batch_size=cfg.micro_batch_size_per_gpu,
@@ -135,8 +122,8 @@ class Actor(PolicyRole):
             for start in range(0, len(batch), mini_batch_rows):
                 mini = batch.select(order[start:start + mini_batch_rows])
                 mbs, _ = micro_batches(mini, self.micro_batch_size, keys, token_budget=self._token_budget())
-                normalizer = _dp_sum(sum(algos.agg_loss_normalizer(mb["response_mask"], cfg.loss_agg_mode)
-                                         for mb in mbs))
+                normalizer = dp_all_reduce(sum(algos.agg_loss_normalizer(mb["response_mask"], cfg.loss_agg_mode)
+                                                for mb in mbs))
                 scale = mpu.get_data_parallel_world_size() * len(mbs)
                 history.append(self.engine.train_step(mbs, self._loss_fn(normalizer, scale)))
         return {f"actor/{k}": sum(h[k] for h in history) / len(history) for k in history[0]}
@@ -192,7 +179,7 @@ class Critic:
             for start in range(0, len(batch), mini_batch_rows):
                 mini = batch.select(range(start, min(start + mini_batch_rows, len(batch))))
                 mbs, _ = micro_batches(mini, cfg.micro_batch_size_per_gpu, keys)
-                normalizer = _dp_sum(sum(algos.agg_loss_normalizer(mb["response_mask"]) for mb in mbs))
+                normalizer = dp_all_reduce(sum(algos.agg_loss_normalizer(mb["response_mask"]) for mb in mbs))
                 scale = mpu.get_data_parallel_world_size() * len(mbs)
 
                 def loss_fn(output, mb, normalizer=normalizer, scale=scale):
@@ -227,6 +214,3 @@ class RewardModel:
         res = self.engine.forward(mbs, post)
         return torch.cat([r["score"] for r in res])[:n]
 
-
-def metrics_mean(values: dict[str, Any]) -> dict[str, float]:
-    return {k: float(v) for k, v in values.items()}
