@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU measurements (2×H200). Results go to $OUT (≤ 8 files).
-#   bash benchmarks/gpu_session.sh models|sync|tests
+#   bash benchmarks/gpu_session.sh models|sync|rl|grpo|checks
 set -uo pipefail
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
 LOG=$OUT/session.log
@@ -27,5 +27,16 @@ case "${1:-models}" in
     cp $OUT/rl/metrics.jsonl $OUT/rl_metrics.jsonl 2>/dev/null; rm -rf $OUT/rl
     run timeout 190 torchrun --nproc-per-node 2 benchmarks/bench_weight_sync.py --tp 2 --gen-tp 2 --repeats 3 \
         --throughput-repeats 1 --out "$OUT/sync_t2_tg2.json"
+    ;;
+  grpo)
+    # GRPO, 1.5B-class model, tp=tg=2, fixed-length generations: verl_mega vs the HF-generate baseline, same run
+    nvidia-smi --query-gpu=name,memory.total --format=csv >> "$LOG" 2>&1
+    run timeout ${GRPO_TIMEOUT:-450} torchrun --nproc-per-node 2 benchmarks/bench_grpo_gpu.py ${GRPO_ARGS:-} \
+        --out "$OUT/grpo_1.5b.json"
+    ;;
+  checks)
+    run timeout 200 python3 -m pytest -q -x tests/gpu/test_hybrid_gpu.py -p no:warnings
+    run timeout 200 torchrun --nproc-per-node 2 benchmarks/measure_memory_gpu.py --model qwen2.5-1.5b --pp 2 \
+        --micro-batch 2 --seq-len 2048 --json "$OUT/memory_pp2.json"
     ;;
 esac

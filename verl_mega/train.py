@@ -7,12 +7,35 @@ import argparse
 import logging
 import signal
 import sys
+from dataclasses import dataclass
+from typing import Any
 
 from verl_mega.config import ConfigError, ParallelDims, load_config
 from verl_mega.trainer.checkpoint import NonFiniteError
 
 
-def train(cfg) -> dict[str, float]:
+@dataclass
+class Job:
+    """Everything one RL run needs, built and ready: the loop in :func:`train` only drives it."""
+
+    cfg: Any
+    trainer: Any
+    loader: Any
+    ckpt: Any
+    profiler: Any
+    reward_pool: Any
+    rollout: Any
+    total_steps: int
+    start_step: int
+    model_path: Any
+    arch: Any
+
+
+def build_job(cfg, trainer_cls: type | None = None) -> Job:
+    """Validate what can be validated before any heavy allocation, then build roles, rollout, the 3D-HybridEngine
+    and the checkpoint manager (resuming when asked). ``trainer_cls``: an :class:`RLTrainer` subclass that changes
+    a stage (custom rollout, extra metrics) while reusing everything else."""
+    import torch
     import torch.distributed as dist
 
     from verl_mega import algos
@@ -22,8 +45,7 @@ def train(cfg) -> dict[str, float]:
     from verl_mega.rewards.loader import load_reward_fn
     from verl_mega.rewards.pool import RewardPool
     from verl_mega.trainer import setup
-    from verl_mega.trainer.checkpoint import CheckpointManager, fault_point, find_checkpoint
-    from verl_mega.trainer.metrics import MetricsLogger
+    from verl_mega.trainer.checkpoint import CheckpointManager, find_checkpoint
     from verl_mega.trainer.profiler import StageProfiler
     from verl_mega.trainer.rl_trainer import RLTrainer
     from verl_mega.trainer.roles import Actor, Critic, PolicyRole, RewardModel
@@ -73,10 +95,12 @@ def train(cfg) -> dict[str, float]:
                              mode="thread")
     kc = cfg.algorithm.kl_ctrl
     kl_ctrl = algos.make_kl_controller(kc.type, kc.kl_coef, kc.target_kl or 0.1, kc.horizon)
-    profiler = StageProfiler()
-    trainer = RLTrainer(cfg, actor=actor, ref=ref, critic=critic, reward_model=reward_model, rollout=rollout,
-                        weight_sync=weight_sync, reward_pool=reward_pool, tokenizer=tokenizer, profiler=profiler,
-                        kl_ctrl=kl_ctrl)
+    # the tokens counter is global (all ranks' samples), so per-device rates divide by the world size
+    profiler = StageProfiler(n_devices=dist.get_world_size(),
+                             synchronize=torch.cuda.synchronize if torch.cuda.is_available() else None)
+    trainer = (trainer_cls or RLTrainer)(
+        cfg, actor=actor, ref=ref, critic=critic, reward_model=reward_model, rollout=rollout, weight_sync=weight_sync,
+        reward_pool=reward_pool, tokenizer=tokenizer, profiler=profiler, kl_ctrl=kl_ctrl)
     if cfg.trainer.profile:
         trainer.enable_profiling()
     ckpt = CheckpointManager(cfg, engines={"actor": actor_m.engine, "critic": critic and critic.engine},
@@ -84,6 +108,20 @@ def train(cfg) -> dict[str, float]:
     start_step = ckpt.maybe_resume()
     if start_step:
         weight_sync.sync()
+    return Job(cfg=cfg, trainer=trainer, loader=loader, ckpt=ckpt, profiler=profiler, reward_pool=reward_pool,
+               rollout=rollout, total_steps=total_steps, start_step=start_step, model_path=path,
+               arch=arch)
+
+
+def train(cfg) -> dict[str, float]:
+    import torch.distributed as dist
+
+    from verl_mega.trainer.checkpoint import fault_point
+    from verl_mega.trainer.metrics import MetricsLogger
+
+    job = build_job(cfg)
+    trainer, loader, ckpt, profiler = job.trainer, job.loader, job.ckpt, job.profiler
+    start_step, total_steps = job.start_step, job.total_steps
     logger = MetricsLogger(cfg.trainer.output_dir, console=cfg.logging.console,
                            progress_bar=cfg.logging.progress_bar, jsonl=cfg.logging.jsonl,
                            tensorboard=cfg.logging.tensorboard, plot=cfg.logging.plot, total_steps=total_steps,
@@ -108,8 +146,8 @@ def train(cfg) -> dict[str, float]:
         if stop["signal"] is not None:
             break
     logger.close()
-    reward_pool.close()
-    rollout.shutdown()  # vLLM's process groups go before torch.distributed's
+    job.reward_pool.close()
+    job.rollout.shutdown()  # vLLM's process groups go before torch.distributed's
     return metrics
 
 

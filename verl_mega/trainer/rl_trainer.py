@@ -21,6 +21,9 @@ from verl_mega.trainer.dataflow import DataflowBuilder
 
 
 class RLTrainer:
+    #: run host-only stages (rule-based reward scoring) in threads, overlapped with device stages
+    overlap_host_stages = True
+
     def __init__(self, cfg: TrainConfig, *, actor, ref, critic, reward_model, rollout, weight_sync, reward_pool,
                  tokenizer, profiler, kl_ctrl) -> None:
         self.cfg = cfg
@@ -33,7 +36,8 @@ class RLTrainer:
     # ------------------------------------------------------------------ the step, as a graph
     def _build_flow(self):
         b = DataflowBuilder(self.profiler).add_rollout(actor=self._rollout)
-        b.add_stage("reward", self._reward, deps=("rollout",), host=True)  # CPU scoring overlaps device scoring
+        # CPU reward scoring runs in a thread, overlapped with device scoring
+        b.add_stage("reward", self._reward, deps=("rollout",), host=self.overlap_host_stages)
         b.add_stage("old_logprob", self._old_logprob, deps=("rollout",))
         if self.ref is not None:
             b.add_stage("ref_logprob", self._ref_logprob, deps=("rollout",))
@@ -68,30 +72,10 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ stages
     def _rollout(self, ctx) -> dict[str, Any]:
-        """Every rank holds the global prompt batch; each vLLM engine generates its share; all ranks gather all."""
+        """Generate, then pack the global batch of samples and keep this data-parallel rank's rows."""
         prompts = ctx["prompts"].items
         rcfg = self.cfg.rollout
-        from verl_mega.rollout.vllm_rollout import SamplingSpec
-
-        self._offload_trainers(True)  # free the accelerator for the KV cache while vLLM generates
-        self.rollout.wake_up()
-        mine = self.rollout.engine_share(list(range(len(prompts))))
-        sampling = SamplingSpec(n=rcfg.n, max_tokens=rcfg.max_response_length, temperature=rcfg.temperature,
-                                top_p=rcfg.top_p, top_k=max(rcfg.top_k, 0), ignore_eos=rcfg.ignore_eos,
-                                stop_token_ids=(self.tokenizer.eos_token_id,), logprobs=True,
-                                seed=self._sampling_seed(ctx["prompts"], mine))
-        gen = self.rollout.generate([prompts[i].prompt_ids for i in mine], sampling)
-        local = (self.rollout.engine_index,
-                 [(mine[p], ids, lps) for p, ids, lps in zip(gen.prompt_index, gen.token_ids, gen.logprobs)],
-                 gen.weight_version)
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, local)
-        if self.cfg.rollout.free_cache_engine:
-            self.rollout.sleep()
-        self._offload_trainers(False)
-        by_engine = {e: (samples, v) for e, samples, v in gathered}
-        samples = [s for e in sorted(by_engine) for s in by_engine[e][0]]
-        versions = {v for _, v in by_engine.values()}
+        samples, versions = self._generate(ctx["prompts"])
         eos = self.tokenizer.eos_token_id
         prompt_ids = [prompts[p].prompt_ids for p, _, _ in samples]
         # the EOS token is kept in the response: the policy must learn to stop
@@ -111,9 +95,40 @@ class RLTrainer:
         self.batch = full.select(range(self.dp_rank * rows, (self.dp_rank + 1) * rows))
         self.global_rows = len(full)
         n_tokens = float(packed["response_len"].sum())
-        self.profiler.add_counter("tokens", n_tokens)
+        self.profiler.add_counter("tokens", n_tokens)  # generated tokens, all ranks
+        self.profiler.add_counter("prompt_tokens", float(packed["prompt_len"].sum()))
         return {"rollout/response_length": n_tokens / len(full), "rollout/weight_version": float(max(versions)),
                 "rollout/truncated_frac": float((packed["response_len"] >= rcfg.max_response_length).float().mean())}
+
+    def _generate(self, prompt_batch) -> tuple[list[tuple[int, list[int], list[float]]], set[int]]:
+        """Every rank holds the global prompt batch; each vLLM engine generates its share; all ranks gather all.
+        Returns prompt-major samples ``(prompt index, token ids, sampled-token log-probs)`` and the weight versions
+        that generated them."""
+        prompts = prompt_batch.items
+        rcfg = self.cfg.rollout
+        from verl_mega.rollout.vllm_rollout import SamplingSpec
+
+        self._offload_trainers(True)  # free the accelerator for the KV cache while vLLM generates
+        self.rollout.wake_up()
+        mine = self.rollout.engine_share(list(range(len(prompts))))
+        sampling = SamplingSpec(n=rcfg.n, max_tokens=rcfg.max_response_length, temperature=rcfg.temperature,
+                                top_p=rcfg.top_p, top_k=max(rcfg.top_k, 0), ignore_eos=rcfg.ignore_eos,
+                                # fixed-length generation: EOS must not stop it either
+                                stop_token_ids=() if rcfg.ignore_eos else (self.tokenizer.eos_token_id,),
+                                logprobs=True,
+                                seed=self._sampling_seed(prompt_batch, mine))
+        gen = self.rollout.generate([prompts[i].prompt_ids for i in mine], sampling)
+        local = (self.rollout.engine_index,
+                 [(mine[p], ids, lps) for p, ids, lps in zip(gen.prompt_index, gen.token_ids, gen.logprobs)],
+                 gen.weight_version)
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local)
+        if self.cfg.rollout.free_cache_engine:
+            self.rollout.sleep()
+        self._offload_trainers(False)
+        by_engine = {e: (samples, v) for e, samples, v in gathered}
+        samples = [s for e in sorted(by_engine) for s in by_engine[e][0]]
+        return samples, {v for _, v in by_engine.values()}
 
     def _offload_trainers(self, offload: bool) -> None:
         """actor/critic.offload_* and ref.offload_params: move idle training state to host memory during rollout

@@ -1,0 +1,238 @@
+"""GRPO throughput: verl_mega (3D-HybridEngine + in-process vLLM + overlapped scoring) vs a plain baseline, same run.
+
+The baseline is what an RL loop looks like without a hybrid engine: every rank keeps a full HF transformers replica
+of the actor, generates its share of the prompts with ``model.generate``, and after each update receives the full
+weights gathered from the Megatron shards (``iter_hf_tensors`` → ``copy_``); every stage runs one after another.
+Everything else — Megatron actor and reference, log-probs, GRPO advantages, the PPO update — is the same code.
+
+    # GPU (2 GPUs, tp=2): a Qwen2.5-1.5B-architecture model with random weights, fixed-length generations
+    torchrun --nproc-per-node 2 benchmarks/bench_grpo_gpu.py --model-dir /tmp/qwen1.5b --out grpo.json
+    # CPU smoke run of the same code on the bundled tiny model
+    torchrun --nproc-per-node 2 benchmarks/bench_grpo_gpu.py --tiny --out grpo_cpu.json
+
+Prints a per-stage table and writes the per-step numbers as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from verl_mega.trainer.rl_trainer import RLTrainer  # noqa: E402
+
+STAGES = ("rollout", "reward", "old_logprob", "ref_logprob", "advantage", "actor_update", "weight_sync")
+
+
+class _SampledLogprobs:
+    """HF logits processor that records the log-prob of each sampled token: at step t+1 the token sampled at step t
+    is the last input id, so only one step's log-softmax is ever held (not the whole (steps, batch, vocab) tensor)."""
+
+    def __init__(self) -> None:
+        self.prev: torch.Tensor | None = None
+        self.steps: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.take(input_ids[:, -1])
+        self.prev = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+    def take(self, tokens: torch.Tensor) -> None:
+        if self.prev is not None:
+            self.steps.append(self.prev.gather(1, tokens[:, None])[:, 0])
+            self.prev = None
+
+
+class HFGenerateBaseline(RLTrainer):
+    """The same RL step with HF ``generate`` rollout, full-weight sync into a replica, and no stage overlap."""
+
+    overlap_host_stages = False
+
+    def attach_replica(self, hf_model: torch.nn.Module, arch) -> None:
+        self.hf_model, self.arch, self.hf_version = hf_model, arch, 0
+        self.hf_params = dict(hf_model.named_parameters())
+        self._weight_sync(None)
+
+    @torch.no_grad()
+    def _generate(self, prompt_batch):
+        prompts = prompt_batch.items
+        rcfg = self.cfg.rollout
+        world, rank = dist.get_world_size(), dist.get_rank()
+        per = -(-len(prompts) // world)
+        mine = list(range(rank * per, min(len(prompts), (rank + 1) * per)))
+        device = next(self.hf_model.parameters()).device
+        pad = self.tokenizer.pad_token_id or 0
+        width = max(len(prompts[i].prompt_ids) for i in mine)
+        ids = torch.full((len(mine), width), pad, dtype=torch.long)
+        attn = torch.zeros_like(ids)
+        for row, i in enumerate(mine):  # left padding: generation continues from the last column
+            p = prompts[i].prompt_ids
+            ids[row, width - len(p):] = torch.tensor(p)
+            attn[row, width - len(p):] = 1
+        recorder = _SampledLogprobs()
+        torch.manual_seed(self._sampling_seed(prompt_batch, mine))
+        out = self.hf_model.generate(
+            input_ids=ids.to(device), attention_mask=attn.to(device), do_sample=True, temperature=rcfg.temperature,
+            top_p=rcfg.top_p, top_k=max(rcfg.top_k, 0), num_return_sequences=rcfg.n,
+            max_new_tokens=rcfg.max_response_length,
+            min_new_tokens=rcfg.max_response_length if rcfg.ignore_eos else 0,
+            eos_token_id=None if rcfg.ignore_eos else self.tokenizer.eos_token_id, pad_token_id=pad,
+            logits_processor=[recorder])
+        new = out[:, width:]
+        recorder.take(new[:, -1])
+        lps = torch.stack(recorder.steps, dim=1).cpu() if recorder.steps else torch.zeros(len(new), 0)
+        local = []
+        eos = self.tokenizer.eos_token_id
+        for row, tokens in enumerate(new.cpu().tolist()):
+            if not rcfg.ignore_eos and eos in tokens:
+                tokens = tokens[: tokens.index(eos) + 1]  # keep EOS, drop the padding after it
+            local.append((mine[row // rcfg.n], tokens, lps[row, : len(tokens)].tolist()))
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, (local, self.hf_version))
+        return [s for part, _ in gathered for s in part], {v for _, v in gathered}
+
+    def _weight_sync(self, ctx):
+        from verl_mega.models.loader import iter_hf_tensors
+
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for name, tensor in iter_hf_tensors(self.actor.engine.chunks, self.arch):
+                self.hf_params[name].copy_(tensor)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.hf_version += 1
+        return {"sync/seconds": time.perf_counter() - t0, "actor/version": float(self.actor.engine.version)}
+
+
+def make_model(path: Path, tiny: bool) -> None:
+    """A random-weight model plus the bundled character tokenizer, built once (other ranks wait on the lock)."""
+    from verl_mega.models.tiny import build_char_tokenizer, make_tiny_hf_model
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (path / "config.json").exists():
+            return
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        if tiny:
+            make_tiny_hf_model(tmp, seed=0, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
+                               num_kv_heads=2, tie_word_embeddings=True)
+        else:
+            from bench_model_gpu import make_model as make_qwen
+
+            tmp.mkdir(parents=True)
+            make_qwen(tmp)
+            build_char_tokenizer(tmp)
+        os.replace(tmp, path)
+
+
+def run_steps(trainer, job, steps: int) -> list[dict[str, float]]:
+    out = []
+    for _ in range(steps):
+        job.profiler.reset_step()
+        m = trainer.step(job.loader.next_batch())
+        m.update(job.profiler.step_summary())
+        out.append(m)
+    return out
+
+
+def summarise(steps: list[dict[str, float]], world: int) -> dict[str, float]:
+    def mean(key: str) -> float:
+        vals = [s[key] for s in steps if key in s]
+        return statistics.fmean(vals) if vals else 0.0
+
+    res = {f"{st}_s": mean(f"timing/{st}_s") for st in STAGES}
+    res["step_s"] = mean("timing/step_s")
+    gen, prompt = mean("count/tokens"), mean("count/prompt_tokens")
+    res["generated_tokens"], res["prompt_tokens"] = gen, prompt
+    res["tokens_per_s_per_gpu"] = (gen + prompt) / res["step_s"] / world
+    res["generated_tokens_per_s_per_gpu"] = gen / res["step_s"] / world
+    res["rollout_tokens_per_s"] = gen / res["rollout_s"] if res["rollout_s"] else 0.0
+    res["logprob_diff_mean"] = mean("rollout/logprob_diff_mean")
+    res["overlap_efficiency"] = mean("overlap/efficiency")
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model-dir", default="/tmp/verl_mega_bench/qwen2.5-1.5b-random")
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke run on the bundled tiny model")
+    ap.add_argument("--prompts", type=int, default=32, help="prompts per step")
+    ap.add_argument("--group-size", type=int, default=8, help="samples per prompt (GRPO group)")
+    ap.add_argument("--response-length", type=int, default=512, help="fixed generation length")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps of the hybrid engine")
+    ap.add_argument("--baseline-steps", type=int, default=2, help="timed steps of the baseline")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    from verl_mega.config import load_config
+    from verl_mega.train import build_job
+
+    model_dir = Path(args.model_dir if not args.tiny else "/tmp/verl_mega_bench/tiny-random")
+    make_model(model_dir, args.tiny)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cpu = not torch.cuda.is_available()
+    total = 2 * (args.warmup + max(args.steps, args.baseline_steps)) + 2
+    overrides = [
+        f"model.path={model_dir}", f"model.dtype={'float32' if cpu else 'bfloat16'}", f"parallel.tp={world}",
+        f"rollout.tg={world}", f"rollout.n={args.group_size}", f"rollout.max_response_length={args.response_length}",
+        "rollout.ignore_eos=true", f"data.train_batch_size={args.prompts}",
+        f"actor.ppo_mini_batch_size={args.prompts}", "actor.micro_batch_size_per_gpu=8",
+        "actor.log_prob_micro_batch_size_per_gpu=16", f"trainer.total_steps={total}", "trainer.save_every=0",
+        "trainer.resume=off", "trainer.output_dir=/tmp/verl_mega_bench/out", "logging.tensorboard=false",
+        "logging.plot=false", "logging.progress_bar=false", "actor.lr=1e-6", "trainer.deterministic=false",
+    ] + (["rollout.kv_cache_memory_bytes=268435456", "rollout.enforce_eager=true"] if cpu else
+         ["rollout.kv_cache_memory_bytes=null", "rollout.gpu_memory_utilization=0.35", "rollout.enforce_eager=false"])
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs/quickstart_cpu.yaml", overrides)
+    job = build_job(cfg)
+    rank = dist.get_rank()
+
+    hybrid = run_steps(job.trainer, job, args.warmup + args.steps)[args.warmup:]
+    if job.rollout is not None:
+        job.rollout.sleep()  # vLLM gives back its weights and KV cache: the baseline has the GPU to itself
+
+    from transformers import AutoModelForCausalLM
+
+    t = job.trainer
+    replica = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32 if cpu else torch.bfloat16)
+    replica = replica.to("cpu" if cpu else "cuda").eval()
+    baseline_trainer = HFGenerateBaseline(cfg, actor=t.actor, ref=t.ref, critic=t.critic, reward_model=None,
+                                          rollout=None, weight_sync=None, reward_pool=t.reward_pool,
+                                          tokenizer=t.tokenizer, profiler=job.profiler, kl_ctrl=t.kl_ctrl)
+    baseline_trainer.attach_replica(replica, job.arch)
+    baseline = run_steps(baseline_trainer, job, args.warmup + args.baseline_steps)[args.warmup:]
+
+    if rank == 0:
+        h, b = summarise(hybrid, world), summarise(baseline, world)
+        result = {"world": world, "device": torch.cuda.get_device_name() if not cpu else "cpu",
+                  "prompts": args.prompts, "n": args.group_size, "response_length": args.response_length,
+                  "model_dir": str(model_dir), "hybrid": h, "baseline": b,
+                  "speedup_step": b["step_s"] / h["step_s"], "hybrid_steps": hybrid, "baseline_steps": baseline}
+        Path(args.out).write_text(json.dumps(result, indent=1))
+        print(f"{'stage (mean s/step)':<34}{'verl_mega':>12}{'HF baseline':>14}")
+        for key in [f"{s}_s" for s in STAGES] + ["step_s", "tokens_per_s_per_gpu", "generated_tokens_per_s_per_gpu",
+                                                  "rollout_tokens_per_s", "logprob_diff_mean", "overlap_efficiency"]:
+            print(f"{key:<34}{h[key]:>12.3f}{b[key]:>14.3f}")
+        print(f"speed-up (step time): {result['speedup_step']:.2f}x")
+    job.reward_pool.close()
+    if job.rollout is not None:
+        job.rollout.shutdown()
+    from verl_mega.parallel.state import destroy_distributed
+
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()
