@@ -145,6 +145,7 @@ def train(cfg) -> dict[str, float]:
             ckpt.save(step)
         if stop["signal"] is not None:
             break
+    ckpt.close()  # a background save (checkpoint.async_save) becomes complete and visible
     logger.close()
     job.reward_pool.close()
     job.rollout.shutdown()  # vLLM's process groups go before torch.distributed's

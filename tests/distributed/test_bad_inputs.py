@@ -74,7 +74,6 @@ def cases(a: Path) -> list[tuple[list[str], str]]:
         (["reward.function=no_such_module.fn"], "no_such_module"),
         ([f"reward.function={a / 'reward_sig.py'}:score"], "score"),
         ([f"trainer.resume={a / 'notckpt'}"], "trainer.resume"),
-        (["checkpoint.async_save=true"], "async_save"),
     ]
 
 

@@ -1,6 +1,7 @@
 """Crash consistency: a run SIGKILLed at many points (before, during and after saves, and mid-run) and resumed each
 time reproduces the per-step metrics of an uninterrupted run exactly (deterministic CPU mode); no checkpoint that
-`resume=auto` would pick is ever incomplete. SIGTERM leaves a loadable checkpoint of the current step."""
+`resume=auto` would pick is ever incomplete. SIGTERM leaves a loadable checkpoint of the current step. The same holds
+for background saves (checkpoint.async_save), whose checkpoints equal the synchronous ones bit for bit."""
 
 import json
 import os
@@ -11,8 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
-from torchrun_util import run_in_session
+from torchrun_util import run_in_session, run_torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 6
@@ -63,11 +65,11 @@ def reference(tmp_path_factory):
     cache = str(root / "cache")
     proc = _train(root / "run", cache)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return _rows(root / "run"), cache
+    return _rows(root / "run"), cache, root / "run"
 
 
 def test_kill9_at_many_points_then_resume_matches(reference, tmp_path):
-    ref_rows, cache = reference
+    ref_rows, cache, _ = reference
     out = tmp_path / "run"
     faults = ["step_start@2", "save_begin@2", "save_shards_written@2", "save_renamed@4", "step_start@5",
               "save_shards_written@6", "save_done@6"]
@@ -85,7 +87,7 @@ def test_kill9_at_many_points_then_resume_matches(reference, tmp_path):
 
 
 def test_sigterm_saves_current_step(reference, tmp_path):
-    _, cache = reference
+    _, cache, _ = reference
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "verl_mega.train", "--config", str(ROOT / "configs" / "quickstart_cpu.yaml"),
            f"trainer.output_dir={out}", *FAST, "trainer.total_steps=200", "trainer.save_every=0"]
@@ -113,3 +115,87 @@ def test_sigterm_saves_current_step(reference, tmp_path):
     proc = _train(out, cache, None, f"trainer.total_steps={last_logged + 1}", "trainer.save_every=0")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _rows(out)[-1]["step"] == last_logged + 1
+
+
+# ---------------------------------------------------------------- background saves (checkpoint.async_save=true)
+ASYNC = "checkpoint.async_save=true"
+
+
+def _load_dist_checkpoint(path: Path, scratch: Path) -> dict:
+    """Every tensor and object of an mcore dist checkpoint, read back without a process group."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    flat = scratch / f"{path.parent.name}-{path.name}.pt"
+    dcp_to_torch_save(path, flat)
+    return {"shards": torch.load(flat, weights_only=False),
+            "common": torch.load(path / "common.pt", weights_only=False)}
+
+
+def _assert_same(a, b, where: str) -> int:
+    """Deep, bit-exact equality; returns the number of tensors compared."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+        return 1
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        return sum(_assert_same(a[k], b[k], f"{where}/{k}") for k in a)
+    if isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        return sum(_assert_same(x, y, f"{where}[{i}]") for i, (x, y) in enumerate(zip(a, b)))
+    assert a == b, (where, a, b)
+    return 0
+
+
+def test_async_save_is_a_snapshot_of_its_step(tmp_path):
+    """mcore stages CPU tensors for the background writer without copying them; ours must be copies."""
+    out = run_torchrun("async_snapshot_job.py", 2, str(tmp_path / "ckpt"), timeout=180,
+                       env={"PYTHONPATH": str(ROOT)})
+    assert "ASYNC_SNAPSHOT_OK" in out, out[-3000:]
+
+
+def test_async_checkpoints_equal_sync_ones(reference, tmp_path):
+    """Training goes on while step 4 is written; the result equals the synchronous run's step 4 (and 6) exactly."""
+    ref_rows, cache, ref_out = reference
+    out = tmp_path / "run"
+    proc = _train(out, cache, None, ASYNC)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    _check_checkpoints(out)
+    assert _rows(out) == ref_rows
+    for name in ("step_000004", "step_000006"):
+        sync, bg = ref_out / "checkpoints" / name, out / "checkpoints" / name
+        assert (bg / "COMPLETE").exists(), f"{name} missing from the async run"
+        n = _assert_same(_load_dist_checkpoint(sync / "actor", tmp_path), _load_dist_checkpoint(bg / "actor", tmp_path),
+                         name)
+        assert n >= 10, f"only {n} tensors compared"
+        _assert_same(torch.load(sync / "rank_00000.pt", weights_only=True),
+                     torch.load(bg / "rank_00000.pt", weights_only=True), f"{name}/rng")
+        want, got = (json.loads((d / "trainer.json").read_text()) for d in (sync, bg))
+        assert got["config"]["checkpoint"].pop("async_save") is True
+        want["config"]["checkpoint"].pop("async_save")
+        for state in (got, want):  # the only other difference between the two runs
+            state["config"]["trainer"].pop("output_dir")
+        assert got == want
+
+
+def test_async_kill9_during_save_then_resume_matches(reference, tmp_path):
+    ref_rows, cache, _ = reference
+    out = tmp_path / "run"
+    ckpts = out / "checkpoints"
+    # killed while step 4's shards are in flight: only step 2 is visible
+    proc = _train(out, cache, "step_start@5", ASYNC)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    _check_checkpoints(out)
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_000002"]
+    assert (ckpts / ".tmp-step_000004").exists()
+    # resumed from step 2; killed after every rank wrote step 6's shards, before it was marked COMPLETE
+    proc = _train(out, cache, "save_shards_written@6", ASYNC)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    _check_checkpoints(out)
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_000002", "step_000004"]
+    # resumed from step 4 (written in the background) and finished
+    proc = _train(out, cache, None, ASYNC)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "step_000004 (step 4)" in (tmp_path / "train.log").read_text()
+    _check_checkpoints(out)
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_000004", "step_000006"]
+    assert _rows(out) == ref_rows

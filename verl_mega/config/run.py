@@ -70,7 +70,9 @@ class CheckpointConfig(ConfigSection):
     AFFECTS_RESULTS: ClassVar[bool] = False
 
     keep_last: int | None = option(2, help="Keep the newest N complete checkpoints; null keeps all.")
-    async_save: bool = option(False, help="Write checkpoints in the background (Megatron async dist-checkpointing).")
+    async_save: bool = option(False, help="Write checkpoint shards in the background (Megatron async "
+                              "dist-checkpointing) while training goes on; a checkpoint becomes visible to resume "
+                              "once every rank has written it (see docs/checkpointing.md).")
     export_hf: bool = option(False, help="Also export the actor as HF safetensors at each save.")
     save_optimizer: bool = option(True, help="Include optimizer state (needed for an exact resume).")
 

@@ -12,10 +12,13 @@ Layout under ``<trainer.output_dir>/checkpoints/``::
 
 Every rank writes into ``.tmp-step_N``; after a barrier rank 0 marks it COMPLETE and renames it. A directory
 without COMPLETE is never loaded, so a kill at any point leaves either the previous or the new checkpoint usable.
+With ``checkpoint.async_save`` mcore's background writer writes the shards while training goes on; the same
+finalisation runs once every rank has finished (checked each step, awaited before the next save and at the end).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -121,6 +124,22 @@ def _restore_adam_steps(optimizer) -> None:
                     inner.state[p]["step"] = torch.tensor(float(group["step"]))
 
 
+def async_save_request(sharded_sd: dict, checkpoint_dir: Path):
+    """mcore's async save of one dist checkpoint: writes the common part now and returns the AsyncRequest that
+    writes the shards (schedule it on an AsyncCallsQueue). CPU tensors are copied first: mcore stages tensors for
+    the background writer with `tensor.to("cpu")`, a copy on GPU but a no-op for CPU tensors, which training would
+    keep updating while they are written; the copy makes the checkpoint a snapshot of this step."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    for value in nested_values(sharded_sd):
+        if isinstance(value, (ShardedTensor, ShardedTensorFactory)) and isinstance(value.data, torch.Tensor) \
+                and value.data.device.type == "cpu":
+            value.data = value.data.detach().clone()
+    return dist_checkpointing.save(sharded_sd, str(checkpoint_dir), async_sharded_save=True)
+
+
 def find_checkpoint(cfg) -> Path | None:
     """The checkpoint `trainer.resume` selects, validated (complete, readable, compatible config) — cheap, so the
     trainer calls it before building anything."""
@@ -153,9 +172,6 @@ def find_checkpoint(cfg) -> Path | None:
 class CheckpointManager:
     def __init__(self, cfg, *, engines: dict[str, Any], loader, kl_ctrl, hf_source: Path | None = None,
                  arch=None) -> None:
-        if cfg.checkpoint.async_save:
-            raise ResumeError("checkpoint.async_save=true is not supported by this trainer yet (saves are synchronous "
-                              "and atomic); set checkpoint.async_save=false")
         self.cfg = cfg
         self.hf_source, self.arch = hf_source, arch
         self.root = Path(cfg.trainer.output_dir) / "checkpoints"
@@ -163,25 +179,48 @@ class CheckpointManager:
         self.loader = loader
         self.kl_ctrl = kl_ctrl
         self._nonfinite = 0
+        self._async_queue = None
+        if cfg.checkpoint.async_save:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            # mcore's forking caller: the persistent one spawns a worker that needs a CUDA device
+            self._async_queue = AsyncCallsQueue(persistent=False)
 
     # ------------------------------------------------------------------ save
     def should_save(self, step: int, total_steps: int) -> bool:
+        """Whether `step` ends with a save. Called once per step on every rank, so it is also where a finished
+        background save gets finalised (see poll)."""
+        self.poll()
         every = self.cfg.trainer.save_every
         return bool(every) and (step % every == 0 or step == total_steps)
 
+    def poll(self, blocking: bool = False) -> None:
+        """Finalise background saves that every rank has finished writing (collective: call on all ranks at the same
+        point). blocking=True waits for the pending ones first."""
+        if self._async_queue is not None:
+            self._async_queue.maybe_finalize_async_calls(blocking=blocking)
+
+    def close(self) -> None:
+        """Wait until a pending background save is complete and visible (collective)."""
+        if self._async_queue is not None:
+            self._async_queue.close()
+
     def save(self, step: int) -> Path:
+        """Write the full training state of `step`. With checkpoint.async_save the shards are written in the
+        background and the checkpoint becomes visible (COMPLETE, rename, `latest`) at a later poll/save/close."""
         from megatron.core import dist_checkpointing
 
         from verl_mega.models.mcore_ckpt import model_sharded_state_dict
 
+        self.poll(blocking=True)  # one save in flight at a time: the previous one is finalised first
         fault_point("save_begin", step)
         name = f"step_{step:06d}"
         tmp = self.root / f".tmp-{name}"
-        final = self.root / name
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         _barrier()
+        requests = []
         for role, engine in self.engines.items():
             model_sd = model_sharded_state_dict(engine.chunks)
             sd = dict(model_sd)
@@ -190,32 +229,51 @@ class CheckpointManager:
                 sd["optimizer"] = engine.optimizer.sharded_state_dict(flat, metadata=_OPTIM_META)
             (tmp / role).mkdir(exist_ok=True) if _rank() == 0 else None
             _barrier()
-            dist_checkpointing.save(sd, str(tmp / role))
+            if self._async_queue is None:
+                dist_checkpointing.save(sd, str(tmp / role))
+            else:
+                requests.append(async_save_request(sd, tmp / role))
         if self.cfg.checkpoint.export_hf:
-            self._export_hf(tmp / "hf")
+            self._export_hf(tmp / "hf")  # reads the live weights, so it runs now; visible only with the rename
         torch.save(rng_state(), tmp / f"rank_{_rank():05d}.pt")
-        _barrier()
+        # captured now: loader, KL controller and schedulers move on while the shards are written
+        trainer_json = json.dumps(self._trainer_state(step), indent=1, default=str) if _rank() == 0 else ""
+        finalize = functools.partial(self._finalize, step, tmp, trainer_json)
+        if not requests:
+            _barrier()
+            finalize()
+            return self.root / name
+        requests[-1].add_finalize_fn(finalize)  # mcore runs it once every rank finished writing every request
+        for request in requests:
+            self._async_queue.schedule_async_request(request)
+        return self.root / name
+
+    def _trainer_state(self, step: int) -> dict[str, Any]:
+        return {"step": step, "loader": self.loader.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
+                "engines": {r: {"version": e.version, "scheduler": e.scheduler.state_dict()}
+                            for r, e in self.engines.items()},
+                "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                "layout": _layout(),
+                "config": to_dict(self.cfg)}
+
+    def _finalize(self, step: int, tmp: Path, trainer_json: str) -> None:
+        """All shards of `tmp` are on disk on every rank: rank 0 marks it COMPLETE and makes it visible."""
         fault_point("save_shards_written", step)
+        final = self.root / tmp.name.removeprefix(".tmp-")
         if _rank() == 0:
-            state = {"step": step, "loader": self.loader.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
-                     "engines": {r: {"version": e.version, "scheduler": e.scheduler.state_dict()}
-                                 for r, e in self.engines.items()},
-                     "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-                     "layout": _layout(),
-                     "config": to_dict(self.cfg)}
-            (tmp / "trainer.json").write_text(json.dumps(state, indent=1, default=str))
+            (tmp / "trainer.json").write_text(trainer_json)
             (tmp / "COMPLETE").write_text("ok\n")
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
             fault_point("save_renamed", step)
             latest_tmp = self.root / ".latest.tmp"
-            latest_tmp.write_text(name + "\n")
+            latest_tmp.write_text(final.name + "\n")
             os.replace(latest_tmp, self.root / "latest")
             self._prune()
+            log.info("checkpoint %s complete", final)
         _barrier()
         fault_point("save_done", step)
-        return final
 
     def _export_hf(self, out: Path) -> None:
         """The actor as HF safetensors + config + tokenizer (collective over the model-parallel ranks)."""
