@@ -133,6 +133,7 @@ def make_model(path: Path, tiny: bool) -> None:
 
             tmp.mkdir(parents=True)
             make_qwen(tmp)
+            torch.cuda.empty_cache()  # vLLM's memory profiling must not see this memory being released later
             build_char_tokenizer(tmp)
         os.replace(tmp, path)
 
@@ -166,7 +167,7 @@ def summarise(steps: list[dict[str, float]], world: int) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model-dir", default="/tmp/verl_mega_bench/qwen2.5-1.5b-random")
+    ap.add_argument("--model-dir", default=None, help="where the random model is built once (default under /tmp)")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run on the bundled tiny model")
     ap.add_argument("--prompts", type=int, default=32, help="prompts per step")
     ap.add_argument("--group-size", type=int, default=8, help="samples per prompt (GRPO group)")
@@ -174,27 +175,31 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3, help="timed steps of the hybrid engine")
     ap.add_argument("--baseline-steps", type=int, default=2, help="timed steps of the baseline")
+    ap.add_argument("--gen-tp", type=int, default=None, help="vLLM tensor parallel size (default: the world size)")
     ap.add_argument("--out", required=True)
+    ap.add_argument("overrides", nargs="*", help="extra config overrides for both runs, e.g. actor.use_dynamic_bsz=true")
     args = ap.parse_args()
 
     from verl_mega.config import load_config
     from verl_mega.train import build_job
 
-    model_dir = Path(args.model_dir if not args.tiny else "/tmp/verl_mega_bench/tiny-random")
+    default = "/tmp/verl_mega_bench/" + ("tiny-random" if args.tiny else "qwen2.5-1.5b-random")
+    model_dir = Path(args.model_dir or default)
     make_model(model_dir, args.tiny)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cpu = not torch.cuda.is_available()
     total = 2 * (args.warmup + max(args.steps, args.baseline_steps)) + 2
     overrides = [
         f"model.path={model_dir}", f"model.dtype={'float32' if cpu else 'bfloat16'}", f"parallel.tp={world}",
-        f"rollout.tg={world}", f"rollout.n={args.group_size}", f"rollout.max_response_length={args.response_length}",
+        f"rollout.tg={args.gen_tp or world}", f"rollout.n={args.group_size}", f"rollout.max_response_length={args.response_length}",
         "rollout.ignore_eos=true", f"data.train_batch_size={args.prompts}",
         f"actor.ppo_mini_batch_size={args.prompts}", "actor.micro_batch_size_per_gpu=8",
         "actor.log_prob_micro_batch_size_per_gpu=16", f"trainer.total_steps={total}", "trainer.save_every=0",
-        "trainer.resume=off", "trainer.output_dir=/tmp/verl_mega_bench/out", "logging.tensorboard=false",
+        "trainer.resume=off", f"trainer.output_dir={Path(args.out).resolve().parent / 'bench_run'}", "logging.tensorboard=false",
         "logging.plot=false", "logging.progress_bar=false", "actor.lr=1e-6", "trainer.deterministic=false",
     ] + (["rollout.kv_cache_memory_bytes=268435456", "rollout.enforce_eager=true"] if cpu else
-         ["rollout.kv_cache_memory_bytes=null", "rollout.gpu_memory_utilization=0.35", "rollout.enforce_eager=false"])
+         ["rollout.kv_cache_memory_bytes=null", "rollout.gpu_memory_utilization=0.35", "rollout.enforce_eager=false"]
+         ) + list(args.overrides)
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs/quickstart_cpu.yaml", overrides)
     job = build_job(cfg)
     rank = dist.get_rank()
