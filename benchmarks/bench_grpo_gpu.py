@@ -215,7 +215,8 @@ def main() -> None:
     replica = replica.to("cpu" if cpu else "cuda").eval()
     baseline_trainer = HFGenerateBaseline(cfg, actor=t.actor, ref=t.ref, critic=t.critic, reward_model=None,
                                           rollout=None, weight_sync=None, reward_pool=t.reward_pool,
-                                          tokenizer=t.tokenizer, profiler=job.profiler, kl_ctrl=t.kl_ctrl)
+                                          tokenizer=t.tokenizer, profiler=job.profiler, kl_ctrl=t.kl_ctrl,
+                                          arch=job.arch)
     baseline_trainer.attach_replica(replica, job.arch)
     baseline = run_steps(baseline_trainer, job, args.warmup + args.baseline_steps)[args.warmup:]
 

@@ -46,7 +46,7 @@ def build_job(cfg, trainer_cls: type | None = None) -> Job:
     from verl_mega.rewards.pool import RewardPool
     from verl_mega.trainer import setup
     from verl_mega.trainer.checkpoint import CheckpointManager, find_checkpoint
-    from verl_mega.trainer.profiler import StageProfiler
+    from verl_mega.trainer.profiler import StageProfiler, detect_peak_flops
     from verl_mega.trainer.rl_trainer import RLTrainer
     from verl_mega.trainer.roles import Actor, Critic, PolicyRole, RewardModel
 
@@ -95,12 +95,15 @@ def build_job(cfg, trainer_cls: type | None = None) -> Job:
                              mode="thread")
     kc = cfg.algorithm.kl_ctrl
     kl_ctrl = algos.make_kl_controller(kc.type, kc.kl_coef, kc.target_kl or 0.1, kc.horizon)
-    # the tokens counter is global (all ranks' samples), so per-device rates divide by the world size
-    profiler = StageProfiler(n_devices=dist.get_world_size(),
-                             synchronize=torch.cuda.synchronize if torch.cuda.is_available() else None)
+    # the tokens/flops counters are global (all ranks' samples), so per-device rates divide by the world size
+    cuda = torch.cuda.is_available()
+    peak = cfg.trainer.peak_tflops * 1e12 if cfg.trainer.peak_tflops else \
+        detect_peak_flops(torch.cuda.get_device_name() if cuda else None, cfg.model.dtype)
+    profiler = StageProfiler(n_devices=dist.get_world_size(), peak_flops=peak,
+                             synchronize=torch.cuda.synchronize if cuda else None)
     trainer = (trainer_cls or RLTrainer)(
         cfg, actor=actor, ref=ref, critic=critic, reward_model=reward_model, rollout=rollout, weight_sync=weight_sync,
-        reward_pool=reward_pool, tokenizer=tokenizer, profiler=profiler, kl_ctrl=kl_ctrl)
+        reward_pool=reward_pool, tokenizer=tokenizer, profiler=profiler, kl_ctrl=kl_ctrl, arch=arch)
     if cfg.trainer.profile:
         trainer.enable_profiling()
     ckpt = CheckpointManager(cfg, engines={"actor": actor_m.engine, "critic": critic and critic.engine},

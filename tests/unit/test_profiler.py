@@ -276,3 +276,36 @@ def test_decode_step_average_needs_a_step_count():
         per_step.record("decode", i, i + 0.25, parent="rollout")
     assert per_step.step_summary()["timing/decode_step_ms"] == 250.0
     assert "avg 250.00 ms/step over 4 steps" in per_step.format_tree()
+
+
+def test_step_flops_hand_computed():
+    """One RL step's model FLOPs for a toy architecture, worked out by hand:
+    N = 1·[4·(2+2)·2 + 2·2·4 + 3·4·8] + 4·10 = 184; per token fwd = 2N + 4·L·H·d·s = 368 + 16s,
+    train = 6N + 12·L·H·d·s = 1104 + 48s. Rows of 4 and 8 tokens → s = 6: fwd 464, train 1392.
+    Old log-prob (fwd) + actor update (train, 1 epoch) + reference (fwd) = 2320 per token × 12 tokens = 27840;
+    generation: 6 generated tokens at mean context int(mean(2+1, 4+2)) = 4 → 6 · (368 + 64) = 2592. Total 30432."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from verl_mega.trainer.rl_trainer import RLTrainer
+
+    arch = SimpleNamespace(num_layers=1, hidden_size=4, ffn_hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=2,
+                           vocab_size=10)
+    cfg = SimpleNamespace(actor=SimpleNamespace(ppo_epochs=1), critic=SimpleNamespace(ppo_epochs=1))
+    fake = SimpleNamespace(arch=arch, cfg=cfg, ref=object(), critic=None, reward_model=None)
+    flops = RLTrainer._step_flops(fake, torch.tensor([2, 4]), torch.tensor([2, 4]))
+    assert flops == 30432.0
+    # a critic adds one forward and one forward+backward per token: 12 · (464 + 1392) more
+    fake.critic = object()
+    assert RLTrainer._step_flops(fake, torch.tensor([2, 4]), torch.tensor([2, 4])) == 30432.0 + 12 * (464 + 1392)
+
+
+def test_detect_peak_flops():
+    from verl_mega.trainer.profiler import detect_peak_flops
+
+    assert detect_peak_flops("NVIDIA H200", "bfloat16") == 989e12
+    assert detect_peak_flops("NVIDIA A100-SXM4-80GB", "float16") == 312e12
+    assert detect_peak_flops("NVIDIA H200", "float32") is None  # fp32 peak differs: no guess
+    assert detect_peak_flops("Some Future GPU", "bfloat16") is None
+    assert detect_peak_flops(None, "bfloat16") is None

@@ -46,6 +46,10 @@ class TrainerConfig(ConfigSection):
                            affects_results=False)
     val_every: int = option(0, help="Validate every N steps (needs data.val_files); 0 disables.",
                             affects_results=False)
+    peak_tflops: float | None = option(
+        None, help="One device's peak TFLOP/s for the `perf/mfu` metric; null uses the datasheet bf16/fp16 dense "
+                   "figure of known GPUs (H100/H200 989, A100 312, B200 2250) and omits MFU elsewhere.",
+        affects_results=False)
 
     def validate(self) -> None:
         self._check_range("total_steps", ge=1, example=100)
@@ -60,6 +64,7 @@ class TrainerConfig(ConfigSection):
         self._check_range("log_every", ge=1)
         self._check_range("max_consecutive_nonfinite", ge=1, example=3)
         self._check_range("collective_timeout_s", gt=0.0, example=1800)
+        self._check_range("peak_tflops", gt=0.0, example=989)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -185,6 +185,19 @@ def transformer_flops_per_token(num_layers: int, hidden: int, ffn: int, heads: i
     return float(6 * n_matmul + 12 * attention) if training else float(2 * n_matmul + 4 * attention)
 
 
+# Datasheet bf16/fp16 dense peaks (no sparsity), FLOP/s per device.
+_PEAK_BF16 = (("H200", 989e12), ("H100", 989e12), ("H800", 989e12), ("B200", 2250e12), ("A100", 312e12),
+              ("A800", 312e12), ("L40S", 362e12))
+
+
+def detect_peak_flops(device_name: str | None, dtype: str) -> float | None:
+    """The datasheet peak of a known GPU for 16-bit training (``bfloat16``/``float16``); None when unknown or fp32
+    (MFU is then left out rather than guessed)."""
+    if not device_name or dtype not in ("bfloat16", "float16"):
+        return None
+    return next((peak for key, peak in _PEAK_BF16 if key in device_name.upper()), None)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The profiler
 # ---------------------------------------------------------------------------------------------------------------------

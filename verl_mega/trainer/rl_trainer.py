@@ -25,11 +25,12 @@ class RLTrainer:
     overlap_host_stages = True
 
     def __init__(self, cfg: TrainConfig, *, actor, ref, critic, reward_model, rollout, weight_sync, reward_pool,
-                 tokenizer, profiler, kl_ctrl) -> None:
+                 tokenizer, profiler, kl_ctrl, arch=None) -> None:
         self.cfg = cfg
         self.actor, self.ref, self.critic, self.reward_model = actor, ref, critic, reward_model
         self.rollout, self.weight_sync, self.reward_pool = rollout, weight_sync, reward_pool
         self.tokenizer, self.profiler, self.kl_ctrl = tokenizer, profiler, kl_ctrl
+        self.arch = arch  # the model's architecture: with it the step counts its model FLOPs (perf/* metrics)
         self.dp, self.dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
         self.flow = self._build_flow()
 
@@ -97,6 +98,8 @@ class RLTrainer:
         n_tokens = float(packed["response_len"].sum())
         self.profiler.add_counter("tokens", n_tokens)  # generated tokens, all ranks
         self.profiler.add_counter("prompt_tokens", float(packed["prompt_len"].sum()))
+        if self.arch is not None:
+            self.profiler.add_counter("flops", self._step_flops(packed["prompt_len"], packed["response_len"]))
         return {"rollout/response_length": n_tokens / len(full), "rollout/weight_version": float(max(versions)),
                 "rollout/truncated_frac": float((packed["response_len"] >= rcfg.max_response_length).float().mean())}
 
@@ -129,6 +132,27 @@ class RLTrainer:
         by_engine = {e: (samples, v) for e, samples, v in gathered}
         samples = [s for e in sorted(by_engine) for s in by_engine[e][0]]
         return samples, {v for _, v in by_engine.values()}
+
+    def _step_flops(self, prompt_len: torch.Tensor, response_len: torch.Tensor) -> float:
+        """Model FLOPs of this step, all ranks: generation (forward per generated token at its mean context) plus
+        every forward (old/ref log-probs, values, RM) and forward+backward (updates × ppo_epochs) over the batch."""
+        from verl_mega.trainer.profiler import transformer_flops_per_token
+
+        a = self.arch
+
+        def per_token(training: bool, context: float) -> float:
+            return transformer_flops_per_token(a.num_layers, a.hidden_size, a.ffn_hidden_size, a.num_heads,
+                                               a.num_kv_heads, a.head_dim, a.vocab_size, int(context), training)
+
+        lengths = (prompt_len + response_len).float()
+        context = float(lengths.mean())
+        fwd, train = per_token(False, context), per_token(True, context)
+        passes = fwd + train * self.cfg.actor.ppo_epochs
+        passes += fwd * ((self.ref is not None) + (self.reward_model is not None))
+        if self.critic is not None:
+            passes += fwd + train * self.cfg.critic.ppo_epochs
+        gen_context = float((prompt_len + response_len / 2).float().mean())
+        return float(lengths.sum()) * passes + float(response_len.sum()) * per_token(False, gen_context)
 
     def _offload_trainers(self, offload: bool) -> None:
         """actor/critic.offload_* and ref.offload_params: move idle training state to host memory during rollout
