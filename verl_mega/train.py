@@ -123,7 +123,7 @@ def train(cfg) -> dict[str, float]:
     from verl_mega.trainer.metrics import MetricsLogger
 
     job = build_job(cfg)
-    trainer, loader, ckpt, profiler = job.trainer, job.loader, job.ckpt, job.profiler
+    trainer, loader, ckpt = job.trainer, job.loader, job.ckpt
     start_step, total_steps = job.start_step, job.total_steps
     logger = MetricsLogger(cfg.trainer.output_dir, console=cfg.logging.console,
                            progress_bar=cfg.logging.progress_bar, jsonl=cfg.logging.jsonl,
@@ -139,9 +139,7 @@ def train(cfg) -> dict[str, float]:
         prompts = loader.next_batch()
         if prompts is None:
             break
-        profiler.reset_step()
         metrics = trainer.step(prompts)
-        metrics.update(profiler.step_summary())
         ckpt.guard_nonfinite(metrics, step)
         logger.log(metrics, step)
         if ckpt.should_save(step, total_steps) or stop["signal"] is not None:

@@ -53,6 +53,23 @@ class RLTrainer:
         b.add_stage("weight_sync", self._weight_sync, deps=("actor_update",))
         return b.build()
 
+    @classmethod
+    def create(cls, *, actor, actor_backend=None, recipe=None, overrides=None) -> "RLTrainer":
+        """``RLTrainer.create(actor="tiny"|HF dir, actor_backend=vLLMBackend(...), overrides={...})``: build the whole
+        job from a recipe (default configs/quickstart_cpu.yaml) and return its trainer (see trainer/api.py)."""
+        from verl_mega.trainer.api import create_trainer
+
+        return create_trainer(cls, actor=actor, actor_backend=actor_backend, recipe=recipe, overrides=overrides)
+
+    def close(self) -> None:
+        """Finish pending checkpoint writes and release vLLM and the reward pool (trainers from :meth:`create`)."""
+        job = getattr(self, "job", None)
+        if job is not None:
+            job.ckpt.close()
+            job.reward_pool.close()
+            job.rollout.shutdown()
+            self.job = None
+
     def enable_profiling(self) -> None:
         """Print the per-stage profile tree after every step (same as trainer.profile=true)."""
         self.print_each_step = True
@@ -61,7 +78,17 @@ class RLTrainer:
         """The last step's stage tree: rollout, scoring and its overlap, updates, sync, overlap efficiency."""
         print(self.profiler.format_tree(), flush=True)
 
-    def step(self, prompt_batch) -> dict[str, float]:
+    def step(self, prompt_batch=None) -> dict[str, float]:
+        """One RL step on ``prompt_batch`` (by default the next batch of the job's data loader)."""
+        if prompt_batch is None:
+            if getattr(self, "job", None) is None:
+                raise ValueError("RLTrainer.step() without a prompt batch needs a trainer from RLTrainer.create(); "
+                                 "pass a batch from a PromptLoader otherwise")
+            prompt_batch = self.job.loader.next_batch() if self.job_step < self.job.total_steps else None
+            if prompt_batch is None:
+                raise StopIteration(f"trainer.total_steps={self.job.total_steps} (or the data) is exhausted")
+            self.job_step += 1
+        self.profiler.reset_step()
         out = self.flow.run({"prompts": prompt_batch})
         if getattr(self, "print_each_step", False) and dist.get_rank() == 0:
             self.print_profiling_summary()
@@ -69,6 +96,7 @@ class RLTrainer:
         for name in ("rollout", "reward", "advantage", "critic_update", "actor_update", "weight_sync"):
             if isinstance(out.get(name), dict):
                 metrics.update({k: v for k, v in out[name].items() if isinstance(v, float)})
+        metrics.update(self.profiler.step_summary())  # stage times, overlap, tokens/s, TFLOP/s, MFU
         return metrics
 
     # ------------------------------------------------------------------ stages
