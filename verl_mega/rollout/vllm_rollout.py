@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
@@ -109,6 +110,9 @@ class RolloutBatch:
     logprobs: list[list[float]] | None
     finish_reasons: list[str]
     weight_version: int
+    #: ``time.perf_counter`` instants of the call: ``start``, ``first_tokens`` (every request has its first token:
+    #: prefill is over), ``end``; and ``decode_steps`` (longest sample − 1). None when vLLM reports no request stats.
+    phases: dict[str, float] | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -192,6 +196,7 @@ class VLLMRollout:
             kwargs["top_k"] = sampling.top_k
         prompts = [{"prompt_token_ids": [int(t) for t in p]} for p in prompt_token_ids]
         self._calls += 1
+        start = time.perf_counter()
         if sampling.seed is None:
             params = SamplingParams(**kwargs)
             # Every rank of an engine samples on its own and must draw the same tokens, but training consumes the
@@ -204,6 +209,7 @@ class VLLMRollout:
             outputs = self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
         batch = RolloutBatch(prompt_index=[], token_ids=[], logprobs=[] if sampling.logprobs else None,
                              finish_reasons=[], weight_version=self.weight_version)
+        batch.phases = _phases(outputs, start, time.perf_counter())
         for i, out in enumerate(outputs):
             for sample in sorted(out.outputs, key=lambda s: s.index):
                 ids = list(sample.token_ids)
@@ -254,6 +260,18 @@ class VLLMRollout:
         del self.llm
         vps.destroy_model_parallel()
         vps.destroy_distributed_environment()
+
+
+def _phases(outputs: list, start: float, end: float) -> dict[str, float] | None:
+    """Prefill / decode split of one generate call from vLLM's per-request stats (engine timestamps are
+    ``time.monotonic``; shifted onto ``time.perf_counter``, the profiler's clock)."""
+    stats = [o.metrics for o in outputs if getattr(o, "metrics", None) is not None]
+    if not stats or not all(st.first_token_ts > 0 for st in stats):
+        return None
+    shift = time.perf_counter() - time.monotonic()
+    first_tokens = min(max(max(st.first_token_ts for st in stats) + shift, start), end)
+    return {"start": start, "first_tokens": first_tokens, "end": end,
+            "decode_steps": float(max(st.num_generation_tokens for st in stats) - 1)}
 
 
 @contextlib.contextmanager
@@ -356,6 +374,7 @@ def _build_llm(config: VLLMRolloutConfig, is_cpu: bool):
         skip_tokenizer_init=True,
         logprobs_mode=config.logprobs_mode,
         max_logprobs=1,
+        disable_log_stats=False,  # per-request timestamps: the profiler's prefill / decode split
     )
     if config.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = config.max_num_batched_tokens

@@ -35,7 +35,7 @@ __all__ = [
     "total_length",
     "intersect",
     "subtract",
-    "ROLLOUT", "PREFILL", "DECODE", "POSTPROCESS", "OLD_LOGPROB", "REF_LOGPROB", "VALUES", "REWARD_MODEL",
+    "ROLLOUT", "WAKE_UP", "PREFILL", "DECODE", "POSTPROCESS", "OLD_LOGPROB", "REF_LOGPROB", "VALUES", "REWARD_MODEL",
     "REWARD", "ADVANTAGE", "CRITIC_UPDATE", "ACTOR_UPDATE", "WEIGHT_SYNC", "SCORING_STAGES",
     "TOKENS", "DECODE_STEPS", "FLOPS",
 ]
@@ -44,6 +44,7 @@ Interval = tuple[float, float]
 
 # Canonical stage names used by the trainer; the tree and docs know these. Any other name works too.
 ROLLOUT = "rollout"
+WAKE_UP = "rollout/wake_up"
 PREFILL = "rollout/prefill"
 DECODE = "rollout/decode"
 POSTPROCESS = "rollout/postprocess"
@@ -77,7 +78,8 @@ _TREE = (
     (ACTOR_UPDATE, "Actor Update", True),
     (WEIGHT_SYNC, "Weight Sync", True),
 )
-_SUB_LABELS = {PREFILL: "Prefill", DECODE: "Decode Loop", POSTPROCESS: "Postprocess"}
+_SUB_LABELS = {WAKE_UP: "Wake Up (weights, KV cache)", PREFILL: "Prefill", DECODE: "Decode Loop",
+               POSTPROCESS: "Postprocess"}
 
 
 def _child_order(parent: str, child: str) -> tuple[int, str]:

@@ -124,6 +124,10 @@ class RLTrainer:
         self.batch = full.select(range(self.dp_rank * rows, (self.dp_rank + 1) * rows))
         self.global_rows = len(full)
         n_tokens = float(packed["response_len"].sum())
+        # gather, sleep and packing: everything after generation (custom _generate may not set the mark)
+        if getattr(self, "_generated_at", None) is not None:
+            self.profiler.record("postprocess", self._generated_at, self.profiler.now(), parent="rollout")
+            self._generated_at = None
         self.profiler.add_counter("tokens", n_tokens)  # generated tokens, all ranks
         self.profiler.add_counter("prompt_tokens", float(packed["prompt_len"].sum()))
         if self.arch is not None:
@@ -139,8 +143,11 @@ class RLTrainer:
         rcfg = self.cfg.rollout
         from verl_mega.rollout.vllm_rollout import SamplingSpec
 
+        prof = self.profiler
+        t0 = prof.now()
         self._offload_trainers(True)  # free the accelerator for the KV cache while vLLM generates
         self.rollout.wake_up()
+        prof.record("wake_up", t0, prof.now(), parent="rollout")  # vLLM re-maps weights and KV cache
         mine = self.rollout.engine_share(list(range(len(prompts))))
         sampling = SamplingSpec(n=rcfg.n, max_tokens=rcfg.max_response_length, temperature=rcfg.temperature,
                                 top_p=rcfg.top_p, top_k=max(rcfg.top_k, 0), ignore_eos=rcfg.ignore_eos,
@@ -149,6 +156,11 @@ class RLTrainer:
                                 logprobs=True,
                                 seed=self._sampling_seed(prompt_batch, mine))
         gen = self.rollout.generate([prompts[i].prompt_ids for i in mine], sampling)
+        if gen.phases is not None:  # vLLM's request stats split the call into prefill and the decode loop
+            prof.record("prefill", gen.phases["start"], gen.phases["first_tokens"], parent="rollout")
+            prof.record("decode", gen.phases["first_tokens"], gen.phases["end"], parent="rollout")
+            prof.add_counter("decode_steps", gen.phases["decode_steps"])
+        self._generated_at = prof.now()
         local = (self.rollout.engine_index,
                  [(mine[p], ids, lps) for p, ids, lps in zip(gen.prompt_index, gen.token_ids, gen.logprobs)],
                  gen.weight_version)
