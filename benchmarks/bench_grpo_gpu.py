@@ -159,6 +159,10 @@ def summarise(steps: list[dict[str, float]], world: int) -> dict[str, float]:
     res["rollout_tokens_per_s"] = gen / res["rollout_s"] if res["rollout_s"] else 0.0
     res["logprob_diff_mean"] = mean("rollout/logprob_diff_mean")
     res["overlap_efficiency"] = mean("overlap/efficiency")
+    res["tflops_per_gpu"] = mean("perf/tflops_per_device")  # model FLOPs of the whole step, rollout included
+    res["mfu"] = mean("perf/mfu")
+    res["rollout_prefill_s"], res["rollout_decode_s"] = mean("timing/rollout/prefill_s"), mean("timing/rollout/decode_s")
+    res["decode_step_ms"] = mean("timing/decode_step_ms")
     return res
 
 
@@ -226,7 +230,9 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(result, indent=1))
         print(f"{'stage (mean s/step)':<34}{'verl_mega':>12}{'HF baseline':>14}")
         for key in [f"{s}_s" for s in STAGES] + ["step_s", "tokens_per_s_per_gpu", "generated_tokens_per_s_per_gpu",
-                                                  "rollout_tokens_per_s", "logprob_diff_mean", "overlap_efficiency"]:
+                                                  "rollout_tokens_per_s", "logprob_diff_mean", "overlap_efficiency",
+                                                  "tflops_per_gpu", "mfu", "rollout_prefill_s", "rollout_decode_s",
+                                                  "decode_step_ms"]:
             print(f"{key:<34}{h[key]:>12.3f}{b[key]:>14.3f}")
         print(f"speed-up (step time): {result['speedup_step']:.2f}x")
     job.reward_pool.close()
