@@ -3,10 +3,11 @@
 Layout under ``<trainer.output_dir>/checkpoints/``::
 
     step_000010/
-        actor/           mcore dist checkpoint: model + distributed-optimizer state (reshards on load)
+        actor/           mcore dist checkpoint: model + optimizer state (both reshard on load, see optim_state)
         critic/          same, when a critic runs
         rank_00000.pt    per-rank RNG states (torch, cuda, python, numpy, mcore tracker)
-        trainer.json     step, data-loader position, KL controller, LR schedulers, engine versions, config
+        trainer.json     step, data-loader position, KL controller, LR schedulers, engine versions, layout,
+                         optimizer format, config
         COMPLETE         written last, inside the temp dir, before the rename
     latest               name of the newest complete checkpoint (replaced atomically, after the rename)
 
@@ -26,19 +27,19 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from verl_mega.config import diff_configs, to_dict
+from verl_mega.trainer import optim_state
+
+if TYPE_CHECKING:
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 
 log = logging.getLogger("verl_mega.checkpoint")
-# Optimizer state per DP bucket ("dp_reshardable"): mcore 0.16.1's layout-free forms fail with torch's Adam
-# (fully_sharded_model_space refuses flattened ranges on save; fully_reshardable drops Adam's per-parameter `step` on
-# load). Model weights stay layout-free; after a tp/pp change the optimizer state restarts (see maybe_resume).
-_OPTIM_META = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
 class ResumeError(ValueError):
@@ -100,31 +101,7 @@ def _layout() -> dict[str, int]:
             "dp": mpu.get_data_parallel_world_size()}
 
 
-def _prime_optimizer_state(optimizer) -> None:
-    """Give a fresh optimizer the state slots a checkpoint fills. mcore's Adam init fills exp_avg/exp_avg_sq but not
-    `step`, which torch's Adam keeps per parameter and mcore's state_dict requires (TE/apex Adam keep it per group)."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
-        if inner is None:
-            continue
-        if getattr(opt, "init_state_fn", None) is not None:
-            opt.init_state_fn(inner, opt.config)
-        for group in inner.param_groups:
-            for p in group["params"]:
-                inner.state[p].setdefault("step", torch.tensor(0.0))
-
-
-def _restore_adam_steps(optimizer) -> None:
-    """mcore stores Adam's step once per param group; torch's Adam reads it per parameter (bias correction)."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
-        for group in getattr(inner, "param_groups", []):
-            if "step" in group:
-                for p in group["params"]:
-                    inner.state[p]["step"] = torch.tensor(float(group["step"]))
-
-
-def async_save_request(sharded_sd: dict, checkpoint_dir: Path):
+def async_save_request(sharded_sd: dict, checkpoint_dir: Path) -> "AsyncRequest":
     """mcore's async save of one dist checkpoint: writes the common part now and returns the AsyncRequest that
     writes the shards (schedule it on an AsyncCallsQueue). CPU tensors are copied first: mcore stages tensors for
     the background writer with `tensor.to("cpu")`, a copy on GPU but a no-op for CPU tensors, which training would
@@ -137,7 +114,13 @@ def async_save_request(sharded_sd: dict, checkpoint_dir: Path):
         if isinstance(value, (ShardedTensor, ShardedTensorFactory)) and isinstance(value.data, torch.Tensor) \
                 and value.data.device.type == "cpu":
             value.data = value.data.detach().clone()
-    return dist_checkpointing.save(sharded_sd, str(checkpoint_dir), async_sharded_save=True)
+    return dist_checkpointing.save(sharded_sd, str(checkpoint_dir), async_sharded_save=True,
+                                   preprocess_common_before_consistancy_check=optim_state.common_for_consistency_check)
+
+
+def _flat(model_sd: dict) -> dict:
+    """The model part as the optimizer expects it: one dict over all (virtual-pipeline) chunks."""
+    return {k: v for d in model_sd.values() for k, v in d.items()} if len(model_sd) > 1 else model_sd["model"]
 
 
 def find_checkpoint(cfg) -> Path | None:
@@ -221,16 +204,16 @@ class CheckpointManager:
             tmp.mkdir(parents=True)
         _barrier()
         requests = []
+        check = optim_state.common_for_consistency_check
         for role, engine in self.engines.items():
             model_sd = model_sharded_state_dict(engine.chunks)
             sd = dict(model_sd)
             if self.cfg.checkpoint.save_optimizer:
-                flat = {k: v for d in model_sd.values() for k, v in d.items()} if len(model_sd) > 1 else model_sd["model"]
-                sd["optimizer"] = engine.optimizer.sharded_state_dict(flat, metadata=_OPTIM_META)
+                sd["optimizer"] = optim_state.sharded_state_dict(engine.optimizer, _flat(model_sd))
             (tmp / role).mkdir(exist_ok=True) if _rank() == 0 else None
             _barrier()
             if self._async_queue is None:
-                dist_checkpointing.save(sd, str(tmp / role))
+                dist_checkpointing.save(sd, str(tmp / role), preprocess_common_before_consistancy_check=check)
             else:
                 requests.append(async_save_request(sd, tmp / role))
         if self.cfg.checkpoint.export_hf:
@@ -253,7 +236,7 @@ class CheckpointManager:
                 "engines": {r: {"version": e.version, "scheduler": e.scheduler.state_dict()}
                             for r, e in self.engines.items()},
                 "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-                "layout": _layout(),
+                "layout": _layout(), "optimizer_format": optim_state.FORMAT,
                 "config": to_dict(self.cfg)}
 
     def _finalize(self, step: int, tmp: Path, trainer_json: str) -> None:
@@ -315,21 +298,20 @@ class CheckpointManager:
                 raise ResumeError(f"resume: {path} has no {role}/ state; it was saved by a run without that role")
             model_sd = model_sharded_state_dict(engine.chunks)
             sd = dict(model_sd)
-            same_layout = state.get("layout") == _layout()
-            if not same_layout:
-                log.warning("resume: layout %s differs from the checkpoint's %s; model weights are resharded, the "
-                            "optimizer state of %s restarts from zero", _layout(), state.get("layout"), role)
-            if self.cfg.checkpoint.save_optimizer and same_layout:
-                flat = {k: v for d in model_sd.values() for k, v in d.items()} if len(model_sd) > 1 else model_sd["model"]
-                _prime_optimizer_state(engine.optimizer)
-                sd["optimizer"] = engine.optimizer.sharded_state_dict(flat, is_loading=True, metadata=_OPTIM_META)
+            fmt = state.get("optimizer_format", optim_state.LEGACY_FORMAT)
+            if self.cfg.checkpoint.save_optimizer:
+                if fmt == optim_state.FORMAT or state.get("layout") == _layout():
+                    sd["optimizer"] = optim_state.sharded_state_dict(engine.optimizer, _flat(model_sd),
+                                                                     is_loading=True, fmt=fmt)
+                else:
+                    log.warning("resume: %s holds %s optimizer state in the %s form, which loads only at its own "
+                                "layout %s (now %s); the weights are resharded, the optimizer state restarts",
+                                path.name, role, fmt, state.get("layout"), _layout())
             loaded = dist_checkpointing.load(sd, str(path / role))
             for i, c in enumerate(engine.chunks):
                 unwrap(c).load_state_dict(loaded["model" if len(engine.chunks) == 1 else f"model{i}"])
-            if "optimizer" in loaded:
-                with torch.no_grad():  # mcore copies into main params (views of leaves) without its own no_grad
-                    engine.optimizer.load_state_dict(loaded["optimizer"])
-                _restore_adam_steps(engine.optimizer)
+            if "optimizer" in sd:  # `loaded` can hold the optimizer's common part even when sd asked for none
+                optim_state.load(engine.optimizer, loaded["optimizer"])
             engine.version = state["engines"][role]["version"]
             engine.scheduler.load_state_dict(state["engines"][role]["scheduler"])
         self.loader.load_state_dict(state["loader"])
