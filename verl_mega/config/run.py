@@ -42,7 +42,8 @@ class TrainerConfig(ConfigSection):
     collective_timeout_s: float = option(
         1800.0, help="Abort with a message naming the stage when a collective hangs longer than this.",
         affects_results=False)
-    profile: bool = option(False, help="Print the per-stage time / overlap profile every step.",
+    profile: bool = option(False, help="Print the per-stage time / overlap profile every step (and collect vLLM's "
+                                       "per-request stats for the prefill / decode split).",
                            affects_results=False)
     val_every: int = option(0, help="Validate every N steps (needs data.val_files); 0 disables.",
                             affects_results=False)

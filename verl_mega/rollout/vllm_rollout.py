@@ -51,6 +51,7 @@ class VLLMRolloutConfig:
     load_format: str = "auto"  # "dummy": random weights, real ones arrive through the weight sync
     seed: int = 0
     logprobs_mode: str = "raw_logprobs"
+    request_stats: bool = False  # vLLM's per-request timestamps (prefill/decode split); off: they cost engine time
     engine_kwargs: dict[str, Any] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
@@ -374,7 +375,7 @@ def _build_llm(config: VLLMRolloutConfig, is_cpu: bool):
         skip_tokenizer_init=True,
         logprobs_mode=config.logprobs_mode,
         max_logprobs=1,
-        disable_log_stats=False,  # per-request timestamps: the profiler's prefill / decode split
+        disable_log_stats=not config.request_stats,
     )
     if config.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = config.max_num_batched_tokens

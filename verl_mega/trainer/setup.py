@@ -109,7 +109,7 @@ def build_rollout(cfg: TrainConfig, dims: ParallelDims, path: Path, actor: RoleM
         max_model_len=cfg.data.max_prompt_length + rcfg.max_response_length,
         max_num_seqs=rcfg.max_num_seqs or 256, gpu_memory_utilization=rcfg.gpu_memory_utilization,
         kv_cache_memory_bytes=rcfg.kv_cache_memory_bytes, enforce_eager=rcfg.enforce_eager,
-        seed=rcfg.seed, engine_kwargs=extra)
+        seed=rcfg.seed, request_stats=cfg.trainer.profile, engine_kwargs=extra)
     rollout = VLLMRollout(vcfg, layout)
     sync = WeightSync(layout=layout, arch=arch, chunks=actor.engine.chunks, rollout=rollout, mode=rcfg.weight_sync)
     return rollout, sync
