@@ -161,7 +161,8 @@ def summarise(steps: list[dict[str, float]], world: int) -> dict[str, float]:
     res["overlap_efficiency"] = mean("overlap/efficiency")
     res["tflops_per_gpu"] = mean("perf/tflops_per_device")  # model FLOPs of the whole step, rollout included
     res["mfu"] = mean("perf/mfu")
-    res["rollout_prefill_s"], res["rollout_decode_s"] = mean("timing/rollout/prefill_s"), mean("timing/rollout/decode_s")
+    res["rollout_prefill_s"] = mean("timing/rollout/prefill_s")
+    res["rollout_decode_s"] = mean("timing/rollout/decode_s")
     res["decode_step_ms"] = mean("timing/decode_step_ms")
     return res
 
@@ -178,7 +179,8 @@ def main() -> None:
     ap.add_argument("--baseline-steps", type=int, default=2, help="timed steps of the baseline")
     ap.add_argument("--gen-tp", type=int, default=None, help="vLLM tensor parallel size (default: the world size)")
     ap.add_argument("--out", required=True)
-    ap.add_argument("overrides", nargs="*", help="extra config overrides for both runs, e.g. actor.use_dynamic_bsz=true")
+    ap.add_argument("overrides", nargs="*",
+                    help="extra config overrides for both runs, e.g. actor.use_dynamic_bsz=true")
     args = ap.parse_args()
 
     from verl_mega.config import load_config
@@ -192,11 +194,13 @@ def main() -> None:
     total = 2 * (args.warmup + max(args.steps, args.baseline_steps)) + 2
     overrides = [
         f"model.path={model_dir}", f"model.dtype={'float32' if cpu else 'bfloat16'}", f"parallel.tp={world}",
-        f"rollout.tg={args.gen_tp or world}", f"rollout.n={args.group_size}", f"rollout.max_response_length={args.response_length}",
+        f"rollout.tg={args.gen_tp or world}", f"rollout.n={args.group_size}",
+        f"rollout.max_response_length={args.response_length}",
         "rollout.ignore_eos=true", f"data.train_batch_size={args.prompts}",
         f"actor.ppo_mini_batch_size={args.prompts}", "actor.micro_batch_size_per_gpu=8",
         "actor.log_prob_micro_batch_size_per_gpu=16", f"trainer.total_steps={total}", "trainer.save_every=0",
-        "trainer.resume=off", f"trainer.output_dir={Path(args.out).resolve().parent / 'bench_run'}", "logging.tensorboard=false",
+        "trainer.resume=off", f"trainer.output_dir={Path(args.out).resolve().parent / 'bench_run'}",
+        "logging.tensorboard=false",
         "logging.plot=false", "logging.progress_bar=false", "actor.lr=1e-6", "trainer.deterministic=false",
     ] + (["rollout.kv_cache_memory_bytes=268435456", "rollout.enforce_eager=true"] if cpu else
          ["rollout.kv_cache_memory_bytes=null", "rollout.gpu_memory_utilization=0.35", "rollout.enforce_eager=false"]
