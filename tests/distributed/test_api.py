@@ -21,7 +21,7 @@ def test_create_and_step(tmp_path):
         assert r["timing/step_s"] > 0 and r["count/flops"] > 0 and r["perf/tflops_per_device"] > 0
         assert "perf/mfu" not in r  # no known peak on CPU: MFU is omitted, not guessed
         # rollout sub-stages from vLLM's request stats, inside the rollout stage
-        parts = [r[f"timing/rollout/{p}_s"] for p in ("wake_up", "prefill", "decode", "postprocess")]
+        parts = [r[f"timing/rollout/{p}_s"] for p in ("wake_up", "prefill", "decode", "postprocess", "sleep")]
         assert all(t >= 0 for t in parts) and r["timing/rollout/decode_s"] > 0
         assert sum(parts) <= r["timing/rollout_s"] + 1e-6
         assert r["count/decode_steps"] >= r["rollout/response_length"] - 1  # longest sample − 1 ≥ mean − 1

@@ -31,12 +31,13 @@ from contextlib import contextmanager
 __all__ = [
     "StageProfiler",
     "transformer_flops_per_token",
+    "detect_peak_flops",
     "union",
     "total_length",
     "intersect",
     "subtract",
-    "ROLLOUT", "WAKE_UP", "PREFILL", "DECODE", "POSTPROCESS", "OLD_LOGPROB", "REF_LOGPROB", "VALUES", "REWARD_MODEL",
-    "REWARD", "ADVANTAGE", "CRITIC_UPDATE", "ACTOR_UPDATE", "WEIGHT_SYNC", "SCORING_STAGES",
+    "ROLLOUT", "WAKE_UP", "PREFILL", "DECODE", "POSTPROCESS", "SLEEP", "OLD_LOGPROB", "REF_LOGPROB", "VALUES",
+    "REWARD_MODEL", "REWARD", "ADVANTAGE", "CRITIC_UPDATE", "ACTOR_UPDATE", "WEIGHT_SYNC", "SCORING_STAGES",
     "TOKENS", "DECODE_STEPS", "FLOPS",
 ]
 
@@ -48,6 +49,7 @@ WAKE_UP = "rollout/wake_up"
 PREFILL = "rollout/prefill"
 DECODE = "rollout/decode"
 POSTPROCESS = "rollout/postprocess"
+SLEEP = "rollout/sleep"
 OLD_LOGPROB = "old_logprob"
 REF_LOGPROB = "ref_logprob"
 VALUES = "values"
@@ -79,7 +81,7 @@ _TREE = (
     (WEIGHT_SYNC, "Weight Sync", True),
 )
 _SUB_LABELS = {WAKE_UP: "Wake Up (weights, KV cache)", PREFILL: "Prefill", DECODE: "Decode Loop",
-               POSTPROCESS: "Postprocess"}
+               POSTPROCESS: "Postprocess", SLEEP: "Sleep (free memory)"}
 
 
 def _child_order(parent: str, child: str) -> tuple[int, str]:

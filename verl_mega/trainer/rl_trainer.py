@@ -167,7 +167,11 @@ class RLTrainer:
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, local)
         if self.cfg.rollout.free_cache_engine:
+            asleep_from = prof.now()
+            prof.record("postprocess", self._generated_at, asleep_from, parent="rollout")
             self.rollout.sleep()
+            self._generated_at = prof.now()  # postprocess resumes after vLLM gave its memory back
+            prof.record("sleep", asleep_from, self._generated_at, parent="rollout")
         self._offload_trainers(False)
         by_engine = {e: (samples, v) for e, samples, v in gathered}
         samples = [s for e in sorted(by_engine) for s in by_engine[e][0]]
