@@ -27,7 +27,6 @@ class Job:
     rollout: Any
     total_steps: int
     start_step: int
-    model_path: Any
     arch: Any
 
 
@@ -112,8 +111,7 @@ def build_job(cfg, trainer_cls: type | None = None) -> Job:
     if start_step:
         weight_sync.sync()
     return Job(cfg=cfg, trainer=trainer, loader=loader, ckpt=ckpt, profiler=profiler, reward_pool=reward_pool,
-               rollout=rollout, total_steps=total_steps, start_step=start_step, model_path=path,
-               arch=arch)
+               rollout=rollout, total_steps=total_steps, start_step=start_step, arch=arch)
 
 
 def train(cfg) -> dict[str, float]:

@@ -16,7 +16,7 @@ A thin façade over the recipe machinery: the arguments become dotted config ove
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +49,9 @@ class vLLMBackend:  # noqa: N801 — the name users were promised
                 raise ValueError(f"vLLMBackend({name}={value}) must be positive")
 
     def overrides(self) -> dict[str, Any]:
-        keys = {"tg": "rollout.tg", "gpu_memory_utilization": "rollout.gpu_memory_utilization",
-                "kv_cache_memory_bytes": "rollout.kv_cache_memory_bytes", "max_num_seqs": "rollout.max_num_seqs",
-                "enforce_eager": "rollout.enforce_eager"}
-        return {key: getattr(self, field) for field, key in keys.items() if getattr(self, field) is not None}
+        """The set fields as `rollout.<field>` config keys (every field but model_name has that name there)."""
+        return {f"rollout.{f.name}": getattr(self, f.name) for f in fields(self)
+                if f.name != "model_name" and getattr(self, f.name) is not None}
 
 
 def create_trainer(cls: type, *, actor: str | Path, actor_backend: vLLMBackend | None = None,

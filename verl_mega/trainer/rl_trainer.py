@@ -105,6 +105,7 @@ class RLTrainer:
         prompts = ctx["prompts"].items
         rcfg = self.cfg.rollout
         samples, versions = self._generate(ctx["prompts"])
+        packing_from = self.profiler.now()
         eos = self.tokenizer.eos_token_id
         prompt_ids = [prompts[p].prompt_ids for p, _, _ in samples]
         # the EOS token is kept in the response: the policy must learn to stop
@@ -124,10 +125,7 @@ class RLTrainer:
         self.batch = full.select(range(self.dp_rank * rows, (self.dp_rank + 1) * rows))
         self.global_rows = len(full)
         n_tokens = float(packed["response_len"].sum())
-        # gather, sleep and packing: everything after generation (custom _generate may not set the mark)
-        if getattr(self, "_generated_at", None) is not None:
-            self.profiler.record("postprocess", self._generated_at, self.profiler.now(), parent="rollout")
-            self._generated_at = None
+        self.profiler.record("postprocess", packing_from, self.profiler.now(), parent="rollout")
         self.profiler.add_counter("tokens", n_tokens)  # generated tokens, all ranks
         self.profiler.add_counter("prompt_tokens", float(packed["prompt_len"].sum()))
         if self.arch is not None:
@@ -160,19 +158,18 @@ class RLTrainer:
             prof.record("prefill", gen.phases["start"], gen.phases["first_tokens"], parent="rollout")
             prof.record("decode", gen.phases["first_tokens"], gen.phases["end"], parent="rollout")
             prof.add_counter("decode_steps", gen.phases["decode_steps"])
-        self._generated_at = prof.now()
+        generated_at = prof.now()
         local = (self.rollout.engine_index,
                  [(mine[p], ids, lps) for p, ids, lps in zip(gen.prompt_index, gen.token_ids, gen.logprobs)],
                  gen.weight_version)
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, local)
+        handoff_from = prof.now()
+        prof.record("postprocess", generated_at, handoff_from, parent="rollout")  # the gather; packing follows
         if self.cfg.rollout.free_cache_engine:
-            asleep_from = prof.now()
-            prof.record("postprocess", self._generated_at, asleep_from, parent="rollout")
             self.rollout.sleep()
-            self._generated_at = prof.now()  # postprocess resumes after vLLM gave its memory back
-            prof.record("sleep", asleep_from, self._generated_at, parent="rollout")
         self._offload_trainers(False)
+        prof.record("sleep", handoff_from, prof.now(), parent="rollout")  # vLLM frees memory, training state returns
         by_engine = {e: (samples, v) for e, samples, v in gathered}
         samples = [s for e in sorted(by_engine) for s in by_engine[e][0]]
         return samples, {v for _, v in by_engine.values()}
