@@ -2,14 +2,16 @@
 
     python tools/plan.py --model CONFIG.json --gpus N --gpus-per-node G --gpu-mem-gb M [--topo F]
                          [--config RECIPE.yaml [--set key=value ...]]
-                         [--tp T --pp P --vpp V --tg G] [--micro-batch B --seq-len S --recompute R]
+                         [--tp T --pp P --vpp V --gen-tp G] [--micro-batch B --seq-len S --recompute R]
                          [--global-batch N] [--offload params,grads,optimizer] [--explain] [--json]
-                         [--dry-run --rank R]
+                         [--dry-run [--rank R ...]]
 
 Memory is in GiB (2^30 bytes) per GPU. --json prints one JSON object whose ``plans`` list is ranked best first;
-each plan has ``tp``, ``pp``, ``vpp``, ``dp``, ``tg``, ``memory_gb`` per phase (``train``, ``rollout``,
-``reshard``, ``score``), ``reshard_bytes_per_gpu`` and the breakdown. --dry-run builds every process group and the
-model on the meta device for rank R of the best plan (or the pinned layout) in this one process.
+each plan has ``tp``, ``pp``, ``vpp``, ``dp``, ``gen_tp``, ``memory_gb`` per phase (``train``, ``rollout``,
+``reshard``, ``score``), ``reshard_bytes_per_gpu`` and the breakdown. --dry-run checks the group arithmetic of every
+rank of the placement (the recipe's ``placement:`` pools, or the best plan as one pool), then builds the process
+groups and the meta-device model of ranks R (default: one rank of every pipeline stage of every pool) in this one
+process.
 See docs/planning.md for the formulas and the cost model.
 """
 
@@ -61,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--reserve-gb", type=float, default=2.0, help="per-GPU memory kept free (CUDA context, NCCL, "
                                                                   "fragmentation), GiB")
     ap.add_argument("--topo", default=None, help="saved `nvidia-smi topo -m` of one node (NVLink islands)")
-    for name in ("tp", "pp", "tg"):
+    for name in ("tp", "pp", "gen-tp"):
         ap.add_argument(f"--{name}", type=_positive(), default=None, help=f"pin {name} (default: enumerate)")
     ap.add_argument("--vpp", type=_positive(), default=None, help="pin virtual pipeline stages (1 = no interleaving)")
     ap.add_argument("--micro-batch", type=_positive(), default=1, help="samples per micro-batch per GPU")
@@ -84,8 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--top", type=_positive(), default=10, help="plans to print (text mode)")
     ap.add_argument("--explain", action="store_true", help="print the arithmetic of the best plan")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
-    ap.add_argument("--dry-run", action="store_true", help="build all groups + meta model for --rank")
-    ap.add_argument("--rank", type=int, default=0, help="rank for --dry-run")
+    ap.add_argument("--dry-run", action="store_true", help="check every rank's groups; build groups + meta model "
+                                                          "for --rank")
+    ap.add_argument("--rank", type=int, nargs="+", default=None, help="ranks for --dry-run (default: one per "
+                                                                      "pipeline stage of every pool)")
     return ap
 
 
@@ -117,18 +121,23 @@ def main(argv: list[str] | None = None) -> int:
         rollout = RolloutSpec(gpu_memory_utilization=args.gpu_memory_utilization,
                               kv_cache_bytes=args.kv_cache_gb * GiB if args.kv_cache_gb else None,
                               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
-        pins = Pins(tp=args.tp, pp=args.pp, vpp=args.vpp, tg=args.tg, recompute=args.recompute)
+        pins = Pins(tp=args.tp, pp=args.pp, vpp=args.vpp, gen_tp=args.gen_tp, recompute=args.recompute)
         global_batch, sequence_parallel = args.global_batch, not args.no_sequence_parallel
+        placement = None
         if cfg is not None:
+            from verl_mega.models.hf_config import check_layout
+            from verl_mega.parallel.placement import Placement
             from verl_mega.planning.plan import inputs_from_config
 
-            from verl_mega.config import ParallelDims
-
             # The recipe's own runtime checks for this world size (batch splits, layout vs model shape).
-            dims = ParallelDims.resolve(cfg.parallel, cluster.gpus, num_layers=arch.num_layers,
-                                        num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads)
-            cfg.validate_runtime(dims, cuda_available=True)
-            given = inputs_from_config(cfg)
+            placement = Placement.from_config(cfg, cluster.gpus)
+            cfg.validate_runtime(placement, cuda_available=True)
+            check_layout(placement.pool_of("actor"), num_layers=arch.num_layers, num_heads=arch.num_heads,
+                         num_kv_heads=arch.num_kv_heads, ffn_hidden_size=arch.ffn_hidden_size)
+            given = inputs_from_config(cfg, placement)
+            if len(placement.pools) > 1:  # layouts are ranked for the actor's pool
+                cluster = Cluster(gpus=placement.pool_of("actor").size, gpus_per_node=args.gpus_per_node,
+                                  gpu_mem_gib=args.gpu_mem_gb, reserve_gib=args.reserve_gb, topology=topology)
             pins, work, roles, rollout = given.pins, given.workload, given.roles, given.rollout
             global_batch, sequence_parallel = given.global_batch, given.sequence_parallel
         plans, rejected = plan_layouts(arch, cluster, work, global_batch=global_batch, roles=roles,
@@ -138,13 +147,18 @@ def main(argv: list[str] | None = None) -> int:
             raise PlanningError(f"no feasible layout (first reason: {reason}); relax the pinned flags")
         reports = {}
         if args.dry_run:
+            from verl_mega.parallel.placement import Placement
             from verl_mega.planning.dry_run import dry_run
 
-            reports["dry_run"] = dry_run(arch, plans[0].layout, rank=args.rank, dtype=work.dtype)
+            if placement is None or len(placement.pools) == 1:
+                best = plans[0].layout
+                placement = Placement.single(cluster.gpus, tp=best.tp, pp=best.pp, vpp=best.vpp, gen_tp=best.gen_tp,
+                                             sequence_parallel=best.sequence_parallel)
+            reports["dry_run"] = dry_run(arch, placement, ranks=args.rank, dtype=work.dtype)
             if any(r.value_head for r in roles):  # the critic's stage differs by its value head
-                reports["dry_run_critic"] = dry_run(arch, plans[0].layout, rank=args.rank, dtype=work.dtype,
+                reports["dry_run_critic"] = dry_run(arch, placement, ranks=args.rank, dtype=work.dtype,
                                                     value_head=True)
-    except (OSError, ValueError) as exc:  # PlanningError, ModelConfigError, LayoutError, TopologyParseError
+    except (OSError, ValueError) as exc:  # PlanningError, ModelConfigError, PlacementError, TopologyParseError
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
@@ -159,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                "units": "memory in GiB (2^30 bytes) per GPU; bytes are bytes",
                "plans": [p.to_json(i + 1) for i, p in enumerate(plans)],
                "rejected": [r.to_json() for r in rejected]}
-        out.update({key: rep.to_json() for key, rep in reports.items()})
+        out.update({key: [rep.to_json() for rep in reps] for key, reps in reports.items()})
         print(json.dumps(out))
         return 0
 
@@ -182,8 +196,9 @@ def main(argv: list[str] | None = None) -> int:
             print("\nRejected layouts:")
             for reason, count in sorted(reasons.items(), key=lambda kv: -kv[1]):
                 print(f"  {count:>4} × {reason}")
-    for key, rep in reports.items():
-        print(f"\n{'critic ' if key.endswith('critic') else ''}" + "\n".join(rep.lines()))
+    for key, reps in reports.items():
+        for rep in reps:
+            print(f"\n{'critic ' if key.endswith('critic') else ''}" + "\n".join(rep.lines()))
     return 0
 
 

@@ -15,7 +15,6 @@ import sys
 
 from verl_mega.config.base import ConfigError
 from verl_mega.config.loader import load_config, to_yaml
-from verl_mega.config.parallel import ParallelDims
 
 
 def _model_shape(arg: str | None, model_path: str) -> tuple[int, int, int] | None:
@@ -54,12 +53,15 @@ def main(argv: list[str] | None = None) -> int:
             if shape is None:
                 raise ConfigError(f"cannot check the layout: model.path={cfg.model.path!r} has no config.json; pass "
                                   f"--model-shape LAYERS,HEADS,KV_HEADS")
+            from verl_mega.models.hf_config import check_layout
+            from verl_mega.parallel.placement import Placement
+
             layers, heads, kv = shape
-            dims = ParallelDims.resolve(cfg.parallel, args.world_size, num_layers=layers, num_heads=heads,
-                                        num_kv_heads=kv)
-            cfg.validate_runtime(dims, cuda_available=not args.cpu)
-            print(f"# layout OK: {dims.describe()}", file=sys.stderr)
-    except ConfigError as exc:
+            placement = Placement.from_config(cfg, args.world_size)
+            cfg.validate_runtime(placement, cuda_available=not args.cpu)
+            check_layout(placement.pool_of("actor"), num_layers=layers, num_heads=heads, num_kv_heads=kv)
+            print(f"# layout OK: {placement.describe()}", file=sys.stderr)
+    except (ConfigError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

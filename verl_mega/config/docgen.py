@@ -15,7 +15,6 @@ from typing import Any
 
 from verl_mega.config.base import describe_type, field_types, is_section_type, join_key
 from verl_mega.config.loader import diff_configs
-from verl_mega.config.parallel import ParallelDims
 from verl_mega.config.train import TrainConfig
 
 _INTRO = """\
@@ -106,11 +105,13 @@ def generate_reference() -> str:
     for f in dataclasses.fields(TrainConfig):
         lines += _section(field_types(TrainConfig)[f.name], f.name, 2)
     lines += ["## Rules across sections", "", inspect.cleandoc(TrainConfig.__doc__ or ""), "",
-              "## Layout checks at start-up (`ParallelDims.resolve`)", "",
-              inspect.cleandoc(ParallelDims.resolve.__doc__ or ""), "",
-              "- tp·pp·cp·dp must equal the world size (dp null: the world size must be divisible by tp·pp·cp).",
-              "- attention heads % tp == 0; key/value heads % tp == 0 or tp % key/value heads == 0 (Megatron).",
-              "- layers % (pp·vpp) == 0; vpp needs pp > 1; sequence_parallel needs tp > 1.", "",
+              "## Layout checks at start-up (`Placement.from_config`, `check_layout`)", "",
+              "- Each pool: tp·pp·cp·dp equals its size (dp null: the size must be divisible by tp·pp·cp); the pools "
+              "add up to the world size and do not overlap.",
+              "- attention heads % tp == 0; key/value heads % tp == 0 or tp % key/value heads == 0 (Megatron); FFN "
+              "width % tp == 0; gen_tp divides tp, the heads and the key/value heads.",
+              "- layers % (pp·vpp) == 0; vpp needs pp > 1; sequence_parallel needs tp > 1; etp·ep divides tp·cp·dp.",
+              "",
               "## Resume compatibility (`diff_configs`)", "", inspect.cleandoc(diff_configs.__doc__ or ""), ""]
     return "\n".join(lines)
 

@@ -19,9 +19,9 @@ class RolloutConfig(ConfigSection):
     SECTION: ClassVar[str] = "rollout"
 
     backend: Literal["vllm"] = option("vllm", help="Rollout engine.")
-    tg: int | None = option(None, help="Generation tensor-parallel size; must divide parallel.tp (generation TP "
-                                       "groups are carved out of each training TP group). null uses parallel.tp.",
-                            affects_results=False)
+    gen_tp: int | None = option(None, help="Generation tensor-parallel size (vLLM's TP); must divide parallel.tp "
+                                           "(generation TP groups are carved out of each training TP group). null "
+                                           "uses parallel.tp.", affects_results=False)
     n: int = option(1, help="Samples generated per prompt (the group size of GRPO/RLOO).")
     temperature: float = option(1.0, help="Sampling temperature; 0 is greedy.")
     top_p: float = option(1.0, help="Nucleus sampling probability mass, in (0, 1].")
@@ -49,7 +49,7 @@ class RolloutConfig(ConfigSection):
     val_temperature: float = option(0.0, help="Sampling temperature for validation (0 = greedy).")
 
     def validate(self) -> None:
-        self._check_range("tg", ge=1)
+        self._check_range("gen_tp", ge=1)
         self._check_range("n", ge=1, example=8)
         self._check_range("temperature", ge=0.0, example=1.0)
         self._check_range("top_p", gt=0.0, le=1.0, example=1.0)

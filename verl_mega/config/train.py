@@ -9,7 +9,7 @@ from typing import Any
 
 from verl_mega.config.base import ConfigError, ConfigSection, fmt, option
 from verl_mega.config.model import TINY_MODEL, ModelConfig
-from verl_mega.config.parallel import ParallelConfig, ParallelDims
+from verl_mega.config.parallel import ParallelConfig, PlacementConfig
 from verl_mega.config.rl import GENERATED_PREFIX, GROUP_ESTIMATORS, AlgorithmConfig, DataConfig, RolloutConfig
 from verl_mega.config.roles import ActorConfig, CriticConfig, RefConfig, RewardConfig, TrainableRoleConfig
 from verl_mega.config.run import RESUME_AUTO, RESUME_OFF, CheckpointConfig, LoggingConfig, TrainerConfig
@@ -28,19 +28,22 @@ class TrainConfig(ConfigSection):
     - grpo, rloo and reinforce_plus_plus_baseline need `rollout.n` >= 2 and `rollout.temperature` > 0.
     - `data.train_batch_size` must be a multiple of `actor.ppo_mini_batch_size` (and the critic's); both count
       prompts, so with `rollout.n` samples each the same holds for samples.
-    - `rollout.tg` null → `parallel.tp`; otherwise it must divide `parallel.tp`.
+    - `rollout.gen_tp` null → `parallel.tp`; otherwise it must divide `parallel.tp`. With `placement.pools` set,
+      the pools carry the layout: `parallel.tp/pp/vpp/cp/dp` and `rollout.gen_tp` must stay unset (defaults).
     - `rollout.seed` and `data.seed` null → `trainer.seed`; `reward.function` null → the task's own function for
       `generated:<task>` data, else `reward.function` or `reward.reward_model_path` is required.
     - with `use_dynamic_bsz`, `max_tokens_per_gpu` must hold one full sequence (max_prompt_length +
       max_response_length); `trainer.val_every` > 0 needs `data.val_files`.
 
-    Checks that need the world size run in `validate_runtime(parallel_dims)`: the mini-batch (in samples) must split
-    evenly over data-parallel ranks and then into micro-batches, and `rollout.kv_cache_memory_bytes` is required on
-    CPU. `check_paths()` checks that referenced files and directories exist.
+    Checks that need the world size run in `validate_runtime(placement)`: the mini-batch (in samples) must split
+    evenly over the actor pool's data-parallel ranks and then into micro-batches, and
+    `rollout.kv_cache_memory_bytes` is required on CPU. `check_paths()` checks that referenced files and
+    directories exist.
     """
 
     model: ModelConfig = option(factory=ModelConfig, help="Policy model.")
-    parallel: ParallelConfig = option(factory=ParallelConfig, help="Training parallel layout.")
+    parallel: ParallelConfig = option(factory=ParallelConfig, help="Training parallel layout (one pool).")
+    placement: PlacementConfig = option(factory=PlacementConfig, help="Several pools and the pool of each role.")
     actor: ActorConfig = option(factory=ActorConfig, help="Actor (policy) training.")
     critic: CriticConfig = option(factory=CriticConfig, help="Critic (value model) training.")
     ref: RefConfig = option(factory=RefConfig, help="Reference policy.")
@@ -56,9 +59,16 @@ class TrainConfig(ConfigSection):
         self._resolve_auto_values()
         self._check_roles()
         self._check_batch_sizes()
-        tp, tg = self.parallel.tp, self.rollout.tg
-        self._require(tp % tg == 0, f"rollout.tg={tg} must divide parallel.tp={tp} (generation TP groups are carved "
-                                    f"out of each training TP group); set rollout.tg to a divisor of {tp}")
+        if self.placement.pools:
+            p, defaults = self.parallel, ParallelConfig()
+            taken = [f"parallel.{k}" for k in ("tp", "pp", "vpp", "cp", "dp") if getattr(p, k) != getattr(defaults, k)]
+            taken += ["rollout.gen_tp"] * (self.rollout.gen_tp != p.tp)
+            self._require(not taken, f"{', '.join(taken)} and placement.pools both set a layout; put it in "
+                                     f"placement.pools.<pool> instead")
+        tp, gen_tp = self.parallel.tp, self.rollout.gen_tp
+        self._require(tp % gen_tp == 0, f"rollout.gen_tp={gen_tp} must divide parallel.tp={tp} (generation TP groups "
+                                        f"are carved out of each training TP group); set rollout.gen_tp to a divisor "
+                                        f"of {tp}")
         self._require(self.trainer.val_every == 0 or bool(self.data.val_files),
                       f"trainer.val_every={self.trainer.val_every} needs data.val_files; set data.val_files=[...] "
                       f"or trainer.val_every=0")
@@ -88,8 +98,8 @@ class TrainConfig(ConfigSection):
             self._replace("ref", **ref_changes)
 
         rollout_changes: dict[str, Any] = {}
-        if self.rollout.tg is None:
-            rollout_changes["tg"] = self.parallel.tp
+        if self.rollout.gen_tp is None:
+            rollout_changes["gen_tp"] = self.parallel.tp
         if self.rollout.seed is None:
             rollout_changes["seed"] = self.trainer.seed
         if rollout_changes:
@@ -140,16 +150,9 @@ class TrainConfig(ConfigSection):
     def _trained_roles(self) -> list[TrainableRoleConfig]:
         return [self.actor, self.critic] if self.critic.enable else [self.actor]
 
-    def validate_runtime(self, parallel_dims: ParallelDims, *, cuda_available: bool | None = None) -> None:
-        """Checks that need the resolved layout (call once the world size is known)."""
-        p = self.parallel
-        for name in ("tp", "pp", "vpp", "cp"):
-            if getattr(parallel_dims, name) != getattr(p, name):
-                raise ConfigError(f"parallel.{name}={fmt(getattr(p, name))} but the resolved layout has {name}="
-                                  f"{fmt(getattr(parallel_dims, name))}; resolve ParallelDims from this config")
-        if p.dp is not None and p.dp != parallel_dims.dp:
-            raise ConfigError(f"parallel.dp={p.dp} but the resolved layout has dp={parallel_dims.dp}; resolve "
-                              f"ParallelDims from this config")
+    def validate_runtime(self, placement: Any, *, cuda_available: bool | None = None) -> None:
+        """Checks that need the placement (call once the world size is known)."""
+        parallel_dims = placement.pool_of("actor")
         dp, n = parallel_dims.dp, self.rollout.n
         for role in self._trained_roles():
             mini, mini_key = role.ppo_mini_batch_size, role.key("ppo_mini_batch_size")

@@ -11,14 +11,15 @@ from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as mpu
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 from verl_mega.models.loader import unwrap
 from verl_mega.parallel.cpu_mode import comm_device as _device
+from verl_mega.parallel.state import RankGroups, all_reduce
 
 MicroBatch = dict[str, torch.Tensor]
 # post_fn(output, micro_batch) -> dict of per-sample tensors (forward-only), run on the last pipeline stage.
@@ -37,18 +38,22 @@ class ScheduleSpec:
 
 
 class MegatronEngine:
-    """Owns mcore model chunks of one role on this rank (+ DDP, optimizer, scheduler when trainable)."""
+    """Owns mcore model chunks of one role on this rank (+ DDP, optimizer, scheduler when trainable), and the
+    process groups of the role's pool: every collective it runs, and every one Megatron runs for it, uses them."""
 
     def __init__(
         self,
         chunks: list[torch.nn.Module],
         model_config,
+        groups: RankGroups,
         *,
         optimizer_config: OptimizerConfig | None = None,
         schedule: ScheduleSpec | None = None,
     ) -> None:
         self.config = model_config
+        self.groups = groups
         self.trainable = optimizer_config is not None
+        pgs = groups.pg_collection
         self.version = 0  # bumped on every optimizer step; rollout reports the version it generated with
         if self.trainable:
             ddp_cfg = DistributedDataParallelConfig(
@@ -58,10 +63,16 @@ class MegatronEngine:
             )
             self.chunks = [
                 DistributedDataParallel(config=model_config, ddp_config=ddp_cfg, module=c,
-                                        disable_bucketing=(i > 0))
+                                        disable_bucketing=(i > 0), pg_collection=pgs)
                 for i, c in enumerate(chunks)
             ]
-            self.optimizer = get_megatron_optimizer(optimizer_config, self.chunks)
+            # mcore refuses gloo groups next to a pg_collection, but its memory-efficient checkpoint gather of the
+            # distributed optimizer's state needs the gloo twin of the DP group: hand it over afterwards
+            self.optimizer = get_megatron_optimizer(optimizer_config, self.chunks, use_gloo_process_groups=False,
+                                                    pg_collection=pgs)
+            for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+                if hasattr(opt, "data_parallel_group_gloo"):
+                    opt.data_parallel_group_gloo = groups["dp_cp_gloo"]
             sched = schedule or ScheduleSpec()
             lr, min_lr = optimizer_config.lr, optimizer_config.min_lr or 0.0
             self.scheduler = OptimizerParamScheduler(
@@ -77,7 +88,7 @@ class MegatronEngine:
                 wd_incr_steps=1,
                 wd_incr_style="constant",
             )
-            model_config.finalize_model_grads_func = finalize_model_grads
+            model_config.finalize_model_grads_func = partial(finalize_model_grads, pg_collection=pgs)
             model_config.grad_scale_func = self.optimizer.scale_loss
         else:
             self.chunks = chunks
@@ -92,17 +103,35 @@ class MegatronEngine:
     def modules(self) -> list[torch.nn.Module]:
         return [unwrap(c) for c in self.chunks]
 
+    @property
+    def dp_size(self) -> int:
+        return self.groups.size("dp")
+
+    @property
+    def dp_rank(self) -> int:
+        return self.groups.dp_rank
+
+    def dp_all_reduce(self, value, op: str = "sum") -> torch.Tensor:
+        """A float64 value reduced over this engine's data-parallel group (`sum`, `max` or `mean`), on the host."""
+        return all_reduce(value, self.groups["dp"], op)
+
+    @property
+    def _pp(self) -> int:
+        return self.groups.size("pp")
+
     def _run_schedule(self, micro_batches: list[MicroBatch], step_fn, forward_only: bool) -> list[Any]:
         seq_len = max(mb["input_ids"].shape[1] for mb in micro_batches)
         mbs = micro_batches[0]["input_ids"].shape[0]
-        if mpu.get_pipeline_model_parallel_world_size() > 1:  # p2p exchanges assume one activation shape
+        if self._pp > 1:  # p2p exchanges assume one activation shape
             for mb in micro_batches:
                 if mb["input_ids"].shape != (mbs, seq_len):
                     raise ValueError("engine: with pp>1 every micro-batch of one call must have the same "
                                      "[batch, seq] shape")
         vpp = len(self.chunks)
         iterators = [iter(micro_batches) for _ in range(vpp)] if vpp > 1 else iter(micro_batches)
-        fb = get_forward_backward_func()
+        fb = get_forward_backward_func(pp_size=self._pp, vp_size=self.groups.pool.vpp)
+        extra = {"p2p_communicator": P2PCommunicator(pp_group=self.groups["pp"], config=self.config)} \
+            if self._pp > 1 else {}
         return fb(
             forward_step_func=step_fn,
             data_iterator=iterators,
@@ -111,6 +140,8 @@ class MegatronEngine:
             seq_length=seq_len,
             micro_batch_size=mbs,
             forward_only=forward_only,
+            pg_collection=self.groups.pg_collection,
+            **extra,
         )
 
     @staticmethod
@@ -170,11 +201,9 @@ class MegatronEngine:
         return metrics
 
     def _grads_finite(self) -> bool:
-        """True when every gradient (after the DP reduction) is finite on every rank."""
+        """True when every gradient (after the DP reduction) is finite on every rank of the pool."""
         local = all(bool(torch.isfinite(buf.grad_data).all()) for c in self.chunks for buf in c.buffers)
-        flag = torch.tensor([1.0 if local else 0.0], device=_device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item() == 1.0)
+        return float(all_reduce(0.0 if local else 1.0, self.groups["pool"], "max")) == 0.0
 
     @staticmethod
     def _loss_wrapper(loss_fn: LossFn, mb: MicroBatch, output: torch.Tensor):
@@ -191,34 +220,26 @@ class MegatronEngine:
         if vec.numel() != len(keys):
             vec = torch.zeros(len(keys), dtype=torch.float64)
         vec = self._bcast_tensor(vec.to(_device()))
-        if mpu.get_data_parallel_world_size() > 1:
-            dist.all_reduce(vec, group=mpu.get_data_parallel_group())
-            vec /= mpu.get_data_parallel_world_size()
-        return {k: float(v) for k, v in zip(keys, vec.cpu().tolist())}
+        return {k: float(v) for k, v in zip(keys, self.dp_all_reduce(vec, "mean").tolist())}
 
     def _bcast_obj(self, obj):
-        if mpu.get_pipeline_model_parallel_world_size() == 1:
+        if self._pp == 1:
             return obj
         box = [obj]
-        group = mpu.get_pipeline_model_parallel_group()
-        src = dist.get_global_rank(group, mpu.get_pipeline_model_parallel_world_size() - 1)
-        dist.broadcast_object_list(box, src=src, group=group)
+        dist.broadcast_object_list(box, src=self.groups.global_rank("pp", -1), group=self.groups["pp"])
         return box[0]
 
     def _bcast_tensor(self, t: torch.Tensor) -> torch.Tensor:
-        if mpu.get_pipeline_model_parallel_world_size() == 1:
-            return t
-        group = mpu.get_pipeline_model_parallel_group()
-        src = dist.get_global_rank(group, mpu.get_pipeline_model_parallel_world_size() - 1)
-        dist.broadcast(t, src=src, group=group)
+        if self._pp > 1:
+            dist.broadcast(t, src=self.groups.global_rank("pp", -1), group=self.groups["pp"])
         return t
 
     def _broadcast_from_last_stage(self, results: list, n: int) -> list[dict[str, torch.Tensor]]:
-        if mpu.get_pipeline_model_parallel_world_size() == 1:
+        if self._pp == 1:
             return results
         meta = self._bcast_obj([{k: (tuple(v.shape), v.dtype) for k, v in r.items()} for r in results])
         out = []
-        last = mpu.is_pipeline_last_stage()
+        last = self.groups.last_stage
         for i, spec in enumerate(meta):
             item = {}
             for k, (shape, dtype) in spec.items():

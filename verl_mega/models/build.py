@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
@@ -13,6 +12,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 from verl_mega.models.hf_config import ModelArch, llama3_scaled_inv_freq
 from verl_mega.models.spec import RMSNorm, SDPAttention, layer_spec
+from verl_mega.parallel.state import RankGroups
 
 
 class ValueHead(torch.nn.Module):
@@ -22,9 +22,10 @@ class ValueHead(torch.nn.Module):
     weight is tagged ``sequence_parallel`` (mcore then sums its grad over TP) and outputs are gathered.
     """
 
-    def __init__(self, config, hidden_size: int) -> None:
+    def __init__(self, config, hidden_size: int, tp_group=None) -> None:
         super().__init__()
         self.sequence_parallel = config.sequence_parallel
+        self.tp_group = tp_group
         self.weight = torch.nn.Parameter(torch.empty(1, hidden_size, dtype=config.params_dtype))
         torch.nn.init.normal_(self.weight, mean=0.0, std=config.init_method_std)
         setattr(self.weight, "sequence_parallel", config.sequence_parallel)
@@ -32,7 +33,7 @@ class ValueHead(torch.nn.Module):
     def forward(self, hidden_states: torch.Tensor, weight=None, runtime_gather_output=None):
         if self.sequence_parallel:
             hidden_states = tensor_parallel.gather_from_sequence_parallel_region(
-                hidden_states, tensor_parallel_output_grad=True
+                hidden_states, tensor_parallel_output_grad=True, group=self.tp_group
             )
         return torch.nn.functional.linear(hidden_states, self.weight), None
 
@@ -50,30 +51,30 @@ class StageLayout:
 def build_model_chunks(
     arch: ModelArch,
     config,
+    groups: RankGroups,
     *,
     value_head: bool = False,
     make_vocab_size_divisible_by: int = 128,
     use_te: str = "auto",
 ) -> list[GPTModel]:
-    """One GPTModel per virtual pipeline stage of this rank (a single one without VPP)."""
-    vpp = mpu.get_virtual_pipeline_model_parallel_world_size()
-    tp = mpu.get_tensor_model_parallel_world_size()
+    """One GPTModel per virtual pipeline stage of this rank (a single one without VPP), on the groups of its pool."""
+    vpp, pp_rank = groups.pool.vpp, groups.pp_rank
     spec = layer_spec(qk_layernorm=arch.qk_norm, use_te=use_te)
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
-        pre = mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
-        post = mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
+        pre = groups.first_stage and vp_stage == 0
+        post = groups.last_stage and vp_stage == (vpp or 1) - 1
         block_spec = spec
         if spec.submodules.self_attention.submodules.core_attention is SDPAttention:
             # Our spec: the final norm must be our SP-capable RMSNorm too (mcore would pick torch's RMSNorm).
             block_spec = TransformerBlockSubmodules(
-                layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=stage), layer_norm=RMSNorm
-            )
+                layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=stage, pp_rank=pp_rank),
+                layer_norm=RMSNorm)
         model = GPTModel(
             config=config,
             transformer_layer_spec=block_spec,
-            vocab_size=arch.padded_vocab_size(tp, make_vocab_size_divisible_by),
+            vocab_size=arch.padded_vocab_size(groups.pool.tp, make_vocab_size_divisible_by),
             max_sequence_length=arch.max_position_embeddings,
             pre_process=pre,
             post_process=post,
@@ -82,14 +83,15 @@ def build_model_chunks(
             position_embedding_type="rope",
             rotary_base=int(arch.rope_theta),
             vp_stage=stage,
+            pg_collection=groups.pg_collection,
         )
         if arch.rope_scaling is not None:
             rope = model.rotary_pos_emb
             rope.inv_freq = llama3_scaled_inv_freq(rope.inv_freq.double(), arch.rope_scaling).to(rope.inv_freq.dtype)
         if value_head and post:
-            model.output_layer = ValueHead(config, arch.hidden_size)
+            model.output_layer = ValueHead(config, arch.hidden_size, groups["tp"])
         model.stage_layout = StageLayout(  # type: ignore[attr-defined]
-            layer_offset=get_transformer_layer_offset(config, vp_stage=stage),
+            layer_offset=get_transformer_layer_offset(config, vp_stage=stage, pp_rank=pp_rank),
             num_layers=len(model.decoder.layers),
             pre_process=pre,
             post_process=post,

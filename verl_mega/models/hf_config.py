@@ -130,6 +130,36 @@ def arch_from_hf(hf: dict[str, Any]) -> ModelArch:
     )
 
 
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def check_layout(pool, *, num_layers: int, num_heads: int, num_kv_heads: int, ffn_hidden_size: int | None = None
+                 ) -> None:
+    """One-line errors, before any allocation, when a pool's layout cannot split the model: Megatron needs
+    tp | heads, tp | kv heads or kv heads | tp (replication), tp | FFN width and pp·vpp | layers; vLLM needs
+    gen_tp | heads and kv heads (with gen_tp | tp, Megatron's rules imply it unless kv heads are replicated)."""
+    tp, gen_tp, stages = pool.tp, pool.gen_tp, pool.pp * (pool.vpp or 1)
+    if num_heads % tp:
+        raise ModelConfigError(f"parallel.tp={tp} does not divide the model's {num_heads} attention heads; set "
+                               f"parallel.tp to one of {_divisors(num_heads)}")
+    if num_kv_heads % tp and tp % num_kv_heads:
+        raise ModelConfigError(f"parallel.tp={tp} does not fit the model's {num_kv_heads} key/value heads "
+                               f"(kv_heads % tp == 0 or tp % kv_heads == 0); set parallel.tp to a divisor or multiple "
+                               f"of {num_kv_heads}")
+    if ffn_hidden_size is not None and ffn_hidden_size % tp:
+        raise ModelConfigError(f"parallel.tp={tp} does not divide the model's FFN width {ffn_hidden_size}; "
+                               f"choose another parallel.tp")
+    if num_layers % stages:
+        what = f"parallel.pp·vpp = {pool.pp}·{pool.vpp} = {stages}" if pool.vpp else f"parallel.pp={pool.pp}"
+        raise ModelConfigError(f"the model's {num_layers} layers are not divisible by {what}; choose "
+                               f"{'pp·vpp' if pool.vpp else 'parallel.pp'} among {_divisors(num_layers)}")
+    for name, value in (("attention heads", num_heads), ("key/value heads", num_kv_heads)):
+        if value % gen_tp:
+            raise ModelConfigError(f"rollout.gen_tp={gen_tp} does not divide the model's {value} {name}; choose "
+                                   f"rollout.gen_tp among {_divisors(value)}")
+
+
 def torch_dtype(name: str) -> torch.dtype:
     if name not in _DTYPES:
         raise ModelConfigError(f"model.dtype={name!r} is not supported; use one of {sorted(_DTYPES)}")

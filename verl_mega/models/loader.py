@@ -6,11 +6,11 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as mpu
 
 from verl_mega.models.hf_config import ModelArch
 from verl_mega.models.hf_io import CheckpointError, HFCheckpointReader
 from verl_mega.models.weights import expected_hf_names, hf_to_mcore_shard, mcore_shards_to_hf, rule_for
+from verl_mega.parallel.state import RankGroups
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -39,10 +39,10 @@ def check_checkpoint_matches(reader: HFCheckpointReader, arch: ModelArch) -> Non
 
 
 @torch.no_grad()
-def load_hf_weights(chunks: list[torch.nn.Module], reader: HFCheckpointReader, arch: ModelArch,
+def load_hf_weights(chunks: list[torch.nn.Module], reader: HFCheckpointReader, arch: ModelArch, groups: RankGroups,
                     *, skip_value_head: bool = False) -> int:
     """Copy this rank's slices of an HF checkpoint into the mcore chunks. Returns the number of params loaded."""
-    tp, tp_rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
+    tp, tp_rank = groups.size("tp"), groups.tp_rank
     loaded = 0
     for chunk in chunks:
         model = unwrap(chunk)
@@ -63,26 +63,26 @@ def load_hf_weights(chunks: list[torch.nn.Module], reader: HFCheckpointReader, a
     return loaded
 
 
-def _tp_gather(t: torch.Tensor) -> list[torch.Tensor]:
-    tp = mpu.get_tensor_model_parallel_world_size()
+def _tp_gather(t: torch.Tensor, groups: RankGroups) -> list[torch.Tensor]:
+    tp = groups.size("tp")
     if tp == 1:
         return [t]
     out = [torch.empty_like(t) for _ in range(tp)]
-    dist.all_gather(out, t.contiguous(), group=mpu.get_tensor_model_parallel_group())
+    dist.all_gather(out, t.contiguous(), group=groups["tp"])
     return out
 
 
 @torch.no_grad()
-def iter_hf_tensors(chunks: list[torch.nn.Module], arch: ModelArch, *, include_value_head: bool = False
-                    ) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_tensors(chunks: list[torch.nn.Module], arch: ModelArch, groups: RankGroups, *,
+                    include_value_head: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream the full HF tensors of the model, one parameter at a time, on every rank of every stage.
 
     Each mcore parameter is all-gathered over TP, converted, then broadcast over the pipeline group from the
     stage that owns it, so peak extra memory is one full parameter (not the model). Collective: all model-parallel
     ranks must iterate together.
     """
-    pp_group = mpu.get_pipeline_model_parallel_group()
-    pp, pp_rank = mpu.get_pipeline_model_parallel_world_size(), mpu.get_pipeline_model_parallel_rank()
+    pp_group = groups["pp"]
+    pp, pp_rank = groups.size("pp"), groups.pp_rank
     local = []
     for chunk in chunks:
         model = unwrap(chunk)
@@ -98,11 +98,11 @@ def iter_hf_tensors(chunks: list[torch.nn.Module], arch: ModelArch, *, include_v
         all_meta = [meta]
     dtype, device = local[0][3].dtype, local[0][3].device
     for stage, stage_meta in enumerate(all_meta):
-        src = dist.get_global_rank(pp_group, stage) if pp > 1 else None
+        src = groups.global_rank("pp", stage)
         for idx, (name, offset, _) in enumerate(stage_meta):
             rule = rule_for(name, arch, offset)
             if stage == pp_rank:
-                for hf_name, tensor in mcore_shards_to_hf(rule, _tp_gather(local[idx][3].data), arch):
+                for hf_name, tensor in mcore_shards_to_hf(rule, _tp_gather(local[idx][3].data, groups), arch):
                     if pp > 1:
                         dist.broadcast_object_list([tuple(tensor.shape)], src=src, group=pp_group)
                         dist.broadcast(tensor.contiguous(), src=src, group=pp_group)

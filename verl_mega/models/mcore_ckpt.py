@@ -17,22 +17,24 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
 
 
-def model_sharded_state_dict(chunks: list[torch.nn.Module]) -> dict[str, Any]:
-    """mcore's sharded state dict, keyed like Megatron-LM (`model`, or `model0`, `model1`, … with VPP)."""
+def model_sharded_state_dict(chunks: list[torch.nn.Module], groups) -> dict[str, Any]:
+    """mcore's sharded state dict, keyed like Megatron-LM (`model`, or `model0`, `model1`, … with VPP); replicas
+    are told apart over the data(+context)-parallel group of ``groups`` (a RankGroups)."""
     from verl_mega.models.loader import unwrap
 
+    meta = {"dp_cp_group": groups["dp_cp"]}
     if len(chunks) == 1:
-        return {"model": unwrap(chunks[0]).sharded_state_dict()}
-    return {f"model{i}": unwrap(c).sharded_state_dict() for i, c in enumerate(chunks)}
+        return {"model": unwrap(chunks[0]).sharded_state_dict(metadata=meta)}
+    return {f"model{i}": unwrap(c).sharded_state_dict(metadata=dict(meta)) for i, c in enumerate(chunks)}
 
 
-def save_model_dist(chunks: list[torch.nn.Module], out_dir: str | Path) -> None:
+def save_model_dist(chunks: list[torch.nn.Module], out_dir: str | Path, groups) -> None:
     from megatron.core import dist_checkpointing
 
-    dist_checkpointing.save(model_sharded_state_dict(chunks), str(out_dir))
+    dist_checkpointing.save(model_sharded_state_dict(chunks, groups), str(out_dir))
 
 
-def load_model_dist(chunks: list[torch.nn.Module], ckpt_dir: str | Path) -> None:
+def load_model_dist(chunks: list[torch.nn.Module], ckpt_dir: str | Path, groups) -> None:
     """Load weights saved at any tp/pp into this rank's chunks (mcore reshards on load)."""
     from megatron.core import dist_checkpointing
 
@@ -41,7 +43,7 @@ def load_model_dist(chunks: list[torch.nn.Module], ckpt_dir: str | Path) -> None
     ckpt_dir = Path(ckpt_dir)
     if not (ckpt_dir / "metadata.json").exists():
         raise CheckpointError(f"checkpoint: {ckpt_dir} is not a Megatron dist checkpoint (no metadata.json)")
-    sharded = model_sharded_state_dict(chunks)
+    sharded = model_sharded_state_dict(chunks, groups)
     try:
         state = dist_checkpointing.load(sharded, str(ckpt_dir))
     except Exception as exc:  # mcore raises several types for missing/corrupt shards
@@ -75,9 +77,9 @@ def _single_process_model(arch: ModelArch, dtype: str):
     from verl_mega.models.build import build_model_chunks
     from verl_mega.parallel.state import init_distributed
 
-    init_distributed(tp=1, pp=1)
+    groups = init_distributed()
     cfg = transformer_config(arch, dtype=dtype, use_cpu_initialization=True, perform_initialization=False)
-    return build_model_chunks(arch, cfg, use_te="false")
+    return build_model_chunks(arch, cfg, groups, use_te="false"), groups
 
 
 def convert_hf_to_mcore(hf_path: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int = 1,
@@ -94,9 +96,9 @@ def convert_hf_to_mcore(hf_path: str | Path, out_dir: str | Path, *, tp: int = 1
     check_checkpoint_matches(reader, arch)
     dtype = dtype or _dtype_name(reader.dtype("model.embed_tokens.weight"))
     with AtomicDir(out_dir) as tmp:
-        chunks = _single_process_model(arch, dtype)
-        load_hf_weights(chunks, reader, arch)
-        save_model_dist(chunks, tmp)
+        chunks, groups = _single_process_model(arch, dtype)
+        load_hf_weights(chunks, reader, arch, groups)
+        save_model_dist(chunks, tmp, groups)
         meta = {"hf_config": hf_cfg, "dtype": dtype, "layout_hint": {"tp": tp, "pp": pp}, "format": "mcore_dist"}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
         _copy_tokenizer(hf_path, tmp)
@@ -111,9 +113,9 @@ def convert_mcore_to_hf(mcore_path: str | Path, out_dir: str | Path) -> Path:
     meta = read_model_meta(mcore_path)
     arch = arch_from_hf(meta["hf_config"])
     with AtomicDir(out_dir) as tmp:
-        chunks = _single_process_model(arch, meta["dtype"])
-        load_model_dist(chunks, mcore_path)
-        write_hf_checkpoint(tmp, iter_hf_tensors(chunks, arch))
+        chunks, groups = _single_process_model(arch, meta["dtype"])
+        load_model_dist(chunks, mcore_path, groups)
+        write_hf_checkpoint(tmp, iter_hf_tensors(chunks, arch, groups))
         (tmp / "config.json").write_text(json.dumps(meta["hf_config"], indent=2))
         _copy_tokenizer(mcore_path, tmp)
     return Path(out_dir)

@@ -23,99 +23,21 @@ from functools import lru_cache
 from itertools import combinations, permutations
 from typing import Sequence
 
+from verl_mega.parallel.placement import Placement
 from verl_mega.parallel.topology import Link, LinkKind, NodeTopology, parse_topology
 
-__all__ = [
-    "ParallelLayout",
-    "GroupReport",
-    "PlacementPlan",
-    "TopologyAwareScheduler",
-    "TopologyFallbackWarning",
-    "megatron_rank_groups",
-    "hybrid_engine_groups",
-    "gather_node_topologies",
-]
+__all__ = ["GroupReport", "PlacementPlan", "TopologyAwareScheduler", "TopologyFallbackWarning", "assign_device",
+           "write_placement_json", "gather_node_topologies"]
 
 # Above this many GPUs per TP group, we do not search orderings inside a block (8! is the largest we brute-force).
 _MAX_ORDER_SEARCH = 8
 # Above this island size, partitioning an island with unequal bonds into TP blocks is greedy instead of exhaustive.
 _MAX_PARTITION_SEARCH = 12
+REPORTED_KINDS = ("tp", "gen_tp", "micro_dp", "cp", "ep", "dp", "pp")
 
 
 class TopologyFallbackWarning(UserWarning):
     """A group could not be placed inside one NVLink island."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class ParallelLayout:
-    """Training layout (tp, cp, dp, pp) plus the generation TP size of the 3D-HybridEngine."""
-
-    tp: int
-    pp: int = 1
-    cp: int = 1
-    dp: int | None = None  # None: derived from the world size
-    gen_tp: int | None = None  # None: same as tp (no resharding)
-
-    def __post_init__(self) -> None:
-        for key in ("tp", "pp", "cp"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"layout.{key} must be >= 1, got {getattr(self, key)}")
-        if self.dp is not None and self.dp < 1:
-            raise ValueError(f"layout.dp must be >= 1 or None (derived), got {self.dp}")
-        tg = self.tp if self.gen_tp is None else self.gen_tp
-        if tg < 1 or self.tp % tg:
-            raise ValueError(f"layout.gen_tp={tg} must divide layout.tp={self.tp} (generation TP groups are "
-                             f"formed inside each training TP group); pick a divisor of tp")
-
-    @property
-    def tg(self) -> int:
-        return self.tp if self.gen_tp is None else self.gen_tp
-
-    def resolve_dp(self, world_size: int) -> int:
-        model_parallel = self.tp * self.cp * self.pp
-        if world_size % model_parallel:
-            raise ValueError(f"world size {world_size} is not divisible by tp*cp*pp={model_parallel}; "
-                             f"change tp/cp/pp or the number of GPUs")
-        dp = world_size // model_parallel
-        if self.dp is not None and self.dp != dp:
-            raise ValueError(f"layout.dp={self.dp} but world size {world_size} / (tp*cp*pp={model_parallel}) = {dp}; "
-                             f"set dp to {dp} or leave it unset")
-        return dp
-
-
-def megatron_rank_groups(world_size: int, tp: int, cp: int, dp: int, pp: int) -> dict[str, list[tuple[int, ...]]]:
-    """Rank groups in Megatron's default order tp-cp-(ep=1)-dp-pp: tp fastest, pp slowest."""
-    if tp * cp * dp * pp != world_size:
-        raise ValueError(f"tp*cp*dp*pp={tp * cp * dp * pp} != world size {world_size}")
-
-    def rank(t: int, c: int, d: int, p: int) -> int:
-        return t + tp * (c + cp * (d + dp * p))
-
-    return {
-        "tp": [tuple(rank(t, c, d, p) for t in range(tp)) for p in range(pp) for d in range(dp) for c in range(cp)],
-        "cp": [tuple(rank(t, c, d, p) for c in range(cp)) for p in range(pp) for d in range(dp) for t in range(tp)],
-        "dp": [tuple(rank(t, c, d, p) for d in range(dp)) for p in range(pp) for c in range(cp) for t in range(tp)],
-        "pp": [tuple(rank(t, c, d, p) for p in range(pp)) for d in range(dp) for c in range(cp) for t in range(tp)],
-    }
-
-
-def hybrid_engine_groups(tp_groups: Sequence[Sequence[int]], gen_tp: int) -> tuple[list[tuple[int, ...]],
-                                                                                    list[tuple[int, ...]]]:
-    """3D-HybridEngine groups (HybridFlow §5) inside each training TP group [r0..r_{t-1}].
-
-    With m = t / gen_tp: generation TP groups take ranks strided by m ({r_j, r_{j+m}, ...}), micro-DP groups are
-    consecutive runs of m ranks ({r_{k*m} .. r_{k*m+m-1}}). Example t=4, gen_tp=2: gen TP {0,2},{1,3};
-    micro-DP {0,1},{2,3}. Each GPU then keeps its own training shard for generation.
-    """
-    gen, micro = [], []
-    for group in tp_groups:
-        t = len(group)
-        if t % gen_tp:
-            raise ValueError(f"gen_tp={gen_tp} must divide the TP group size {t}")
-        m = t // gen_tp
-        gen.extend(tuple(group[j::m]) for j in range(m))
-        micro.extend(tuple(group[k * m:(k + 1) * m]) for k in range(gen_tp))
-    return gen, micro
 
 
 @dataclass(frozen=True)
@@ -132,10 +54,9 @@ class GroupReport:
 
 @dataclass(frozen=True)
 class PlacementPlan:
-    layout: ParallelLayout
+    placement: Placement
     num_nodes: int
     gpus_per_node: int
-    dp: int
     device_order: tuple[tuple[int, ...], ...]  # [node][local_rank] -> local GPU index
     groups: dict[str, tuple[tuple[int, ...], ...]]
     reports: dict[str, tuple[GroupReport, ...]]
@@ -165,8 +86,7 @@ class PlacementPlan:
             "gpus_per_node": self.gpus_per_node,
             "nodes": self.num_nodes,
             "world_size": self.world_size,
-            "layout": {"tp": self.layout.tp, "cp": self.layout.cp, "pp": self.layout.pp, "dp": self.dp,
-                       "gen_tp": self.layout.tg},
+            "pools": [p.describe() for p in self.placement.pools],
             "device_order": [list(o) for o in self.device_order],
             "rank_to_device": [list(self.device_for(r)) for r in range(self.world_size)],
             **{f"{k}_groups": [list(g) for g in v] for k, v in self.groups.items()},
@@ -272,9 +192,32 @@ def _best_order(topo: NodeTopology, block: tuple[int, ...], gen_tp: int) -> tupl
 
 
 @lru_cache(maxsize=64)
-def _node_blocks(topo: NodeTopology, tp: int, gen_tp: int) -> tuple[tuple[_Block, ...], tuple[str, ...]]:
-    """Blocks of ``tp`` local GPUs covering the node (tp divides the GPU count), plus explanation lines."""
-    notes = []
+def _node_blocks(topo: NodeTopology, shapes: tuple[tuple[int, int], ...]) -> tuple[tuple[_Block, ...], tuple[str, ...]]:
+    """GPU blocks for the node's rank blocks ((size, gen_tp) each, in rank order), plus explanation lines."""
+    if len(set(shapes)) == 1:
+        blocks = _uniform_blocks(topo, *shapes[0])
+    else:  # pools of different tp share the node: largest blocks first, each in the smallest island that holds it
+        free, out = set(range(topo.num_gpus)), [None] * len(shapes)
+        for i in sorted(range(len(shapes)), key=lambda i: -shapes[i][0]):
+            size, gen_tp = shapes[i]
+            fits = [f for f in (tuple(g for g in isl if g in free) for isl in topo.nvlink_islands) if len(f) >= size]
+            pool, inside = (min(fits, key=len), True) if fits else (tuple(sorted(free)), False)
+            block = _greedy_blocks(topo, pool, size, count=1)[0]
+            free -= set(block)
+            out[i] = _Block(_best_order(topo, block, gen_tp), inside and (size == 1 or topo.worst_link(block).is_nvlink))
+        blocks = tuple(out)
+    islands_txt = ", ".join("[" + ",".join(map(str, isl)) + "]" + (f" ({topo.worst_link(isl)})" if len(isl) > 1
+                                                                  else "") for isl in topo.nvlink_islands)
+    notes = [f"NVLink islands: {islands_txt}"]
+    for b in blocks:
+        worst = topo.worst_link(b.gpus)
+        where = "inside one NVLink island" if b.in_island else "no NVLink island fits: placed by PCIe/NUMA locality"
+        notes.append(f"TP block GPUs {list(b.gpus)}: {where}, worst link {worst}")
+    return blocks, tuple(notes)
+
+
+def _uniform_blocks(topo: NodeTopology, tp: int, gen_tp: int) -> tuple[_Block, ...]:
+    """Blocks of ``tp`` local GPUs covering the node (tp divides the GPU count), island blocks first."""
     island_blocks: list[_Block] = []
     leftovers: list[int] = []
     for island in topo.nvlink_islands:
@@ -287,15 +230,7 @@ def _node_blocks(topo: NodeTopology, tp: int, gen_tp: int) -> tuple[tuple[_Block
         used = {g for b in chosen for g in b}
         leftovers.extend(g for g in island if g not in used)
     fallback = [_Block(_best_order(topo, b, gen_tp), False) for b in _greedy_blocks(topo, leftovers, tp)]
-    blocks = sorted(island_blocks, key=lambda b: min(b.gpus)) + sorted(fallback, key=lambda b: min(b.gpus))
-    islands_txt = ", ".join("[" + ",".join(map(str, isl)) + "]" + (f" ({topo.worst_link(isl)})" if len(isl) > 1
-                                                                  else "") for isl in topo.nvlink_islands)
-    notes.append(f"NVLink islands: {islands_txt}")
-    for b in blocks:
-        worst = topo.worst_link(b.gpus)
-        where = "inside one NVLink island" if b.in_island else "no NVLink island fits: placed by PCIe/NUMA locality"
-        notes.append(f"TP block GPUs {list(b.gpus)}: {where}, worst link {worst}")
-    return tuple(blocks), tuple(notes)
+    return tuple(sorted(island_blocks, key=lambda b: min(b.gpus)) + sorted(fallback, key=lambda b: min(b.gpus)))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -320,53 +255,41 @@ class TopologyAwareScheduler:
     def from_texts(cls, texts: Sequence[str]) -> "TopologyAwareScheduler":
         return cls([parse_topology(t) for t in texts])
 
-    def plan(self, layout: ParallelLayout) -> PlacementPlan:
+    def plan(self, placement: Placement) -> PlacementPlan:
         g, n = self.gpus_per_node, len(self.topologies)
-        world = g * n
-        dp = layout.resolve_dp(world)
-        tp, tg = layout.tp, layout.tg
-        decisions: list[str] = [f"{n} node(s) x {g} GPU(s); tp={tp} cp={layout.cp} dp={dp} pp={layout.pp} "
-                                f"gen_tp={tg}; Megatron rank order tp-cp-dp-pp, rank = node*{g} + local_rank"]
+        if placement.world_size != g * n:
+            raise ValueError(f"the placement has {placement.world_size} ranks but {n} node(s) x {g} GPU(s) = {g * n}; "
+                             f"start one rank per GPU")
+        decisions = [f"{n} node(s) x {g} GPU(s); {placement.describe()}; rank = node*{g} + local_rank, Megatron "
+                     f"order tp-cp-dp-pp inside each pool"]
         fallback_msgs: list[str] = []
-
-        if tp <= g:
-            if g % tp:
-                raise ValueError(f"tp={tp} does not divide the {g} GPUs of a node, so TP groups would straddle "
-                                 f"nodes; choose tp dividing {g} (or a multiple of {g})")
-            order = []
-            seen_notes: dict[tuple, int] = {}
-            for node, topo in enumerate(self.topologies):
-                blocks, notes = _node_blocks(topo, tp, tg)
-                order.append(tuple(gpu for b in blocks for gpu in b.gpus))
-                sig = topo.signature()
-                if sig in seen_notes:
-                    continue
-                seen_notes[sig] = node
-                same = sum(1 for t in self.topologies if t.signature() == sig)
-                decisions.append(f"node {node} (and {same - 1} other node(s) with the same topology): "
-                                 + "; ".join(notes))
-                bad = [b for b in blocks if not b.in_island]
-                if bad:
-                    fallback_msgs.append(
-                        f"{len(bad)} TP group(s) per node on {same} node(s) cannot sit inside one NVLink island "
-                        f"(islands {[list(i) for i in topo.nvlink_islands]}, tp={tp}); placed by PCIe/NUMA "
-                        f"locality, e.g. GPUs {list(bad[0].gpus)} worst link {topo.worst_link(bad[0].gpus)}")
-        else:
-            if tp % g:
-                raise ValueError(f"tp={tp} exceeds the {g} GPUs per node and is not a multiple of it; choose tp "
-                                 f"dividing {g} or a multiple of {g}")
-            order = [tuple(gpu for isl in topo.nvlink_islands for gpu in isl) for topo in self.topologies]
-            fallback_msgs.append(f"tp={tp} > {g} GPUs per node: every TP group spans {tp // g} nodes and its "
-                                 f"all-reduce crosses the network")
-            decisions.append("TP groups span nodes; local GPUs ordered island by island")
-
-        groups_raw = megatron_rank_groups(world, tp, layout.cp, dp, layout.pp)
-        gen, micro = hybrid_engine_groups(groups_raw["tp"], tg)
-        groups = {"tp": groups_raw["tp"], "gen_tp": gen, "micro_dp": micro, "cp": groups_raw["cp"],
-                  "dp": groups_raw["dp"], "pp": groups_raw["pp"]}
-        decisions.append(f"3D-HybridEngine: inside each TP group, generation TP groups of {tg} take ranks strided by "
-                         f"{tp // tg}, micro-DP groups are runs of {tp // tg} consecutive ranks")
-
+        order, seen_notes = [], set()
+        for node, topo in enumerate(self.topologies):
+            blocks, spans = _rank_blocks(placement, node, g)
+            if spans:
+                order.append(tuple(gpu for isl in topo.nvlink_islands for gpu in isl))
+                fallback_msgs.append(f"node {node}: a TP group has more ranks than the {g} GPUs of a node, so its "
+                                     f"all-reduce crosses the network; local GPUs ordered island by island")
+                continue
+            gpu_blocks, notes = _node_blocks(topo, tuple((len(b), gen_tp) for b, gen_tp in blocks))
+            local = [0] * g
+            for (ranks, _), gpu_block in zip(blocks, gpu_blocks):
+                for r, gpu in zip(ranks, gpu_block.gpus):
+                    local[r] = gpu
+            order.append(tuple(local))
+            key = (topo.signature(), tuple((len(b), t) for b, t in blocks))
+            if key in seen_notes:
+                continue
+            seen_notes.add(key)
+            decisions.append(f"node {node} (and nodes with the same topology and blocks): " + "; ".join(notes))
+            bad = [b for b in gpu_blocks if not b.in_island]
+            if bad:
+                fallback_msgs.append(
+                    f"{len(bad)} TP group(s) on node {node} cannot sit inside one NVLink island (islands "
+                    f"{[list(i) for i in topo.nvlink_islands]}); placed by PCIe/NUMA locality, e.g. GPUs "
+                    f"{list(bad[0].gpus)} worst link {topo.worst_link(bad[0].gpus)}")
+        decisions.append("3D-HybridEngine: inside each TP group, generation TP groups take ranks strided by tp/gen_tp, "
+                         "micro-DP groups are runs of tp/gen_tp consecutive ranks")
         order_t = tuple(order)
 
         def device(rank: int) -> tuple[int, int]:
@@ -375,34 +298,47 @@ class TopologyAwareScheduler:
 
         islands = tuple(t.nvlink_islands for t in self.topologies)
         island_of = [{gpu: k for k, isl in enumerate(isls) for gpu in isl} for isls in islands]
+        groups = {kind: tuple(grp for pool in placement.pools for grp in pool.groups(kind)) for kind in REPORTED_KINDS}
         reports: dict[str, tuple[GroupReport, ...]] = {}
         for kind, grps in groups.items():
             reps = []
             for ranks in grps:
                 devs = tuple(device(r) for r in ranks)
-                nodes = {d[0] for d in devs}
-                if len(nodes) > 1:
+                if len({d[0] for d in devs}) > 1:
                     reps.append(GroupReport(kind, tuple(ranks), devs, "NET", "inter-node network", False))
                     continue
                 node = devs[0][0]
-                topo = self.topologies[node]
                 local = [d[1] for d in devs]
-                worst: Link = topo.worst_link(local)
+                worst: Link = self.topologies[node].worst_link(local)
                 in_island = len({island_of[node][x] for x in local}) == 1 and (
                     len(local) == 1 or worst.kind is LinkKind.NVLINK)
                 cls = worst.bandwidth_class if worst.kind is not LinkKind.SELF else "single GPU"
                 reps.append(GroupReport(kind, tuple(ranks), devs, worst.label, cls, in_island))
             reports[kind] = tuple(reps)
-
         outside = [r for r in reports["tp"] if not r.in_nvlink_island]
         if outside and not fallback_msgs:  # e.g. an island partition that still left a weak pair
             fallback_msgs.append(f"{len(outside)} TP group(s) are not inside one NVLink island, e.g. ranks "
                                  f"{list(outside[0].ranks)} over {outside[0].link}")
         for msg in fallback_msgs:
             warnings.warn(msg, TopologyFallbackWarning, stacklevel=2)
-        return PlacementPlan(layout=layout, num_nodes=n, gpus_per_node=g, dp=dp, device_order=order_t,
-                             groups={k: tuple(v) for k, v in groups.items()}, reports=reports, islands=islands,
-                             decisions=tuple(decisions), warnings=tuple(fallback_msgs))
+        return PlacementPlan(placement=placement, num_nodes=n, gpus_per_node=g, device_order=order_t,
+                             groups=groups, reports=reports, islands=islands, decisions=tuple(decisions),
+                             warnings=tuple(fallback_msgs))
+
+
+def _rank_blocks(placement: Placement, node: int, g: int) -> tuple[list[tuple[tuple[int, ...], int]], bool]:
+    """The TP groups (engines, for pools that only generate) on ``node`` as local ranks, with their gen_tp; and
+    whether some group spans nodes."""
+    lo, hi = node * g, (node + 1) * g
+    blocks, spans = [], False
+    for pool in placement.pools:
+        for grp in pool.groups("tp" if pool.trains else "gen_tp"):
+            inside = [r for r in grp if lo <= r < hi]
+            if inside and len(inside) != len(grp):
+                spans = True
+            elif inside:
+                blocks.append((tuple(r - lo for r in grp), pool.gen_tp if pool.trains else len(grp)))
+    return sorted(blocks), spans
 
 
 def gather_node_topologies(local_text: str | None = None, group=None) -> list[NodeTopology]:
@@ -427,3 +363,89 @@ def gather_node_topologies(local_text: str | None = None, group=None) -> list[No
     dist.all_gather_object(gathered, (rank // local_world, text), group=group)
     by_node = {node: t for node, t in gathered if t is not None}
     return [parse_topology(by_node[k]) for k in sorted(by_node)]
+
+
+def assign_device(placement: Placement, env, topology_file: str | None = None) -> dict:
+    """This rank's device, chosen from its node's topology so that TP and generation-TP groups sit inside NVLink
+    islands: a recorded ``parallel.topology_file``, else ``nvidia-smi topo -m``. On CUDA it exports
+    CUDA_VISIBLE_DEVICES in the chosen order, so local rank i drives its GPU as ``cuda:i`` — for torch and vLLM
+    alike, under any launcher. Call it before anything initialises CUDA. Without a topology: one warning line and
+    the launcher's order. Returns what placement.json records for this rank."""
+    import logging
+    import os
+    import shutil
+    from pathlib import Path
+
+    import torch
+
+    from verl_mega.parallel.topology import read_local_topology_text
+
+    log = logging.getLogger("verl_mega.placement")
+    g, node, local_rank = env.local_world_size, env.node_rank, env.local_rank
+    cuda = torch.version.cuda is not None and os.environ.get("VERL_MEGA_FORCE_CPU", "0") != "1"
+    record = {"node": node, "local_rank": local_rank, "device": local_rank, "topology": None}
+    if topology_file:
+        path = Path(topology_file)
+        if not path.is_file():
+            raise ValueError(f"parallel.topology_file={topology_file!r} does not exist; save `nvidia-smi topo -m` "
+                             f"there or unset it")
+        text, source = path.read_text(), str(path)
+    elif cuda and shutil.which("nvidia-smi"):
+        text, source = read_local_topology_text(), "nvidia-smi topo -m"
+    else:
+        if cuda and env.rank == 0:
+            log.warning("no GPU topology (nvidia-smi not found, parallel.topology_file unset): ranks drive GPUs in "
+                        "launcher order, so TP groups may leave NVLink islands")
+        return record
+    topo = parse_topology(text)
+    visible = _visible_gpus(topo.num_gpus) if cuda else list(range(topo.num_gpus))
+    if len(visible) < g:
+        raise ValueError(f"the topology ({source}) shows {len(visible)} usable GPU(s) but {g} ranks run on each node; "
+                         f"start at most {len(visible)} ranks per node")
+    visible = visible[:g]
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        plan = TopologyAwareScheduler([topo.subset(visible)] * (placement.world_size // g)).plan(placement)
+    physical = [visible[i] for i in plan.device_order[node]]
+    if env.rank == 0:
+        for msg in plan.warnings:
+            log.warning("topology: %s", msg)
+    record.update(device=physical[local_rank], topology=source, decisions=list(plan.decisions))
+    if cuda:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, physical))
+    return record
+
+
+def _visible_gpus(n: int) -> list[int]:
+    """Physical GPU indices this process may use: CUDA_VISIBLE_DEVICES (numeric) or all of them."""
+    import os
+
+    value = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if value is None or not all(v.strip().isdigit() for v in value.split(",") if v.strip()):
+        return list(range(n))
+    return [int(v) for v in value.split(",") if v.strip()]
+
+
+def write_placement_json(placement: Placement, device: dict, path) -> None:
+    """Gather every rank's device (collective over the whole job) and, on rank 0, write ``path``: the pools, the
+    roles and, per rank, its node, local device, pool and the members of its groups."""
+    import json
+    import os
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    records: list = [None] * dist.get_world_size()
+    dist.all_gather_object(records, device)
+    if dist.get_rank() != 0:
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ranks = [{**placement.rank_record(r), **{k: v for k, v in records[r].items() if k != "decisions"}}
+             for r in range(placement.world_size)]
+    out = {"world_size": placement.world_size, "pools": [p.to_json() for p in placement.pools],
+           "roles": dict(placement.roles), "colocated": placement.colocated, "topology": records[0]["topology"],
+           "decisions": records[0].get("decisions", []), "ranks": ranks}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(out, indent=1))
+    os.replace(tmp, path)

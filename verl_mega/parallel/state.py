@@ -1,82 +1,150 @@
-"""Process-group set-up: torch.distributed + Megatron-Core's parallel_state, on GPU (NCCL) or CPU (gloo)."""
+"""Process groups, built once from the :class:`~verl_mega.parallel.placement.Placement`, on GPU (NCCL) or CPU (gloo).
+
+Megatron-Core gets them explicitly as a ``ProcessGroupCollection``; its ``parallel_state`` globals are never
+initialised, so nothing can silently use a group that the placement did not decide. Groups are created with
+``use_local_synchronization``: a rank builds only the groups it belongs to (once per distinct member set), which
+keeps start-up at O(groups per rank) instead of O(groups in the job).
+"""
 
 from __future__ import annotations
 
 import datetime
 import os
 import random
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from verl_mega.parallel import cpu_mode
+from verl_mega.parallel.placement import GROUP_KINDS, Placement, Pool
 
 
-def init_distributed(
-    *,
-    tp: int = 1,
-    pp: int = 1,
-    vpp: int | None = None,
-    cp: int = 1,
-    seed: int = 1234,
-    timeout_s: float = 600.0,
-) -> dict[str, int]:
-    """Initialise torch.distributed from the launcher env (torchrun/mpirun/ray set RANK/WORLD_SIZE) and mcore groups.
-
-    Single-process runs without launcher variables get a world of one. Returns rank facts.
-    """
-    from megatron.core import parallel_state as mpu
-    from megatron.core import tensor_parallel
-
+def init_world(timeout_s: float = 600.0) -> None:
+    """Initialise torch.distributed from the launcher variables (torchrun/mpirun/Ray set RANK/WORLD_SIZE; a plain
+    process is a world of one)."""
     use_cpu = cpu_mode.enable_cpu_mode()
-    if not dist.is_initialized():
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
-        os.environ.setdefault("LOCAL_RANK", "0")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()) if os.environ["WORLD_SIZE"] == "1" else "29500")
-        if not use_cpu:
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group(
-            backend="gloo" if use_cpu else "nccl", timeout=datetime.timedelta(seconds=timeout_s)
-        )
-    world = dist.get_world_size()
-    if world % (tp * pp * cp):
-        raise ValueError(
-            f"parallel: world size {world} is not divisible by tp·pp·cp={tp * pp * cp}; "
-            "change parallel.tp/pp/cp or the number of processes"
-        )
-    if not mpu.model_parallel_is_initialized():
-        mpu.initialize_model_parallel(
-            tensor_model_parallel_size=tp,
-            pipeline_model_parallel_size=pp,
-            virtual_pipeline_model_parallel_size=vpp,
-            context_parallel_size=cp,
-            distributed_timeout_minutes=max(1, int(timeout_s // 60)),
-        )
-    seed_everything(seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    return dict(
-        rank=dist.get_rank(),
-        world=world,
-        tp_rank=mpu.get_tensor_model_parallel_rank(),
-        pp_rank=mpu.get_pipeline_model_parallel_rank(),
-        dp_rank=mpu.get_data_parallel_rank(),
-        dp=mpu.get_data_parallel_world_size(),
-    )
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()) if os.environ["WORLD_SIZE"] == "1" else "29500")
+    if not use_cpu:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend="gloo" if use_cpu else "nccl", timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def seed_everything(seed: int) -> None:
+@dataclass
+class RankGroups:
+    """This rank's process groups inside its pool: one per kind of ``GROUP_KINDS`` (kinds with the same members
+    share one group)."""
+
+    placement: Placement
+    rank: int
+    groups: dict[str, Any] = field(repr=False)
+
+    @property
+    def pool(self) -> Pool:
+        return self.placement.pool_of_rank(self.rank)
+
+    @cached_property
+    def coords(self) -> dict[str, int]:
+        return self.pool.coords(self.rank)
+
+    def ranks(self, kind: str) -> tuple[int, ...]:
+        return self.pool.group_of(kind, self.rank)
+
+    def size(self, kind: str) -> int:
+        return len(self.ranks(kind))
+
+    def __getitem__(self, kind: str):
+        return self.groups[kind]
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coords["tp"]
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coords["pp"]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coords["dp"]
+
+    @property
+    def first_stage(self) -> bool:
+        return self.coords["pp"] == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.coords["pp"] == self.pool.pp - 1
+
+    def global_rank(self, kind: str, index: int) -> int:
+        return self.ranks(kind)[index]
+
+    @cached_property
+    def pg_collection(self):
+        """Megatron-Core's ``ProcessGroupCollection`` for models, DDP, the optimizer and the pipeline schedules."""
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        g = self.groups
+        return ProcessGroupCollection(
+            tp=g["tp"], pp=g["pp"], mp=g["mp"], embd=g["embd"], pos_embd=None, cp=g["cp"], tp_cp=g["tp_cp"],
+            hcp=None, ep=g["ep"], expt_tp=g["etp"], tp_ep=g["tp_ep"], tp_ep_pp=g["tp_ep_pp"], tp_dp_cp=g["tp_dp_cp"],
+            dp=g["dp"], dp_cp=g["dp_cp"], expt_dp=g["edp"], intra_dp_cp=g["dp_cp"], intra_expt_dp=g["edp"],
+            inter_dist_opt=None, intra_dist_opt=g["pool"])
+
+
+def build_groups(placement: Placement, rank: int | None = None, timeout_s: float = 600.0) -> RankGroups:
+    """Create this rank's groups (collective over each group's members, in the same kind order everywhere)."""
+    rank = dist.get_rank() if rank is None else rank
+    pool = placement.pool_of_rank(rank)
+    made: dict[tuple[int, ...], Any] = {}
+    groups = {}
+    timeout = datetime.timedelta(seconds=timeout_s)
+    for kind in GROUP_KINDS:
+        members = pool.group_of(kind, rank)
+        if members not in made:
+            made[members] = dist.new_group(list(members), timeout=timeout, use_local_synchronization=True)
+        groups[kind] = made[members]
+    # mcore's distributed optimizer gathers its state for a checkpoint over a gloo twin of the DP group
+    cpu = dist.get_backend() == "gloo" if dist.is_initialized() else True
+    groups["dp_cp_gloo"] = groups["dp_cp"] if cpu else dist.new_group(
+        list(pool.group_of("dp_cp", rank)), timeout=timeout, backend="gloo", use_local_synchronization=True)
+    return RankGroups(placement, rank, groups)
+
+
+def init_distributed(placement: Placement | None = None, *, seed: int = 1234, timeout_s: float = 600.0,
+                     **single_pool: Any) -> RankGroups:
+    """World, groups and seeds in one call: ``placement``, or one pool of every rank with ``single_pool`` dims
+    (tp=, pp=, vpp=, cp=, gen_tp=, …). Returns this rank's groups."""
+    init_world(timeout_s)
+    placement = placement or Placement.single(dist.get_world_size(), **single_pool)
+    groups = build_groups(placement, timeout_s=timeout_s)
+    seed_everything(seed, groups)
+    return groups
+
+
+def seed_everything(seed: int, groups: RankGroups | None = None) -> None:
+    """Seed Python, numpy and torch; with groups also Megatron's model-parallel RNG tracker (TP ranks draw
+    different dropout/init streams, data-parallel replicas the same)."""
     random.seed(seed)
     np.random.seed(seed % (2**32))
     torch.manual_seed(seed)
+    if groups is not None:
+        from megatron.core import tensor_parallel
+
+        c = groups.coords
+        tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=c["tp"], ep_rank=c["ep"], etp_rank=c["etp"])
 
 
 def destroy_distributed() -> None:
-    from megatron.core import parallel_state as mpu
-
-    if mpu.model_parallel_is_initialized():
-        mpu.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -89,27 +157,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def dp_all_reduce(value, op: str = "sum") -> torch.Tensor:
-    """A float64 scalar/tensor reduced over the data-parallel group (`sum`, `max` or `mean`), back on the host."""
-    from megatron.core import parallel_state as mpu
-
+def all_reduce(value, group, op: str = "sum") -> torch.Tensor:
+    """A float64 scalar/tensor reduced over ``group`` (`sum`, `max` or `mean`), back on the host."""
     value = torch.as_tensor(value, dtype=torch.float64).detach().clone()
-    dp = mpu.get_data_parallel_world_size()
-    if dp > 1:
+    size = dist.get_world_size(group) if group is not None else 1
+    if size > 1:
         value = value.to(cpu_mode.comm_device())
-        reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
-        dist.all_reduce(value, op=reduce_op, group=mpu.get_data_parallel_group())
+        dist.all_reduce(value, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
         if op == "mean":
-            value /= dp
+            value /= size
     return value.cpu()
-
-
-def new_groups(groups: list[tuple[int, ...]], mine: tuple[int, ...]):
-    """Create every group in the same order on every rank (`new_group` is collective over the world) and return
-    the one this rank belongs to (None if it is in none)."""
-    found = None
-    for ranks in groups:
-        group = dist.new_group(list(ranks))
-        if ranks == mine:
-            found = group
-    return found

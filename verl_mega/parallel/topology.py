@@ -13,7 +13,7 @@ import enum
 import re
 import shutil
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from itertools import combinations
 
@@ -201,6 +201,16 @@ class NodeTopology:
             out.append(tuple(sorted(best)))
             remaining -= best
         return out
+
+    def subset(self, gpus: list[int]) -> "NodeTopology":
+        """The topology of ``gpus`` only (e.g. the CUDA_VISIBLE_DEVICES of a shared node), renumbered 0..k-1."""
+        if list(gpus) == list(range(self.num_gpus)):
+            return self
+        if any(not 0 <= g < self.num_gpus for g in gpus):
+            raise TopologyParseError(f"GPUs {list(gpus)} are not all among the topology's {self.num_gpus} GPUs")
+        return NodeTopology(gpus=tuple(replace(self.gpus[g], index=i, name=f"GPU{i}") for i, g in enumerate(gpus)),
+                            nics=self.nics, gpu_links=tuple(tuple(self.gpu_links[a][b] for b in gpus) for a in gpus),
+                            gpu_nic_links=tuple(self.gpu_nic_links[g] for g in gpus), hostname=self.hostname)
 
     def signature(self) -> tuple:
         """Hashable summary of everything placement depends on; equal signatures give equal placements."""

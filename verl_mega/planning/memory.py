@@ -55,8 +55,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from verl_mega.hybrid.layout import HybridLayout
-from verl_mega.models.hf_config import ModelArch
+from verl_mega.models.hf_config import ModelArch, ModelConfigError, check_layout
+from verl_mega.parallel.placement import PlacementError, Pool
 
 GiB = 2**30
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -115,48 +115,15 @@ class Phase:
 # ------------------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, kw_only=True)
-class Layout:
-    """Training layout (tp, pp, vpp, dp) plus generation TP size tg; world = tp·pp·dp (cp = 1)."""
-
-    tp: int
-    pp: int
-    dp: int
-    tg: int
-    vpp: int | None = None
-    sequence_parallel: bool | None = None  # None: on when tp > 1
-
-    def __post_init__(self) -> None:
-        for key in ("tp", "pp", "dp", "tg"):
-            value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise PlanningError(f"layout: {key}={value!r} must be a positive int")
-        if self.vpp is not None and (self.vpp < 2 or self.pp < 2):
-            raise PlanningError(f"layout: vpp={self.vpp} needs vpp >= 2 and pp > 1 (pp={self.pp}); use vpp=None")
-        if self.tp % self.tg:
-            raise PlanningError(f"layout: tg={self.tg} must divide tp={self.tp}; pick a divisor of tp")
-        if self.sequence_parallel is None:
-            object.__setattr__(self, "sequence_parallel", self.tp > 1)
-
-    @property
-    def world(self) -> int:
-        return self.tp * self.pp * self.dp
-
-    @property
-    def chunks(self) -> int:
-        return self.pp * (self.vpp or 1)
-
-    def describe(self) -> str:
-        vpp = f" vpp={self.vpp}" if self.vpp else ""
-        sp = " sp" if self.sequence_parallel else ""
-        return f"tp={self.tp} pp={self.pp}{vpp} dp={self.dp} tg={self.tg}{sp}"
-
-    def hybrid(self, arch: ModelArch | None = None) -> HybridLayout:
-        from verl_mega.hybrid.layout import ModelDims, plan_layout
-
-        dims = None if arch is None else ModelDims(num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads,
-                                                   ffn_hidden_size=arch.ffn_hidden_size, num_layers=arch.num_layers)
-        return plan_layout(world_size=self.world, tp=self.tp, pp=self.pp, gen_tp=self.tg, dims=dims)
+def training_pool(*, tp: int, pp: int = 1, dp: int = 1, gen_tp: int | None = None, vpp: int | None = None,
+                  sequence_parallel: bool | None = None) -> Pool:
+    """One training pool of tp·pp·dp ranks (cp = 1), the planner's unit; sequence parallelism on when tp > 1
+    unless told otherwise."""
+    try:
+        return Pool(name="train", ranks=tuple(range(tp * pp * dp)), tp=tp, pp=pp, vpp=vpp, gen_tp=gen_tp,
+                    sequence_parallel=tp > 1 if sequence_parallel is None else sequence_parallel)
+    except PlacementError as exc:
+        raise PlanningError(str(exc)) from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -266,7 +233,7 @@ def layer_params(arch: ModelArch, tp: int) -> int:
     return n
 
 
-def stage_params(arch: ModelArch, layout: Layout, stage: int, *, value_head: bool = False,
+def stage_params(arch: ModelArch, layout: Pool, stage: int, *, value_head: bool = False,
                  divisible_by: int = 128) -> StageParams:
     """Parameters of a rank of pipeline stage `stage` as Megatron-Core builds them (layers split evenly)."""
     t, p = layout.tp, layout.pp
@@ -316,7 +283,7 @@ def training_state_terms(params: int, dp: int, dtype: str) -> list[Term]:
 # ------------------------------------------------------------------------------------------------------------
 
 
-def layer_activation_bytes(arch: ModelArch, layout: Layout, work: Workload, *, recompute: str | None = None) -> float:
+def layer_activation_bytes(arch: ModelArch, layout: Pool, work: Workload, *, recompute: str | None = None) -> float:
     """A_layer: bytes autograd keeps for one transformer layer and one micro-batch (module docstring)."""
     rec = work.recompute if recompute is None else recompute
     s, b, B = work.seq_len, work.micro_batch, work.act_bytes
@@ -336,7 +303,7 @@ def layer_activation_bytes(arch: ModelArch, layout: Layout, work: Workload, *, r
     return total
 
 
-def logits_bytes(arch: ModelArch, layout: Layout, work: Workload, *, value_head: bool = False) -> float:
+def logits_bytes(arch: ModelArch, layout: Pool, work: Workload, *, value_head: bool = False) -> float:
     """Last stage, kept until the backward pass: final norm plus the log-prob loss over vocabulary-parallel logits
     (the logits, the shifted logits and their exponentials: (B + 8)·s·b·V/t; entropy adds 12·s·b·V/t)."""
     s, b, B, t = work.seq_len, work.micro_batch, work.act_bytes, layout.tp
@@ -348,7 +315,7 @@ def logits_bytes(arch: ModelArch, layout: Layout, work: Workload, *, value_head:
     return norm + per_vocab * s * b * arch.padded_vocab_size(t) / t
 
 
-def in_flight(layout: Layout, stage: int, num_microbatches: int | None) -> int:
+def in_flight(layout: Pool, stage: int, num_microbatches: int | None) -> int:
     """Micro-batch chunks (of L/(p·v) layers) whose activations `stage` holds at its peak under Megatron's 1F1B."""
     p, v = layout.pp, layout.vpp or 1
     if p == 1:
@@ -362,7 +329,7 @@ def in_flight(layout: Layout, stage: int, num_microbatches: int | None) -> int:
     return held
 
 
-def activation_terms(arch: ModelArch, layout: Layout, work: Workload, stage: int, *,
+def activation_terms(arch: ModelArch, layout: Pool, work: Workload, stage: int, *,
                      value_head: bool = False) -> list[Term]:
     """Activations of `stage` at its peak: everything kept for backward plus the larger of two backward moments —
     the loss gradient on the last stage (logits still alive), or the last layer's MLP backward (logits freed; with
@@ -402,7 +369,7 @@ def activation_terms(arch: ModelArch, layout: Layout, work: Workload, stage: int
     return terms
 
 
-def forward_only_terms(arch: ModelArch, layout: Layout, work: Workload, *, value_head: bool = False) -> list[Term]:
+def forward_only_terms(arch: ModelArch, layout: Pool, work: Workload, *, value_head: bool = False) -> list[Term]:
     """Scoring (ref / old log-prob / critic values): no activations kept, one layer's and the logits' transients."""
     one = layer_activation_bytes(arch, layout, work, recompute="none")
     return [Term("forward transients", one, "≤ one layer's intermediates (nothing kept without grad)"),
@@ -419,7 +386,7 @@ def forward_only_terms(arch: ModelArch, layout: Layout, work: Workload, *, value
 class MemoryPrediction:
     """Per-GPU memory of each phase on the worst pipeline stage, plus the rollout and reshard figures."""
 
-    layout: Layout
+    layout: Pool
     phases: dict[str, Phase]
     worst_stage: dict[str, int]
     kv_cache_bytes: float
@@ -459,11 +426,11 @@ def _resident_terms(role: RoleSpec, params: int, dp: int, dtype: str, *, keep_pa
     return kept
 
 
-def _stage_state(arch: ModelArch, layout: Layout, role: RoleSpec, stage: int) -> int:
+def _stage_state(arch: ModelArch, layout: Pool, role: RoleSpec, stage: int) -> int:
     return stage_params(arch, layout, stage, value_head=role.value_head).total
 
 
-def predict_memory(arch: ModelArch, layout: Layout, work: Workload, *, roles: tuple[RoleSpec, ...] | None = None,
+def predict_memory(arch: ModelArch, layout: Pool, work: Workload, *, roles: tuple[RoleSpec, ...] | None = None,
                    rollout: RolloutSpec | None = None, gpu_mem_bytes: float | None = None) -> MemoryPrediction:
     """Per-GPU memory of every phase, on the pipeline stage where it peaks."""
     roles = roles or default_roles()
@@ -472,21 +439,25 @@ def predict_memory(arch: ModelArch, layout: Layout, work: Workload, *, roles: tu
         raise PlanningError("roles: the first role must be the trainable actor")
     if arch.num_layers % layout.chunks:
         raise PlanningError(f"pp·vpp={layout.chunks} must divide num_layers={arch.num_layers}")
-    hybrid = layout.hybrid(arch)
+    try:
+        check_layout(layout, num_layers=arch.num_layers, num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads,
+                     ffn_hidden_size=arch.ffn_hidden_size)
+    except ModelConfigError as exc:
+        raise PlanningError(str(exc)) from None
     dt = work.dtype
-    gen_bytes = 2 * generation_params(arch, layout.tg)
+    gen_bytes = 2 * generation_params(arch, layout.gen_tp)
     model_bytes = 2 * arch.num_parameters()  # M of HybridFlow Table 2, bf16 weights
-    vllm_weights = Term("vLLM weights", gen_bytes, f"2 B × {generation_params(arch, layout.tg):,} params at tg="
-                                                   f"{layout.tg}")
+    vllm_weights = Term("vLLM weights", gen_bytes, f"2 B × {generation_params(arch, layout.gen_tp):,} params at tg="
+                                                   f"{layout.gen_tp}")
     tokens = rollout.max_num_batched_tokens
     h, f, d = arch.hidden_size, arch.ffn_hidden_size, arch.head_dim
     qkv = (arch.num_heads + 2 * arch.num_kv_heads) * d
-    act_reserve = (2 * tokens * (qkv + 3 * f + 3 * h) / layout.tg
+    act_reserve = (2 * tokens * (qkv + 3 * f + 3 * h) / layout.gen_tp
                    + 2 * 4 * rollout.max_num_seqs * arch.vocab_size)
     vllm_act = Term("vLLM profiling activations", act_reserve,
                     f"2 B × {tokens} tokens × ((a+2k)·d + 3f + 3h)/tg + 2 × 4 B × {rollout.max_num_seqs} seqs × "
                     f"vocab")
-    kv_per_token = 2 * arch.num_layers * (arch.num_kv_heads // layout.tg) * d * 2
+    kv_per_token = 2 * arch.num_layers * (arch.num_kv_heads // layout.gen_tp) * d * 2
     if rollout.kv_cache_bytes is not None:
         kv = float(rollout.kv_cache_bytes)
         vllm_terms = [vllm_weights, vllm_act, Term("vLLM KV cache", kv, "rollout.kv_cache_memory_bytes")]
@@ -555,7 +526,7 @@ def predict_memory(arch: ModelArch, layout: Layout, work: Workload, *, roles: tu
     pick("score", score_candidates)
 
     # Train → generate transition: vLLM weights woken, the actor's shards still on the GPU, one layer in flight.
-    layer_block = 2 * layer_params(arch, layout.tg)
+    layer_block = 2 * layer_params(arch, layout.gen_tp)
     reshard_candidates = []
     for stage in stages:
         actor = roles[0]
@@ -578,15 +549,15 @@ def predict_memory(arch: ModelArch, layout: Layout, work: Workload, *, roles: tu
             kind = term.name.split(" ")[0]
             if getattr(role, f"offload_{kind}", False):
                 host += term.bytes
-    notes = [f"3D-HybridEngine: {hybrid.describe()}",
-             f"reshard bytes per GPU = (t·p − tg)/(tg·t·p)·M = ({layout.tp}·{layout.pp} − {layout.tg})/"
-             f"({layout.tg}·{layout.tp}·{layout.pp}) × {_fmt_bytes(model_bytes)} = "
-             f"{_fmt_bytes(hybrid.predicted_bytes_per_rank(model_bytes))}; extra peak M/tg = "
-             f"{_fmt_bytes(hybrid.generation_weight_bytes(model_bytes))}"]
+    notes = [f"3D-HybridEngine: {layout.describe()}, {layout.num_engines} vLLM engines, micro-DP {layout.micro_dp}",
+             f"reshard bytes per GPU = (t·p − tg)/(tg·t·p)·M = ({layout.tp}·{layout.pp} − {layout.gen_tp})/"
+             f"({layout.gen_tp}·{layout.tp}·{layout.pp}) × {_fmt_bytes(model_bytes)} = "
+             f"{_fmt_bytes(layout.sync_bytes_per_rank(model_bytes))}; extra peak M/tg = "
+             f"{_fmt_bytes(layout.generation_weight_bytes(model_bytes))}"]
     if kv < kv_per_token * work.seq_len:
         notes.append(f"vLLM KV cache {_fmt_bytes(kv)} cannot hold one {work.seq_len}-token sequence")
     return MemoryPrediction(layout=layout, phases=phases, worst_stage=worst, kv_cache_bytes=kv,
                             kv_bytes_per_token=kv_per_token,
-                            reshard_bytes_per_gpu=hybrid.predicted_bytes_per_rank(model_bytes),
-                            reshard_extra_peak_bytes=hybrid.generation_weight_bytes(model_bytes),
+                            reshard_bytes_per_gpu=layout.sync_bytes_per_rank(model_bytes),
+                            reshard_extra_peak_bytes=layout.generation_weight_bytes(model_bytes),
                             host_offload_bytes=host, notes=tuple(notes))

@@ -33,7 +33,6 @@ from verl_mega.models.hf_config import ModelArch
 from verl_mega.parallel.topology import NodeTopology
 from verl_mega.planning.memory import (
     GiB,
-    Layout,
     MemoryPrediction,
     PlanningError,
     RoleSpec,
@@ -42,7 +41,9 @@ from verl_mega.planning.memory import (
     default_roles,
     gib,
     predict_memory,
+    training_pool,
 )
+from verl_mega.parallel.placement import Placement, Pool
 
 PHASES = ("train", "rollout", "reshard", "score")
 
@@ -87,7 +88,7 @@ class Pins:
     tp: int | None = None
     pp: int | None = None
     vpp: int | None = None
-    tg: int | None = None
+    gen_tp: int | None = None
     recompute: str | None = None
 
 
@@ -96,16 +97,16 @@ class Rejected:
     tp: int
     pp: int
     vpp: int | None
-    tg: int | None
+    gen_tp: int | None
     reason: str
 
     def to_json(self) -> dict:
-        return {"tp": self.tp, "pp": self.pp, "vpp": self.vpp, "tg": self.tg, "reason": self.reason}
+        return {"tp": self.tp, "pp": self.pp, "vpp": self.vpp, "gen_tp": self.gen_tp, "reason": self.reason}
 
 
 @dataclass(frozen=True)
 class Plan:
-    layout: Layout
+    layout: Pool
     recompute: str
     num_microbatches: int
     memory: MemoryPrediction
@@ -132,7 +133,7 @@ class Plan:
         lay, mem = self.layout, self.memory
         totals = mem.totals_gib()
         return {
-            "rank": rank, "tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "dp": lay.dp, "tg": lay.tg,
+            "rank": rank, "tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "dp": lay.dp, "gen_tp": lay.gen_tp,
             "sequence_parallel": lay.sequence_parallel, "recompute": self.recompute,
             "num_microbatches": self.num_microbatches, "fits": self.fits, "over_budget": list(self.over_budget),
             "memory_gb": {name: totals[name] for name in PHASES},
@@ -176,22 +177,23 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _island_report(topology: NodeTopology | None, tp: int, tg: int, cache: dict) -> tuple[int, int]:
+def _island_report(topology: NodeTopology | None, tp: int, gen_tp: int, cache: dict) -> tuple[int, int]:
     """(training TP groups, generation TP groups) per node that leave an NVLink island."""
     if topology is None:
         return 0, 0
-    key = (tp, tg)
+    key = (tp, gen_tp)
     if key not in cache:
-        from verl_mega.parallel.scheduler import ParallelLayout, TopologyAwareScheduler
+        from verl_mega.parallel.scheduler import TopologyAwareScheduler
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the counts below carry the information
-            placement = TopologyAwareScheduler([topology]).plan(ParallelLayout(tp=tp, gen_tp=tg))
+            node = Placement.single(topology.num_gpus, tp=tp, gen_tp=gen_tp)
+            placement = TopologyAwareScheduler([topology]).plan(node)
         cache[key] = tuple(sum(not r.in_nvlink_island for r in placement.reports[kind]) for kind in ("tp", "gen_tp"))
     return cache[key]
 
 
-def _structural_reason(arch: ModelArch, cluster: Cluster, tp: int, pp: int, vpp: int | None, tg: int,
+def _structural_reason(arch: ModelArch, cluster: Cluster, tp: int, pp: int, vpp: int | None, gen_tp: int,
                        work: Workload, global_batch: int, sequence_parallel: bool) -> str | None:
     node = cluster.node_gpus
     if node % tp:
@@ -203,8 +205,8 @@ def _structural_reason(arch: ModelArch, cluster: Cluster, tp: int, pp: int, vpp:
         return f"pp={pp} does not divide layers={arch.num_layers}"
     if cluster.gpus % (tp * pp):
         return f"tp·pp={tp * pp} does not divide {cluster.gpus} GPUs"
-    if tp % tg:
-        return f"tg={tg} does not divide tp={tp}"
+    if tp % gen_tp:
+        return f"gen_tp={gen_tp} does not divide tp={tp}"
     dp = cluster.gpus // (tp * pp)
     if global_batch % (dp * work.micro_batch):
         return f"global batch {global_batch} does not split into dp={dp} × micro-batch {work.micro_batch}"
@@ -247,16 +249,17 @@ def plan_layouts(arch: ModelArch, cluster: Cluster, work: Workload, *, global_ba
         else:
             vpps = [None] + ([v for v in _divisors(arch.num_layers // pp) if v > 1] if pp > 1 and
                              arch.num_layers % pp == 0 else [])
-        tgs = [pins.tg] if pins.tg else _divisors(tp)
-        for vpp, tg in product(vpps, tgs):
-            reason = _structural_reason(arch, cluster, tp, pp, vpp, tg, work, global_batch, sequence_parallel)
+        gen_tps = [pins.gen_tp] if pins.gen_tp else _divisors(tp)
+        for vpp, gen_tp in product(vpps, gen_tps):
+            reason = _structural_reason(arch, cluster, tp, pp, vpp, gen_tp, work, global_batch, sequence_parallel)
             if reason:
-                rejected.append(Rejected(tp, pp, vpp, tg, reason))
+                rejected.append(Rejected(tp, pp, vpp, gen_tp, reason))
                 continue
             dp = cluster.gpus // (tp * pp)
             m = global_batch // (dp * work.micro_batch)
-            layout = Layout(tp=tp, pp=pp, dp=dp, tg=tg, vpp=vpp, sequence_parallel=sequence_parallel and tp > 1)
-            tp_off, gen_off = _island_report(cluster.topology, tp, tg, island_cache)
+            layout = training_pool(tp=tp, pp=pp, dp=dp, gen_tp=gen_tp, vpp=vpp,
+                                   sequence_parallel=sequence_parallel and tp > 1)
+            tp_off, gen_off = _island_report(cluster.topology, tp, gen_tp, island_cache)
             for rec in recomputes:
                 w = Workload(**{**work.__dict__, "recompute": rec, "num_microbatches": m})
                 plans.append(_evaluate(arch, cluster, layout, w, roles, rollout, tp_off, gen_off))
@@ -264,7 +267,7 @@ def plan_layouts(arch: ModelArch, cluster: Cluster, work: Workload, *, global_ba
     return plans, rejected
 
 
-def _evaluate(arch: ModelArch, cluster: Cluster, layout: Layout, work: Workload, roles: tuple[RoleSpec, ...],
+def _evaluate(arch: ModelArch, cluster: Cluster, layout: Pool, work: Workload, roles: tuple[RoleSpec, ...],
               rollout: RolloutSpec, tp_off: int, gen_off: int) -> Plan:
     mem = predict_memory(arch, layout, work, roles=roles, rollout=rollout, gpu_mem_bytes=cluster.gpu_mem_gib * GiB)
     budget = cluster.budget_bytes
@@ -292,8 +295,9 @@ class ConfigInputs:
     sequence_parallel: bool
 
 
-def inputs_from_config(cfg) -> ConfigInputs:
-    """Planner inputs of a validated :class:`~verl_mega.config.TrainConfig`: its layout is pinned, the micro-batch
+def inputs_from_config(cfg, placement: Placement) -> ConfigInputs:
+    """Planner inputs of a validated :class:`~verl_mega.config.TrainConfig`: the actor pool's layout is pinned, the
+    micro-batch
     is the actor's, a sample is max_prompt_length + max_response_length tokens, an optimizer step takes
     ppo_mini_batch_size · rollout.n samples, and the roles carry their own offload flags."""
     actor, critic, ref, rollout, p = cfg.actor, cfg.critic, cfg.ref, cfg.rollout, cfg.parallel
@@ -313,6 +317,7 @@ def inputs_from_config(cfg) -> ConfigInputs:
                        kv_cache_bytes=rollout.kv_cache_memory_bytes, free_cache_engine=rollout.free_cache_engine,
                        max_num_seqs=rollout.max_num_seqs or defaults.max_num_seqs,
                        max_num_batched_tokens=rollout.max_num_batched_tokens or defaults.max_num_batched_tokens)
-    pins = Pins(tp=p.tp, pp=p.pp, vpp=p.vpp or 1, tg=rollout.tg, recompute=cfg.model.recompute)
+    pool = placement.pool_of("actor")
+    pins = Pins(tp=pool.tp, pp=pool.pp, vpp=pool.vpp or 1, gen_tp=pool.gen_tp, recompute=cfg.model.recompute)
     return ConfigInputs(pins=pins, workload=work, roles=tuple(roles), rollout=spec,
                         global_batch=actor.ppo_mini_batch_size * rollout.n, sequence_parallel=p.sequence_parallel)

@@ -1,9 +1,9 @@
-"""In-process, colocated vLLM rollout: one vLLM engine per generation TP group, inside the training ranks.
+"""In-process vLLM: one engine per generation TP group, living in this rank's process.
 
 vLLM runs with ``distributed_executor_backend="external_launcher"``: every rank of the job builds its own ``LLM``
 in-process and vLLM reuses the already-initialised ``torch.distributed`` world. vLLM forms its TP groups from
-consecutive ranks; the 3D-HybridEngine wants them strided (see :mod:`verl_mega.hybrid.layout`), so while the
-engine starts we pass vLLM's group construction through the layout's rank order. Every rank of one generation TP
+consecutive ranks; the 3D-HybridEngine wants them strided (the placement's generation TP groups), so while the
+engine starts we pass vLLM's group construction through the placement's rank order. Every rank of one generation TP
 group must call :meth:`VLLMRollout.generate` with the same prompts (vLLM's external-launcher mode runs one
 scheduler per rank and relies on identical inputs); different engines generate independently.
 
@@ -21,8 +21,6 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 import torch
-
-from verl_mega.hybrid.layout import HybridLayout
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
@@ -51,6 +49,7 @@ class VLLMRolloutConfig:
     load_format: str = "auto"  # "dummy": random weights, real ones arrive through the weight sync
     seed: int = 0
     logprobs_mode: str = "raw_logprobs"
+    trust_remote_code: bool = False  # custom model/tokenizer code inside model_path (only for trusted directories)
     request_stats: bool = False  # vLLM's per-request timestamps (prefill/decode split); off: they cost engine time
     engine_kwargs: dict[str, Any] = field(default_factory=dict, hash=False)
 
@@ -120,49 +119,33 @@ class RolloutBatch:
 
 
 class VLLMRollout:
-    """One vLLM engine per generation TP group of ``layout``, living in this process.
+    """One vLLM engine per generation TP group, living in this process. ``rank_order`` (position v: the rank that
+    plays vLLM rank v) and ``engine_index`` come from the placement; without them engines are consecutive ranks.
 
     All ranks must construct it together (vLLM creates its process groups collectively).
     """
 
-    def __init__(self, config: VLLMRolloutConfig, layout: HybridLayout | None = None) -> None:
+    def __init__(self, config: VLLMRolloutConfig, *, rank_order: Sequence[int] | None = None,
+                 engine_index: int | None = None) -> None:
         import torch.distributed as dist
 
         self.config = config
         world = dist.get_world_size() if dist.is_initialized() else 1
-        if layout is not None:
-            if layout.tg != config.gen_tp:
-                raise RolloutError(f"rollout.gen_tp={config.gen_tp} differs from the layout's tg={layout.tg}")
-            if layout.world_size != world:
-                raise RolloutError(f"layout plans {layout.world_size} ranks but torch.distributed has {world}")
-        elif world % config.gen_tp:
+        if world % config.gen_tp:
             raise RolloutError(f"rollout.gen_tp={config.gen_tp} must divide the world size {world}")
-        self.layout = layout
+        order = list(rank_order) if rank_order is not None else list(range(world))
+        if sorted(order) != list(range(world)):
+            raise RolloutError(f"the vLLM rank order covers {len(order)} ranks but torch.distributed has {world}")
         self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.engine_index = order.index(self.rank) // config.gen_tp if engine_index is None else engine_index
+        self.num_engines = world // config.gen_tp
         self.is_cpu = _compat_is_cpu()
         self.weight_version = 0
         self._sleeping: set[str] = set()  # vLLM memory tags currently released
         self._calls = 0
         _prepare_env(self.rank)
-        order = layout.vllm_rank_order() if layout is not None else list(range(world))
         with _vllm_rank_order(order, self.is_cpu):
             self.llm = _build_llm(config, self.is_cpu)
-
-    # ---- placement ---------------------------------------------------------------------------------------
-    @property
-    def engine_index(self) -> int:
-        """Which engine (generation TP group) this rank belongs to, 0 … num_engines-1."""
-        if self.layout is not None:
-            return self.layout.rank_plan(self.rank).gen_engine
-        return self.rank // self.config.gen_tp
-
-    @property
-    def num_engines(self) -> int:
-        if self.layout is not None:
-            return self.layout.num_engines
-        import torch.distributed as dist
-
-        return (dist.get_world_size() if dist.is_initialized() else 1) // self.config.gen_tp
 
     def engine_share(self, items: Sequence[Any]) -> list[Any]:
         """This engine's contiguous share of a global list (same on every rank of the engine)."""
@@ -253,6 +236,17 @@ class VLLMRollout:
         """Record new weights: bump the version and drop cached prefixes computed with the old ones."""
         self.weight_version += 1
         self.llm.reset_prefix_cache()
+
+    def load_full_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """Full HF tensors in, sliced by vLLM's own loader (its in-place reload, which re-runs repacking)."""
+        import inspect
+
+        worker = self.llm.llm_engine.model_executor.driver_worker
+        reload = getattr(getattr(worker, "worker", worker).model_runner, "reload_weights", None)
+        if reload is not None and "weights_iterator" in inspect.signature(reload).parameters:
+            reload(weights_iterator=weights)
+        else:
+            self.model.load_weights(weights)
 
     def shutdown(self) -> None:
         """Drop the engine and vLLM's process groups (for tests that build several engines in one process)."""
@@ -374,6 +368,7 @@ def _build_llm(config: VLLMRolloutConfig, is_cpu: bool):
         seed=config.seed,
         skip_tokenizer_init=True,
         logprobs_mode=config.logprobs_mode,
+        trust_remote_code=config.trust_remote_code,
         max_logprobs=1,
         disable_log_stats=not config.request_stats,
     )
@@ -408,9 +403,3 @@ def _compat_driver_model(llm) -> torch.nn.Module:
     if isinstance(model, torch.nn.Module):
         return model
     return llm.apply_model(lambda m: m)[0]
-
-
-def compat_model_runner(llm):
-    """The worker's model runner (for vLLM's own in-place reload on the reference path)."""
-    worker = llm.llm_engine.model_executor.driver_worker
-    return getattr(worker, "worker", worker).model_runner

@@ -5,7 +5,7 @@ A thin façade over the recipe machinery: the arguments become dotted config ove
 
     from verl_mega import RLTrainer, vLLMBackend
 
-    trainer = RLTrainer.create(actor="tiny", actor_backend=vLLMBackend(tg=1, kv_cache_memory_bytes=256 << 20),
+    trainer = RLTrainer.create(actor="tiny", actor_backend=vLLMBackend(gen_tp=1, kv_cache_memory_bytes=256 << 20),
                                overrides={"trainer.total_steps": 20, "trainer.output_dir": "outputs/api"})
     trainer.enable_profiling()
     for _ in range(3):
@@ -32,15 +32,15 @@ class vLLMBackend:  # noqa: N801 — the name users were promised
     """
 
     model_name: str | None = None
-    tg: int | None = None
+    gen_tp: int | None = None
     gpu_memory_utilization: float | None = None
     kv_cache_memory_bytes: int | None = None
     max_num_seqs: int | None = None
     enforce_eager: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.tg is not None and self.tg < 1:
-            raise ValueError(f"vLLMBackend(tg={self.tg}): the generation TP size must be >= 1")
+        if self.gen_tp is not None and self.gen_tp < 1:
+            raise ValueError(f"vLLMBackend(gen_tp={self.gen_tp}): the generation TP size must be >= 1")
         if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"vLLMBackend(gpu_memory_utilization={self.gpu_memory_utilization}) must be in (0, 1]")
         for name in ("kv_cache_memory_bytes", "max_num_seqs"):
@@ -59,7 +59,7 @@ def create_trainer(cls: type, *, actor: str | Path, actor_backend: vLLMBackend |
     """Build the full job for ``actor`` (an HF model directory, or ``"tiny"``) and return its trainer, ready to
     step. ``recipe`` defaults to configs/quickstart_cpu.yaml; ``overrides`` are dotted keys as on the command line."""
     from verl_mega.config import load_config
-    from verl_mega.train import build_job
+    from verl_mega.trainer.setup import build_job
 
     if actor_backend is not None and not isinstance(actor_backend, vLLMBackend):
         raise TypeError(f"actor_backend must be a vLLMBackend, got {type(actor_backend).__name__}")

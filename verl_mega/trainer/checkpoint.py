@@ -94,11 +94,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _layout() -> dict[str, int]:
-    from megatron.core import parallel_state as mpu
-
-    return {"tp": mpu.get_tensor_model_parallel_world_size(), "pp": mpu.get_pipeline_model_parallel_world_size(),
-            "dp": mpu.get_data_parallel_world_size()}
+def _layout(engine) -> dict[str, int]:
+    return {kind: engine.groups.size(kind) for kind in ("tp", "pp", "dp")}
 
 
 def async_save_request(sharded_sd: dict, checkpoint_dir: Path) -> "AsyncRequest":
@@ -206,7 +203,7 @@ class CheckpointManager:
         requests = []
         check = optim_state.common_for_consistency_check
         for role, engine in self.engines.items():
-            model_sd = model_sharded_state_dict(engine.chunks)
+            model_sd = model_sharded_state_dict(engine.chunks, engine.groups)
             sd = dict(model_sd)
             if self.cfg.checkpoint.save_optimizer:
                 sd["optimizer"] = optim_state.sharded_state_dict(engine.optimizer, _flat(model_sd))
@@ -236,7 +233,7 @@ class CheckpointManager:
                 "engines": {r: {"version": e.version, "scheduler": e.scheduler.state_dict()}
                             for r, e in self.engines.items()},
                 "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-                "layout": _layout(), "optimizer_format": optim_state.FORMAT,
+                "layout": _layout(self.engines["actor"]), "optimizer_format": optim_state.FORMAT,
                 "config": to_dict(self.cfg)}
 
     def _finalize(self, step: int, tmp: Path, trainer_json: str) -> None:
@@ -264,7 +261,8 @@ class CheckpointManager:
         from verl_mega.models.loader import iter_hf_tensors
         from verl_mega.models.mcore_ckpt import TOKENIZER_FILES
 
-        stream = iter_hf_tensors(self.engines["actor"].chunks, self.arch)
+        actor = self.engines["actor"]
+        stream = iter_hf_tensors(actor.chunks, self.arch, actor.groups)
         if _rank() != 0:
             for _ in stream:  # other ranks take part in the gathers
                 pass
@@ -296,17 +294,17 @@ class CheckpointManager:
         for role, engine in self.engines.items():
             if not (path / role).exists():
                 raise ResumeError(f"resume: {path} has no {role}/ state; it was saved by a run without that role")
-            model_sd = model_sharded_state_dict(engine.chunks)
+            model_sd = model_sharded_state_dict(engine.chunks, engine.groups)
             sd = dict(model_sd)
             fmt = state.get("optimizer_format", optim_state.LEGACY_FORMAT)
             if self.cfg.checkpoint.save_optimizer:
-                if fmt == optim_state.FORMAT or state.get("layout") == _layout():
+                if fmt == optim_state.FORMAT or state.get("layout") == _layout(engine):
                     sd["optimizer"] = optim_state.sharded_state_dict(engine.optimizer, _flat(model_sd),
                                                                      is_loading=True, fmt=fmt)
                 else:
                     log.warning("resume: %s holds %s optimizer state in the %s form, which loads only at its own "
                                 "layout %s (now %s); the weights are resharded, the optimizer state restarts",
-                                path.name, role, fmt, state.get("layout"), _layout())
+                                path.name, role, fmt, state.get("layout"), _layout(engine))
             loaded = dist_checkpointing.load(sd, str(path / role))
             for i, c in enumerate(engine.chunks):
                 unwrap(c).load_state_dict(loaded["model" if len(engine.chunks) == 1 else f"model{i}"])

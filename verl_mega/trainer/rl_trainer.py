@@ -10,12 +10,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as mpu
 
 from verl_mega import algos
 from verl_mega.config import TrainConfig
 from verl_mega.parallel.cpu_mode import comm_device
-from verl_mega.parallel.state import dp_all_reduce
+from verl_mega.rollout.colocated import SEED_MODULUS
+from verl_mega.rollout.vllm_rollout import SamplingSpec
 from verl_mega.trainer.batch import Batch, pack_sequences
 from verl_mega.trainer.dataflow import DataflowBuilder
 
@@ -24,14 +24,16 @@ class RLTrainer:
     #: run host-only stages (rule-based reward scoring) in threads, overlapped with device stages
     overlap_host_stages = True
 
-    def __init__(self, cfg: TrainConfig, *, actor, ref, critic, reward_model, rollout, weight_sync, reward_pool,
-                 tokenizer, profiler, kl_ctrl, arch=None) -> None:
+    def __init__(self, cfg: TrainConfig, *, actor, ref, critic, reward_model, rollout, reward_pool, tokenizer,
+                 profiler, kl_ctrl, arch=None, val_prompts=None) -> None:
         self.cfg = cfg
         self.actor, self.ref, self.critic, self.reward_model = actor, ref, critic, reward_model
-        self.rollout, self.weight_sync, self.reward_pool = rollout, weight_sync, reward_pool
+        self.rollout, self.reward_pool = rollout, reward_pool
         self.tokenizer, self.profiler, self.kl_ctrl = tokenizer, profiler, kl_ctrl
         self.arch = arch  # the model's architecture: with it the step counts its model FLOPs (perf/* metrics)
-        self.dp, self.dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
+        self.val_prompts = val_prompts  # a PromptBatch of data.val_files, for validate()
+        engine = actor.engine  # samples are split over the actor's data-parallel group
+        self.dp, self.dp_rank, self.dp_group = engine.dp_size, engine.dp_rank, engine.groups["dp"]
         self.flow = self._build_flow()
 
     # ------------------------------------------------------------------ the step, as a graph
@@ -65,9 +67,7 @@ class RLTrainer:
         """Finish pending checkpoint writes and release vLLM and the reward pool (trainers from :meth:`create`)."""
         job = getattr(self, "job", None)
         if job is not None:
-            job.ckpt.close()
-            job.reward_pool.close()
-            job.rollout.shutdown()
+            job.close()
             self.job = None
 
     def enable_profiling(self) -> None:
@@ -104,9 +104,13 @@ class RLTrainer:
         """Generate, then pack the global batch of samples and keep this data-parallel rank's rows."""
         prompts = ctx["prompts"].items
         rcfg = self.cfg.rollout
-        samples, versions = self._generate(ctx["prompts"])
+        specs = [self._sampling(ctx["prompts"])]
+        if self.cfg.algorithm.adv_estimator == "remax":  # ReMax's baseline: one greedy answer per prompt
+            specs.append(SamplingSpec(n=1, max_tokens=rcfg.max_response_length, temperature=0.0,
+                                      stop_token_ids=specs[0].stop_token_ids, logprobs=True))
+        generated = self.rollout.generate([p.prompt_ids for p in prompts], specs)
+        samples, versions = generated[0].samples, generated[0].versions
         packing_from = self.profiler.now()
-        eos = self.tokenizer.eos_token_id
         prompt_ids = [prompts[p].prompt_ids for p, _, _ in samples]
         # the EOS token is kept in the response: the policy must learn to stop
         responses = [ids[: rcfg.max_response_length] for _, ids, _ in samples]
@@ -117,9 +121,11 @@ class RLTrainer:
         for i, (_, _, lps) in enumerate(samples):
             packed["rollout_logprobs"][i, : len(lps[: rcfg.max_response_length])] = torch.tensor(
                 lps[: rcfg.max_response_length])
-        meta = {"group": [p for p, _, _ in samples],
-                "ground_truth": [prompts[p].ground_truth for p, _, _ in samples],
-                "response_text": [self.tokenizer.decode([t for t in ids if t != eos]) for _, ids, _ in samples]}
+        meta = {"group": [p for p, _, _ in samples], "ground_truth": [prompts[p].ground_truth for p, _, _ in samples],
+                "response_text": [self._text(ids) for _, ids, _ in samples]}
+        if len(generated) > 1:
+            greedy = {p: self._text(ids) for p, ids, _ in generated[1].samples}
+            meta["baseline_text"] = [greedy[p] for p, _, _ in samples]
         full = Batch(packed, meta)
         rows = len(full) // self.dp
         self.batch = full.select(range(self.dp_rank * rows, (self.dp_rank + 1) * rows))
@@ -133,46 +139,39 @@ class RLTrainer:
         return {"rollout/response_length": n_tokens / len(full), "rollout/weight_version": float(max(versions)),
                 "rollout/truncated_frac": float((packed["response_len"] >= rcfg.max_response_length).float().mean())}
 
-    def _generate(self, prompt_batch) -> tuple[list[tuple[int, list[int], list[float]]], set[int]]:
-        """Every rank holds the global prompt batch; each vLLM engine generates its share; all ranks gather all.
-        Returns prompt-major samples ``(prompt index, token ids, sampled-token log-probs)`` and the weight versions
-        that generated them."""
-        prompts = prompt_batch.items
-        rcfg = self.cfg.rollout
-        from verl_mega.rollout.vllm_rollout import SamplingSpec
+    def _text(self, ids: list[int]) -> str:
+        eos = self.tokenizer.eos_token_id
+        return self.tokenizer.decode([t for t in ids if t != eos])
 
-        prof = self.profiler
-        t0 = prof.now()
-        self._offload_trainers(True)  # free the accelerator for the KV cache while vLLM generates
-        self.rollout.wake_up()
-        prof.record("wake_up", t0, prof.now(), parent="rollout")  # vLLM re-maps weights and KV cache
-        mine = self.rollout.engine_share(list(range(len(prompts))))
-        sampling = SamplingSpec(n=rcfg.n, max_tokens=rcfg.max_response_length, temperature=rcfg.temperature,
-                                top_p=rcfg.top_p, top_k=max(rcfg.top_k, 0), ignore_eos=rcfg.ignore_eos,
-                                # fixed-length generation: EOS must not stop it either
-                                stop_token_ids=() if rcfg.ignore_eos else (self.tokenizer.eos_token_id,),
-                                logprobs=True,
-                                seed=self._sampling_seed(prompt_batch, mine))
-        gen = self.rollout.generate([prompts[i].prompt_ids for i in mine], sampling)
-        if gen.phases is not None:  # vLLM's request stats split the call into prefill and the decode loop
-            prof.record("prefill", gen.phases["start"], gen.phases["first_tokens"], parent="rollout")
-            prof.record("decode", gen.phases["first_tokens"], gen.phases["end"], parent="rollout")
-            prof.add_counter("decode_steps", gen.phases["decode_steps"])
-        generated_at = prof.now()
-        local = (self.rollout.engine_index,
-                 [(mine[p], ids, lps) for p, ids, lps in zip(gen.prompt_index, gen.token_ids, gen.logprobs)],
-                 gen.weight_version)
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, local)
-        handoff_from = prof.now()
-        prof.record("postprocess", generated_at, handoff_from, parent="rollout")  # the gather; packing follows
-        if self.cfg.rollout.free_cache_engine:
-            self.rollout.sleep()
-        self._offload_trainers(False)
-        prof.record("sleep", handoff_from, prof.now(), parent="rollout")  # vLLM frees memory, training state returns
-        by_engine = {e: (samples, v) for e, samples, v in gathered}
-        samples = [s for e in sorted(by_engine) for s in by_engine[e][0]]
-        return samples, {v for _, v in by_engine.values()}
+    def _sampling(self, prompt_batch, *, validation: bool = False) -> SamplingSpec:
+        """Training samples rollout.n answers per prompt; validation one, at rollout.val_temperature (0: greedy).
+        Seeds are explicit and derived from the data position, so a resumed run samples exactly what an
+        uninterrupted one would (prompt i of the batch gets the seed + i)."""
+        rcfg = self.cfg.rollout
+        base = rcfg.seed if rcfg.seed is not None else self.cfg.trainer.seed
+        position = prompt_batch.epoch * 1_000_003 + prompt_batch.batch_index
+        return SamplingSpec(n=1 if validation else rcfg.n, max_tokens=rcfg.max_response_length,
+                            temperature=rcfg.val_temperature if validation else rcfg.temperature,
+                            top_p=1.0 if validation else rcfg.top_p, top_k=0 if validation else max(rcfg.top_k, 0),
+                            ignore_eos=rcfg.ignore_eos,
+                            # fixed-length generation: EOS must not stop it either
+                            stop_token_ids=() if rcfg.ignore_eos else (self.tokenizer.eos_token_id,), logprobs=True,
+                            seed=(base * 7_919 + position * 65_537) % SEED_MODULUS)
+
+    def validate(self) -> dict[str, float]:
+        """Generate one answer per data.val_files prompt with the current weights and score it: val/* metrics.
+        Every rank scores its share of the answers; one all-reduce sums them."""
+        if self.val_prompts is None:
+            raise ValueError("RLTrainer.validate() needs data.val_files; set data.val_files=[...]")
+        items = self.val_prompts.items
+        samples = self.rollout.generate([p.prompt_ids for p in items],
+                                        [self._sampling(self.val_prompts, validation=True)])[0].samples
+        mine = samples[self.dp_rank::self.dp]
+        scores = self.reward_pool.score([self._text(ids) for _, ids, _ in mine],
+                                        [items[p].ground_truth for p, _, _ in mine]).scores
+        totals = [float(sum(scores)), float(sum(len(ids) for _, ids, _ in mine)), float(len(mine))]
+        total, tokens, count = self.actor.engine.dp_all_reduce(totals).tolist()
+        return {"val/reward/mean": total / count, "val/response_length": tokens / count, "val/num_samples": count}
 
     def _step_flops(self, prompt_len: torch.Tensor, response_len: torch.Tensor) -> float:
         """Model FLOPs of this step, all ranks: generation (forward per generated token at its mean context) plus
@@ -195,30 +194,13 @@ class RLTrainer:
         gen_context = float((prompt_len + response_len / 2).float().mean())
         return float(lengths.sum()) * passes + float(response_len.sum()) * per_token(False, gen_context)
 
-    def _offload_trainers(self, offload: bool) -> None:
-        """actor/critic.offload_* and ref.offload_params: move idle training state to host memory during rollout
-        (a no-op on CPU)."""
-        for role, cfg in ((self.actor, self.cfg.actor), (self.critic, self.cfg.critic)):
-            if role is None or not (cfg.offload_params or cfg.offload_grads or cfg.offload_optimizer):
-                continue
-            if offload:
-                role.engine.offload(params=cfg.offload_params, grads=cfg.offload_grads,
-                                    optimizer=cfg.offload_optimizer)
-            else:
-                role.engine.onload()
-        if self.ref is not None and self.cfg.ref.offload_params:
-            self.ref.engine.offload() if offload else self.ref.engine.onload()
-
-    def _sampling_seed(self, prompt_batch, mine: list[int]) -> int:
-        """Explicit per-prompt seeds derived from the data position: a resumed run samples exactly what an
-        uninterrupted one would (vLLM gives prompt i of this call the seed + i)."""
-        base = self.cfg.rollout.seed if self.cfg.rollout.seed is not None else self.cfg.trainer.seed
-        position = prompt_batch.epoch * 1_000_003 + prompt_batch.batch_index
-        return (base * 7_919 + position * 65_537 + (mine[0] if mine else 0)) % (2**31 - 1)
-
-    def _reward(self, ctx) -> torch.Tensor:
-        result = self.reward_pool.score(self.batch.meta["response_text"], self.batch.meta["ground_truth"])
-        return torch.tensor(result.scores, dtype=torch.float32)
+    def _reward(self, ctx) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Scores of this rank's samples and, for ReMax, of their prompts' greedy answers (scored in the same call)."""
+        texts, truths = self.batch.meta["response_text"], self.batch.meta["ground_truth"]
+        baselines = self.batch.meta.get("baseline_text", [])
+        scores = torch.tensor(self.reward_pool.score(texts + baselines, truths + truths[:len(baselines)]).scores,
+                              dtype=torch.float32)
+        return scores[:len(texts)], (scores[len(texts):] if baselines else None)
 
     def _old_logprob(self, ctx) -> torch.Tensor:
         out = self.actor.compute_logprobs(self.batch, with_entropy=True)
@@ -227,8 +209,8 @@ class RLTrainer:
         mask = self.batch["response_mask"]
         diff = (out["logprobs"] - self.batch["rollout_logprobs"]).abs() * mask
         worst = diff.max() if mask.any() else diff.sum()
-        self.logprob_gap = {"rollout/logprob_diff_max": float(dp_all_reduce(worst, "max")),
-                            "rollout/logprob_diff_mean": float(dp_all_reduce(algos.masked_mean(diff, mask), "mean"))}
+        self.logprob_gap = {"rollout/logprob_diff_max": self._dp_reduce(worst, "max"),
+                            "rollout/logprob_diff_mean": self._dp_reduce(algos.masked_mean(diff, mask), "mean")}
         return out["logprobs"]
 
     def _ref_logprob(self, ctx) -> torch.Tensor:
@@ -245,39 +227,44 @@ class RLTrainer:
     def _advantage(self, ctx) -> dict[str, float]:
         acfg = self.cfg.algorithm
         b = self.batch
-        scores = ctx["reward"] + (ctx["rm_score"] if "rm_score" in ctx else 0.0)
+        scores, baselines = ctx["reward"]
+        scores = scores + (ctx["rm_score"] if "rm_score" in ctx else 0.0)
         mask = b["response_mask"]
         token_rewards = algos.outcome_to_token_rewards(scores, mask)
         metrics = {}
         if acfg.use_kl_in_reward:
             token_rewards, kl_metrics = algos.apply_kl_penalty(token_rewards, b["old_logprobs"], b["ref_logprobs"],
                                                                mask, self.kl_ctrl.value, acfg.kl_penalty)
-            current_kl = float(dp_all_reduce(kl_metrics["kl"], "mean"))
+            current_kl = self._dp_reduce(kl_metrics["kl"], "mean")
             self.kl_ctrl.update(current_kl, self.global_rows)
             metrics.update({"kl/reward_kl": current_kl, "kl/coef": float(self.kl_ctrl.value)})
         # advantages see the whole global batch (group baselines, global whitening), then each rank keeps its rows
         fields = {"token_rewards": token_rewards, "mask": mask}
         if self.critic is not None:
             fields["values"] = b["values"]
-        full = _dp_all_gather(fields)
-        group = torch.tensor(_dp_all_gather_list(b.meta["group"]))
+        if baselines is not None:
+            fields["reward_baselines"] = baselines
+        full = self._dp_all_gather(fields)
+        group = torch.tensor(self._dp_all_gather_list(b.meta["group"]))
         adv, ret = algos.compute_advantage(
             acfg.adv_estimator, token_level_rewards=full["token_rewards"], response_mask=full["mask"],
-            values=full.get("values"), group_index=group, gamma=acfg.gamma, lam=acfg.lam,
-            norm_adv_by_std_in_grpo=acfg.norm_adv_by_std_in_grpo)
+            values=full.get("values"), group_index=group, reward_baselines=full.get("reward_baselines"),
+            gamma=acfg.gamma, lam=acfg.lam, norm_adv_by_std_in_grpo=acfg.norm_adv_by_std_in_grpo)
         rows = len(b)
         own = slice(self.dp_rank * rows, (self.dp_rank + 1) * rows)
         b["advantages"], b["returns"] = adv[own], ret[own]
         if "ref_logprobs" not in b:
             b["ref_logprobs"] = b["old_logprobs"]
-        all_scores = torch.cat(_dp_all_gather({"s": scores[:, None]})["s"].unbind(0))
+        all_scores = torch.cat(self._dp_all_gather({"s": scores[:, None]})["s"].unbind(0))
+        if "reward_baselines" in full:
+            metrics["reward/baseline_mean"] = float(full["reward_baselines"].mean())
         metrics.update(self.logprob_gap)
         metrics.update({"reward/mean": float(all_scores.mean()), "reward/max": float(all_scores.max()),
                         "reward/min": float(all_scores.min()),
-                        "actor/entropy_rollout": float(dp_all_reduce(algos.masked_mean(b["entropy"], mask), "mean"))})
+                        "actor/entropy_rollout": self._dp_reduce(algos.masked_mean(b["entropy"], mask), "mean")})
         if "ref_logprobs" in b.tensors and self.ref is not None:
             kl = algos.masked_mean(algos.kl_penalty(b["old_logprobs"], b["ref_logprobs"], "kl"), mask)
-            metrics["kl/actor_ref"] = float(dp_all_reduce(kl, "mean"))
+            metrics["kl/actor_ref"] = self._dp_reduce(kl, "mean")
         return metrics
 
     def _critic_update(self, ctx) -> dict[str, float]:
@@ -288,31 +275,31 @@ class RLTrainer:
         return self.actor.update(self.batch, mini_batch_rows=self._mini_rows(self.cfg.actor.ppo_mini_batch_size))
 
     def _weight_sync(self, ctx) -> dict[str, float]:
-        metrics = dict(self.weight_sync.sync())
+        metrics = dict(self.rollout.update_weights())
         metrics["actor/version"] = float(self.actor.engine.version)
         return metrics
 
     def _mini_rows(self, prompts_per_mini: int) -> int:
         return max(1, prompts_per_mini * self.cfg.rollout.n // self.dp)
 
+    def _dp_reduce(self, value, op: str) -> float:
+        return float(self.actor.engine.dp_all_reduce(value, op))
 
-def _dp_all_gather(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    dp = mpu.get_data_parallel_world_size()
-    if dp == 1:
-        return tensors
-    out = {}
-    for k, t in tensors.items():
-        t = t.to(comm_device()).contiguous()
-        parts = [torch.empty_like(t) for _ in range(dp)]
-        dist.all_gather(parts, t, group=mpu.get_data_parallel_group())
-        out[k] = torch.cat(parts).cpu()
-    return out
+    def _dp_all_gather(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every data-parallel rank's rows, concatenated in rank order (advantages see the global batch)."""
+        if self.dp == 1:
+            return tensors
+        out = {}
+        for k, t in tensors.items():
+            t = t.to(comm_device()).contiguous()
+            parts = [torch.empty_like(t) for _ in range(self.dp)]
+            dist.all_gather(parts, t, group=self.dp_group)
+            out[k] = torch.cat(parts).cpu()
+        return out
 
-
-def _dp_all_gather_list(values: list) -> list:
-    dp = mpu.get_data_parallel_world_size()
-    if dp == 1:
-        return list(values)
-    parts: list = [None] * dp
-    dist.all_gather_object(parts, list(values), group=mpu.get_data_parallel_group())
-    return [v for p in parts for v in p]
+    def _dp_all_gather_list(self, values: list) -> list:
+        if self.dp == 1:
+            return list(values)
+        parts: list = [None] * self.dp
+        dist.all_gather_object(parts, list(values), group=self.dp_group)
+        return [v for p in parts for v in p]

@@ -7,12 +7,10 @@ role hands the engine is in the left-aligned sequence layout of :mod:`verl_mega.
 from __future__ import annotations
 
 import torch
-from megatron.core import parallel_state as mpu
 
 from verl_mega import algos
 from verl_mega.engine.logprobs import vocab_parallel_logprobs_entropy
 from verl_mega.engine.megatron_engine import MegatronEngine
-from verl_mega.parallel.state import dp_all_reduce
 from verl_mega.trainer.batch import Batch, response_positions
 
 
@@ -88,7 +86,8 @@ class PolicyRole:
     def _logprobs(self, output: torch.Tensor, mb: dict[str, torch.Tensor], with_entropy: bool):
         ids = mb["input_ids"]
         lp, ent = vocab_parallel_logprobs_entropy(output[:, :-1], ids[:, 1:], vocab_size=self.vocab_size,
-                                                  temperature=self.temperature, with_entropy=with_entropy)
+                                                  tp_group=self.engine.groups["tp"], temperature=self.temperature,
+                                                  with_entropy=with_entropy)
         width = mb["response_mask"].shape[1]
         return _response_frame(lp, mb, width), (_response_frame(ent, mb, width) if ent is not None else None)
 
@@ -122,9 +121,9 @@ class Actor(PolicyRole):
             for start in range(0, len(batch), mini_batch_rows):
                 mini = batch.select(order[start:start + mini_batch_rows])
                 mbs, _ = micro_batches(mini, self.micro_batch_size, keys, token_budget=self._token_budget())
-                normalizer = dp_all_reduce(sum(algos.agg_loss_normalizer(mb["response_mask"], cfg.loss_agg_mode)
-                                                for mb in mbs))
-                scale = mpu.get_data_parallel_world_size() * len(mbs)
+                normalizer = self.engine.dp_all_reduce(
+                    sum(algos.agg_loss_normalizer(mb["response_mask"], cfg.loss_agg_mode) for mb in mbs))
+                scale = self.engine.dp_size * len(mbs)
                 history.append(self.engine.train_step(mbs, self._loss_fn(normalizer, scale)))
         return {f"actor/{k}": sum(h[k] for h in history) / len(history) for k in history[0]}
 
@@ -179,8 +178,9 @@ class Critic:
             for start in range(0, len(batch), mini_batch_rows):
                 mini = batch.select(range(start, min(start + mini_batch_rows, len(batch))))
                 mbs, _ = micro_batches(mini, cfg.micro_batch_size_per_gpu, keys)
-                normalizer = dp_all_reduce(sum(algos.agg_loss_normalizer(mb["response_mask"]) for mb in mbs))
-                scale = mpu.get_data_parallel_world_size() * len(mbs)
+                normalizer = self.engine.dp_all_reduce(sum(algos.agg_loss_normalizer(mb["response_mask"])
+                                                           for mb in mbs))
+                scale = self.engine.dp_size * len(mbs)
 
                 def loss_fn(output, mb, normalizer=normalizer, scale=scale):
                     values = self._values(output, mb)

@@ -2,23 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from verl_mega.config import ParallelDims, TrainConfig
+from verl_mega.config import ConfigError, TrainConfig
 from verl_mega.engine.megatron_engine import MegatronEngine, ScheduleSpec
 from verl_mega.models.build import build_model_chunks
-from verl_mega.models.hf_config import ModelArch, arch_from_hf, load_hf_config, transformer_config
+from verl_mega.models.hf_config import ModelArch, arch_from_hf, check_layout, load_hf_config, transformer_config
 from verl_mega.models.hf_io import HFCheckpointReader
 from verl_mega.models.loader import check_checkpoint_matches, load_hf_weights
+from verl_mega.parallel.state import RankGroups
 
 log = logging.getLogger("verl_mega")
 
@@ -62,23 +64,24 @@ class RoleModel:
     engine: MegatronEngine
 
 
-def build_role_engine(cfg: TrainConfig, dims: ParallelDims, path: Path, *, role_cfg=None, value_head: bool = False,
+def build_role_engine(cfg: TrainConfig, groups: RankGroups, path: Path, *, role_cfg=None, value_head: bool = False,
                       total_steps: int = 1) -> RoleModel:
-    """An mcore model of `path` for this rank, HF weights loaded, wrapped in an engine (trainable if role_cfg)."""
+    """An mcore model of `path` on this rank's pool, HF weights loaded, wrapped in an engine (trainable if role_cfg)."""
     from megatron.core.optimizer import OptimizerConfig
 
     arch = model_arch(path)
     reader = HFCheckpointReader(path)
     check_checkpoint_matches(reader, arch)
-    tcfg = transformer_config(arch, tp=dims.tp, pp=dims.pp, vpp=dims.vpp, cp=dims.cp,
-                              sequence_parallel=cfg.parallel.sequence_parallel, dtype=cfg.model.dtype,
+    pool = groups.pool
+    tcfg = transformer_config(arch, tp=pool.tp, pp=pool.pp, vpp=pool.vpp, cp=pool.cp,
+                              sequence_parallel=pool.sequence_parallel, dtype=cfg.model.dtype,
                               recompute=cfg.model.recompute, use_cpu_initialization=not torch.cuda.is_available())
     use_te = {True: "true", False: "false"}.get(cfg.model.use_te, cfg.model.use_te)
-    chunks = build_model_chunks(arch, tcfg, value_head=value_head, use_te=use_te,
+    chunks = build_model_chunks(arch, tcfg, groups, value_head=value_head, use_te=use_te,
                                 make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
     if torch.cuda.is_available():
         chunks = [c.cuda() for c in chunks]
-    load_hf_weights(chunks, reader, arch, skip_value_head=value_head)
+    load_hf_weights(chunks, reader, arch, groups, skip_value_head=value_head)
     optim = None
     schedule = None
     if role_cfg is not None:
@@ -90,35 +93,63 @@ def build_role_engine(cfg: TrainConfig, dims: ParallelDims, path: Path, *, role_
             params_dtype=tcfg.params_dtype, use_distributed_optimizer=cfg.parallel.use_distributed_optimizer)
         schedule = ScheduleSpec(warmup_steps=role_cfg.lr_warmup_steps,
                                 total_steps=role_cfg.lr_decay_steps or total_steps, decay_style=role_cfg.lr_decay_style)
-    return RoleModel(arch, tcfg, MegatronEngine(chunks, tcfg, optimizer_config=optim, schedule=schedule))
+    return RoleModel(arch, tcfg, MegatronEngine(chunks, tcfg, groups, optimizer_config=optim, schedule=schedule))
 
 
-def build_rollout(cfg: TrainConfig, dims: ParallelDims, path: Path, actor: RoleModel):
-    from verl_mega.hybrid.layout import ModelDims, plan_layout
-    from verl_mega.hybrid.sync import WeightSync
+def build_rollout(cfg: TrainConfig, groups: RankGroups, path: Path, actor: RoleModel, *, offload=None,
+                  profiler=None):
+    """vLLM engines on the actor's pool, fed by the 3D-HybridEngine's in-place weight sync."""
+    from verl_mega.hybrid.producer import WeightProducer, WeightSync
+    from verl_mega.rollout.colocated import ColocatedRollout
     from verl_mega.rollout.vllm_rollout import VLLMRollout, VLLMRolloutConfig
 
-    arch = actor.arch
-    layout = plan_layout(world_size=dist.get_world_size(), tp=dims.tp, pp=dims.pp, gen_tp=cfg.rollout.tg,
-                         dims=ModelDims(num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads,
-                                        num_layers=arch.num_layers, ffn_hidden_size=arch.ffn_hidden_size))
-    rcfg = cfg.rollout
+    rcfg, pool = cfg.rollout, groups.pool
     extra = {k: v for k, v in (("max_num_batched_tokens", rcfg.max_num_batched_tokens),) if v is not None}
     vcfg = VLLMRolloutConfig(
-        model_path=str(path), gen_tp=rcfg.tg, dtype=cfg.model.dtype,
+        model_path=str(path), gen_tp=pool.gen_tp, dtype=cfg.model.dtype,
         max_model_len=cfg.data.max_prompt_length + rcfg.max_response_length,
         max_num_seqs=rcfg.max_num_seqs or 256, gpu_memory_utilization=rcfg.gpu_memory_utilization,
         kv_cache_memory_bytes=rcfg.kv_cache_memory_bytes, enforce_eager=rcfg.enforce_eager,
-        seed=rcfg.seed, request_stats=cfg.trainer.profile, engine_kwargs=extra)
-    rollout = VLLMRollout(vcfg, layout)
-    sync = WeightSync(layout=layout, arch=arch, chunks=actor.engine.chunks, rollout=rollout, mode=rcfg.weight_sync)
-    return rollout, sync
+        seed=rcfg.seed, trust_remote_code=cfg.model.trust_remote_code, request_stats=cfg.trainer.profile,
+        engine_kwargs=extra)
+    engine = VLLMRollout(vcfg, rank_order=pool.vllm_rank_order(), engine_index=groups.coords["engine"])
+    sync = WeightSync(WeightProducer(groups=groups, arch=actor.arch, chunks=actor.engine.chunks), engine,
+                      mode=rcfg.weight_sync)
+    return ColocatedRollout(engine, weight_sync=sync, gather_group=groups["pool"], offload=offload,
+                            free_cache=rcfg.free_cache_engine, profiler=profiler)
 
 
-def load_tokenizer(path: Path):
+def offload_trainers(cfg: TrainConfig, actor, critic, ref):
+    """actor/critic.offload_* and ref.offload_params: move idle training state to host memory while vLLM generates
+    (a no-op on CPU). Returns the rollout's offload hook."""
+    def offload(out: bool) -> None:
+        for role, rcfg in ((actor, cfg.actor), (critic, cfg.critic)):
+            if role is not None and (rcfg.offload_params or rcfg.offload_grads or rcfg.offload_optimizer):
+                if out:
+                    role.engine.offload(params=rcfg.offload_params, grads=rcfg.offload_grads,
+                                        optimizer=rcfg.offload_optimizer)
+                else:
+                    role.engine.onload()
+        if ref is not None and cfg.ref.offload_params:
+            ref.engine.offload() if out else ref.engine.onload()
+    return offload
+
+
+def load_tokenizer(path: Path, *, trust_remote_code: bool = False):
+    """The tokenizer of `path`; one-line error when the directory has none (every prompt would encode to [])."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    except ValueError as exc:
+        if "trust_remote_code" in str(exc):
+            raise ValueError(f"model.tokenizer_path={str(path)!r} ships its own tokenizer code; set "
+                             f"model.trust_remote_code=true if you trust that directory") from None
+        raise
+    if not len(tokenizer):
+        raise ValueError(f"model.tokenizer_path={str(path)!r} has no tokenizer files (tokenizer.json or a vocabulary); "
+                         f"point model.tokenizer_path at the model's tokenizer")
+    return tokenizer
 
 
 def resolve_critic_path(cfg: TrainConfig, actor_path: Path) -> Path:
@@ -126,3 +157,154 @@ def resolve_critic_path(cfg: TrainConfig, actor_path: Path) -> Path:
     if cfg.critic.model_path in (None, "tiny", cfg.model.path):
         return actor_path
     return Path(cfg.critic.model_path)
+
+
+@dataclass
+class Job:
+    """Everything one RL run needs, built and ready: the loop in :func:`verl_mega.train.train` only drives it.
+    ``close()`` releases it in the right order (checkpoint writers, reward pool, vLLM, then torch.distributed)."""
+
+    cfg: Any
+    trainer: Any
+    loader: Any
+    ckpt: Any
+    profiler: Any
+    reward_pool: Any
+    rollout: Any
+    total_steps: int
+    start_step: int
+    arch: Any
+    placement: Any
+    resources: contextlib.ExitStack = field(default_factory=contextlib.ExitStack, repr=False)
+
+    def close(self, *, after_error: bool = False) -> None:
+        _close(self.resources, after_error=after_error)
+
+
+def _close(resources: contextlib.ExitStack, *, after_error: bool) -> None:
+    """Release everything; after an error, a failure here is logged, never raised over the first error."""
+    if not after_error:
+        resources.close()
+        return
+    try:
+        resources.close()
+    except Exception as exc:  # the run already failed; that error is the one the user must see
+        log.debug("shutdown after an error: %s", exc)
+
+
+def build_job(cfg: TrainConfig, trainer_cls: type | None = None) -> Job:
+    """Validate what can be validated before any heavy allocation, choose this rank's device from the topology,
+    then build roles, rollout, the 3D-HybridEngine and the checkpoint manager (resuming when asked).
+    ``trainer_cls``: an RLTrainer subclass that changes a stage while reusing everything else. On failure, what was
+    built is released before the error propagates."""
+    resources = contextlib.ExitStack()
+    resources.callback(_destroy_distributed)
+    try:
+        return _build_job(cfg, trainer_cls, resources)
+    except BaseException:
+        _close(resources, after_error=True)
+        raise
+
+
+def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -> Job:
+    from verl_mega import algos
+    from verl_mega.data.prompts import PromptBatch, PromptDataset, PromptLoader, load_prompt_records
+    from verl_mega.parallel import launch_env
+    from verl_mega.parallel.placement import Placement
+    from verl_mega.parallel.scheduler import assign_device, write_placement_json
+    from verl_mega.parallel.state import build_groups, init_world, seed_everything
+    from verl_mega.rewards.loader import load_reward_fn
+    from verl_mega.rewards.pool import RewardPool
+    from verl_mega.trainer.checkpoint import CheckpointManager, find_checkpoint
+    from verl_mega.trainer.profiler import StageProfiler, detect_peak_flops
+    from verl_mega.trainer.rl_trainer import RLTrainer
+    from verl_mega.trainer.roles import Actor, Critic, PolicyRole, RewardModel
+
+    # --- validate everything that can be validated before any heavy allocation
+    env = launch_env.discover()
+    env.export_to_os_environ()
+    placement = Placement.from_config(cfg, env.world_size)
+    actor_pool = placement.pool_of("actor")
+    if any(placement.pool_of(r) is not actor_pool for r in ("critic", "ref", "reward_model", "rollout")):
+        raise ConfigError(f"placement.roles: the trainer runs every role on the actor's pool, got "
+                          f"{dict(placement.roles)}; map every role to the actor's pool (tools/plan.py --dry-run "
+                          f"checks other placements)")
+    device = assign_device(placement, env, cfg.parallel.topology_file)  # before anything initialises CUDA
+    cfg.validate_runtime(placement)
+    path = resolve_model_path(cfg)
+    arch = model_arch(path)
+    check_layout(placement.pool_of("actor"), num_layers=arch.num_layers, num_heads=arch.num_heads,
+                 num_kv_heads=arch.num_kv_heads, ffn_hidden_size=arch.ffn_hidden_size)
+    find_checkpoint(cfg)  # a bad resume target fails here, before anything is built
+    reward_fn = load_reward_fn(cfg.reward.function, reward_kwargs=dict(cfg.reward.kwargs))
+    tokenizer = load_tokenizer(Path(cfg.model.tokenizer_path) if cfg.model.path != "tiny" else path,
+                               trust_remote_code=cfg.model.trust_remote_code)
+
+    def dataset(files):
+        records = load_prompt_records(files, prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key,
+                                      generated_seed=cfg.data.seed)
+        return PromptDataset(records, tokenizer, max_prompt_length=cfg.data.max_prompt_length,
+                             apply_chat_template=cfg.data.apply_chat_template,
+                             filter_overlong=cfg.data.filter_overlong_prompts)
+    train_set = dataset(cfg.data.train_files)
+    val_prompts = PromptBatch(dataset(cfg.data.val_files).items, 0, 0) if cfg.data.val_files else None
+    # every rank sees the global prompt batch: vLLM engines split it, DP ranks split the samples
+    # trainer.total_steps, when set, wins over trainer.total_epochs: the loader then cycles epochs as needed
+    epochs = cfg.trainer.total_epochs if not cfg.trainer.total_steps else 1 + cfg.trainer.total_steps * \
+        cfg.data.train_batch_size // max(len(train_set), 1)
+    loader = PromptLoader(train_set, global_batch_size=cfg.data.train_batch_size, seed=cfg.data.seed,
+                          shuffle=cfg.data.shuffle, num_epochs=epochs or 1)
+    total_steps = cfg.trainer.total_steps or loader.total_batches
+
+    # --- build groups, roles, rollout and the 3D-HybridEngine
+    init_world(cfg.trainer.collective_timeout_s)
+    groups = build_groups(placement, timeout_s=cfg.trainer.collective_timeout_s)
+    seed_everything(cfg.trainer.seed, groups)
+    write_placement_json(placement, device, Path(cfg.trainer.output_dir) / "placement.json")
+    actor_m = build_role_engine(cfg, groups, path, role_cfg=cfg.actor, total_steps=total_steps)
+    actor = Actor(actor_m.engine, cfg.actor, vocab_size=arch.vocab_size, temperature=cfg.rollout.temperature)
+    ref = critic = reward_model = None
+    if cfg.ref.enable:
+        ref = PolicyRole(build_role_engine(cfg, groups, path).engine, vocab_size=arch.vocab_size,
+                         micro_batch_size=cfg.ref.micro_batch_size_per_gpu, temperature=cfg.rollout.temperature)
+    if cfg.critic.enable:
+        critic = Critic(build_role_engine(cfg, groups, resolve_critic_path(cfg, path), role_cfg=cfg.critic,
+                                          value_head=True, total_steps=total_steps).engine, cfg.critic)
+    if cfg.reward.reward_model_path:
+        reward_model = RewardModel(build_role_engine(cfg, groups, Path(cfg.reward.reward_model_path),
+                                                     value_head=True).engine,
+                                   micro_batch_size=cfg.actor.micro_batch_size_per_gpu)
+    # the tokens/flops counters are global (all ranks' samples), so per-device rates divide by the world size
+    cuda = torch.cuda.is_available()
+    peak = cfg.trainer.peak_tflops * 1e12 if cfg.trainer.peak_tflops else \
+        detect_peak_flops(torch.cuda.get_device_name() if cuda else None, cfg.model.dtype)
+    profiler = StageProfiler(n_devices=dist.get_world_size(), peak_flops=peak,
+                             synchronize=torch.cuda.synchronize if cuda else None)
+    rollout = build_rollout(cfg, groups, path, actor_m, offload=offload_trainers(cfg, actor, critic, ref),
+                            profiler=profiler)
+    resources.callback(rollout.shutdown)  # vLLM's process groups go before torch.distributed's
+    rollout.update_weights()  # vLLM starts from the actor's exact weights (and version 1)
+    reward_pool = resources.enter_context(contextlib.closing(
+        RewardPool(reward_fn, num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s, mode="thread")))
+    kc = cfg.algorithm.kl_ctrl
+    kl_ctrl = algos.make_kl_controller(kc.type, kc.kl_coef, kc.target_kl or 0.1, kc.horizon)
+    trainer = (trainer_cls or RLTrainer)(
+        cfg, actor=actor, ref=ref, critic=critic, reward_model=reward_model, rollout=rollout, reward_pool=reward_pool,
+        tokenizer=tokenizer, profiler=profiler, kl_ctrl=kl_ctrl, arch=arch, val_prompts=val_prompts)
+    if cfg.trainer.profile:
+        trainer.enable_profiling()
+    ckpt = CheckpointManager(cfg, engines={"actor": actor_m.engine, "critic": critic and critic.engine},
+                             loader=loader, kl_ctrl=kl_ctrl, hf_source=path, arch=arch)
+    resources.callback(ckpt.close)  # a background save becomes complete and visible
+    start_step = ckpt.maybe_resume()
+    if start_step:
+        rollout.update_weights()
+    return Job(cfg=cfg, trainer=trainer, loader=loader, ckpt=ckpt, profiler=profiler, reward_pool=reward_pool,
+               rollout=rollout, total_steps=total_steps, start_step=start_step, arch=arch, placement=placement,
+               resources=resources)
+
+
+def _destroy_distributed() -> None:
+    from verl_mega.parallel.state import destroy_distributed
+
+    destroy_distributed()

@@ -1,0 +1,322 @@
+"""The 3D-HybridEngine's producer (HybridFlow §5): this rank's Megatron shards → exactly the vLLM slices it owns,
+streamed layer by layer into a transport, plus :class:`WeightSync`, which runs producer and transport for the
+rollout.
+
+Per rank and per transformer layer:
+
+1. **micro-DP all-gather** (m = t/tg ranks of one stage): the rank's own TP shard plus m-1 others = block j;
+2. **convert** block j straight into vLLM's layout (:mod:`verl_mega.hybrid.convert`);
+3. **PP exchange** (pp > 1, the pipeline group): all-gather the converted block of every stage's k-th local layer,
+   so after L/p steps every rank holds block j of all layers;
+4. **write** into the buffers the transport gives out.
+
+Embedding and LM-head rows follow vLLM's vocabulary split, exchanged point-to-point inside the owning stage's
+training TP group (only rows a rank lacks), then broadcast along the pipeline group. Peak extra memory is one
+layer's buffers. ``mode="reference"`` is the baseline: every rank gathers full HF tensors (TP all-gather + PP
+broadcast) and vLLM's own loader slices them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from verl_mega.hybrid.convert import (block_copies, block_shape, vllm_name, vllm_vocab_rows, vocab_row_plan,
+                                      write_block)
+from verl_mega.hybrid.transport import InPlaceTransport, WeightSyncError
+from verl_mega.models.hf_config import ModelArch
+from verl_mega.models.loader import iter_hf_tensors, unwrap
+from verl_mega.models.weights import ParamRule, rule_for
+from verl_mega.parallel.state import RankGroups
+
+MODES = ("inplace", "reference")
+
+
+@dataclass
+class _Param:
+    suffix: str  # mcore name inside the layer (or top-level name)
+    tensor: torch.Tensor
+    rule: ParamRule
+
+
+class WeightProducer:
+    """This rank's Megatron chunks → its vLLM engine's slices. Collective over the pool: all ranks produce
+    together."""
+
+    def __init__(self, *, groups: RankGroups, arch: ModelArch, chunks: list[torch.nn.Module]) -> None:
+        self.groups, self.arch = groups, arch
+        self.pool = groups.pool
+        self.chunks = [unwrap(c) for c in chunks]
+        self.received = self.peak = 0
+        self._layers = self._local_layers()
+        self._stage_layers = self._all_stage_layers()
+        self._top = self._local_top_params()
+        self._direct: tuple[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+
+    # ---- setup -------------------------------------------------------------------------------------------
+    def _local_layers(self) -> list[tuple[int, list[_Param]]]:
+        layers = []
+        for model in self.chunks:
+            offset = model.stage_layout.layer_offset
+            for i, layer in enumerate(model.decoder.layers):
+                params = [_Param(n, p, rule_for(f"decoder.layers.{i}.{n}", self.arch, offset))
+                          for n, p in layer.named_parameters()]
+                layers.append((offset + i, params))
+        layers.sort(key=lambda x: x[0])
+        expected = self.arch.num_layers // self.pool.pp
+        if len(layers) != expected:
+            raise WeightSyncError(f"this stage holds {len(layers)} layers, the layout expects {expected} (L/pp)")
+        return layers
+
+    def _all_stage_layers(self) -> list[list[int]]:
+        mine = [g for g, _ in self._layers]
+        if self.pool.pp == 1:
+            return [mine]
+        out: list[Any] = [None] * self.pool.pp
+        dist.all_gather_object(out, mine, group=self.groups["pp"])
+        return out
+
+    def _local_top_params(self) -> dict[str, _Param]:
+        top = {}
+        for model in self.chunks:
+            for name, p in model.named_parameters():
+                if name.startswith("decoder.layers."):
+                    continue
+                if name == "output_layer.weight" and self.arch.tie_word_embeddings:
+                    continue  # vLLM ties lm_head to embed_tokens; take the stage-0 copy
+                top[name] = _Param(name, p, rule_for(name, self.arch))
+        return top
+
+    def check_coverage(self, vllm_names: set[str]) -> None:
+        """The slices produced are exactly the receiving model's parameters."""
+        names = {vllm_name(p.rule) for _, params in self._layers for p in params}
+        for stage_layers in self._stage_layers:
+            for g in stage_layers:
+                names |= {vllm_name(rule_for(f"decoder.layers.0.{p.suffix}", self.arch, g)) for p in self._layers[0][1]}
+        names |= {"model.embed_tokens.weight", "model.norm.weight"}
+        if not self.arch.tie_word_embeddings:
+            names.add("lm_head.weight")
+        if names != vllm_names:
+            missing, extra = sorted(vllm_names - names), sorted(names - vllm_names)
+            raise WeightSyncError(
+                f"weight sync does not cover vLLM's model exactly (vLLM-only: {missing[:3]}, sync-only: {extra[:3]}); "
+                "the HF config given to vLLM and the Megatron model differ")
+
+    def model_bytes(self) -> int:
+        """M: bytes of the model's HF tensors in the training dtype (embeddings once when tied)."""
+        return self.arch.num_parameters() * self._layers[0][1][0].tensor.element_size()
+
+    # ---- produce -----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def produce(self, sink: InPlaceTransport) -> None:
+        """Write this rank's vLLM slices of the current weights into ``sink``."""
+        self._sync_vocab(sink, "embedding.word_embeddings.weight", "model.embed_tokens.weight", stage=0)
+        if self.pool.micro_dp == 1 and self.pool.pp == 1 and not sink.repacks:
+            self._copy_layers_direct(sink)
+        else:
+            for step in range(len(self._layers)):
+                self._sync_layer(sink, step)
+                sink.commit()
+        last = self.pool.pp - 1
+        self._sync_replicated(sink, "decoder.final_layernorm.weight", "model.norm.weight", stage=last)
+        if not self.arch.tie_word_embeddings:
+            self._sync_vocab(sink, "output_layer.weight", "lm_head.weight", stage=last)
+        sink.commit()
+
+    def full_tensors(self):
+        """Reference path: every rank streams the full HF tensors (its received bytes counted)."""
+        local = sum(self._useful_local_bytes(p) for _, params in self._layers for p in params)
+        local += sum(self._useful_local_bytes(p) for p in self._top.values())
+        streamed = 0
+        for name, tensor in iter_hf_tensors(self.chunks, self.arch, self.groups):
+            streamed += _nbytes(tensor)
+            self.peak = max(self.peak, _nbytes(tensor) * 2)  # gathered shards + the converted full tensor
+            yield name, tensor
+        self.received = streamed - local
+
+    def _copy_layers_direct(self, sink: InPlaceTransport) -> None:
+        """No communication (t = tg, p = 1): strided copies from Megatron's parameters straight into vLLM's.
+
+        The copy plan is built once and reused while both sides keep their storage (offload/onload or a vLLM
+        restart moves it, which the pointer key detects)."""
+        key = tuple(p.tensor.data_ptr() for _, params in self._layers for p in params)
+        key += tuple(t.data_ptr() for t in sink.params.values())
+        if self._direct is None or self._direct[0] != key:
+            pairs = []
+            for _, params in self._layers:
+                for p in params:
+                    shape = block_shape(p.rule, p.tensor.shape, 1)
+                    pairs += block_copies(p.rule, sink.buffer(vllm_name(p.rule), shape), [p.tensor.data], self.arch)
+            self._direct = (key, pairs)
+        for dst, src in self._direct[1]:
+            dst.copy_(src)
+
+    def _sync_layer(self, sink: InPlaceTransport, step: int) -> None:
+        _, params = self._layers[step]
+        m, p_size = self.pool.micro_dp, self.pool.pp
+        sharded = [p for p in params if p.rule.kind != "replicated"]
+        shards: dict[str, list[torch.Tensor]] = {p.suffix: [p.tensor.data] for p in params}
+        live = 0
+        if m > 1 and sharded:
+            flat = torch.cat([p.tensor.data.reshape(-1) for p in sharded])
+            gathered = _all_gather(flat, m, self.groups["micro_dp"])
+            self.received += (m - 1) * _nbytes(flat)
+            live += _nbytes(flat) + _nbytes(gathered)
+            offset = 0
+            for p in sharded:
+                n = p.tensor.numel()
+                shards[p.suffix] = [gathered[i, offset:offset + n].view(p.tensor.shape) for i in range(m)]
+                offset += n
+        shapes = [(p, block_shape(p.rule, p.tensor.shape, m if p.rule.kind != "replicated" else 1)) for p in params]
+        if p_size == 1:
+            for p, shape in shapes:
+                write_block(p.rule, sink.buffer(vllm_name(p.rule), shape), shards[p.suffix], self.arch)
+            self.peak = max(self.peak, live)
+            return
+        # pp > 1: convert into one staging buffer, all-gather it over the pipeline group, write every stage's part.
+        sizes = [_numel(shape) for _, shape in shapes]
+        stage_buf = torch.empty(sum(sizes), dtype=sink.dtype, device=params[0].tensor.device)
+        offset = 0
+        for (p, shape), n in zip(shapes, sizes):
+            write_block(p.rule, stage_buf[offset:offset + n].view(shape), shards[p.suffix], self.arch)
+            offset += n
+        everyone = _all_gather(stage_buf, p_size, self.groups["pp"])
+        self.received += (p_size - 1) * _nbytes(stage_buf)
+        self.peak = max(self.peak, live + _nbytes(stage_buf) + _nbytes(everyone))
+        for stage in range(p_size):
+            g = self._stage_layers[stage][step]
+            offset = 0
+            for (p, shape), n in zip(shapes, sizes):
+                name = vllm_name(rule_for(f"decoder.layers.0.{p.suffix}", self.arch, g))
+                sink.buffer(name, shape).copy_(everyone[stage, offset:offset + n].view(shape))
+                offset += n
+
+    def _sync_replicated(self, sink: InPlaceTransport, mcore_name: str, vllm_param: str, stage: int) -> None:
+        dst = sink.buffer(vllm_param, (self.arch.hidden_size,))
+        if self.groups.pp_rank == stage:
+            dst.copy_(self._top[mcore_name].tensor.data)
+        self._pp_broadcast(dst, stage)
+
+    def _sync_vocab(self, sink: InPlaceTransport, mcore_name: str, vllm_param: str, stage: int) -> None:
+        module = sink.module(vllm_param.rpartition(".")[0])
+        tg, j = self.pool.gen_tp, self.groups.coords["gen_tp"]
+        rows = vllm_vocab_rows(self.arch.vocab_size, tg, getattr(module, "padding_size", 64))
+        need = rows[j]
+        indices = getattr(module, "shard_indices", None)
+        if indices is not None and (indices.org_vocab_start_index, indices.org_vocab_end_index) != (need.start, need.end):
+            raise WeightSyncError(f"{vllm_param}: vLLM keeps rows {indices}, the sync planned {need}")
+        dst = sink.buffer(vllm_param, (need.partition_rows, self.arch.hidden_size))
+        if self.groups.pp_rank == stage:
+            shard = self._top[mcore_name].tensor.data
+            t, me, tp_ranks = self.pool.tp, self.groups.tp_rank, self.groups.ranks("tp")
+            per = shard.shape[0]
+            ops = []
+            for tr in vocab_row_plan(per * t, t, self.pool.micro_dp, rows):
+                if tr.dst == me:
+                    into = dst[tr.start - need.start:tr.end - need.start]
+                    if tr.src == me:
+                        into.copy_(shard[tr.start - me * per:tr.end - me * per])
+                    else:
+                        recv = into if into.dtype == shard.dtype else torch.empty_like(into, dtype=shard.dtype)
+                        ops.append((dist.P2POp(dist.irecv, recv, tp_ranks[tr.src]), into, recv))
+                        self.received += _nbytes(recv)
+                elif tr.src == me:
+                    rows_out = shard[tr.start - me * per:tr.end - me * per].contiguous()
+                    ops.append((dist.P2POp(dist.isend, rows_out, tp_ranks[tr.dst]), None, None))
+            if ops:
+                for req in dist.batch_isend_irecv([op for op, _, _ in ops]):
+                    req.wait()
+                for _, into, recv in ops:
+                    if into is not None and recv is not into:
+                        into.copy_(recv)
+            dst[need.end - need.start:].zero_()
+        self._pp_broadcast(dst, stage)
+
+    def _pp_broadcast(self, dst: torch.Tensor, stage: int) -> None:
+        if self.pool.pp == 1:
+            return
+        buf = dst if dst.is_contiguous() else dst.contiguous()
+        dist.broadcast(buf, src=self.groups.global_rank("pp", stage), group=self.groups["pp"])
+        if buf is not dst:
+            dst.copy_(buf)
+        if self.groups.pp_rank != stage:
+            self.received += _nbytes(buf)
+
+    def _useful_local_bytes(self, p: _Param) -> int:
+        """Bytes of this rank's shard that appear in the HF tensors (Megatron's vocab padding rows do not)."""
+        t = p.tensor
+        if p.rule.kind == "vocab":
+            per, rank = t.shape[0], self.groups.tp_rank
+            rows = max(0, min(self.arch.vocab_size, (rank + 1) * per) - rank * per)
+            return rows * t[0].numel() * t.element_size()
+        return _nbytes(t)
+
+
+class WeightSync:
+    """Training weights → this rank's vLLM engine: the producer writing through a transport (in place when
+    colocated), or the reference path. Collective over the pool: all ranks call :meth:`sync` together."""
+
+    def __init__(self, producer: WeightProducer, rollout, mode: str = "inplace") -> None:
+        if mode not in MODES:
+            raise ValueError(f"weight sync mode={mode!r} is not one of {MODES}")
+        self.producer, self.rollout, self.mode = producer, rollout, mode
+        self.version = 0
+        self._transport: InPlaceTransport | None = None
+        producer.check_coverage({n for n, _ in rollout.model.named_parameters()})
+
+    @torch.no_grad()
+    def sync(self) -> dict[str, float]:
+        """Write the current training weights into vLLM; returns bytes, timing and the new weight version."""
+        producer = self.producer
+        producer.received = producer.peak = 0
+        self.rollout.wake_up(["weights"])  # a sleeping engine's weight memory may be unmapped (GPU, level 2)
+        _synchronize()
+        start = time.perf_counter()
+        if self.mode == "inplace":
+            model = self.rollout.model
+            if self._transport is None or self._transport.model is not model:
+                self._transport = InPlaceTransport(model, repacks=self.rollout.is_cpu)
+            producer.produce(self._transport)
+        else:
+            self.rollout.load_full_weights(producer.full_tensors())
+        _synchronize()
+        seconds = time.perf_counter() - start
+        self.version += 1
+        self.rollout.weights_updated()
+        model_bytes, pool = producer.model_bytes(), producer.pool
+        return {
+            "weight_sync/seconds": seconds,
+            "weight_sync/bytes_received": float(producer.received),
+            "weight_sync/predicted_bytes": float(pool.sync_bytes_per_rank(model_bytes)),
+            "weight_sync/peak_buffer_bytes": float(producer.peak),
+            "weight_sync/generation_weight_bytes": float(pool.generation_weight_bytes(model_bytes)),
+            "weight_sync/model_bytes": float(model_bytes),
+            "weight_sync/version": float(self.version),
+        }
+
+
+def _all_gather(flat: torch.Tensor, n: int, group) -> torch.Tensor:
+    """[n, numel] of every member's ``flat`` (a flat output buffer: gloo requires one)."""
+    out = torch.empty(n * flat.numel(), dtype=flat.dtype, device=flat.device)
+    dist.all_gather_into_tensor(out, flat, group=group)
+    return out.view(n, flat.numel())
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()

@@ -1,0 +1,359 @@
+"""The one placement of a job: named rank pools, which role runs on which pool, each pool's parallel layout, and
+every process group, as pure arithmetic over integers.
+
+This is the only rank arithmetic in the package. The trainer, the 3D-HybridEngine, the topology scheduler, the
+planner and the 1024-rank dry run all read the same :class:`Placement`; nothing here touches torch.distributed, so
+placements of thousands of ranks are built and checked in one process.
+
+**Training groups** follow Megatron-Core's rank order ``tp-cp-ep-dp-pp`` inside each pool (tp fastest): dense
+groups use the grid (tp, cp, dp, pp), expert groups the grid (etp, ep, edp, pp) over the same ranks, exactly as
+``megatron.core.parallel_state`` builds them; the unit tests compare both with mcore's own generators.
+
+**Generation groups** (HybridFlow §5, the 3D-HybridEngine). Inside every training TP group ``[r0 … r(t-1)]`` of a
+pool that trains and generates, with m = tp/gen_tp:
+
+* the generation TP group of position k takes the ranks strided by m: ``r(k), r(k+m), …`` — so the concatenation
+  of the training shards ``j·m … j·m+m-1`` is exactly generation block j and every rank reuses its own shard;
+* the micro-DP group is a run of m consecutive ranks ``r(j·m) … r(j·m+m-1)``: an all-gather inside it turns each
+  rank's 1/t shard into generation block j.
+
+Each generation TP group is one vLLM engine. A rollout-only pool (``trains=False``) cuts its ranks into consecutive
+engines of gen_tp ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Iterable, Mapping
+
+ROLES = ("actor", "critic", "ref", "reward_model", "rollout")
+TRAINING_ROLES = ("actor", "critic", "ref", "reward_model")
+DEFAULT_POOL = "main"
+# Every group kind a rank belongs to, in the order groups are built (the same order on every rank).
+DENSE_KINDS = {"tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "pp": ("pp",), "dp_cp": ("cp", "dp"),
+               "tp_cp": ("tp", "cp"), "mp": ("tp", "pp"), "tp_dp_cp": ("tp", "cp", "dp"), "pool": ("tp", "cp", "dp", "pp")}
+EXPERT_KINDS = {"ep": ("ep",), "etp": ("etp",), "edp": ("edp",), "tp_ep": ("etp", "ep"), "tp_ep_pp": ("etp", "ep", "pp")}
+GENERATION_KINDS = ("gen_tp", "micro_dp")
+GROUP_KINDS = (*DENSE_KINDS, "embd", *EXPERT_KINDS, *GENERATION_KINDS)
+# What placement.json records for every rank.
+JSON_KINDS = ("tp", "pp", "dp", "cp", "ep", "gen_tp", "micro_dp")
+
+
+class PlacementError(ValueError):
+    """An impossible placement; the message is one line naming the pool or key and the fix."""
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _grid_groups(ranks: tuple[int, ...], shape: tuple[tuple[str, int], ...], dims: Iterable[str]
+                 ) -> tuple[tuple[int, ...], ...]:
+    """Groups of ``ranks`` laid out on a mixed-radix grid (first dim fastest) that vary only along ``dims``.
+
+    Members come out in ascending grid order, groups in the order of their first member."""
+    dims = set(dims)
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for index, rank in enumerate(ranks):
+        key, rest = [], index
+        for name, size in shape:
+            if name not in dims:
+                key.append(rest % size)
+            rest //= size
+        groups.setdefault(tuple(key), []).append(rank)
+    return tuple(tuple(g) for g in groups.values())
+
+
+@dataclass(frozen=True, kw_only=True)
+class Pool:
+    """A set of ranks and its layout. ``dp`` is derived: size / (tp·pp·cp). For the expert grid, ``etp`` (default:
+    tp) and ``ep`` split tp·cp·dp, the rest is expert data parallelism. ``gen_tp`` (default: tp) and ``gen_ep`` shape
+    the vLLM engines when the pool generates; a pool that does not train (``trains=False``) only generates."""
+
+    name: str
+    ranks: tuple[int, ...]
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+    cp: int = 1
+    ep: int = 1
+    etp: int | None = None
+    gen_tp: int | None = None
+    gen_ep: int = 1
+    sequence_parallel: bool = False
+    trains: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ranks", tuple(self.ranks))
+        if self.etp is None:
+            object.__setattr__(self, "etp", self.tp)
+        if self.gen_tp is None:
+            object.__setattr__(self, "gen_tp", self.tp if self.trains else 1)
+        where = f"placement pool {self.name!r}"
+        for key in ("tp", "pp", "cp", "ep", "etp", "gen_tp", "gen_ep"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise PlacementError(f"{where}: {key}={value!r} must be a positive int")
+        if not self.ranks or len(set(self.ranks)) != len(self.ranks) or min(self.ranks) < 0:
+            raise PlacementError(f"{where}: ranks must be distinct non-negative ints, got {list(self.ranks)[:8]}")
+        if self.sequence_parallel and self.tp == 1:
+            raise PlacementError(f"{where}: sequence_parallel needs tp > 1; set tp > 1 or sequence_parallel=false")
+        if self.vpp is not None and (self.vpp < 2 or self.pp < 2):
+            raise PlacementError(f"{where}: vpp={self.vpp} needs vpp >= 2 and pp > 1 (pp={self.pp}); set vpp=null")
+        model_parallel = self.tp * self.pp * self.cp
+        if self.size % model_parallel:
+            raise PlacementError(f"{where}: its {self.size} ranks are not divisible by tp·pp·cp = {self.tp}·{self.pp}·"
+                                 f"{self.cp} = {model_parallel}; choose tp, pp, cp whose product divides {self.size}")
+        dense_replica = self.tp * self.cp * self.dp
+        if dense_replica % (self.etp * self.ep):
+            raise PlacementError(f"{where}: etp·ep = {self.etp}·{self.ep} must divide tp·cp·dp = {dense_replica} "
+                                 f"(experts are laid over the same ranks); choose ep among "
+                                 f"{_divisors(dense_replica // self.etp)}")
+        if self.trains and self.tp % self.gen_tp:
+            raise PlacementError(f"{where}: gen_tp={self.gen_tp} must divide tp={self.tp} so that every rank reuses its "
+                                 f"own training shard; choose gen_tp among {_divisors(self.tp)}")
+        if self.size % (self.gen_tp * self.gen_ep):
+            raise PlacementError(f"{where}: gen_tp·gen_ep = {self.gen_tp}·{self.gen_ep} must divide its {self.size} "
+                                 f"ranks; choose gen_tp among {_divisors(self.size)}")
+
+    # ---- sizes --------------------------------------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def dp(self) -> int:
+        return self.size // (self.tp * self.pp * self.cp)
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks in a pipeline: pp·vpp."""
+        return self.pp * (self.vpp or 1)
+
+    @property
+    def edp(self) -> int:
+        return self.size // (self.etp * self.ep * self.pp)
+
+    @property
+    def micro_dp(self) -> int:
+        """m = tp/gen_tp: training TP ranks whose shards make one generation block (1 for rollout-only pools)."""
+        return self.tp // self.gen_tp if self.trains else 1
+
+    @property
+    def num_engines(self) -> int:
+        return self.size // self.gen_tp
+
+    def describe(self) -> str:
+        if not self.trains:
+            return f"{self.name}: {self.size} ranks, generation only, gen_tp={self.gen_tp} ({self.num_engines} engines)"
+        parts = [f"tp={self.tp}", f"pp={self.pp}"] + ([f"vpp={self.vpp}"] if self.vpp else [])
+        parts += [f"cp={self.cp}"] * (self.cp > 1) + [f"ep={self.ep}", f"etp={self.etp}"] * (self.ep > 1)
+        parts += [f"dp={self.dp}", f"gen_tp={self.gen_tp}"] + ["sp"] * self.sequence_parallel
+        return f"{self.name}: {self.size} ranks, " + " ".join(parts)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "size": self.size, "first_rank": self.ranks[0], "trains": self.trains,
+                **{k: getattr(self, k) for k in ("tp", "pp", "vpp", "cp", "ep", "etp", "dp", "gen_tp", "gen_ep",
+                                                 "sequence_parallel")}}
+
+    # ---- groups -------------------------------------------------------------------------------------------
+    @cached_property
+    def _dense_shape(self) -> tuple[tuple[str, int], ...]:
+        return (("tp", self.tp), ("cp", self.cp), ("dp", self.dp), ("pp", self.pp))
+
+    @cached_property
+    def _all_groups(self) -> dict[str, tuple[tuple[int, ...], ...]]:
+        out = {kind: _grid_groups(self.ranks, self._dense_shape, dims) for kind, dims in DENSE_KINDS.items()}
+        # mcore's embedding group: the first and last stage of each pipeline (word embeddings tied or not)
+        out["embd"] = tuple(tuple(sorted({g[0], g[-1]})) for g in out["pp"])
+        expert_shape = (("etp", self.etp), ("ep", self.ep), ("edp", self.edp), ("pp", self.pp))
+        out.update({kind: _grid_groups(self.ranks, expert_shape, dims) for kind, dims in EXPERT_KINDS.items()})
+        if self.trains:
+            m, gen, micro = self.micro_dp, [], []
+            for tp_group in out["tp"]:
+                gen += [tp_group[k::m] for k in range(m)]
+                micro += [tp_group[j * m:(j + 1) * m] for j in range(self.gen_tp)]
+            out["gen_tp"], out["micro_dp"] = tuple(gen), tuple(micro)
+        else:
+            out["gen_tp"] = tuple(self.ranks[i:i + self.gen_tp] for i in range(0, self.size, self.gen_tp))
+            out["micro_dp"] = tuple((r,) for r in self.ranks)
+        return out
+
+    def groups(self, kind: str) -> tuple[tuple[int, ...], ...]:
+        """Every group of ``kind`` (see ``GROUP_KINDS``) in this pool. Engines are numbered in ``gen_tp`` order."""
+        if kind not in self._all_groups:
+            raise PlacementError(f"unknown group kind {kind!r}; one of {', '.join(GROUP_KINDS)}")
+        return self._all_groups[kind]
+
+    @cached_property
+    def _member_of(self) -> dict[str, dict[int, int]]:
+        return {kind: {r: i for i, g in enumerate(groups) for r in g} for kind, groups in self._all_groups.items()}
+
+    def group_of(self, kind: str, rank: int) -> tuple[int, ...]:
+        return self.groups(kind)[self._index(kind, rank)]
+
+    def _index(self, kind: str, rank: int) -> int:
+        self.groups(kind)
+        if rank not in self._member_of[kind]:
+            raise PlacementError(f"rank {rank} is not in pool {self.name!r}")
+        return self._member_of[kind][rank]
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """The rank's position along every dimension: tp, cp, dp, pp, ep, etp, edp, gen_tp (its block j), engine."""
+        index = self.ranks.index(rank)
+        out = {}
+        for shape in (self._dense_shape, (("etp", self.etp), ("ep", self.ep), ("edp", self.edp), ("pp", self.pp))):
+            rest = index
+            for name, size in shape:
+                out[name] = rest % size
+                rest //= size
+        out["engine"] = self._index("gen_tp", rank)
+        out["gen_tp"] = self.group_of("gen_tp", rank).index(rank)
+        return out
+
+    def vllm_rank_order(self) -> list[int]:
+        """vLLM builds TP groups from consecutive ranks; position v of this list is the rank that plays vLLM rank v,
+        so vLLM's consecutive groups are our (strided) generation TP groups, engine by engine. Every group is
+        ascending in rank, which matters because ``torch.distributed.new_group`` sorts its members."""
+        return [rank for group in self.groups("gen_tp") for rank in group]
+
+    # ---- HybridFlow Table 2 (pg = 1) ------------------------------------------------------------------------
+    def sync_bytes_per_rank(self, model_bytes: float) -> float:
+        """Bytes one rank receives at the training → generation switch: (t·p − tg)/(tg·t·p)·M."""
+        tp_total = self.tp * self.pp
+        return model_bytes * (tp_total - self.gen_tp) / (self.gen_tp * tp_total)
+
+    def generation_weight_bytes(self, model_bytes: float) -> float:
+        """Generation weights one rank holds: M/tg."""
+        return model_bytes / self.gen_tp
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Pools that partition the world's ranks, and the pool of every role. Colocated = rollout pool is the actor's
+    pool; a role left out runs on the actor's pool."""
+
+    world_size: int
+    pools: tuple[Pool, ...]
+    roles: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pools", tuple(self.pools))
+        names = [p.name for p in self.pools]
+        if len(set(names)) != len(names):
+            raise PlacementError(f"placement: pool names repeat: {names}")
+        owner: dict[int, str] = {}
+        for pool in self.pools:
+            for r in pool.ranks:
+                if r in owner:
+                    raise PlacementError(f"placement: rank {r} is in pools {owner[r]!r} and {pool.name!r}; pools must "
+                                         f"not overlap")
+                owner[r] = pool.name
+        if sorted(owner) != list(range(self.world_size)):
+            raise PlacementError(f"placement: the pools hold {len(owner)} ranks but the world has {self.world_size}; "
+                                 f"make the pool sizes add up to the number of processes")
+        unknown = sorted(set(self.roles) - set(ROLES))
+        if unknown:
+            raise PlacementError(f"placement.roles: unknown role(s) {unknown}; roles are {', '.join(ROLES)}")
+        roles = dict(self.roles)
+        if "actor" not in roles:
+            if len(self.pools) > 1:
+                raise PlacementError("placement.roles.actor is not set and there are several pools; name the actor's "
+                                     "pool, e.g. placement.roles={actor: train, rollout: rollout}")
+            roles["actor"] = self.pools[0].name
+        for role in ROLES:
+            roles.setdefault(role, roles["actor"])
+        for role, name in roles.items():
+            if name not in names:
+                raise PlacementError(f"placement.roles.{role}={name!r} is not a pool; pools are {names}")
+        for role in TRAINING_ROLES:
+            if not self.pool(roles[role]).trains:
+                raise PlacementError(f"placement: role {role} runs on pool {roles[role]!r}, which only generates; put "
+                                     f"{role} on a training pool")
+        object.__setattr__(self, "roles", roles)
+        object.__setattr__(self, "_owner", owner)
+
+    @classmethod
+    def single(cls, world_size: int, **dims: Any) -> "Placement":
+        """Everything on one pool of all ranks (today's ``parallel.*`` spelling): the colocated placement."""
+        return cls(world_size, (Pool(name=DEFAULT_POOL, ranks=tuple(range(world_size)), **dims),))
+
+    @classmethod
+    def from_config(cls, cfg: Any, world_size: int) -> "Placement":
+        """From a TrainConfig: ``placement.pools`` (name → size and dims, laid out in rank order) and
+        ``placement.roles`` when given, else one pool from ``parallel.*`` and ``rollout.gen_tp``."""
+        spec = getattr(cfg, "placement", None)
+        if spec is None or not spec.pools:
+            p = cfg.parallel
+            if p.dp is not None and p.dp * p.tp * p.pp * p.cp != world_size:
+                raise PlacementError(f"parallel: tp·pp·cp·dp = {p.tp}·{p.pp}·{p.cp}·{p.dp} = "
+                                     f"{p.tp * p.pp * p.cp * p.dp} does not equal the world size {world_size}; set "
+                                     f"parallel.dp=null to derive dp, or start {p.tp * p.pp * p.cp * p.dp} processes")
+            return cls.single(world_size, tp=p.tp, pp=p.pp, vpp=p.vpp, cp=p.cp, gen_tp=cfg.rollout.gen_tp,
+                              sequence_parallel=p.sequence_parallel)
+        pools, start = [], 0
+        trained = {spec.roles.get(r, spec.roles.get("actor")) for r in TRAINING_ROLES}
+        for name, dims in spec.pools.items():
+            dims = dict(dims)
+            size = dims.pop("size")
+            trains = name in trained
+            pools.append(Pool(name=name, ranks=tuple(range(start, start + size)), trains=trains,
+                              sequence_parallel=trains and cfg.parallel.sequence_parallel, **dims))
+            start += size
+        return cls(world_size, tuple(pools), dict(spec.roles))
+
+    # ---- lookups ------------------------------------------------------------------------------------------
+    def pool(self, name: str) -> Pool:
+        for p in self.pools:
+            if p.name == name:
+                return p
+        raise PlacementError(f"placement has no pool {name!r}; pools are {[p.name for p in self.pools]}")
+
+    def pool_of(self, role: str) -> Pool:
+        return self.pool(self.roles[role])
+
+    def pool_of_rank(self, rank: int) -> Pool:
+        return self.pool(self._owner[rank])  # type: ignore[attr-defined]
+
+    @property
+    def colocated(self) -> bool:
+        return self.roles["rollout"] == self.roles["actor"]
+
+    def describe(self) -> str:
+        roles = ", ".join(f"{r}→{p}" for r, p in self.roles.items())
+        return "; ".join(p.describe() for p in self.pools) + f"; roles {roles}"
+
+    def rank_record(self, rank: int) -> dict[str, Any]:
+        """What placement.json says about one rank (devices are added by the topology scheduler)."""
+        pool = self.pool_of_rank(rank)
+        groups = {kind: list(pool.group_of(kind, rank)) for kind in JSON_KINDS}
+        return {"rank": rank, "pool": pool.name, "coords": pool.coords(rank), "groups": groups}
+
+    def check(self) -> list[str]:
+        """Verify the group arithmetic of every rank of every pool; returns the checks made (raises on failure).
+
+        The generation groups must partition each training TP group, be strided by m and ascending, and meet the
+        micro-DP group in exactly one rank; every group kind must partition its pool."""
+        done = []
+        for pool in self.pools:
+            for kind in GROUP_KINDS:
+                flat = sorted(r for g in pool.groups(kind) for r in g)
+                if kind != "embd" and flat != sorted(pool.ranks):
+                    raise PlacementError(f"pool {pool.name!r}: {kind} groups do not partition the pool")
+            if pool.trains:
+                m = pool.micro_dp
+                for rank in pool.ranks:
+                    gen, tp = pool.group_of("gen_tp", rank), pool.group_of("tp", rank)
+                    micro = pool.group_of("micro_dp", rank)
+                    if not set(gen) <= set(tp) or list(gen) != sorted(gen) or len(gen) != pool.gen_tp:
+                        raise PlacementError(f"pool {pool.name!r}: generation TP group {gen} is not an ascending "
+                                             f"subset of TP group {tp}")
+                    if any(tp.index(b) - tp.index(a) != m for a, b in zip(gen, gen[1:])):
+                        raise PlacementError(f"pool {pool.name!r}: generation TP group {gen} is not strided by {m}")
+                    if set(gen) & set(micro) != {rank}:
+                        raise PlacementError(f"pool {pool.name!r}: generation TP {gen} and micro-DP {micro} groups "
+                                             f"must meet in rank {rank} only")
+            done.append(f"{pool.describe()}: {len(GROUP_KINDS)} group kinds partition the pool; generation groups "
+                        f"strided by {pool.micro_dp} inside TP groups, one rank in common with micro-DP")
+        return done

@@ -1,0 +1,167 @@
+"""The ``Rollout`` protocol and its colocated implementation (HybridFlow's 3D-HybridEngine timeline).
+
+A rollout turns the global prompt batch into samples tagged with the weight version that generated them, receives
+new weights after every update, and releases / restores its memory. :class:`ColocatedRollout` runs vLLM in-process
+on the training ranks and owns the switch between training and generation::
+
+    offload idle training state → wake vLLM → generate this engine's share → gather every engine's samples
+    → vLLM sleeps (KV cache freed) → training state returns
+
+``HybridEngine`` is the same class under the name users were promised; ``HybridEngine().is_available()`` answers,
+without building anything, whether this process can run it (and :meth:`ColocatedRollout.why_unavailable` says why
+not). On a single device the same code runs with every communication step skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Protocol, Sequence
+
+import torch
+
+from verl_mega.rollout.vllm_rollout import SamplingSpec, VLLMRollout
+
+logger = logging.getLogger(__name__)
+SEED_MODULUS = 2**31 - 1
+
+# (prompt index in the global batch, generated token ids, sampled-token log-probs)
+Sample = tuple[int, list[int], list[float]]
+
+
+@dataclass
+class Generated:
+    """Every engine's samples for one sampling spec, prompt-major, and the weight versions that made them."""
+
+    samples: list[Sample]
+    versions: set[int]
+
+
+class Rollout(Protocol):
+    """What the trainer needs from a rollout, wherever its engines run."""
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], specs: Sequence[SamplingSpec]) -> list[Generated]: ...
+
+    def update_weights(self) -> dict[str, float]: ...
+
+    def release_memory(self) -> None: ...
+
+    def restore_memory(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+class ColocatedRollout:
+    """vLLM engines inside the training ranks; weights arrive through the 3D-HybridEngine's in-place sync.
+
+    ``weight_sync``: an object whose ``sync()`` writes the actor's weights into ``engine`` (hybrid.WeightSync).
+    ``gather_group``: the pool's process group, over which every engine's samples are shared. ``offload``:
+    called with True before generation and False after, to move idle training state out of the way.
+    ``profiler``: records the sub-stages (wake-up, prefill, decode, postprocess, sleep) under ``rollout``.
+    """
+
+    def __init__(self, engine: VLLMRollout | None = None, *, weight_sync: Any = None, gather_group: Any = None,
+                 offload: Callable[[bool], None] | None = None, free_cache: bool = True, profiler: Any = None) -> None:
+        self.engine, self.weight_sync, self.gather_group = engine, weight_sync, gather_group
+        self.offload, self.free_cache, self.profiler = offload, free_cache, profiler
+
+    # ---- availability ------------------------------------------------------------------------------------
+    @staticmethod
+    def why_unavailable() -> str | None:
+        """None when this process can run colocated rollout, else the reason and the fix."""
+        import torch.distributed as dist
+
+        try:
+            from vllm.platforms import current_platform
+        except Exception as exc:  # vLLM import errors vary by build
+            return f"vLLM is not importable ({type(exc).__name__}: {exc}); install verl_mega[gpu] or verl_mega[cpu]"
+        cuda = torch.cuda.is_available()
+        if cuda and current_platform.is_cpu():
+            return "CUDA is present but the installed vLLM is the CPU build; install verl_mega[gpu]"
+        if not cuda and not current_platform.is_cpu():
+            return "no CUDA device and vLLM is not the CPU build; install verl_mega[cpu] for CPU mode"
+        if dist.is_initialized():
+            backend = str(dist.get_backend())
+            if cuda and "nccl" not in backend:
+                return f"torch.distributed uses {backend!r} on GPUs; initialise it with NCCL"
+        elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            return "WORLD_SIZE > 1 but torch.distributed is not initialised; call parallel.state.init_distributed()"
+        if cuda and not dist.is_nccl_available():
+            return "this PyTorch build has no NCCL; GPU weight sync needs it"
+        return None
+
+    def is_available(self) -> bool:
+        reason = self.why_unavailable()
+        if reason is not None:
+            logger.warning("HybridEngine unavailable: %s", reason)
+        return reason is None
+
+    # ---- the protocol ------------------------------------------------------------------------------------
+    @property
+    def weight_version(self) -> int:
+        return self._ready().weight_version
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], specs: Sequence[SamplingSpec]) -> list[Generated]:
+        """Every rank passes the global prompt batch; each engine generates its share under every spec (one wake
+        for all of them); all ranks get all samples. An explicit ``spec.seed`` is the batch's base seed: prompt i
+        of the batch samples with ``seed + i``, whichever engine runs it."""
+        import torch.distributed as dist
+
+        engine, prof = self._ready(), self.profiler
+        t0 = prof.now()
+        self._offload(True)  # free the accelerator for the KV cache while vLLM generates
+        engine.wake_up()
+        prof.record("wake_up", t0, prof.now(), parent="rollout")  # vLLM re-maps weights and KV cache
+        mine = engine.engine_share(list(range(len(prompt_ids))))
+        local = []
+        for spec in specs:
+            if spec.seed is not None:
+                spec = replace(spec, seed=(spec.seed + (mine[0] if mine else 0)) % SEED_MODULUS)
+            gen = engine.generate([prompt_ids[i] for i in mine], spec)
+            if gen.phases is not None:  # vLLM's request stats split the call into prefill and the decode loop
+                prof.record("prefill", gen.phases["start"], gen.phases["first_tokens"], parent="rollout")
+                prof.record("decode", gen.phases["first_tokens"], gen.phases["end"], parent="rollout")
+                prof.add_counter("decode_steps", gen.phases["decode_steps"])
+            local.append([(mine[p], ids, lps) for p, ids, lps in zip(gen.prompt_index, gen.token_ids, gen.logprobs)])
+        generated_at = prof.now()
+        gathered: list = [None] * dist.get_world_size(self.gather_group)
+        dist.all_gather_object(gathered, (engine.engine_index, local, engine.weight_version), group=self.gather_group)
+        handoff_from = prof.now()
+        prof.record("postprocess", generated_at, handoff_from, parent="rollout")  # the gather; packing follows
+        if self.free_cache:
+            engine.sleep()
+        self._offload(False)
+        prof.record("sleep", handoff_from, prof.now(), parent="rollout")  # vLLM frees memory, training state returns
+        by_engine = {e: (per_spec, v) for e, per_spec, v in gathered}
+        versions = {v for _, v in by_engine.values()}
+        return [Generated([s for e in sorted(by_engine) for s in by_engine[e][0][k]], versions)
+                for k in range(len(specs))]
+
+    def update_weights(self) -> dict[str, float]:
+        """Write the actor's new weights into vLLM (collective over the pool)."""
+        self._ready()
+        return self.weight_sync.sync()
+
+    def release_memory(self) -> None:
+        self._ready().sleep()
+
+    def restore_memory(self) -> None:
+        self._ready().wake_up()
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+
+    def _offload(self, offload: bool) -> None:
+        if self.offload is not None:
+            self.offload(offload)
+
+    def _ready(self) -> VLLMRollout:
+        if self.engine is None or self.weight_sync is None:
+            raise RuntimeError("this rollout has no engine; build it with trainer.setup.build_rollout")
+        return self.engine
+
+
+HybridEngine = ColocatedRollout
