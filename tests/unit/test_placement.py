@@ -108,11 +108,13 @@ def test_two_pools_at_1024_ranks():
 
 
 @pytest.mark.parametrize("make,match", [
-    (lambda: Pool(name="a", ranks=range(6), tp=4), "not divisible by tp·pp·cp"),
-    (lambda: Pool(name="a", ranks=range(4), tp=4, gen_tp=3), "gen_tp=3 must divide tp=4"),
+    (lambda: Pool(name="a", ranks=range(6), tp=4), "placement.pools.a: 6 ranks are not divisible by tp·pp·cp"),
+    (lambda: Pool(name="a", ranks=range(4), tp=4, gen_tp=3), "pools.a.gen_tp=3 must divide placement.pools.a.tp=4"),
+    (lambda: Pool(name="main", ranks=range(4), tp=4, gen_tp=3), "rollout.gen_tp=3 must divide parallel.tp=4"),
     (lambda: Pool(name="a", ranks=range(4), tp=2, ep=4), "etp·ep = 2·4 must divide"),
     (lambda: Pool(name="a", ranks=range(4), tp=2, gen_tp=0), "positive int"),
     (lambda: Pool(name="a", ranks=range(4), pp=1, vpp=2), "vpp=2 needs"),
+    (lambda: Pool(name="main", ranks=range(4), sequence_parallel=True), "parallel.sequence_parallel=true needs"),
     (lambda: Placement(4, (Pool(name="a", ranks=range(3)),)), "world has 4"),
     (lambda: Placement(4, (Pool(name="a", ranks=range(3)), Pool(name="b", ranks=(2, 3)))), "rank 2 is in pools"),
     (lambda: Placement(4, (Pool(name="a", ranks=range(2)), Pool(name="b", ranks=(2, 3))), {"rollout": "b"}),

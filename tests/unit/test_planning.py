@@ -10,7 +10,7 @@ import pytest
 
 from verl_mega.models.hf_config import ModelArch, arch_from_hf, load_hf_config
 from verl_mega.planning.memory import (
-    Layout,
+    training_pool,
     PlanningError,
     RolloutSpec,
     Workload,
@@ -46,13 +46,13 @@ def test_layer_and_stage_params_by_hand():
     # QKV 64·(4+2·2)·16 + bias 128 + proj 64·64 + fc1 64·256 + fc2 128·64 + two norms 2·64
     assert layer_params(SMALL, 1) == 8192 + 128 + 4096 + 16384 + 8192 + 128 == 37120
     assert layer_params(SMALL, 2) == 4096 + 64 + 2048 + 8192 + 4096 + 128 == 18624
-    lay = Layout(tp=2, pp=2, dp=1, tg=2)
+    lay = training_pool(tp=2, pp=2, dp=1, gen_tp=2)
     # vocabulary padded to a multiple of 128·tp = 256 → 1024 rows, 1024·64/2 per rank
     assert stage_params(SMALL, lay, 0).total == 2 * 18624 + 32768
     assert stage_params(SMALL, lay, 1).total == 2 * 18624 + 32768 + 64  # + output layer + final norm
     assert stage_params(SMALL, lay, 1, value_head=True).total == 2 * 18624 + 64 + 64
     tied = _small(tie_word_embeddings=True)
-    assert stage_params(tied, Layout(tp=2, pp=1, dp=1, tg=2), 0).total == 4 * 18624 + 32768 + 64
+    assert stage_params(tied, training_pool(tp=2, pp=1, dp=1, gen_tp=2), 0).total == 4 * 18624 + 32768 + 64
     assert stage_params(tied, lay, 1).total == 2 * 18624 + 32768 + 64  # mcore keeps a copy on the last stage
     # vLLM pads the vocabulary to 64: 1024 rows; embedding + lm_head + final norm
     assert generation_params(SMALL, 2) == 4 * 18624 + 2 * 1024 * 64 // 2 + 64
@@ -67,7 +67,7 @@ def test_training_state_bytes_by_hand():
 
 # ---------------------------------------------------------------------------------------------------- activations
 def test_layer_activations_by_hand():
-    lay = Layout(tp=2, pp=1, dp=1, tg=2)  # sequence parallel on (tp > 1)
+    lay = training_pool(tp=2, pp=1, dp=1, gen_tp=2)  # sequence parallel on (tp > 1)
     work = Workload(micro_batch=2, seq_len=32, dtype="bf16")
     # per token: norms 2·(4+2·2)·64/2 = 512, q/k/v/out 2·(3·4+4)·16/2 = 256, SwiGLU 5·2·128/2 = 640 → 1408
     kept = 64 * 1408
@@ -75,7 +75,7 @@ def test_layer_activations_by_hand():
     # + log-sum-exp 64 tokens · 4·4/2 B + RoPE cos/sin 4·2·32·16 B
     assert layer_activation_bytes(SMALL, lay, work) == kept + 512 + 4096
     assert layer_activation_bytes(SMALL, lay, work, recompute="full") == 2 * 64 * 64 / 2
-    no_sp = Layout(tp=2, pp=1, dp=1, tg=2, sequence_parallel=False)
+    no_sp = training_pool(tp=2, pp=1, dp=1, gen_tp=2, sequence_parallel=False)
     assert layer_activation_bytes(SMALL, no_sp, work, recompute="selective") == 64 * (1024 + 256 + 640)
     mha = _small(num_kv_heads=4)  # v stays a view of the fused QKV output: a + 2k = 12 heads
     attention = 2 * (3 * 4 + 12) * 16 / 2
@@ -87,35 +87,35 @@ def test_layer_activations_by_hand():
 
 def test_stage_activations_by_hand():
     work = Workload(micro_batch=2, seq_len=32, dtype="bf16")
-    one = Layout(tp=2, pp=1, dp=1, tg=2)
+    one = training_pool(tp=2, pp=1, dp=1, gen_tp=2)
     # kept logits: final norm (4+4)·64·64/2 + (2+8)·64 tokens·1024/2
     assert logits_bytes(SMALL, one, work) == 16384 + 327680
     terms = activation_terms(SMALL, one, work, 0)
     # 4 layers + logits + loss gradient (4 + 2)·64·1024/2 (larger than the MLP moment 2·2·64·128/2)
     assert sum(t.bytes for t in terms) == 4 * 94720 + 344064 + 196608
-    two = Layout(tp=2, pp=2, dp=1, tg=2)
+    two = training_pool(tp=2, pp=2, dp=1, gen_tp=2)
     # stage 0 holds 2 micro-batches × 2 layers and their send/recv buffers 2·(2·2·64·64/2);
     # MLP backward 2·2·64·128/2
     assert sum(t.bytes for t in activation_terms(SMALL, two, work, 0)) == 2 * 2 * 94720 + 2 * 8192 + 16384
-    assert in_flight(Layout(tp=1, pp=4, dp=1, tg=1), 0, None) == 4
-    assert in_flight(Layout(tp=1, pp=4, dp=1, tg=1), 3, None) == 1
-    assert in_flight(Layout(tp=1, pp=4, dp=1, tg=1), 0, 3) == 3
-    assert in_flight(Layout(tp=1, pp=4, dp=1, tg=1, vpp=2), 0, None) == 2 * 3 + 1 * 4 + 1
-    assert in_flight(Layout(tp=1, pp=4, dp=1, tg=1, vpp=2), 3, None) == 4 + 1
+    assert in_flight(training_pool(tp=1, pp=4, dp=1, gen_tp=1), 0, None) == 4
+    assert in_flight(training_pool(tp=1, pp=4, dp=1, gen_tp=1), 3, None) == 1
+    assert in_flight(training_pool(tp=1, pp=4, dp=1, gen_tp=1), 0, 3) == 3
+    assert in_flight(training_pool(tp=1, pp=4, dp=1, gen_tp=1, vpp=2), 0, None) == 2 * 3 + 1 * 4 + 1
+    assert in_flight(training_pool(tp=1, pp=4, dp=1, gen_tp=1, vpp=2), 3, None) == 4 + 1
 
 
 # ---------------------------------------------------------------------------------------------------- phases
 def test_rollout_offload_and_reshard_by_hand():
-    lay = Layout(tp=2, pp=2, dp=1, tg=1)
+    lay = training_pool(tp=2, pp=2, dp=1, gen_tp=1)
     rollout = RolloutSpec(kv_cache_bytes=10_000, max_num_batched_tokens=64, max_num_seqs=4)
     work = Workload(micro_batch=1, seq_len=32)
     mem = predict_memory(SMALL, lay, work, rollout=rollout)
     m_bytes = 2 * (4 * 37120 + 2 * 1000 * 64 + 64)  # bf16 HF model
     assert mem.reshard_bytes_per_gpu == pytest.approx((4 - 1) / (1 * 4) * m_bytes)  # (t·p − tg)/(tg·t·p)·M
     assert mem.reshard_extra_peak_bytes == pytest.approx(m_bytes / 1)
-    assert mem.kv_bytes_per_token == 2 * 4 * 2 * 16 * 2  # K and V, 4 layers, 2 kv heads at tg=1, d=16, bf16
+    assert mem.kv_bytes_per_token == 2 * 4 * 2 * 16 * 2  # K and V, 4 layers, 2 kv heads at gen_tp=1, d=16, bf16
 
-    lay = Layout(tp=2, pp=1, dp=2, tg=2)
+    lay = training_pool(tp=2, pp=1, dp=2, gen_tp=2)
     base = predict_memory(SMALL, lay, work, rollout=rollout)
     off = predict_memory(SMALL, lay, work, rollout=rollout,
                          roles=default_roles(offload=("params", "grads", "optimizer")))
@@ -142,7 +142,7 @@ def test_feasibility_rules_hold_for_every_plan():
     assert plans
     for p in plans:
         lay = p.layout
-        assert 8 % lay.tp == 0 and lay.tp % lay.tg == 0
+        assert 8 % lay.tp == 0 and lay.tp % lay.gen_tp == 0
         assert arch.num_heads % lay.tp == 0 and arch.num_kv_heads % lay.tp == 0
         assert arch.num_layers % (lay.pp * (lay.vpp or 1)) == 0
         assert lay.tp * lay.pp * lay.dp == 16
@@ -181,8 +181,8 @@ def test_bad_cluster_and_pins():
     with pytest.raises(PlanningError, match="exceeds"):
         plan_layouts(SMALL, Cluster(gpus=16, gpus_per_node=8, gpu_mem_gib=80), Workload(), global_batch=64,
                      pins=Pins(tp=16))
-    with pytest.raises(PlanningError, match="tg=3"):
-        Layout(tp=4, pp=1, dp=1, tg=3)
+    with pytest.raises(PlanningError, match="gen_tp=3"):
+        training_pool(tp=4, pp=1, dp=1, gen_tp=3)
 
 
 def test_memory_decides_fit_and_ranking():
@@ -201,7 +201,7 @@ def test_topology_penalises_tp_groups_outside_nvlink_islands():
     topo = parse_topology((TOPO / "a6000_8gpu_nvlink_pairs.txt").read_text())  # NVLink pairs only
     cluster = Cluster(gpus=8, gpus_per_node=8, gpu_mem_gib=48, topology=topo)
     plans, _ = plan_layouts(WIDE, cluster, Workload(seq_len=64), global_batch=64)
-    by_tp = {p.layout.tp: p.tp_off_island for p in plans if p.layout.tg == p.layout.tp}
+    by_tp = {p.layout.tp: p.tp_off_island for p in plans if p.layout.gen_tp == p.layout.tp}
     assert by_tp[1] == 0 and by_tp[2] == 0 and by_tp[4] > 0 and by_tp[8] > 0
     fitting = [p for p in plans if p.fits]
     penalties = [p.tp_off_island + p.gen_off_island for p in fitting]
@@ -234,10 +234,10 @@ def test_cli_json_interface(capsys):
     m_bytes = 2 * arch.num_parameters()
     assert [p["rank"] for p in data["plans"]] == list(range(1, len(data["plans"]) + 1))
     for p in data["plans"]:
-        assert p["tp"] * p["pp"] * p["dp"] == 16 and p["tp"] % p["tg"] == 0
+        assert p["tp"] * p["pp"] * p["dp"] == 16 and p["tp"] % p["gen_tp"] == 0
         assert set(p["memory_gb"]) >= {"train", "rollout"}
         assert all(v > 0 for v in p["memory_gb"].values())
-        t, pp, tg = p["tp"], p["pp"], p["tg"]
+        t, pp, tg = p["tp"], p["pp"], p["gen_tp"]
         assert p["reshard_bytes_per_gpu"] == pytest.approx((t * pp - tg) / (tg * t * pp) * m_bytes, abs=1)
     assert data["plans"][0]["fits"]
 
@@ -247,7 +247,7 @@ def test_cli_json_interface(capsys):
     (["--gpus", "12"], "whole number"),
     (["--gpus", "16", "--tp", "3"], "no feasible layout"),
     (["--gpus", "16", "--offload", "weights"], "offload"),
-    (["--gpus", "16", "--tg", "3", "--tp", "4"], "no feasible layout"),
+    (["--gpus", "16", "--gen-tp", "3", "--tp", "4"], "no feasible layout"),
     (["--gpus", "16", "--recompute", "sometimes"], "recompute"),
 ])
 def test_cli_bad_flags_give_one_line_errors(capsys, argv, needle):
@@ -277,9 +277,12 @@ def test_inputs_from_a_training_recipe(capsys):
 
     recipe = REPO / "configs" / "ppo_llama2_7b.yaml"
     raw = yaml.safe_load(recipe.read_text())
-    given = inputs_from_config(load_config(recipe, check_paths=False))
-    assert (given.pins.tp, given.pins.pp, given.pins.tg) == (raw["parallel"]["tp"], raw["parallel"]["pp"],
-                                                             raw["rollout"]["tg"])
+    from verl_mega.parallel.placement import Placement
+
+    cfg = load_config(recipe, check_paths=False)
+    given = inputs_from_config(cfg, Placement.from_config(cfg, 8))
+    assert (given.pins.tp, given.pins.pp, given.pins.gen_tp) == (raw["parallel"]["tp"], raw["parallel"]["pp"],
+                                                                 raw["rollout"]["gen_tp"])
     assert given.workload.micro_batch == raw["actor"]["micro_batch_size_per_gpu"]
     assert given.workload.seq_len == raw["data"]["max_prompt_length"] + raw["rollout"]["max_response_length"]
     assert given.workload.recompute == raw["model"]["recompute"]
@@ -290,7 +293,7 @@ def test_inputs_from_a_training_recipe(capsys):
     assert roles["ref"].offload_params and not roles["ref"].trainable
 
     code, out, err = _run(capsys, "--config", str(recipe), "--model", str(CONFIGS / "llama-2-7b.json"),
-                          "--gpus", "8", "--json", "--set", "rollout.tg=4")
+                          "--gpus", "8", "--json", "--set", "rollout.gen_tp=4")
     assert code == 0, err
     plans = json.loads(out)["plans"]
-    assert {(p["tp"], p["tg"], p["recompute"]) for p in plans} == {(4, 4, "selective")}
+    assert {(p["tp"], p["gen_tp"], p["recompute"]) for p in plans} == {(4, 4, "selective")}

@@ -11,13 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from verl_mega.parallel.scheduler import (
-    ParallelLayout,
-    TopologyAwareScheduler,
-    TopologyFallbackWarning,
-    hybrid_engine_groups,
-    megatron_rank_groups,
-)
+from verl_mega.parallel.placement import Placement, PlacementError, Pool
+from verl_mega.parallel.scheduler import TopologyAwareScheduler, TopologyFallbackWarning
 from verl_mega.parallel.topology import parse_topology
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,36 +23,20 @@ def topo(name: str):
     return parse_topology((FIX / name).read_text())
 
 
-def plan_quietly(topos, layout):
+def layout(topos, **dims) -> Placement:
+    """One pool over every GPU of ``topos`` (the colocated placement)."""
+    return Placement.single(sum(t.num_gpus for t in topos), **dims)
+
+
+def plan_quietly(topos, **dims):
     with warnings.catch_warnings():
         warnings.simplefilter("error", TopologyFallbackWarning)
-        return TopologyAwareScheduler(topos).plan(layout)
-
-
-@pytest.mark.parametrize("tp,cp,dp,pp", [(2, 1, 4, 2), (4, 2, 2, 1), (1, 1, 8, 1), (8, 1, 2, 4), (2, 2, 2, 2)])
-def test_rank_groups_match_megatron(tp, cp, dp, pp):
-    from megatron.core.parallel_state import RankGenerator
-
-    world = tp * cp * dp * pp
-    ours = megatron_rank_groups(world, tp, cp, dp, pp)
-    gen = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order="tp-cp-ep-dp-pp")
-    for kind in ("tp", "cp", "dp", "pp"):
-        assert sorted(map(tuple, gen.get_ranks(kind))) == sorted(ours[kind]), kind
-
-
-def test_hybrid_engine_groups_follow_hybridflow():
-    gen, micro = hybrid_engine_groups([(0, 1, 2, 3)], 2)
-    assert gen == [(0, 2), (1, 3)] and micro == [(0, 1), (2, 3)]
-    gen, micro = hybrid_engine_groups([(8, 9, 10, 11, 12, 13, 14, 15)], 2)
-    assert gen == [(8, 12), (9, 13), (10, 14), (11, 15)]
-    assert micro == [(8, 9, 10, 11), (12, 13, 14, 15)]
-    gen, micro = hybrid_engine_groups([(0, 1, 2, 3)], 4)
-    assert gen == [(0, 1, 2, 3)] and micro == [(0,), (1,), (2,), (3,)]
+        return TopologyAwareScheduler(topos).plan(layout(topos, **dims))
 
 
 def test_tp2_lands_on_nvlink_pairs_of_8gpu_box():
     t = topo("a6000_8gpu_nvlink_pairs.txt")
-    plan = plan_quietly([t, t], ParallelLayout(tp=2))
+    plan = plan_quietly([t, t], tp=2)
     pairs = set(t.nvlink_islands)
     for rep in plan.reports["tp"]:
         node = rep.devices[0][0]
@@ -70,7 +49,7 @@ def test_tp2_lands_on_nvlink_pairs_of_8gpu_box():
 @pytest.mark.parametrize("tp,tg", [(1, 1), (2, 1), (2, 2), (4, 2), (4, 4), (8, 2), (8, 4), (8, 8)])
 def test_nvswitch_any_grouping_is_island_local(tp, tg):
     t = topo("dgx_h100_8gpu_12nic.txt")
-    plan = plan_quietly([t] * 2, ParallelLayout(tp=tp, gen_tp=tg))
+    plan = plan_quietly([t] * 2, tp=tp, gen_tp=tg)
     for kind in ("tp", "gen_tp", "micro_dp"):
         for rep in plan.reports[kind]:
             assert rep.in_nvlink_island
@@ -85,9 +64,9 @@ def test_unequal_bonds_prefer_the_strongest():
     text = "\t" + "\t".join(f"GPU{i}" for i in range(8)) + "\n" + "".join(
         f"GPU{i}\t" + "\t".join(r.split()) + "\n" for i, r in enumerate(rows))
     t = parse_topology(text)
-    plan = plan_quietly([t], ParallelLayout(tp=2))
+    plan = plan_quietly([t], tp=2)
     assert [r.link for r in plan.reports["tp"]] == ["NV2"] * 4  # pairs {0,2},{1,3},{4,6},{5,7}
-    plan = plan_quietly([t], ParallelLayout(tp=4, gen_tp=2))
+    plan = plan_quietly([t], tp=4, gen_tp=2)
     assert all(r.in_nvlink_island for r in plan.reports["tp"])
     assert [r.link for r in plan.reports["gen_tp"]] == ["NV2"] * 4  # strided ranks get the NV2 bonds
     # given those, the best micro-DP pairs are one NV2 and one NV1 pair per quad
@@ -97,7 +76,7 @@ def test_unequal_bonds_prefer_the_strongest():
 def test_fallback_warns_and_keeps_locality():
     t = topo("a6000_8gpu_nvlink_pairs.txt")
     with pytest.warns(TopologyFallbackWarning, match="cannot sit inside one NVLink island"):
-        plan = TopologyAwareScheduler([t]).plan(ParallelLayout(tp=4, gen_tp=2))
+        plan = TopologyAwareScheduler([t]).plan(layout([t], tp=4, gen_tp=2))
     for rep in plan.reports["tp"]:
         gpus = [d[1] for d in rep.devices]
         assert len({t.numa_node(g) for g in gpus}) == 1  # NODE, never SYS
@@ -106,19 +85,19 @@ def test_fallback_warns_and_keeps_locality():
 
     one_pair = topo("a100_4gpu_one_nvlink_pair.txt")
     with pytest.warns(TopologyFallbackWarning):
-        plan = TopologyAwareScheduler([one_pair]).plan(ParallelLayout(tp=2))
+        plan = TopologyAwareScheduler([one_pair]).plan(layout([one_pair], tp=2))
     assert [(r.link, r.in_nvlink_island) for r in plan.reports["tp"]] == [("NV12", True), ("NODE", False)]
 
     pcie = topo("t4_4gpu_pcie.txt")
     with pytest.warns(TopologyFallbackWarning):
-        plan = TopologyAwareScheduler([pcie]).plan(ParallelLayout(tp=2))
+        plan = TopologyAwareScheduler([pcie]).plan(layout([pcie], tp=2))
     assert sorted(r.link for r in plan.reports["tp"]) == ["NODE", "SYS"]  # GPU0 is alone on its socket
 
 
 def test_tp_spanning_nodes_is_reported_as_network():
     t = topo("a30_4gpu_nvlink_pairs.txt")
     with pytest.warns(TopologyFallbackWarning, match="spans 2 nodes"):
-        plan = TopologyAwareScheduler([t] * 4).plan(ParallelLayout(tp=8))
+        plan = TopologyAwareScheduler([t] * 4).plan(layout([t] * 4, tp=8))
     assert all(r.link == "NET" for r in plan.reports["tp"])
 
 
@@ -126,11 +105,11 @@ def test_128_nodes_tp8_pp4_tg4_under_two_seconds():
     text = (FIX / "dgx_h100_8gpu_12nic.txt").read_text()
     start = time.process_time()  # CPU time of this process: other jobs on a shared CI box do not count
     topos = [parse_topology(text) for _ in range(128)]
-    plan = plan_quietly(topos, ParallelLayout(tp=8, pp=4, gen_tp=4))
+    plan = plan_quietly(topos, tp=8, pp=4, gen_tp=4)
     elapsed = time.process_time() - start
     assert elapsed < 2.0, f"parsing 128 topologies and planning took {elapsed:.2f}s of CPU"
 
-    assert plan.world_size == 1024 and plan.dp == 32
+    assert plan.world_size == 1024 and plan.placement.pool("main").dp == 32
     devices = [plan.device_for(r) for r in range(1024)]
     assert len(set(devices)) == 1024  # a bijection rank <-> (node, GPU)
     for node, order in enumerate(plan.device_order):
@@ -160,16 +139,35 @@ def test_128_nodes_tp8_pp4_tg4_under_two_seconds():
 
 def test_layout_and_topology_validation():
     t = topo("a6000_8gpu_nvlink_pairs.txt")
-    with pytest.raises(ValueError, match="gen_tp=3 must divide layout.tp=4"):
-        ParallelLayout(tp=4, gen_tp=3)
-    with pytest.raises(ValueError, match="tp=3 does not divide the 8 GPUs"):
-        TopologyAwareScheduler([t] * 3).plan(ParallelLayout(tp=3))
-    with pytest.raises(ValueError, match="layout.dp=3"):
-        TopologyAwareScheduler([t]).plan(ParallelLayout(tp=2, dp=3))
+    with pytest.raises(PlacementError, match="rollout.gen_tp=3 must divide parallel.tp=4"):
+        layout([t], tp=4, gen_tp=3)
+    with pytest.raises(ValueError, match="parallel.tp=3: TP group \\[6, 7, 8\\] straddles nodes of 8 GPUs"):
+        TopologyAwareScheduler([t] * 3).plan(layout([t] * 3, tp=3))
     with pytest.raises(ValueError, match="same number of GPUs"):
         TopologyAwareScheduler([t, topo("a30_4gpu_nvlink_pairs.txt")])
-    with pytest.raises(ValueError, match="not divisible by tp\\*cp\\*pp"):
-        TopologyAwareScheduler([t]).plan(ParallelLayout(tp=2, pp=3))
+    with pytest.raises(PlacementError, match="8 ranks are not divisible by tp·pp·cp"):
+        layout([t], tp=2, pp=3)
+    with pytest.raises(ValueError, match="the placement has 4 ranks but 1 node"):
+        TopologyAwareScheduler([t]).plan(Placement.single(4, tp=2))
+
+
+def test_two_pools_share_a_node_with_different_tp():
+    """A node split between a tp=4 training pool and a rollout pool of gen_tp=2 engines: every block still lands
+    inside an NVLink island of the DGX-1 cube-mesh quads."""
+    rows = ["X NV2 NV2 NV1 NV1 SYS SYS SYS", "NV2 X NV1 NV2 SYS NV1 SYS SYS", "NV2 NV1 X NV1 SYS SYS NV2 SYS",
+            "NV1 NV2 NV1 X SYS SYS SYS NV2", "NV1 SYS SYS SYS X NV2 NV2 NV1", "SYS NV1 SYS SYS NV2 X NV1 NV2",
+            "SYS SYS NV2 SYS NV2 NV1 X NV1", "SYS SYS SYS NV2 NV1 NV2 NV1 X"]
+    t = parse_topology("\t" + "\t".join(f"GPU{i}" for i in range(8)) + "\n" + "".join(
+        f"GPU{i}\t" + "\t".join(r.split()) + "\n" for i, r in enumerate(rows)))
+    placement = Placement(8, (Pool(name="train", ranks=range(4), tp=4), Pool(name="gen", ranks=range(4, 8), gen_tp=2,
+                                                                            trains=False)),
+                          {"actor": "train", "rollout": "gen"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TopologyFallbackWarning)
+        plan = TopologyAwareScheduler([t]).plan(placement)
+    assert sorted(plan.device_order[0]) == list(range(8))
+    assert all(r.in_nvlink_island for r in plan.reports["tp"]) and all(r.in_nvlink_island
+                                                                      for r in plan.reports["gen_tp"])
 
 
 def _tools_topo():
@@ -188,11 +186,11 @@ def test_tools_topo_json_and_text(capsys):
     for pair in combinations(range(4), 2):  # islands really are NVLink cliques
         assert (pair in [(0, 1), (2, 3)]) == (out["rank_to_device"][pair[0]][1] // 2 == out["rank_to_device"][
             pair[1]][1] // 2)
-    rc = tool.main(["--file", str(FIX / "a6000_8gpu_nvlink_pairs.txt"), "--tp", "4", "--tg", "2"])
+    rc = tool.main(["--file", str(FIX / "a6000_8gpu_nvlink_pairs.txt"), "--tp", "4", "--gen-tp", "2"])
     text = capsys.readouterr().out
     assert rc == 0 and "NVLink islands" in text and "WARNING" in text and "Why:" in text
     rc = tool.main(["--file", str(FIX / "a30_4gpu_nvlink_pairs.txt"), "--tp", "3", "--nodes", "3"])
-    assert rc == 2 and "tp=3 does not divide" in capsys.readouterr().err
+    assert rc == 2 and "straddles nodes" in capsys.readouterr().err
 
 
 def test_tools_topo_without_nvidia_smi(capsys, monkeypatch):

@@ -31,7 +31,8 @@ class ParallelConfig(ConfigSection):
                                         "null disables interleaving. Needs pp > 1.")
     cp: int = option(1, help="Context-parallel size (sequence split across ranks for long sequences).")
     dp: int | None = option(None, help="Data-parallel size; null derives it as world / (tp·pp·cp).")
-    sequence_parallel: bool = option(False, help="Megatron sequence parallelism (shards LayerNorm/dropout "
+    sequence_parallel: bool = option(False, help="Megatron sequence parallelism on every training pool (shards "
+                                                 "LayerNorm/dropout "
                                                  "activations over the TP group). Needs tp > 1.")
     use_distributed_optimizer: bool = option(True, help="Shard optimizer state over data-parallel ranks "
                                                         "(Megatron DistributedOptimizer / ZeRO-1).")
@@ -48,9 +49,6 @@ class ParallelConfig(ConfigSection):
         self._require(self.vpp is None or self.pp > 1,
                       f"parallel.vpp={self.vpp} needs pipeline parallelism but parallel.pp=1; "
                       f"set parallel.pp>1 or parallel.vpp=null")
-        self._require(not self.sequence_parallel or self.tp > 1,
-                      "parallel.sequence_parallel=true needs tensor parallelism but parallel.tp=1; "
-                      "set parallel.tp>1 or parallel.sequence_parallel=false")
 
 
 @dataclass(frozen=True, kw_only=True)

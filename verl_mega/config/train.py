@@ -65,6 +65,10 @@ class TrainConfig(ConfigSection):
             taken += ["rollout.gen_tp"] * (self.rollout.gen_tp != p.tp)
             self._require(not taken, f"{', '.join(taken)} and placement.pools both set a layout; put it in "
                                      f"placement.pools.<pool> instead")
+        else:
+            self._require(not self.parallel.sequence_parallel or self.parallel.tp > 1,
+                          "parallel.sequence_parallel=true needs tensor parallelism but parallel.tp=1; "
+                          "set parallel.tp>1 or parallel.sequence_parallel=false")
         tp, gen_tp = self.parallel.tp, self.rollout.gen_tp
         self._require(tp % gen_tp == 0, f"rollout.gen_tp={gen_tp} must divide parallel.tp={tp} (generation TP groups "
                                         f"are carved out of each training TP group); set rollout.gen_tp to a divisor "

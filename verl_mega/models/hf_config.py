@@ -136,17 +136,16 @@ def _divisors(n: int) -> str:
 
 def check_layout(pool, *, num_layers: int, num_heads: int, num_kv_heads: int, ffn_hidden_size: int | None = None
                  ) -> None:
-    """One-line errors, before any allocation, when a pool's layout cannot split the model: Megatron needs
-    tp | heads, tp | kv heads or kv heads | tp (replication), tp | FFN width and pp·vpp | layers; vLLM needs
-    gen_tp | heads and kv heads (with gen_tp | tp, Megatron's rules imply it unless kv heads are replicated)."""
+    """One-line errors, before any allocation, when a pool's layout cannot split the model: tp | heads, tp | key/value
+    heads (the 3D-HybridEngine converts query groups shard by shard, so they are never replicated), tp | FFN width,
+    pp·vpp | layers, and gen_tp | heads and key/value heads for vLLM."""
     tp, gen_tp, stages = pool.tp, pool.gen_tp, pool.pp * (pool.vpp or 1)
     if num_heads % tp:
         raise ModelConfigError(f"parallel.tp={tp} does not divide the model's {num_heads} attention heads; set "
                                f"parallel.tp to one of {_divisors(num_heads)}")
-    if num_kv_heads % tp and tp % num_kv_heads:
-        raise ModelConfigError(f"parallel.tp={tp} does not fit the model's {num_kv_heads} key/value heads "
-                               f"(kv_heads % tp == 0 or tp % kv_heads == 0); set parallel.tp to a divisor or multiple "
-                               f"of {num_kv_heads}")
+    if num_kv_heads % tp:
+        raise ModelConfigError(f"parallel.tp={tp} does not divide the model's {num_kv_heads} key/value heads; set "
+                               f"parallel.tp to one of {_divisors(num_kv_heads)}")
     if ffn_hidden_size is not None and ffn_hidden_size % tp:
         raise ModelConfigError(f"parallel.tp={tp} does not divide the model's FFN width {ffn_hidden_size}; "
                                f"choose another parallel.tp")

@@ -90,32 +90,47 @@ class Pool:
             object.__setattr__(self, "etp", self.tp)
         if self.gen_tp is None:
             object.__setattr__(self, "gen_tp", self.tp if self.trains else 1)
-        where = f"placement pool {self.name!r}"
+        k = self._key
         for key in ("tp", "pp", "cp", "ep", "etp", "gen_tp", "gen_ep"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise PlacementError(f"{where}: {key}={value!r} must be a positive int")
+                raise PlacementError(f"{k(key)}={value!r} must be a positive int")
         if not self.ranks or len(set(self.ranks)) != len(self.ranks) or min(self.ranks) < 0:
-            raise PlacementError(f"{where}: ranks must be distinct non-negative ints, got {list(self.ranks)[:8]}")
+            raise PlacementError(f"pool {self.name!r}: ranks must be distinct non-negative ints, got "
+                                 f"{list(self.ranks)[:8]}")
         if self.sequence_parallel and self.tp == 1:
-            raise PlacementError(f"{where}: sequence_parallel needs tp > 1; set tp > 1 or sequence_parallel=false")
+            raise PlacementError(f"{k('sequence_parallel')}=true needs tp > 1; set {k('tp')}>1 or "
+                                 f"{k('sequence_parallel')}=false")
         if self.vpp is not None and (self.vpp < 2 or self.pp < 2):
-            raise PlacementError(f"{where}: vpp={self.vpp} needs vpp >= 2 and pp > 1 (pp={self.pp}); set vpp=null")
+            raise PlacementError(f"{k('vpp')}={self.vpp} needs vpp >= 2 and pp > 1 ({k('pp')}={self.pp}); set "
+                                 f"{k('vpp')}=null")
         model_parallel = self.tp * self.pp * self.cp
         if self.size % model_parallel:
-            raise PlacementError(f"{where}: its {self.size} ranks are not divisible by tp·pp·cp = {self.tp}·{self.pp}·"
-                                 f"{self.cp} = {model_parallel}; choose tp, pp, cp whose product divides {self.size}")
+            raise PlacementError(f"{self._where}: {self.size} ranks are not divisible by tp·pp·cp = {self.tp}·{self.pp}·"
+                                 f"{self.cp} = {model_parallel}; choose {k('tp')}/pp/cp whose product divides "
+                                 f"{self.size}")
         dense_replica = self.tp * self.cp * self.dp
         if dense_replica % (self.etp * self.ep):
-            raise PlacementError(f"{where}: etp·ep = {self.etp}·{self.ep} must divide tp·cp·dp = {dense_replica} "
-                                 f"(experts are laid over the same ranks); choose ep among "
+            raise PlacementError(f"{self._where}: etp·ep = {self.etp}·{self.ep} must divide tp·cp·dp = {dense_replica} "
+                                 f"(experts are laid over the same ranks); choose {k('ep')} among "
                                  f"{_divisors(dense_replica // self.etp)}")
         if self.trains and self.tp % self.gen_tp:
-            raise PlacementError(f"{where}: gen_tp={self.gen_tp} must divide tp={self.tp} so that every rank reuses its "
-                                 f"own training shard; choose gen_tp among {_divisors(self.tp)}")
+            raise PlacementError(f"{k('gen_tp')}={self.gen_tp} must divide {k('tp')}={self.tp} (generation TP groups "
+                                 f"are carved out of each training TP group); choose among {_divisors(self.tp)}")
         if self.size % (self.gen_tp * self.gen_ep):
-            raise PlacementError(f"{where}: gen_tp·gen_ep = {self.gen_tp}·{self.gen_ep} must divide its {self.size} "
-                                 f"ranks; choose gen_tp among {_divisors(self.size)}")
+            raise PlacementError(f"{self._where}: gen_tp·gen_ep = {self.gen_tp}·{self.gen_ep} must divide its "
+                                 f"{self.size} ranks; choose {k('gen_tp')} among {_divisors(self.size)}")
+
+    @property
+    def _where(self) -> str:
+        return "parallel" if self.name == DEFAULT_POOL else f"placement.pools.{self.name}"
+
+    def _key(self, key: str) -> str:
+        """The config key a user sets for ``key`` of this pool (``parallel.*`` / ``rollout.gen_tp`` for the single
+        pool, ``placement.pools.<name>.*`` otherwise)."""
+        if self.name == DEFAULT_POOL:
+            return "rollout.gen_tp" if key == "gen_tp" else f"parallel.{key}"
+        return f"placement.pools.{self.name}.{key}"
 
     # ---- sizes --------------------------------------------------------------------------------------------
     @property
@@ -190,7 +205,10 @@ class Pool:
     def _member_of(self) -> dict[str, dict[int, int]]:
         return {kind: {r: i for i, g in enumerate(groups) for r in g} for kind, groups in self._all_groups.items()}
 
-    def group_of(self, kind: str, rank: int) -> tuple[int, ...]:
+    def group_of(self, kind: str, rank: int) -> tuple[int, ...] | None:
+        """The rank's group of ``kind``; None for the embedding group of a middle pipeline stage (it has none)."""
+        if kind == "embd" and rank in self.ranks and rank not in self._member_of["embd"]:
+            return None
         return self.groups(kind)[self._index(kind, rank)]
 
     def _index(self, kind: str, rank: int) -> int:

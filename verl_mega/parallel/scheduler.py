@@ -263,13 +263,12 @@ class TopologyAwareScheduler:
         decisions = [f"{n} node(s) x {g} GPU(s); {placement.describe()}; rank = node*{g} + local_rank, Megatron "
                      f"order tp-cp-dp-pp inside each pool"]
         fallback_msgs: list[str] = []
-        order, seen_notes = [], set()
+        order, seen_notes, spanning = [], set(), 0
         for node, topo in enumerate(self.topologies):
             blocks, spans = _rank_blocks(placement, node, g)
             if spans:
                 order.append(tuple(gpu for isl in topo.nvlink_islands for gpu in isl))
-                fallback_msgs.append(f"node {node}: a TP group has more ranks than the {g} GPUs of a node, so its "
-                                     f"all-reduce crosses the network; local GPUs ordered island by island")
+                spanning = max(spanning, spans)
                 continue
             gpu_blocks, notes = _node_blocks(topo, tuple((len(b), gen_tp) for b, gen_tp in blocks))
             local = [0] * g
@@ -288,6 +287,9 @@ class TopologyAwareScheduler:
                     f"{len(bad)} TP group(s) on node {node} cannot sit inside one NVLink island (islands "
                     f"{[list(i) for i in topo.nvlink_islands]}); placed by PCIe/NUMA locality, e.g. GPUs "
                     f"{list(bad[0].gpus)} worst link {topo.worst_link(bad[0].gpus)}")
+        if spanning:
+            fallback_msgs.append(f"TP groups of {spanning} ranks: every TP group spans {spanning // g} nodes of {g} "
+                                 f"GPUs and its all-reduce crosses the network; local GPUs ordered island by island")
         decisions.append("3D-HybridEngine: inside each TP group, generation TP groups take ranks strided by tp/gen_tp, "
                          "micro-DP groups are runs of tp/gen_tp consecutive ranks")
         order_t = tuple(order)
@@ -326,16 +328,19 @@ class TopologyAwareScheduler:
                              warnings=tuple(fallback_msgs))
 
 
-def _rank_blocks(placement: Placement, node: int, g: int) -> tuple[list[tuple[tuple[int, ...], int]], bool]:
+def _rank_blocks(placement: Placement, node: int, g: int) -> tuple[list[tuple[tuple[int, ...], int]], int]:
     """The TP groups (engines, for pools that only generate) on ``node`` as local ranks, with their gen_tp; and
-    whether some group spans nodes."""
+    the size of a group that spans whole nodes (0 if none)."""
     lo, hi = node * g, (node + 1) * g
-    blocks, spans = [], False
+    blocks, spans = [], 0
     for pool in placement.pools:
         for grp in pool.groups("tp" if pool.trains else "gen_tp"):
             inside = [r for r in grp if lo <= r < hi]
             if inside and len(inside) != len(grp):
-                spans = True
+                if len(grp) <= g or len(grp) % g:
+                    raise ValueError(f"{pool._key('tp')}={len(grp)}: TP group {list(grp)[:8]} straddles nodes of {g} "
+                                     f"GPUs; choose a tp that divides {g} (or a multiple of {g})")
+                spans = len(grp)
             elif inside:
                 blocks.append((tuple(r - lo for r in grp), pool.gen_tp if pool.trains else len(grp)))
     return sorted(blocks), spans

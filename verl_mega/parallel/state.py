@@ -110,12 +110,15 @@ def build_groups(placement: Placement, rank: int | None = None, timeout_s: float
     timeout = datetime.timedelta(seconds=timeout_s)
     for kind in GROUP_KINDS:
         members = pool.group_of(kind, rank)
+        if members is None:
+            groups[kind] = None
+            continue
         if members not in made:
             made[members] = dist.new_group(list(members), timeout=timeout, use_local_synchronization=True)
         groups[kind] = made[members]
     # mcore's distributed optimizer gathers its state for a checkpoint over a gloo twin of the DP group
-    cpu = dist.get_backend() == "gloo" if dist.is_initialized() else True
-    groups["dp_cp_gloo"] = groups["dp_cp"] if cpu else dist.new_group(
+    nccl = "nccl" in str(dist.get_backend())
+    groups["dp_cp_gloo"] = groups["dp_cp"] if not nccl else dist.new_group(
         list(pool.group_of("dp_cp", rank)), timeout=timeout, backend="gloo", use_local_synchronization=True)
     return RankGroups(placement, rank, groups)
 
