@@ -54,40 +54,40 @@ class _SampledLogprobs:
             self.prev = None
 
 
-class HFGenerateBaseline(RLTrainer):
-    """The same RL step with HF ``generate`` rollout, full-weight sync into a replica, and no stage overlap."""
+class HFGenerateRollout:
+    """The :class:`~verl_mega.rollout.colocated.Rollout` of a loop without a hybrid engine: a full HF replica per
+    rank generates its share with ``model.generate``; new weights arrive as full tensors gathered from the shards."""
 
-    overlap_host_stages = False
-
-    def attach_replica(self, hf_model: torch.nn.Module, arch) -> None:
-        self.hf_model, self.arch, self.hf_version = hf_model, arch, 0
+    def __init__(self, hf_model: torch.nn.Module, *, actor_engine, arch, tokenizer, rollout_cfg) -> None:
+        self.hf_model, self.engine, self.arch = hf_model, actor_engine, arch
+        self.tokenizer, self.rcfg, self.weight_version = tokenizer, rollout_cfg, 0
         self.hf_params = dict(hf_model.named_parameters())
-        self._weight_sync(None)
+        self.update_weights()
 
     @torch.no_grad()
-    def _generate(self, prompt_batch):
-        prompts = prompt_batch.items
-        rcfg = self.cfg.rollout
+    def generate(self, prompt_ids, specs):
+        from verl_mega.rollout.colocated import Generated
+
+        (spec,) = specs
         world, rank = dist.get_world_size(), dist.get_rank()
-        per = -(-len(prompts) // world)
-        mine = list(range(rank * per, min(len(prompts), (rank + 1) * per)))
+        per = -(-len(prompt_ids) // world)
+        mine = list(range(rank * per, min(len(prompt_ids), (rank + 1) * per)))
         device = next(self.hf_model.parameters()).device
         pad = self.tokenizer.pad_token_id or 0
-        width = max(len(prompts[i].prompt_ids) for i in mine)
+        width = max(len(prompt_ids[i]) for i in mine)
         ids = torch.full((len(mine), width), pad, dtype=torch.long)
         attn = torch.zeros_like(ids)
         for row, i in enumerate(mine):  # left padding: generation continues from the last column
-            p = prompts[i].prompt_ids
+            p = prompt_ids[i]
             ids[row, width - len(p):] = torch.tensor(p)
             attn[row, width - len(p):] = 1
         recorder = _SampledLogprobs()
-        torch.manual_seed(self._sampling_seed(prompt_batch, mine))
+        torch.manual_seed(spec.seed + (mine[0] if mine else 0))
         out = self.hf_model.generate(
-            input_ids=ids.to(device), attention_mask=attn.to(device), do_sample=True, temperature=rcfg.temperature,
-            top_p=rcfg.top_p, top_k=max(rcfg.top_k, 0), num_return_sequences=rcfg.n,
-            max_new_tokens=rcfg.max_response_length,
-            min_new_tokens=rcfg.max_response_length if rcfg.ignore_eos else 0,
-            eos_token_id=None if rcfg.ignore_eos else self.tokenizer.eos_token_id, pad_token_id=pad,
+            input_ids=ids.to(device), attention_mask=attn.to(device), do_sample=True, temperature=spec.temperature,
+            top_p=spec.top_p, top_k=spec.top_k, num_return_sequences=spec.n, max_new_tokens=spec.max_tokens,
+            min_new_tokens=spec.max_tokens if spec.ignore_eos else 0,
+            eos_token_id=None if spec.ignore_eos else self.tokenizer.eos_token_id, pad_token_id=pad,
             logits_processor=[recorder])
         new = out[:, width:]
         recorder.take(new[:, -1])
@@ -95,24 +95,39 @@ class HFGenerateBaseline(RLTrainer):
         local = []
         eos = self.tokenizer.eos_token_id
         for row, tokens in enumerate(new.cpu().tolist()):
-            if not rcfg.ignore_eos and eos in tokens:
+            if not spec.ignore_eos and eos in tokens:
                 tokens = tokens[: tokens.index(eos) + 1]  # keep EOS, drop the padding after it
-            local.append((mine[row // rcfg.n], tokens, lps[row, : len(tokens)].tolist()))
+            local.append((mine[row // spec.n], tokens, lps[row, : len(tokens)].tolist()))
         gathered: list = [None] * world
-        dist.all_gather_object(gathered, (local, self.hf_version))
-        return [s for part, _ in gathered for s in part], {v for _, v in gathered}
+        dist.all_gather_object(gathered, (local, self.weight_version))
+        return [Generated([s for part, _ in gathered for s in part], {v for _, v in gathered})]
 
-    def _weight_sync(self, ctx):
+    def update_weights(self):
         from verl_mega.models.loader import iter_hf_tensors
 
         t0 = time.perf_counter()
         with torch.no_grad():
-            for name, tensor in iter_hf_tensors(self.actor.engine.chunks, self.arch):
+            for name, tensor in iter_hf_tensors(self.engine.chunks, self.arch, self.engine.groups):
                 self.hf_params[name].copy_(tensor)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        self.hf_version += 1
-        return {"sync/seconds": time.perf_counter() - t0, "actor/version": float(self.actor.engine.version)}
+        self.weight_version += 1
+        return {"sync/seconds": time.perf_counter() - t0}
+
+    def release_memory(self) -> None:
+        pass
+
+    def restore_memory(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+class HFGenerateBaseline(RLTrainer):
+    """The same RL step on the HF-generate rollout, with no stage overlap."""
+
+    overlap_host_stages = False
 
 
 def make_model(path: Path, tiny: bool) -> None:
@@ -184,7 +199,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from verl_mega.config import load_config
-    from verl_mega.train import build_job
+    from verl_mega.trainer.setup import build_job
 
     default = "/tmp/verl_mega_bench/" + ("tiny-random" if args.tiny else "qwen2.5-1.5b-random")
     model_dir = Path(args.model_dir or default)
@@ -194,7 +209,7 @@ def main() -> None:
     total = 2 * (args.warmup + max(args.steps, args.baseline_steps)) + 2
     overrides = [
         f"model.path={model_dir}", f"model.dtype={'float32' if cpu else 'bfloat16'}", f"parallel.tp={world}",
-        f"rollout.tg={args.gen_tp or world}", f"rollout.n={args.group_size}",
+        f"rollout.gen_tp={args.gen_tp or world}", f"rollout.n={args.group_size}",
         f"rollout.max_response_length={args.response_length}",
         "rollout.ignore_eos=true", f"data.train_batch_size={args.prompts}",
         f"actor.ppo_mini_batch_size={args.prompts}", "actor.micro_batch_size_per_gpu=8",
@@ -210,19 +225,18 @@ def main() -> None:
     rank = dist.get_rank()
 
     hybrid = run_steps(job.trainer, job, args.warmup + args.steps)[args.warmup:]
-    if job.rollout is not None:
-        job.rollout.sleep()  # vLLM gives back its weights and KV cache: the baseline has the GPU to itself
+    job.rollout.release_memory()  # vLLM gives back its weights and KV cache: the baseline has the GPU to itself
 
     from transformers import AutoModelForCausalLM
 
     t = job.trainer
     replica = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32 if cpu else torch.bfloat16)
     replica = replica.to("cpu" if cpu else "cuda").eval()
+    hf_rollout = HFGenerateRollout(replica, actor_engine=t.actor.engine, arch=job.arch, tokenizer=t.tokenizer,
+                                   rollout_cfg=cfg.rollout)
     baseline_trainer = HFGenerateBaseline(cfg, actor=t.actor, ref=t.ref, critic=t.critic, reward_model=None,
-                                          rollout=None, weight_sync=None, reward_pool=t.reward_pool,
-                                          tokenizer=t.tokenizer, profiler=job.profiler, kl_ctrl=t.kl_ctrl,
-                                          arch=job.arch)
-    baseline_trainer.attach_replica(replica, job.arch)
+                                          rollout=hf_rollout, reward_pool=t.reward_pool, tokenizer=t.tokenizer,
+                                          profiler=job.profiler, kl_ctrl=t.kl_ctrl, arch=job.arch)
     baseline = run_steps(baseline_trainer, job, args.warmup + args.baseline_steps)[args.warmup:]
 
     if rank == 0:
@@ -239,12 +253,7 @@ def main() -> None:
                                                   "decode_step_ms"]:
             print(f"{key:<34}{h[key]:>12.3f}{b[key]:>14.3f}")
         print(f"speed-up (step time): {result['speedup_step']:.2f}x")
-    job.reward_pool.close()
-    if job.rollout is not None:
-        job.rollout.shutdown()
-    from verl_mega.parallel.state import destroy_distributed
-
-    destroy_distributed()
+    job.close()
 
 
 if __name__ == "__main__":

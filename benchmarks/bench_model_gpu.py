@@ -53,18 +53,20 @@ def parity(args) -> dict:
     path = Path(args.model_dir)
     if int(os.environ.get("RANK", "0")) == 0:
         make_model(path)
-    info = init_distributed(tp=int(os.environ.get("WORLD_SIZE", "1")), pp=1)
+    groups = init_distributed(tp=int(os.environ.get("WORLD_SIZE", "1")), pp=1)
+    tp = groups.size("tp")
     dist.barrier()
     arch = arch_from_hf(load_hf_config(path))
-    cfg = transformer_config(arch, tp=info["world"], dtype="bfloat16")
-    chunks = [c.cuda() for c in build_model_chunks(arch, cfg, use_te="false")]
-    load_hf_weights(chunks, HFCheckpointReader(path), arch)
-    engine = MegatronEngine(chunks, cfg)
+    cfg = transformer_config(arch, tp=tp, dtype="bfloat16")
+    chunks = [c.cuda() for c in build_model_chunks(arch, cfg, groups, use_te="false")]
+    load_hf_weights(chunks, HFCheckpointReader(path), arch, groups)
+    engine = MegatronEngine(chunks, cfg, groups)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, arch.vocab_size, (4, 512), generator=g).cuda()
     pos = torch.arange(512, device="cuda").expand(4, 512)
     res = engine.forward([{"input_ids": ids, "position_ids": pos}],
-                         lambda out, mb: {"logits": gather_from_tensor_model_parallel_region(out)[..., :arch.vocab_size]})
+                         lambda out, mb: {"logits": gather_from_tensor_model_parallel_region(
+                             out, group=groups["tp"])[..., :arch.vocab_size]})
     out = {}
     if dist.get_rank() == 0:
         logits = res[0]["logits"].float()
@@ -73,7 +75,7 @@ def parity(args) -> dict:
             ref = hf(ids).logits.float()
         lp, lq = torch.log_softmax(ref.double(), -1), torch.log_softmax(logits.double(), -1)
         kl = (lp.exp() * (lp - lq)).sum(-1)
-        out = {"tp": info["world"], "dtype": "bfloat16", "tokens": ids.numel(),
+        out = {"tp": tp, "dtype": "bfloat16", "tokens": ids.numel(),
                "logits_max_abs": float((logits - ref).abs().max()), "logits_mean_abs": float((logits - ref).abs().mean()),
                "mean_kl_hf_to_mcore": float(kl.mean()), "max_kl": float(kl.max()),
                "argmax_agreement": float((logits.argmax(-1) == ref.argmax(-1)).float().mean())}
@@ -82,7 +84,7 @@ def parity(args) -> dict:
     return out
 
 
-def _time_fwd_bwd(use_te: str, spec: str, arch, args) -> float:
+def _time_fwd_bwd(use_te: str, spec: str, arch, args, groups) -> float:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -91,12 +93,12 @@ def _time_fwd_bwd(use_te: str, spec: str, arch, args) -> float:
 
     cfg = transformer_config(arch, dtype="bfloat16")
     if spec == "ours":
-        model = build_model_chunks(arch, cfg, use_te=use_te)[0].cuda()
+        model = build_model_chunks(arch, cfg, groups, use_te=use_te)[0].cuda()
     else:
         model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
                          vocab_size=arch.padded_vocab_size(1), max_sequence_length=4096,
                          share_embeddings_and_output_weights=arch.tie_word_embeddings, position_embedding_type="rope",
-                         rotary_base=int(arch.rope_theta)).cuda()
+                         rotary_base=int(arch.rope_theta), pg_collection=groups.pg_collection).cuda()
     b, s = args.micro_batch, args.seq_len
     ids = torch.randint(0, arch.vocab_size, (b, s), device="cuda")
     pos = torch.arange(s, device="cuda").expand(b, s)
@@ -125,7 +127,7 @@ def throughput(args) -> dict:
     from verl_mega.parallel.state import init_distributed
     from verl_mega.trainer.profiler import transformer_flops_per_token
 
-    init_distributed(tp=1, pp=1)
+    groups = init_distributed(tp=1, pp=1)
     arch = arch_from_hf(QWEN25_1_5B)
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     for _ in range(3):
@@ -142,7 +144,7 @@ def throughput(args) -> dict:
     tokens = args.micro_batch * args.seq_len
     rows = {}
     for name, spec in (("ours_sdpa", "ours"), ("mcore_local", "local")):
-        sec = _time_fwd_bwd("false", spec, arch, args)
+        sec = _time_fwd_bwd("false", spec, arch, args, groups)
         tflops = flops_tok * tokens / sec / 1e12
         rows[name] = {"s_per_iter": sec, "tokens_per_s": tokens / sec, "tflops_per_gpu": tflops,
                       "fraction_of_peak": tflops * 1e12 / peak}

@@ -80,33 +80,30 @@ def main() -> None:
 
     from vllm import SamplingParams
 
-    from verl_mega.hybrid.layout import ModelDims, plan_layout
-    from verl_mega.hybrid.sync import WeightSync
+    from verl_mega.hybrid.producer import WeightProducer, WeightSync
     from verl_mega.models.build import build_model_chunks
     from verl_mega.models.hf_config import arch_from_hf, load_hf_config, transformer_config
     from verl_mega.parallel.state import init_distributed
     from verl_mega.rollout.vllm_rollout import SamplingSpec, VLLMRollout, VLLMRolloutConfig
 
-    init_distributed(tp=args.tp, pp=1, seed=1)
+    groups = init_distributed(tp=args.tp, pp=1, gen_tp=args.gen_tp, seed=1)
+    layout = groups.pool
     rank, world = dist.get_rank(), dist.get_world_size()
     model_dir = Path(tempfile.gettempdir()) / f"verl_mega_llama2_7b_arch_{args.layers or 32}"
     if rank == 0:
         write_config(model_dir, args.layers)
     dist.barrier()
     arch = arch_from_hf(load_hf_config(model_dir))
-    dims = ModelDims(num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads,
-                     ffn_hidden_size=arch.ffn_hidden_size, num_layers=arch.num_layers)
-    layout = plan_layout(world_size=world, tp=args.tp, pp=1, gen_tp=args.gen_tp, dims=dims)
     cfg = transformer_config(arch, tp=args.tp, dtype="bfloat16")
-    chunks = [c.cuda() for c in build_model_chunks(arch, cfg, use_te="false")]
+    chunks = [c.cuda() for c in build_model_chunks(arch, cfg, groups, use_te="false")]
 
     rollout = VLLMRollout(VLLMRolloutConfig(
         model_path=str(model_dir), gen_tp=args.gen_tp, dtype="bfloat16", load_format="dummy",
         max_model_len=args.prompt_len + args.max_tokens + 8, max_num_seqs=args.batch,
         gpu_memory_utilization=args.gpu_memory_utilization, sleep_level=2, enable_prefix_caching=False,
-    ), layout)
-    syncs = {mode: WeightSync(layout=layout, arch=arch, chunks=chunks, rollout=rollout, mode=mode)
-             for mode in ("inplace", "reference")}
+    ), rank_order=layout.vllm_rank_order(), engine_index=groups.coords["engine"])
+    producer = WeightProducer(groups=groups, arch=arch, chunks=chunks)
+    syncs = {mode: WeightSync(producer, rollout, mode=mode) for mode in ("inplace", "reference")}
     floor = copy_floor_ms(rollout.model)
 
     rows: dict[str, list[dict]] = {mode: [] for mode in syncs}
@@ -155,8 +152,8 @@ def main() -> None:
     if rank == 0:
         report = {
             "layout": layout.describe(), "tp": args.tp, "gen_tp": args.gen_tp, "layers": arch.num_layers,
-            "model_bytes": syncs["inplace"].model_bytes(),
-            "predicted_bytes_per_rank": layout.predicted_bytes_per_rank(syncs["inplace"].model_bytes()),
+            "model_bytes": producer.model_bytes(),
+            "predicted_bytes_per_rank": layout.sync_bytes_per_rank(producer.model_bytes()),
             "repeats": args.repeats, "batch": args.batch, "prompt_len": args.prompt_len,
             "max_tokens": args.max_tokens, "ranks": gathered,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",

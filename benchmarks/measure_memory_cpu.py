@@ -39,7 +39,7 @@ from torch.utils._pytree import tree_flatten  # noqa: E402
 
 from verl_mega.models.hf_config import ModelArch  # noqa: E402
 from verl_mega.planning.memory import (  # noqa: E402
-    Layout,
+    training_pool,
     Workload,
     activation_terms,
     stage_params,
@@ -96,6 +96,9 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
+GROUPS: dict = {}  # the world of one's process groups, set in main()
+
+
 def _loss_fn(arch: ModelArch, work: Workload, value_head: bool):
     from verl_mega.engine.logprobs import vocab_parallel_logprobs_entropy
 
@@ -103,7 +106,7 @@ def _loss_fn(arch: ModelArch, work: Workload, value_head: bool):
         if value_head:
             return output.float().pow(2).mean(), {}
         lp, ent = vocab_parallel_logprobs_entropy(output[:, :-1], mb["input_ids"][:, 1:], vocab_size=arch.vocab_size,
-                                                  with_entropy=work.entropy)
+                                                  tp_group=GROUPS["groups"]["tp"], with_entropy=work.entropy)
         value = -lp.mean()
         if ent is not None:
             value = value - 0.01 * ent.mean()
@@ -125,11 +128,11 @@ def measure(arch: ModelArch, work: Workload, value_head: bool) -> dict[str, floa
     marks: dict[str, int] = {}
     with tracker:
         cfg = transformer_config(arch, dtype=dtype, recompute=work.recompute, use_cpu_initialization=True)
-        chunks = build_model_chunks(arch, cfg, value_head=value_head, use_te="false")
+        chunks = build_model_chunks(arch, cfg, GROUPS["groups"], value_head=value_head, use_te="false")
         marks["params"] = tracker.current
         opt = OptimizerConfig(optimizer="adam", lr=1e-5, use_distributed_optimizer=True, bf16=dtype == "bfloat16",
                               params_dtype=cfg.params_dtype)
-        engine = MegatronEngine(chunks, cfg, optimizer_config=opt)
+        engine = MegatronEngine(chunks, cfg, GROUPS["groups"], optimizer_config=opt)
         marks["grads"] = tracker.current - marks["params"]
         finalize = cfg.finalize_model_grads_func
 
@@ -156,7 +159,7 @@ def measure(arch: ModelArch, work: Workload, value_head: bool) -> dict[str, floa
 
 
 def predict(arch: ModelArch, work: Workload, value_head: bool) -> dict[str, float]:
-    layout = Layout(tp=1, pp=1, dp=1, tg=1)
+    layout = training_pool(tp=1)
     params = stage_params(arch, layout, 0, value_head=value_head)
     state_terms = training_state_terms(params.total, 1, work.dtype)
     act = sum(t.bytes for t in activation_terms(arch, layout, work, 0, value_head=value_head))
@@ -176,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from verl_mega.parallel.state import init_distributed
 
-    init_distributed(tp=1, pp=1)
+    GROUPS["groups"] = init_distributed(tp=1, pp=1)
     rows = []
     header = (f"{'configuration':<30} {'what':<10} {'predicted MiB':>14} {'measured MiB':>13} {'error':>8}")
     print(f"dtype={args.dtype}, torch {torch.__version__}, world of one (tp=pp=dp=1), CPU")

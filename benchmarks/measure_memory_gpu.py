@@ -57,7 +57,6 @@ def main(argv: list[str] | None = None) -> int:
         print("error: needs CUDA; use benchmarks/measure_memory_cpu.py on CPU", file=sys.stderr)
         return 2
 
-    from megatron.core import parallel_state as mpu
     from megatron.core.optimizer import OptimizerConfig
 
     from verl_mega.engine.logprobs import vocab_parallel_logprobs_entropy
@@ -65,24 +64,24 @@ def main(argv: list[str] | None = None) -> int:
     from verl_mega.models.build import build_model_chunks
     from verl_mega.models.hf_config import arch_from_hf, load_hf_config, transformer_config
     from verl_mega.parallel.state import init_distributed
-    from verl_mega.planning.memory import Layout, Workload, activation_terms, stage_params, training_state_terms
+    from verl_mega.planning.memory import Workload, activation_terms, stage_params, training_state_terms
 
     hf = QWEN25_1_5B if args.model == "qwen2.5-1.5b" else load_hf_config(args.model)
     arch = arch_from_hf(hf)
-    info = init_distributed(tp=args.tp, pp=args.pp, vpp=args.vpp, seed=1)
+    groups = init_distributed(tp=args.tp, pp=args.pp, vpp=args.vpp, sequence_parallel=args.tp > 1, seed=1)
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
-    layout = Layout(tp=args.tp, pp=args.pp, dp=info["dp"], tg=args.tp, vpp=args.vpp)
+    layout = groups.pool
     m = args.num_microbatches or 2 * args.pp
     work = Workload(micro_batch=args.micro_batch, seq_len=args.seq_len, recompute=args.recompute, dtype="bf16",
                     num_microbatches=m, backend="nccl")
 
     cfg = transformer_config(arch, tp=args.tp, pp=args.pp, vpp=args.vpp, sequence_parallel=layout.sequence_parallel,
                              dtype="bfloat16", recompute=args.recompute)
-    chunks = build_model_chunks(arch, cfg, use_te="false")
+    chunks = build_model_chunks(arch, cfg, groups, use_te="false")
     opt = OptimizerConfig(optimizer="adam", lr=1e-6, bf16=True, params_dtype=torch.bfloat16,
                           use_distributed_optimizer=True)
-    engine = MegatronEngine(chunks, cfg, optimizer_config=opt)
+    engine = MegatronEngine(chunks, cfg, groups, optimizer_config=opt)
     finalize, marks = cfg.finalize_model_grads_func, {}
 
     def finalize_and_mark(*a, **k):
@@ -98,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         batch.append({"input_ids": ids, "position_ids": torch.arange(args.seq_len, device="cuda").expand_as(ids)})
 
     def loss_fn(output, mb):
-        lp, _ = vocab_parallel_logprobs_entropy(output[:, :-1], mb["input_ids"][:, 1:], vocab_size=arch.vocab_size)
+        lp, _ = vocab_parallel_logprobs_entropy(output[:, :-1], mb["input_ids"][:, 1:], vocab_size=arch.vocab_size,
+                                                tp_group=groups["tp"])
         return -lp.mean(), {}
 
     engine.train_step(batch, loss_fn)
@@ -109,12 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
 
-    stage = mpu.get_pipeline_model_parallel_rank()
+    stage = groups.pp_rank
     params = stage_params(arch, layout, stage).total
     want_state = sum(t.bytes for t in training_state_terms(params, layout.dp, "bf16"))
     want_act = sum(t.bytes for t in activation_terms(arch, layout, work, stage))
     want_peak = want_state + max(want_act, 4 * params / layout.dp)  # foreach AdamW temporary after backward
-    row = {"rank": dist.get_rank(), "stage": stage, "tp_rank": info["tp_rank"], "params": params,
+    row = {"rank": dist.get_rank(), "stage": stage, "tp_rank": groups.tp_rank, "params": params,
            "measured": {"state": state, "act": marks["fwd_bwd_peak"] - state, "peak": peak},
            "predicted": {"state": want_state, "act": want_act, "peak": want_peak}}
     rows: list = [None] * dist.get_world_size()

@@ -32,8 +32,8 @@ def test_create_and_step(tmp_path):
 def test_backend_validation():
     from verl_mega import RLTrainer, vLLMBackend
 
-    with pytest.raises(ValueError, match="tg=0"):
-        vLLMBackend(tg=0)
+    with pytest.raises(ValueError, match="gen_tp=0"):
+        vLLMBackend(gen_tp=0)
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         vLLMBackend(gpu_memory_utilization=1.5)
     with pytest.raises(ValueError, match="differs from actor"):

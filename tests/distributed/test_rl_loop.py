@@ -24,7 +24,7 @@ def test_rl_steps(tmp_path, recipe, critic, layout):
     tp, pp = layout
     out = tmp_path / "run"
     run_torchrun("rl_steps.py", 2, str(ROOT / "configs" / recipe), str(out), f"parallel.tp={tp}",
-                 f"parallel.pp={pp}", f"rollout.tg={tp}", *SMALL,
+                 f"parallel.pp={pp}", f"rollout.gen_tp={tp}", *SMALL,
                  env={"VERL_MEGA_CACHE": os.environ.get("VERL_MEGA_CACHE", str(tmp_path / "cache"))}, timeout=600)
     last = check(str(out), 3, critic=critic)
     assert last["kl/actor_ref"] != 0.0 or not critic  # the policy moved away from the reference
@@ -35,7 +35,7 @@ def test_rl_steps_data_parallel(tmp_path):
     two vLLM engines at tg=1 (each generates half the prompts); PPO so the critic's dp reductions run too."""
     out = tmp_path / "run"
     run_torchrun("rl_steps.py", 2, str(ROOT / "configs" / "ppo_cpu.yaml"), str(out), "parallel.tp=1",
-                 "parallel.pp=1", "rollout.tg=1", "critic.micro_batch_size_per_gpu=4", *SMALL,
+                 "parallel.pp=1", "rollout.gen_tp=1", "critic.micro_batch_size_per_gpu=4", *SMALL,
                  env={"VERL_MEGA_CACHE": os.environ.get("VERL_MEGA_CACHE", str(tmp_path / "cache"))}, timeout=600)
     last = check(str(out), 3, critic=True)
     assert last["kl/actor_ref"] != 0.0

@@ -146,6 +146,42 @@ def test_mini_batch_not_divisible_over_dp_and_micro():
     cfg.validate_runtime(_placement(cfg, 1), cuda_available=False)
 
 
+def test_remax_needs_sampling():
+    assert _error(load_config, QUICKSTART, ["algorithm.adv_estimator=remax", "rollout.temperature=0"]) == (
+        "algorithm.adv_estimator=remax compares samples with the greedy answer but rollout.temperature=0 makes them "
+        "the greedy answer; set rollout.temperature=1.0")
+
+
+def test_placement_section_errors():
+    assert _error(load_config, QUICKSTART, ["placement.pools={a: {tp: 2}}"]) == (
+        "placement.pools.a needs size (its number of ranks), e.g. placement.pools.a.size=8")
+    assert _error(load_config, QUICKSTART, ["placement.pools={a: {size: 4, tq: 2}}"]) == (
+        "placement.pools.a: unknown key(s) ['tq']; pool keys are size, tp, pp, vpp, cp, ep, etp, gen_tp, gen_ep")
+    assert _error(load_config, QUICKSTART, ["placement.pools={a: {size: 4}}", "placement.roles={actor: b}"]) == (
+        "placement.roles.actor='b' is not a pool of placement.pools (a)")
+    assert _error(load_config, QUICKSTART, ["placement.pools={a: {size: 4}}", "parallel.tp=2"]) == (
+        "parallel.tp and placement.pools both set a layout; put it in placement.pools.<pool> instead")
+    cfg = load_config(QUICKSTART, ["placement.pools={train: {size: 2, tp: 2}, gen: {size: 2, gen_tp: 2}}",
+                                   "placement.roles={actor: train, rollout: gen}"])
+    placement = _placement(cfg, 4)
+    assert not placement.colocated and placement.pool("gen").num_engines == 1 and not placement.pool("gen").trains
+    assert _error(_placement, cfg, 6) == ("placement: the pools hold 4 ranks but the world has 6; make the pool "
+                                          "sizes add up to the number of processes")
+
+
+def test_trainer_refuses_a_separate_rollout_pool(tmp_path, monkeypatch):
+    from verl_mega.trainer.setup import build_job
+
+    cfg = load_config(QUICKSTART, ["placement.pools={train: {size: 1}, gen: {size: 1}}",
+                                   "placement.roles={actor: train, rollout: gen}", f"trainer.output_dir={tmp_path}"])
+    launcher = dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2", GROUP_RANK="0", NODE_RANK="0",
+                    MASTER_ADDR="127.0.0.1", MASTER_PORT="29511", VERL_MEGA_LAUNCHER="torchrun")
+    for key, value in launcher.items():  # rank 0 of a 2-process torchrun job (restored afterwards)
+        monkeypatch.setenv(key, value)
+    assert _error(build_job, cfg).startswith("placement.roles: the trainer runs every role on the actor's pool")
+    assert not any(tmp_path.iterdir())  # refused before anything was written
+
+
 def test_adaptive_kl_needs_target():
     assert _error(load_config, None, ["algorithm.kl_ctrl.type=adaptive"]) == (
         "algorithm.kl_ctrl.type=adaptive needs algorithm.kl_ctrl.target_kl; set e.g. algorithm.kl_ctrl.target_kl=0.1 "

@@ -16,13 +16,11 @@ def world():
     return init_distributed(tp=1, pp=1)
 
 
-def _actor(cfg, path):
-    from verl_mega.config import ParallelDims
+def _actor(cfg, path, world):
     from verl_mega.trainer import setup
     from verl_mega.trainer.roles import Actor
 
-    dims = ParallelDims.resolve(cfg.parallel, 1, num_layers=2, num_heads=4, num_kv_heads=2)
-    m = setup.build_role_engine(cfg, dims, path, role_cfg=cfg.actor, total_steps=4)
+    m = setup.build_role_engine(cfg, world, path, role_cfg=cfg.actor, total_steps=4)
     return Actor(m.engine, cfg.actor, vocab_size=m.arch.vocab_size, temperature=1.0)
 
 
@@ -31,10 +29,10 @@ def test_token_budget_matches_fixed_micro_batches(world, tmp_path):
     base = ["actor.lr=1e-3", "actor.lr_warmup_steps=0", "actor.use_kl_loss=false", "model.dtype=float32",
             "actor.micro_batch_size_per_gpu=4", f"model.path={path}", "data.max_prompt_length=16",
             "rollout.max_response_length=6"]
-    fixed = _actor(load_config("configs/quickstart_cpu.yaml", base), path)
+    fixed = _actor(load_config("configs/quickstart_cpu.yaml", base), path, world)
     dynamic = _actor(load_config("configs/quickstart_cpu.yaml", base + ["actor.use_dynamic_bsz=true",
                                                                          "actor.max_tokens_per_gpu=40", "data.max_prompt_length=16",
-                                                                         "rollout.max_response_length=6"]), path)
+                                                                         "rollout.max_response_length=6"]), path, world)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(5, 40, (int(n),), generator=g).tolist() for n in torch.randint(2, 9, (8,), generator=g)]
     responses = [torch.randint(5, 40, (int(n),), generator=g).tolist() for n in torch.randint(1, 7, (8,), generator=g)]

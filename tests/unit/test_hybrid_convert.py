@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verl_mega.hybrid.convert import make_block, vllm_name, vllm_vocab_rows, vocab_row_plan, write_block
+from verl_mega.hybrid.convert import block_shape, vllm_name, vllm_vocab_rows, vocab_row_plan, write_block
 from verl_mega.models.hf_config import ModelArch
 from verl_mega.models.weights import hf_to_mcore_shard, rule_for
 
@@ -82,7 +82,9 @@ def test_blocks_equal_vllm_slices(heads, kv, t, tg):
         rule = rule_for(f"decoder.layers.0.{suffix}", arch)
         shards = [hf_to_mcore_shard(rule, read, arch, r, t, padded_vocab=0) for r in range(t)]
         for j in range(tg):
-            block = make_block(rule, shards[j * m:(j + 1) * m], arch)
+            own = shards[j * m:(j + 1) * m]
+            block = torch.empty(block_shape(rule, own[0].shape, m), dtype=own[0].dtype)
+            write_block(rule, block, own, arch)
             expected = _vllm_slice(hf, vllm_name(rule), j, tg)
             assert torch.equal(block, expected), (suffix, j)
             dst = torch.full_like(expected, float("nan"))  # writing into an existing tensor fills every element

@@ -32,7 +32,7 @@ def test_param_count_matches_hf_on_meta(world, name):
     with torch.device("meta"):
         hf_model = AutoModelForCausalLM.from_config(cfg)
     hf_count = sum(p.numel() for p in hf_model.parameters())
-    assert count_parameters(arch) == hf_count
+    assert count_parameters(arch, world) == hf_count
     assert arch.num_parameters() == hf_count
 
 
@@ -45,15 +45,15 @@ def test_logits_match_hf_tp1(world, tmp_path, model_type, tied):
 
     path = make_tiny_hf_model(tmp_path / model_type, model_type=model_type, tie_word_embeddings=tied)
     arch = arch_from_hf(load_hf_config(path))
-    chunks = build_model_chunks(arch, transformer_config(arch, use_cpu_initialization=True), use_te="false")
+    chunks = build_model_chunks(arch, transformer_config(arch, use_cpu_initialization=True), world, use_te="false")
     reader = HFCheckpointReader(path)
-    load_hf_weights(chunks, reader, arch)
+    load_hf_weights(chunks, reader, arch, world)
     ids = torch.randint(0, arch.vocab_size, (2, 20))
     with torch.no_grad():
         out = chunks[0].eval()(ids, torch.arange(20).expand(2, 20), None)[..., : arch.vocab_size]
         ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)(ids).logits
     assert (out - ref).abs().max().item() < 1e-5
-    exported = dict(iter_hf_tensors(chunks, arch))
+    exported = dict(iter_hf_tensors(chunks, arch, world))
     assert set(exported) == set(reader.keys())
     for name, tensor in exported.items():
         assert torch.equal(tensor, reader.get(name)), name
@@ -71,8 +71,8 @@ def test_llama3_rope_scaling_matches_hf(world, tmp_path):
                                                                           "rope_theta": 500000.0})
     arch = arch_from_hf(load_hf_config(path))
     assert arch.rope_scaling is not None
-    chunks = build_model_chunks(arch, transformer_config(arch, use_cpu_initialization=True), use_te="false")
-    load_hf_weights(chunks, HFCheckpointReader(path), arch)
+    chunks = build_model_chunks(arch, transformer_config(arch, use_cpu_initialization=True), world, use_te="false")
+    load_hf_weights(chunks, HFCheckpointReader(path), arch, world)
     ids = torch.randint(0, arch.vocab_size, (1, 200))
     with torch.no_grad():
         out = chunks[0].eval()(ids, torch.arange(200)[None], None)[..., : arch.vocab_size]
@@ -86,7 +86,7 @@ def test_vocab_padding_and_value_head(world, tmp_path):
     path = make_tiny_hf_model(tmp_path / "m", model_type="qwen2")
     arch = arch_from_hf(load_hf_config(path))
     assert arch.padded_vocab_size(1) % 128 == 0 and arch.padded_vocab_size(2) % 256 == 0
-    chunks = build_model_chunks(arch, transformer_config(arch, use_cpu_initialization=True), value_head=True,
+    chunks = build_model_chunks(arch, transformer_config(arch, use_cpu_initialization=True), world, value_head=True,
                                 use_te="false")
     with torch.no_grad():
         values = chunks[0](torch.zeros(2, 5, dtype=torch.long), torch.arange(5).expand(2, 5), None)

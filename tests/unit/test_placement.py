@@ -85,7 +85,7 @@ def test_groups_match_megatron_rank_generator(tp, cp, dp, pp, ep, etp):
         assert sorted(map(tuple, expert.get_ranks(token))) == sorted(pool.groups(kind)), kind
 
 
-def test_two_pools_at_1024_ranks():
+def test_two_pools_at_1024_ranks(monkeypatch):
     from megatron.core.hyper_comm_grid import HyperCommGrid
 
     train = Pool(name="train", ranks=tuple(range(768)), tp=8, pp=4)
@@ -97,9 +97,7 @@ def test_two_pools_at_1024_ranks():
     checks = placement.check()
     assert len(checks) == 2
     # mcore's HyperCommGrid with a rank offset is an independent enumeration of the training pool's groups
-    import os
-
-    os.environ.setdefault("WORLD_SIZE", "1024")
+    monkeypatch.setenv("WORLD_SIZE", "1024")  # HyperCommGrid checks its grid against the world size
     grid = HyperCommGrid([8, 1, 24, 4], ["tp", "cp", "dp", "pp"], rank_offset=0)
     for kind, dims in (("tp", ["tp"]), ("dp", ["dp"]), ("pp", ["pp"])):
         assert sorted(map(tuple, grid._gen_rank_enum(dims))) == sorted(train.groups(kind)), kind

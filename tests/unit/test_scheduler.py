@@ -198,3 +198,38 @@ def test_tools_topo_without_nvidia_smi(capsys, monkeypatch):
     tool = _tools_topo()
     assert tool.main(["--tp", "2"]) == 2
     assert "nvidia-smi is not on PATH" in capsys.readouterr().err
+
+
+def test_header_variants_users_paste():
+    """`NUMA` for `NUMA Affinity`, `CPU_Affinity`, a bare `Affinity`, lower case: the same topology."""
+    base = (FIX / "4gpu_nvlink_pairs_0_2_and_1_3.txt").read_text()
+    want = topo("4gpu_nvlink_pairs_0_2_and_1_3.txt")
+    assert want.nvlink_islands == ((0, 2), (1, 3)) and [want.numa_node(g) for g in range(4)] == [0, 1, 0, 1]
+    for cpu, numa in (("CPU_Affinity", "NUMA Affinity"), ("Affinity", "NUMA_Node"), ("cpu affinity", "numa")):
+        text = base.replace("CPU Affinity", cpu).replace("NUMA\n", numa + "\n", 1)
+        got = parse_topology(text)
+        assert got.gpu_links == want.gpu_links and [got.numa_node(g) for g in range(4)] == [0, 1, 0, 1], (cpu, numa)
+        assert got.gpus[1].cpu_affinity == tuple(range(16, 32))
+
+
+def test_assign_device_puts_tp_groups_on_nvlink_pairs(monkeypatch):
+    """The start-up path of every launcher: local rank -> device from a recorded topology (CPU: recorded only)."""
+    from verl_mega.parallel.launch_env import DistEnv
+    from verl_mega.parallel.scheduler import assign_device
+
+    placement = Placement.single(4, tp=2)
+    path = FIX / "4gpu_nvlink_pairs_0_2_and_1_3.txt"
+    devices = []
+    for rank in range(4):
+        env = DistEnv(rank=rank, world_size=4, local_rank=rank, local_world_size=4, node_rank=0,
+                      master_addr="127.0.0.1", master_port=29500, launcher="torchrun")
+        rec = assign_device(placement, env, str(path))
+        assert rec["topology"] == str(path) and rec["node"] == 0
+        devices.append(rec["device"])
+    assert {frozenset(devices[g[0]:g[-1] + 1]) for g in placement.pool("main").groups("tp")} == {
+        frozenset({0, 2}), frozenset({1, 3})}
+    env = DistEnv(rank=0, world_size=4, local_rank=0, local_world_size=4, node_rank=0, master_addr="127.0.0.1",
+                  master_port=29500, launcher="torchrun")
+    assert assign_device(placement, env, None)["device"] == 0  # no topology on CPU: the launcher's order, silently
+    with pytest.raises(ValueError, match="parallel.topology_file='/nope' does not exist"):
+        assign_device(placement, env, "/nope")

@@ -42,6 +42,7 @@ EXPECTED = {
     "pcie_8gpu_switches_mlx5.txt": (
         8, ["mlx5_0"], [(g,) for g in range(8)], [None] * 8, ["mlx5_0"] * 8),
     "t4_4gpu_pcie.txt": (4, [], [(0,), (1,), (2,), (3,)], [None] * 4, [None] * 4),
+    "4gpu_nvlink_pairs_0_2_and_1_3.txt": (4, [], [(0, 2), (1, 3)], [0, 1, 0, 1], [None] * 4),
 }
 
 

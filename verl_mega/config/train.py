@@ -25,7 +25,8 @@ class TrainConfig(ConfigSection):
       `critic.ppo_epochs` null → the actor's.
     - `ref.enable`: null → on iff `algorithm.use_kl_in_reward` or `actor.use_kl_loss`; a KL with the reference off
       is an error. `ref.micro_batch_size_per_gpu` null → `actor.log_prob_micro_batch_size_per_gpu`.
-    - grpo, rloo and reinforce_plus_plus_baseline need `rollout.n` >= 2 and `rollout.temperature` > 0.
+    - grpo, rloo and reinforce_plus_plus_baseline need `rollout.n` >= 2 and `rollout.temperature` > 0; remax
+      needs `rollout.temperature` > 0 (its baseline is the greedy answer, generated in the same rollout).
     - `data.train_batch_size` must be a multiple of `actor.ppo_mini_batch_size` (and the critic's); both count
       prompts, so with `rollout.n` samples each the same holds for samples.
     - `rollout.gen_tp` null → `parallel.tp`; otherwise it must divide `parallel.tp`. With `placement.pools` set,
@@ -132,6 +133,9 @@ class TrainConfig(ConfigSection):
             self._require(self.rollout.temperature > 0, f"algorithm.adv_estimator={est} needs diverse samples but "
                                                         f"rollout.temperature=0 makes them identical; set "
                                                         f"rollout.temperature=1.0")
+        self._require(est != "remax" or self.rollout.temperature > 0,
+                      "algorithm.adv_estimator=remax compares samples with the greedy answer but rollout.temperature=0 "
+                      "makes them the greedy answer; set rollout.temperature=1.0")
         for flag, on in (("algorithm.use_kl_in_reward", self.algorithm.use_kl_in_reward),
                          ("actor.use_kl_loss", self.actor.use_kl_loss)):
             self._require(not on or ref.enable, f"{flag}=true needs the reference policy but ref.enable=false; set "

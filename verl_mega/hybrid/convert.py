@@ -90,15 +90,6 @@ def write_block(rule: ParamRule, dst: torch.Tensor, shards: Sequence[torch.Tenso
         to.copy_(src)
 
 
-def make_block(rule: ParamRule, shards: Sequence[torch.Tensor], arch: ModelArch,
-               dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Allocate and fill generation block j (for backends that take tensors rather than being written into)."""
-    out = torch.empty(block_shape(rule, shards[0].shape, len(shards)), dtype=dtype or shards[0].dtype,
-                      device=shards[0].device)
-    write_block(rule, out, shards, arch)
-    return out
-
-
 @dataclass(frozen=True)
 class VocabRows:
     """Rows of the original vocabulary one generation rank keeps, and the size of its padded partition."""

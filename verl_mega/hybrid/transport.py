@@ -38,9 +38,6 @@ class InPlaceTransport:
                 if param is not None:
                     self._owners.setdefault(id(param), []).append(mname)
 
-    def param_names(self) -> set[str]:
-        return set(self.params)
-
     def module(self, name: str) -> torch.nn.Module:
         return self.model.get_submodule(name)
 

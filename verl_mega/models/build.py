@@ -100,8 +100,9 @@ def build_model_chunks(
     return chunks
 
 
-def count_parameters(arch: ModelArch, *, value_head: bool = False) -> int:
-    """Parameter count of the mcore model for `arch` at tp=pp=1 without vocab padding, built on the meta device.
+def count_parameters(arch: ModelArch, groups: RankGroups, *, value_head: bool = False) -> int:
+    """Parameter count of the mcore model for `arch` at tp=pp=1 (``groups`` of a world of one) without vocab
+    padding, built on the meta device.
 
     Used to check our mapping covers the HF model exactly (same count, no extra or missing tensors).
     """
@@ -117,6 +118,7 @@ def count_parameters(arch: ModelArch, *, value_head: bool = False) -> int:
             share_embeddings_and_output_weights=arch.tie_word_embeddings and not value_head,
             position_embedding_type="rope",
             rotary_base=int(arch.rope_theta),
+            pg_collection=groups.pg_collection,
         )
     if value_head:
         model.output_layer = ValueHead(cfg, arch.hidden_size)

@@ -21,11 +21,13 @@ def model_sharded_state_dict(chunks: list[torch.nn.Module], groups) -> dict[str,
     """mcore's sharded state dict, keyed like Megatron-LM (`model`, or `model0`, `model1`, … with VPP); replicas
     are told apart over the data(+context)-parallel group of ``groups`` (a RankGroups)."""
     from verl_mega.models.loader import unwrap
+    from verl_mega.parallel.state import mcore_dp_cp_group
 
-    meta = {"dp_cp_group": groups["dp_cp"]}
-    if len(chunks) == 1:
-        return {"model": unwrap(chunks[0]).sharded_state_dict(metadata=meta)}
-    return {f"model{i}": unwrap(c).sharded_state_dict(metadata=dict(meta)) for i, c in enumerate(chunks)}
+    with mcore_dp_cp_group(groups):
+        if len(chunks) == 1:
+            return {"model": unwrap(chunks[0]).sharded_state_dict(metadata={"dp_cp_group": groups["dp_cp"]})}
+        return {f"model{i}": unwrap(c).sharded_state_dict(metadata={"dp_cp_group": groups["dp_cp"]})
+                for i, c in enumerate(chunks)}
 
 
 def save_model_dist(chunks: list[torch.nn.Module], out_dir: str | Path, groups) -> None:

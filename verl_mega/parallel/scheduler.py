@@ -27,7 +27,7 @@ from verl_mega.parallel.placement import Placement
 from verl_mega.parallel.topology import Link, LinkKind, NodeTopology, parse_topology
 
 __all__ = ["GroupReport", "PlacementPlan", "TopologyAwareScheduler", "TopologyFallbackWarning", "assign_device",
-           "write_placement_json", "gather_node_topologies"]
+           "write_placement_json"]
 
 # Above this many GPUs per TP group, we do not search orderings inside a block (8! is the largest we brute-force).
 _MAX_ORDER_SEARCH = 8
@@ -72,10 +72,6 @@ class PlacementPlan:
         """(node, local GPU) that global ``rank`` drives."""
         node, local_rank = divmod(rank, self.gpus_per_node)
         return node, self.device_order[node][local_rank]
-
-    def cuda_device(self, node_rank: int, local_rank: int) -> int:
-        """The CUDA ordinal a process should ``torch.cuda.set_device`` to (before any CUDA_VISIBLE_DEVICES)."""
-        return self.device_order[node_rank][local_rank]
 
     def cuda_visible_devices(self, node_rank: int) -> str:
         """CUDA_VISIBLE_DEVICES for a node so that local_rank i sees the chosen GPU as device i."""
@@ -251,10 +247,6 @@ class TopologyAwareScheduler:
         self.topologies = tuple(topologies)
         self.gpus_per_node = counts.pop()
 
-    @classmethod
-    def from_texts(cls, texts: Sequence[str]) -> "TopologyAwareScheduler":
-        return cls([parse_topology(t) for t in texts])
-
     def plan(self, placement: Placement) -> PlacementPlan:
         g, n = self.gpus_per_node, len(self.topologies)
         if placement.world_size != g * n:
@@ -344,30 +336,6 @@ def _rank_blocks(placement: Placement, node: int, g: int) -> tuple[list[tuple[tu
             elif inside:
                 blocks.append((tuple(r - lo for r in grp), pool.gen_tp if pool.trains else len(grp)))
     return sorted(blocks), spans
-
-
-def gather_node_topologies(local_text: str | None = None, group=None) -> list[NodeTopology]:
-    """All-gather each node's ``nvidia-smi topo -m`` text (from its local rank 0) over torch.distributed.
-
-    Needs an initialised process group and LOCAL_RANK / LOCAL_WORLD_SIZE in the environment (every launcher here
-    sets them). Returns one parsed topology per node, in node-rank order.
-    """
-    import os
-
-    import torch.distributed as dist
-
-    from verl_mega.parallel.topology import read_local_topology_text
-
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    rank = dist.get_rank(group)
-    text = None
-    if local_rank == 0:
-        text = local_text if local_text is not None else read_local_topology_text()
-    gathered: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, (rank // local_world, text), group=group)
-    by_node = {node: t for node, t in gathered if t is not None}
-    return [parse_topology(by_node[k]) for k in sorted(by_node)]
 
 
 def assign_device(placement: Placement, env, topology_file: str | None = None) -> dict:

@@ -8,12 +8,13 @@ keeps start-up at O(groups per rank) instead of O(groups in the job).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import random
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -99,6 +100,21 @@ class RankGroups:
             hcp=None, ep=g["ep"], expt_tp=g["etp"], tp_ep=g["tp_ep"], tp_ep_pp=g["tp_ep_pp"], tp_dp_cp=g["tp_dp_cp"],
             dp=g["dp"], dp_cp=g["dp_cp"], expt_dp=g["edp"], intra_dp_cp=g["dp_cp"], intra_expt_dp=g["edp"],
             inter_dist_opt=None, intra_dist_opt=g["pool"])
+
+
+@contextlib.contextmanager
+def mcore_dp_cp_group(groups: RankGroups) -> Iterator[None]:
+    """Megatron-Core 0.16.1 still reads its global data+context-parallel group in one place a pg_collection does
+    not reach (the replica id of a tied LM head on the last pipeline stage, in ``sharded_state_dict``): expose this
+    rank's group there for the duration of the call only."""
+    from megatron.core import parallel_state as mpu
+
+    saved = mpu._DATA_PARALLEL_GROUP_WITH_CP
+    mpu._DATA_PARALLEL_GROUP_WITH_CP = groups["dp_cp"]
+    try:
+        yield
+    finally:
+        mpu._DATA_PARALLEL_GROUP_WITH_CP = saved
 
 
 def build_groups(placement: Placement, rank: int | None = None, timeout_s: float = 600.0) -> RankGroups:

@@ -244,7 +244,17 @@ def _maximal_cliques(nodes: set[int], adj: list[set[int]]) -> list[frozenset[int
 
 _ANSI_RE = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
 _AFFINITY_COLUMNS = ("CPU Affinity", "NUMA Affinity", "GPU NUMA ID")
-_AFFINITY_RE = re.compile(r"CPU\s+Affinity|NUMA\s+Affinity|GPU\s+NUMA\s+ID")
+# Header spellings users paste from real machines and guides: "CPU Affinity", "CPU_Affinity", a bare "Affinity"
+# (older drivers), "NUMA Affinity", "NUMA Node", a bare "NUMA", "GPU NUMA ID"; any case, spaces or underscores.
+_AFFINITY_RE = re.compile(r"(?i)\bGPU[\s_]+NUMA[\s_]+ID\b|\bCPU[\s_]+Affinity\b|\bNUMA(?:[\s_]+(?:Affinity|Node))?\b|"
+                          r"\bAffinity\b")
+
+
+def _affinity_name(text: str) -> str:
+    key = re.sub(r"[\s_]+", " ", text).upper()
+    if key.startswith("GPU"):
+        return "GPU NUMA ID"
+    return "NUMA Affinity" if key.startswith("NUMA") else "CPU Affinity"
 _GPU_RE = re.compile(r"^GPU(\d+)$")
 _NIC_RE = re.compile(r"^NIC(\d+)$")
 _DEVICE_NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_.:-]*$")
@@ -310,7 +320,7 @@ def _parse_header(line: str, index_map, line_no: int) -> tuple[list[str], list[s
     devices: list[str] = []
     affinity: list[str] = []
     pos = 0
-    spans = [(m.start(), m.end(), re.sub(r"\s+", " ", m.group(0))) for m in _AFFINITY_RE.finditer(line)]
+    spans = [(m.start(), m.end(), _affinity_name(m.group(0))) for m in _AFFINITY_RE.finditer(line)]
     chunks: list[tuple[str, int]] = []
     for s, e, name in spans:
         chunks.extend((m.group(0), pos + m.start()) for m in re.finditer(r"\S+", line[pos:s]))

@@ -8,9 +8,8 @@ the model on the meta device (shapes only, no memory) with those groups. Then we
 
 * its dense groups equal Megatron-Core's own enumeration of the pool (``HyperCommGrid`` with the pool's rank
   offset: an implementation independent of ours), and every group the run created has the members the placement
-  names;
-* the generation TP group lies inside the training TP group, is strided by tp/gen_tp and ascending
-  (``new_group`` sorts members), and meets the micro-DP group in this rank only;
+  names (whose generation groups ``Placement.check`` verified for every rank: inside the training TP group,
+  strided by tp/gen_tp, ascending, meeting the micro-DP group in one rank);
 * the meta model holds exactly the parameters the memory model predicts for this stage, and the layer offsets of
   its (virtual) chunks are the ones Megatron assigns.
 
@@ -164,9 +163,6 @@ def _dry_run_rank(arch: ModelArch, placement: Placement, rank: int, *, build_mod
         _check_against_mcore(pool, rank, built)
         report.checks.append(f"{len(built)} group kinds built with the members the placement names; tp/cp/dp/pp "
                              f"equal mcore's HyperCommGrid enumeration of pool {pool.name!r}")
-        _check_generation_groups(pool, rank, built)
-        report.checks.append(f"generation TP group ⊂ training TP group, stride tp/gen_tp={pool.micro_dp}, ascending; "
-                             f"∩ micro-DP group = {{{rank}}}")
         if build_model and pool.trains:
             _build_meta_model(arch, groups, report, value_head=value_head, dtype=dtype)
     return report
@@ -183,22 +179,6 @@ def _check_against_mcore(pool, rank: int, built: dict[str, tuple[int, ...]]) -> 
         if mine != [built[kind]]:
             raise DryRunError(f"dry run: rank {rank}'s {kind} group {list(built[kind])[:16]} differs from mcore's "
                               f"{[list(g)[:16] for g in mine]}")
-
-
-def _check_generation_groups(pool, rank: int, groups: dict[str, tuple[int, ...]]) -> None:
-    gen, micro = groups["gen_tp"], groups["micro_dp"]
-    if len(gen) != pool.gen_tp or list(gen) != sorted(gen) or rank not in gen:
-        raise DryRunError(f"dry run: generation TP group {list(gen)} is not {pool.gen_tp} ascending ranks with "
-                          f"rank {rank}")
-    if pool.trains:
-        tp = groups["tp"]
-        stride = pool.micro_dp
-        if not set(gen) <= set(tp) or any(tp.index(b) - tp.index(a) != stride for a, b in zip(gen, gen[1:])):
-            raise DryRunError(f"dry run: generation TP group {list(gen)} is not strided by {stride} inside the "
-                              f"training TP group {list(tp)}")
-    if set(gen) & set(micro) != {rank}:
-        raise DryRunError(f"dry run: generation TP group {list(gen)} and micro-DP group {list(micro)} must share "
-                          f"exactly rank {rank}")
 
 
 def _build_meta_model(arch: ModelArch, groups, report: DryRunReport, *, value_head: bool, dtype: str) -> None:

@@ -1,53 +1,13 @@
 """Per-GPU memory model of one RL step: training (params, grads, optimizer, activations), vLLM rollout and the
-3D-HybridEngine transition. Pure arithmetic over a :class:`~verl_mega.models.hf_config.ModelArch`; every number
-comes with the formula that produced it (:class:`Term`), so ``tools/plan.py --explain`` can print the arithmetic.
+3D-HybridEngine transition. Pure arithmetic over a :class:`~verl_mega.models.hf_config.ModelArch` and a training
+:class:`~verl_mega.parallel.placement.Pool`; every number comes with the formula that produced it (:class:`Term`),
+so ``tools/plan.py --explain`` prints the arithmetic. The model itself (training state, Korthikanti-style
+activations for our layer spec, pipeline in-flight micro-batches, vLLM weights and KV cache, HybridFlow Table 2)
+is derived in docs/planning.md.
 
-Symbols: L layers, h hidden, a heads, k key/value heads, d head dim, f FFN hidden, V vocabulary padded for tp
-(Megatron pads to a multiple of 128·tp), s sequence length, b micro-batch, B bytes per activation element (2 bf16,
-4 fp32), t training TP, σ = t with sequence parallelism (else 1), p PP, v virtual stages, D data parallel, tg
-generation TP.
-
-**Training state** (Megatron-Core DDP with ``grad_reduce_in_fp32`` and the distributed optimizer, per rank holding
-P parameters): bf16 params 2P + fp32 main grads 4P + (fp32 master params, Adam m, v) 12P/D; with fp32 params there
-is no master copy: 4P + 4P + 8P/D.
-
-**Activations** follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
-§4) — count every tensor autograd keeps for the backward pass — redone for our layer spec (RMSNorm, GQA with RoPE,
-SDPA/flash attention, SwiGLU, no dropout). Per layer and micro-batch, in bytes::
-
-    A_layer = s·b·[ 2·(4 + 2B)·h/σ       two RMSNorms: input (kept as an fp32 copy), normalised value, output
-                  + B·(3a + v_kv)·d/t     q and k after RoPE, v (k and v expanded to a heads for SDPA), attn out
-                  + 4·a/t                 flash-attention log-sum-exp (fp32)
-                  + 5·B·f/t ]             SwiGLU: fc1 output (2f), linear half + offset, SiLU output, product
-              + 4·B·s·d                   RoPE cos/sin tables for q and k
-              [+ s·b·(4 + B)·(a + k)·d/t  q/k RMSNorm of Qwen3]
-
-with v_kv = a when a > k (the expanded copy) and a + 2k when a = k (v stays a view of the fused QKV output).
-Flash attention never materialises Korthikanti's 5·a·s²·b term. Sequence parallelism divides the h terms by t.
-``selective`` recompute (mcore core-attention recompute) drops the log-sum-exp and RoPE tables; ``full``
-recompute keeps only each layer's input, B·s·b·h/σ, plus one recomputed layer during its backward pass.
-
-The last stage keeps the final norm, (4 + 2B)·s·b·h/σ, and for the log-prob loss over vocabulary-parallel
-logits (B + 8)·s·b·V/t: the logits, the shifted logits and their exponentials (fp32); entropy keeps 12·s·b·V/t
-more. The activation peak is the larger of two backward moments: its start, with the loss gradient (fp32, plus
-its cast back to 16-bit) next to everything kept, or — once the logits are freed — the last layer's MLP backward,
-2·B·s·b·f/t for the fc1-output gradient (with ``full`` recompute, after rebuilding that layer). Stage r of a 1F1B
-pipeline holds min(p − r, M) micro-batches of its L/p layers (Megatron's warm-up), the interleaved schedule
-2(p − r − 1) + (v − 1)·p + 1 chunks of L/(p·v) layers, so stage 0 holds L·(1 + (p − 1)/(p·v)) layers' worth
-(Korthikanti eq. 5); each in-flight micro-batch also keeps its received input and sent output, 2·B·s·b·h/σ.
-
-Transients after the backward pass, when activations are gone: torch's foreach AdamW (the fallback without
-transformer-engine/apex) allocates one fp32 temporary over the optimizer shard, 4P/D (the single-tensor CPU
-implementation only one parameter's worth); gloo's coalesced reduce-scatter flattens the whole fp32 grad buffer
-of a model chunk (NCCL works in place).
-
-**Rollout** (vLLM, per GPU): weights of the tg-sharded model (vocabulary padded to 64), 2 bytes each; vLLM
-takes gpu_memory_utilization × GPU memory in total (the KV cache is what remains after weights and its profiling
-activations), or weights + activations + an explicit KV budget. KV bytes per token per GPU: 2·L·(k/tg)·d·2.
-Idle roles keep params/grads/optimizer on the GPU unless offloaded.
-
-**3D-HybridEngine** (HybridFlow Table 2, pg = 1): each GPU receives (t·p − tg)/(tg·t·p)·M bytes of an M-byte
-model and holds M/tg of generation weights.
+Symbols: L layers, h hidden, a heads, k key/value heads, d head dim, f FFN hidden, V vocabulary padded for tp,
+s sequence length, b micro-batch, B bytes per activation element, t training TP, σ = t with sequence parallelism
+(else 1), p PP, v virtual stages, D data parallel, tg generation TP.
 """
 
 from __future__ import annotations

@@ -146,7 +146,7 @@ def load_tokenizer(path: Path, *, trust_remote_code: bool = False):
             raise ValueError(f"model.tokenizer_path={str(path)!r} ships its own tokenizer code; set "
                              f"model.trust_remote_code=true if you trust that directory") from None
         raise
-    if not len(tokenizer):
+    if not tokenizer.encode("The answer is 42.", add_special_tokens=False):
         raise ValueError(f"model.tokenizer_path={str(path)!r} has no tokenizer files (tokenizer.json or a vocabulary); "
                          f"point model.tokenizer_path at the model's tokenizer")
     return tokenizer

@@ -14,7 +14,7 @@ def main() -> None:
     from verl_mega import RLTrainer, vLLMBackend
 
     trainer = RLTrainer.create(
-        actor="tiny", actor_backend=vLLMBackend(tg=1, kv_cache_memory_bytes=64 << 20, enforce_eager=True),
+        actor="tiny", actor_backend=vLLMBackend(gen_tp=1, kv_cache_memory_bytes=64 << 20, enforce_eager=True),
         overrides={"trainer.total_steps": 3, "trainer.output_dir": str(out), "trainer.save_every": 0,
                    "data.train_batch_size": 4, "actor.ppo_mini_batch_size": 4, "logging.tensorboard": False,
                    "trainer.profile": True})  # profile: vLLM also reports per-request stats

@@ -23,7 +23,7 @@ import torch.distributed as dist
 MAX_NEW = 8
 
 
-def perturb(chunks, arch) -> None:
+def perturb(chunks, arch, tp_rank: int) -> None:
     """Deterministic noise keyed by the (global) parameter name, so replicated copies stay identical."""
     from verl_mega.models.loader import unwrap
 
@@ -36,10 +36,8 @@ def perturb(chunks, arch) -> None:
                 parts = name.split(".")
                 parts[2] = str(int(parts[2]) + off)
                 key = ".".join(parts)
-            from megatron.core import parallel_state as mpu
-
             if getattr(p, "tensor_model_parallel", False):
-                key += f"#tp{mpu.get_tensor_model_parallel_rank()}"
+                key += f"#tp{tp_rank}"
             g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
             with torch.no_grad():
                 noise = torch.randn(p.shape, generator=g, dtype=p.dtype).to(p.device)
@@ -70,9 +68,9 @@ def plain_params(model, store: dict) -> None:
             store[name] = p.detach().clone()
 
 
-def expected_bytes(arch, layout, plan, elem: int) -> int:
+def expected_bytes(arch, pool, coords, elem: int) -> int:
     """Bytes this rank must receive: what vLLM keeps on it minus what its own Megatron shard already covers."""
-    p, t, tg, m = layout.p, layout.t, layout.tg, layout.micro_dp
+    p, t, tg = pool.pp, pool.tp, pool.gen_tp
     h, d = arch.hidden_size, arch.head_dim
     per_stage = arch.num_layers // p
     sharded = (h * arch.num_heads * d + 2 * h * arch.num_kv_heads * d + arch.num_heads * d * h
@@ -82,18 +80,18 @@ def expected_bytes(arch, layout, plan, elem: int) -> int:
     replicated = 2 * h + (2 * d if arch.qk_norm else 0)
     total = 0
     for layer in range(arch.num_layers):
-        own = layer // per_stage == plan.pp_rank
+        own = layer // per_stage == coords["pp"]
         total += sharded // tg - (sharded // t if own else 0)
         total += 0 if own else replicated
-    total += 0 if plan.pp_rank == p - 1 else h  # final norm
+    total += 0 if coords["pp"] == p - 1 else h  # final norm
     v = arch.vocab_size
     vllm_per = math.ceil(v / 64) * 64 // tg
     meg_per = math.ceil(v / (128 * t)) * 128 * t // t
-    j, r = plan.gen_tp_rank, plan.tp_rank
+    j, r = coords["gen_tp"], coords["tp"]
     a, b = min(j * vllm_per, v), min((j + 1) * vllm_per, v)
     heads = [0] + ([] if arch.tie_word_embeddings else [p - 1])
     for owner in heads:
-        local = max(0, min(b, (r + 1) * meg_per) - max(a, r * meg_per)) if plan.pp_rank == owner else 0
+        local = max(0, min(b, (r + 1) * meg_per) - max(a, r * meg_per)) if coords["pp"] == owner else 0
         total += (b - a - local) * h
     return total * elem
 
@@ -107,41 +105,38 @@ def main() -> None:
     ap.add_argument("--lp-tol", type=float, default=1e-4)
     args = ap.parse_args()
 
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region  # noqa: F401
     from transformers import AutoModelForCausalLM
 
     from verl_mega.engine.logprobs import vocab_parallel_logprobs_entropy
     from verl_mega.engine.megatron_engine import MegatronEngine
-    from verl_mega.hybrid.engine import HybridEngine
-    from verl_mega.hybrid.layout import ModelDims, plan_layout
-    from verl_mega.hybrid.sync import WeightSync
+    from verl_mega.hybrid.producer import WeightProducer, WeightSync
     from verl_mega.models.build import build_model_chunks
     from verl_mega.models.hf_config import arch_from_hf, load_hf_config, transformer_config
     from verl_mega.models.hf_io import HFCheckpointReader
     from verl_mega.models.loader import iter_hf_tensors, load_hf_weights
     from verl_mega.parallel.state import init_distributed
-    from verl_mega.rollout.vllm_rollout import RolloutError, SamplingSpec, VLLMRolloutConfig
+    from verl_mega.rollout.colocated import ColocatedRollout, HybridEngine
+    from verl_mega.rollout.vllm_rollout import RolloutError, SamplingSpec, VLLMRollout, VLLMRolloutConfig
+    from verl_mega.trainer.profiler import StageProfiler
 
-    init_distributed(tp=args.tp, pp=args.pp, seed=1)
+    groups = init_distributed(tp=args.tp, pp=args.pp, gen_tp=args.gen_tp, seed=1)
+    pool, coords = groups.pool, groups.coords
     rank, world = dist.get_rank(), dist.get_world_size()
     arch = arch_from_hf(load_hf_config(args.model_dir))
-    dims = ModelDims(num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads,
-                     ffn_hidden_size=arch.ffn_hidden_size, num_layers=arch.num_layers)
-    layout = plan_layout(world_size=world, tp=args.tp, pp=args.pp, gen_tp=args.gen_tp, dims=dims)
-    plan = layout.rank_plan(rank)
     cfg = transformer_config(arch, tp=args.tp, pp=args.pp, use_cpu_initialization=True)
-    chunks = build_model_chunks(arch, cfg, use_te="false")
+    chunks = build_model_chunks(arch, cfg, groups, use_te="false")
     if torch.cuda.is_available():
         chunks = [c.cuda() for c in chunks]
-    load_hf_weights(chunks, HFCheckpointReader(args.model_dir), arch)
-    perturb(chunks, arch)
+    load_hf_weights(chunks, HFCheckpointReader(args.model_dir), arch, groups)
+    perturb(chunks, arch, groups.tp_rank)
 
     assert HybridEngine().is_available(), HybridEngine.why_unavailable()
-    engine = HybridEngine(arch=arch, chunks=chunks, rollout_config=VLLMRolloutConfig(
-        model_path=args.model_dir, gen_tp=args.gen_tp, dtype="float32", max_model_len=128, max_num_seqs=8,
-        enforce_eager=True, kv_cache_memory_bytes=32 << 20))
-    assert engine.layout == layout  # planned from Megatron's own groups
-    rollout = engine.rollout
+    rollout = VLLMRollout(VLLMRolloutConfig(model_path=args.model_dir, gen_tp=args.gen_tp, dtype="float32",
+                                            max_model_len=128, max_num_seqs=8, enforce_eager=True,
+                                            kv_cache_memory_bytes=32 << 20),
+                          rank_order=pool.vllm_rank_order(), engine_index=coords["engine"])
+    sync = WeightSync(WeightProducer(groups=groups, arch=arch, chunks=chunks), rollout)
+    engine = ColocatedRollout(rollout, weight_sync=sync, gather_group=groups["pool"], profiler=StageProfiler())
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, arch.vocab_size, (n,), generator=g).tolist() for n in (5, 9, 3, 7)]
     greedy = SamplingSpec(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
@@ -149,20 +144,21 @@ def main() -> None:
 
     ours: dict = {}
     install_capture(rollout.model, ours)
-    engine.to_training()
+    engine.release_memory()
     assert rollout.asleep and not rollout.weights_resident
     try:
         rollout.generate(prompts, greedy)
         raise AssertionError("generate ran while the engine slept")
     except RolloutError:
         pass
-    metrics = engine.to_generation()
+    metrics = engine.update_weights()  # wakes the weights, writes them in place
+    engine.restore_memory()
     assert not rollout.asleep
     plain_params(rollout.model, ours)
     after = rollout.generate(prompts, greedy)
 
     # HF transformers on the perturbed full weights (gathered over TP/PP: collective on every rank).
-    full = {name: t.detach().to("cpu", copy=True) for name, t in iter_hf_tensors(chunks, arch)}
+    full = {name: t.detach().to("cpu", copy=True) for name, t in iter_hf_tensors(chunks, arch, groups)}
     hf = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
     missing, unexpected = hf.load_state_dict(full, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
@@ -177,12 +173,17 @@ def main() -> None:
     assert after.token_ids == hf_tokens, f"rank {rank}: vLLM {after.token_ids} != HF {hf_tokens}"
     assert before.token_ids != hf_tokens, f"rank {rank}: perturbation did not change the greedy output"
     assert after.weight_version == 1 and before.weight_version == 0 and engine.weight_version == 1
-    assert metrics["switch/to_generation_s"] >= metrics["weight_sync/seconds"]
+    # The colocated timeline: every engine generates its share of the global batch, every rank gets all of it.
+    (gathered,) = engine.generate(prompts, [greedy])
+    assert [p for p, _, _ in gathered.samples] == list(range(len(prompts))) and gathered.versions == {1}
+    assert [ids for _, ids, _ in gathered.samples] == hf_tokens, f"rank {rank}: gathered samples differ from HF"
+    assert rollout.asleep  # the timeline put vLLM to sleep again (memory released for training)
+    engine.restore_memory()
 
     # Log-prob parity: Megatron's log-probs of vLLM's tokens (same sequences on every rank).
     seqs = [p + t for p, t in zip(prompts, after.token_ids)]
     width = max(len(s) for s in seqs)
-    mcore_engine = MegatronEngine(chunks, cfg)
+    mcore_engine = MegatronEngine(chunks, cfg, groups)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     lp_diff = 0.0
     for i, seq in enumerate(seqs):
@@ -191,7 +192,7 @@ def main() -> None:
 
         def post(output, mb):
             lp, _ = vocab_parallel_logprobs_entropy(output[:, :-1], mb["input_ids"][:, 1:],
-                                                    vocab_size=arch.vocab_size)
+                                                    vocab_size=arch.vocab_size, tp_group=groups["tp"])
             return {"logprobs": lp}
 
         mlp = mcore_engine.forward([mb], post)[0]["logprobs"][0]
@@ -212,13 +213,14 @@ def main() -> None:
     assert seeded[0].token_ids == seeded[1].token_ids
     everyone = [None] * world
     dist.all_gather_object(everyone, sampled.token_ids)
-    for other in plan.gen_tp_group:
+    for other in pool.group_of("gen_tp", rank):
         assert everyone[other] == sampled.token_ids, f"rank {rank} and {other} of one engine sampled differently"
 
     # vLLM's own loader on full tensors (the reference path), captured the same way.
     ref: dict = {}
     install_capture(rollout.model, ref)
-    ref_sync = WeightSync(layout=layout, arch=arch, chunks=chunks, rollout=rollout, mode="reference")
+    engine.restore_memory()
+    ref_sync = WeightSync(WeightProducer(groups=groups, arch=arch, chunks=chunks), rollout, mode="reference")
     ref_metrics = ref_sync.sync()
     plain_params(rollout.model, ref)
     names = {n for n, p in rollout.model.named_parameters()}
@@ -232,14 +234,15 @@ def main() -> None:
         checked += 1
     ref_after = rollout.generate(prompts, greedy)
     assert ref_after.token_ids == hf_tokens
-    engine.to_training()  # and once more through our path, reusing its cached target after vLLM's own reload
-    engine.to_generation()
+    engine.release_memory()  # and once more through our path, reusing its cached target after vLLM's own reload
+    engine.update_weights()
+    engine.restore_memory()
     again = rollout.generate(prompts, greedy)
     assert again.token_ids == hf_tokens and again.weight_version == 3
 
     elem = 4
     measured = int(metrics["weight_sync/bytes_received"])
-    expected = expected_bytes(arch, layout, plan, elem)
+    expected = expected_bytes(arch, pool, coords, elem)
     assert measured == expected, f"rank {rank}: received {measured} bytes, expected {expected}"
     per_rank = [None] * world
     dist.all_gather_object(per_rank, {"rank": rank, "bytes": measured, "lp_diff": lp_diff, "checked": checked,
@@ -249,7 +252,7 @@ def main() -> None:
                                       "peak": metrics["weight_sync/peak_buffer_bytes"]})
     if rank == 0:
         print("HYBRID " + json.dumps({
-            "layout": layout.describe(), "model": arch.model_type, "vocab": arch.vocab_size,
+            "layout": pool.describe(), "model": arch.model_type, "vocab": arch.vocab_size,
             "model_bytes": metrics["weight_sync/model_bytes"],
             "predicted_bytes": metrics["weight_sync/predicted_bytes"],
             "generation_weight_bytes": metrics["weight_sync/generation_weight_bytes"],

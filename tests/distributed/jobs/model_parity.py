@@ -21,7 +21,6 @@ def main() -> None:
     ap.add_argument("--mcore-ckpt", default=None)
     args = ap.parse_args()
 
-    from megatron.core import parallel_state as mpu
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
     from transformers import AutoModelForCausalLM
 
@@ -34,28 +33,29 @@ def main() -> None:
     from verl_mega.models.mcore_ckpt import load_model_dist
     from verl_mega.parallel.state import init_distributed
 
-    init_distributed(tp=args.tp, pp=args.pp, seed=1)
+    groups = init_distributed(tp=args.tp, pp=args.pp, sequence_parallel=args.sp, seed=1)
     report = {}
     for mt in args.models.split(","):
         path = Path(args.workdir) / mt
         arch = arch_from_hf(load_hf_config(path))
         cfg = transformer_config(arch, tp=args.tp, pp=args.pp, sequence_parallel=args.sp,
                                  use_cpu_initialization=True)
-        chunks = build_model_chunks(arch, cfg, use_te="false")
+        chunks = build_model_chunks(arch, cfg, groups, use_te="false")
         if args.mcore_ckpt:
-            load_model_dist(chunks, args.mcore_ckpt)
+            load_model_dist(chunks, args.mcore_ckpt, groups)
         else:
-            load_hf_weights(chunks, HFCheckpointReader(path), arch)
-        engine = MegatronEngine(chunks, cfg)
+            load_hf_weights(chunks, HFCheckpointReader(path), arch, groups)
+        engine = MegatronEngine(chunks, cfg, groups)
         g = torch.Generator().manual_seed(7)
         ids = torch.randint(0, arch.vocab_size, (4, 24), generator=g)  # same on every rank
         pos = torch.arange(ids.shape[1]).expand_as(ids)
         mbs = [{"input_ids": ids[i:i + 2], "position_ids": pos[i:i + 2]} for i in (0, 2)]
 
         def post(output, mb):
-            full = gather_from_tensor_model_parallel_region(output)[..., : arch.vocab_size]
+            full = gather_from_tensor_model_parallel_region(output, group=groups["tp"])[..., : arch.vocab_size]
             lp, ent = vocab_parallel_logprobs_entropy(output[:, :-1], mb["input_ids"][:, 1:],
-                                                      vocab_size=arch.vocab_size, with_entropy=True)
+                                                      vocab_size=arch.vocab_size, tp_group=groups["tp"],
+                                                      with_entropy=True)
             return {"logits": full, "logprobs": lp, "entropy": ent}
 
         res = engine.forward(mbs, post)
@@ -77,7 +77,6 @@ def main() -> None:
     if dist.get_rank() == 0:
         print("PARITY " + json.dumps({"tp": args.tp, "pp": args.pp, "sp": args.sp, **report}))
     dist.barrier()
-    mpu.destroy_model_parallel()
     dist.destroy_process_group()
 
 

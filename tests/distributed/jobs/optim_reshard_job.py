@@ -39,13 +39,14 @@ class _Stub:
         pass
 
 
+GROUPS: dict = {}  # this rank's process groups, set in main()
+
+
 def _batch(vocab_size: int) -> list[dict[str, torch.Tensor]]:
     """This rank's share of a fixed global batch (4 sequences split over the data-parallel ranks)."""
-    from megatron.core import parallel_state as mpu
-
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab_size, (4, 16), generator=g)
-    dp, rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
+    dp, rank = GROUPS["groups"].size("dp"), GROUPS["groups"].dp_rank
     rows = ids.chunk(dp)[rank]
     return [{"input_ids": rows, "position_ids": torch.arange(ids.shape[1]).expand_as(rows)}]
 
@@ -55,7 +56,7 @@ def _train_step(engine, vocab_size: int) -> float:
 
     def loss_fn(output, mb):
         lp, _ = vocab_parallel_logprobs_entropy(output[:, :-1], mb["input_ids"][:, 1:], vocab_size=vocab_size,
-                                                with_entropy=False)
+                                                tp_group=engine.groups["tp"], with_entropy=False)
         loss = -lp.mean()
         return loss, {"loss": loss.detach()}
 
@@ -64,7 +65,6 @@ def _train_step(engine, vocab_size: int) -> float:
 
 def _local_state(engine) -> list[tuple[torch.nn.Parameter, dict[str, torch.Tensor]]]:
     """Per model parameter of this rank: its full (TP-local) Adam state, assembled over the DP group."""
-    from megatron.core import parallel_state as mpu
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     from verl_mega.models.loader import unwrap
@@ -96,7 +96,7 @@ def _local_state(engine) -> list[tuple[torch.nn.Parameter, dict[str, torch.Tenso
             for k in STATE_KEYS:
                 full[k][rng.start:rng.end] = state[k].detach().float().view(-1)
         for k in STATE_KEYS:  # each element lives on exactly one DP rank
-            dist.all_reduce(full[k], group=mpu.get_data_parallel_group())
+            dist.all_reduce(full[k], group=engine.groups["dp"])
         out.append((param, {k: v.view(param.shape) for k, v in full.items()}))
     return out
 
@@ -112,7 +112,7 @@ def hf_optimizer_state(engine, arch) -> dict[str, torch.Tensor]:
         for key in STATE_KEYS:
             for param, state in local:
                 param.data.copy_(state[key].to(param.dtype))
-            out.update({f"{key}/{name}": t.clone() for name, t in iter_hf_tensors(engine.chunks, arch)})
+            out.update({f"{key}/{name}": t.clone() for name, t in iter_hf_tensors(engine.chunks, arch, engine.groups)})
         for param, weights in saved:
             param.data.copy_(weights)
     return out
@@ -180,9 +180,7 @@ def main() -> None:
     ap.add_argument("--pp", type=int, default=1)
     args = ap.parse_args()
 
-    from megatron.core import parallel_state as mpu
-
-    from verl_mega.config import ParallelDims, load_config
+    from verl_mega.config import load_config
     from verl_mega.parallel.state import init_distributed
     from verl_mega.trainer import setup
     from verl_mega.trainer.checkpoint import CheckpointManager
@@ -196,16 +194,14 @@ def main() -> None:
     cfg = config(Path(args.runs[0].split(":")[0]), False)
     path = setup.resolve_model_path(cfg)
     arch = setup.model_arch(path)
-    dims = ParallelDims.resolve(cfg.parallel, int(os.environ["WORLD_SIZE"]), num_layers=arch.num_layers,
-                                num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads)
-    init_distributed(tp=dims.tp, pp=dims.pp, seed=cfg.trainer.seed)
-    layout = {"tp": dims.tp, "pp": dims.pp, "dp": mpu.get_data_parallel_world_size()}
+    groups = GROUPS["groups"] = init_distributed(tp=args.tp, pp=args.pp, seed=cfg.trainer.seed)
+    layout = {kind: groups.size(kind) for kind in ("tp", "pp", "dp")}
 
     def build(output_dir: Path, nodist: bool, engine=None):
         """A fresh actor (or `engine`) and a CheckpointManager writing under output_dir."""
         cfg = config(output_dir, nodist)
         if engine is None:
-            engine = setup.build_role_engine(cfg, dims, path, role_cfg=cfg.actor, total_steps=10).engine
+            engine = setup.build_role_engine(cfg, groups, path, role_cfg=cfg.actor, total_steps=10).engine
         return cfg, engine, CheckpointManager(cfg, engines={"actor": engine}, loader=_Stub(), kl_ctrl=_Stub())
 
     report = []
@@ -218,7 +214,6 @@ def main() -> None:
     if dist.get_rank() == 0:
         print("OPTIM_RESHARD_OK " + json.dumps({"layout": layout, "runs": report}))
     dist.barrier()
-    mpu.destroy_model_parallel()
     dist.destroy_process_group()
 
 
