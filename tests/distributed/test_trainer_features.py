@@ -50,6 +50,8 @@ def test_failing_stage_prints_one_error(tmp_path):
                  "trainer.total_steps=3", *QUICK], tmp_path)
     assert proc.returncode != 0
     assert proc.stderr.count("Traceback (most recent call last)") == 1, proc.stderr[-4000:]
-    assert proc.stderr.rstrip().endswith("RuntimeError: advantage stage failed on purpose"), proc.stderr[-2000:]
+    tail = proc.stderr.rstrip().splitlines()[-2:]  # the error, then the note naming the stage it came from
+    assert tail[0].endswith("RuntimeError: advantage stage failed on purpose"), proc.stderr[-2000:]
+    assert tail[1].endswith("(in RL stage 'advantage')"), proc.stderr[-2000:]
     for noise in ("Invalid process group", "sys.meta_path is None", "During handling of the above exception"):
         assert noise not in proc.stderr, noise

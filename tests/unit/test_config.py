@@ -79,7 +79,7 @@ def test_product_differs_from_world():
 
 def test_world_not_divisible_by_model_parallel():
     assert _error(_resolve, 6, tp=2, pp=2) == (
-        "parallel: 6 ranks are not divisible by tp·pp·cp = 2·2·1 = 4; choose parallel.tp/pp/cp whose product "
+        "parallel: world size 6 is not divisible by tp·pp·cp = 2·2·1 = 4; choose parallel.tp/pp/cp whose product "
         "divides 6")
 
 

@@ -106,7 +106,7 @@ def test_two_pools_at_1024_ranks(monkeypatch):
 
 
 @pytest.mark.parametrize("make,match", [
-    (lambda: Pool(name="a", ranks=range(6), tp=4), "placement.pools.a: 6 ranks are not divisible by tp·pp·cp"),
+    (lambda: Pool(name="a", ranks=range(6), tp=4), "placement.pools.a: its 6 ranks are not divisible by tp·pp·cp"),
     (lambda: Pool(name="a", ranks=range(4), tp=4, gen_tp=3), "pools.a.gen_tp=3 must divide placement.pools.a.tp=4"),
     (lambda: Pool(name="main", ranks=range(4), tp=4, gen_tp=3), "rollout.gen_tp=3 must divide parallel.tp=4"),
     (lambda: Pool(name="a", ranks=range(4), tp=2, ep=4), "etp·ep = 2·4 must divide"),

@@ -145,7 +145,7 @@ def test_layout_and_topology_validation():
         TopologyAwareScheduler([t] * 3).plan(layout([t] * 3, tp=3))
     with pytest.raises(ValueError, match="same number of GPUs"):
         TopologyAwareScheduler([t, topo("a30_4gpu_nvlink_pairs.txt")])
-    with pytest.raises(PlacementError, match="8 ranks are not divisible by tp·pp·cp"):
+    with pytest.raises(PlacementError, match="world size 8 is not divisible by tp·pp·cp"):
         layout([t], tp=2, pp=3)
     with pytest.raises(ValueError, match="the placement has 4 ranks but 1 node"):
         TopologyAwareScheduler([t]).plan(Placement.single(4, tp=2))

@@ -106,7 +106,8 @@ class Pool:
                                  f"{k('vpp')}=null")
         model_parallel = self.tp * self.pp * self.cp
         if self.size % model_parallel:
-            raise PlacementError(f"{self._where}: {self.size} ranks are not divisible by tp·pp·cp = {self.tp}·{self.pp}·"
+            ranks = f"world size {self.size} is" if self.name == DEFAULT_POOL else f"its {self.size} ranks are"
+            raise PlacementError(f"{self._where}: {ranks} not divisible by tp·pp·cp = {self.tp}·{self.pp}·"
                                  f"{self.cp} = {model_parallel}; choose {k('tp')}/pp/cp whose product divides "
                                  f"{self.size}")
         dense_replica = self.tp * self.cp * self.dp

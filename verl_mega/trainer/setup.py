@@ -235,6 +235,9 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
     arch = model_arch(path)
     check_layout(placement.pool_of("actor"), num_layers=arch.num_layers, num_heads=arch.num_heads,
                  num_kv_heads=arch.num_kv_heads, ffn_hidden_size=arch.ffn_hidden_size)
+    for weights in {path, resolve_critic_path(cfg, path) if cfg.critic.enable else path,
+                    *([Path(cfg.reward.reward_model_path)] if cfg.reward.reward_model_path else [])}:
+        check_checkpoint_matches(HFCheckpointReader(weights), model_arch(weights))  # headers only
     find_checkpoint(cfg)  # a bad resume target fails here, before anything is built
     reward_fn = load_reward_fn(cfg.reward.function, reward_kwargs=dict(cfg.reward.kwargs))
     tokenizer = load_tokenizer(Path(cfg.model.tokenizer_path) if cfg.model.path != "tiny" else path,
@@ -260,7 +263,6 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
     init_world(cfg.trainer.collective_timeout_s)
     groups = build_groups(placement, timeout_s=cfg.trainer.collective_timeout_s)
     seed_everything(cfg.trainer.seed, groups)
-    write_placement_json(placement, device, Path(cfg.trainer.output_dir) / "placement.json")
     actor_m = build_role_engine(cfg, groups, path, role_cfg=cfg.actor, total_steps=total_steps)
     actor = Actor(actor_m.engine, cfg.actor, vocab_size=arch.vocab_size, temperature=cfg.rollout.temperature)
     ref = critic = reward_model = None
@@ -299,6 +301,7 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
     start_step = ckpt.maybe_resume()
     if start_step:
         rollout.update_weights()
+    write_placement_json(placement, device, Path(cfg.trainer.output_dir) / "placement.json")  # all was built
     return Job(cfg=cfg, trainer=trainer, loader=loader, ckpt=ckpt, profiler=profiler, reward_pool=reward_pool,
                rollout=rollout, total_steps=total_steps, start_step=start_step, arch=arch, placement=placement,
                resources=resources)
