@@ -39,3 +39,13 @@ def test_rl_steps_data_parallel(tmp_path):
                  env={"VERL_MEGA_CACHE": os.environ.get("VERL_MEGA_CACHE", str(tmp_path / "cache"))}, timeout=600)
     last = check(str(out), 3, critic=True)
     assert last["kl/actor_ref"] != 0.0
+
+
+def test_rl_steps_context_parallel(tmp_path):
+    """cp=2 on 2 ranks: every sequence split over both ranks in load-balanced chunks for the old/ref log-probs and
+    the update; vLLM's own log-probs of its samples must still equal the training model's."""
+    out = tmp_path / "run"
+    run_torchrun("rl_steps.py", 2, str(ROOT / "configs" / "quickstart_cpu.yaml"), str(out), "parallel.cp=2", *SMALL,
+                 env={"VERL_MEGA_CACHE": os.environ.get("VERL_MEGA_CACHE", str(tmp_path / "cache"))}, timeout=600)
+    last = check(str(out), 3, critic=False)
+    assert last["kl/actor_ref"] != 0.0

@@ -29,7 +29,8 @@ class ParallelConfig(ConfigSection):
     pp: int = option(1, help="Pipeline-parallel size (Megatron `pipeline_model_parallel_size`).")
     vpp: int | None = option(None, help="Virtual pipeline stages per pipeline rank (interleaved 1F1B); "
                                         "null disables interleaving. Needs pp > 1.")
-    cp: int = option(1, help="Context-parallel size (sequence split across ranks for long sequences).")
+    cp: int = option(1, help="Context-parallel size: every sequence is split over cp ranks in load-balanced chunks "
+                             "(attention gathers keys and values over them), for long sequences.")
     dp: int | None = option(None, help="Data-parallel size; null derives it as world / (tp·pp·cp).")
     sequence_parallel: bool = option(False, help="Megatron sequence parallelism on every training pool (shards "
                                                  "LayerNorm/dropout "

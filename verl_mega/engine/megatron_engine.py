@@ -5,6 +5,7 @@ micro-batches and a loss / post-processing function.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Iterable
@@ -19,6 +20,7 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 from verl_mega.models.loader import unwrap
 from verl_mega.parallel.cpu_mode import comm_device as _device
+from verl_mega.parallel.placement import context_chunks
 from verl_mega.parallel.state import RankGroups, all_reduce
 
 MicroBatch = dict[str, torch.Tensor]
@@ -119,6 +121,30 @@ class MegatronEngine:
     def _pp(self) -> int:
         return self.groups.size("pp")
 
+    @property
+    def cp(self) -> int:
+        return self.groups.size("cp")
+
+    @property
+    def seq_multiple(self) -> int:
+        """Micro-batch widths must be multiples of this: 8 (kernel-friendly), 2·cp (two chunks per CP rank) and, with
+        sequence parallelism, cp·tp (each CP rank's tokens split over TP)."""
+        sp = self.groups.size("tp") if self.config.sequence_parallel else 1
+        return math.lcm(8, 2 * self.cp, self.cp * sp)
+
+    def cp_positions(self, seq_len: int) -> torch.Tensor:
+        """Positions of the sequence this rank's model sees (all of them without context parallelism)."""
+        return torch.tensor(context_chunks(seq_len, self.cp, self.groups.coords["cp"]))
+
+    def full_sequence(self, local: torch.Tensor) -> torch.Tensor:
+        """Per-token values of this rank's context-parallel chunks [b, s/cp, …] → the whole sequence [b, s, …] on
+        every CP rank; the backward keeps each rank's own chunks. Identity without context parallelism."""
+        if self.cp == 1:
+            return local
+        order = torch.tensor([p for r in range(self.cp) for p in context_chunks(local.shape[1] * self.cp, self.cp, r)],
+                             device=local.device)
+        return _GatherSequence.apply(local, self.groups["cp"], order, self.groups.coords["cp"])
+
     def _run_schedule(self, micro_batches: list[MicroBatch], step_fn, forward_only: bool) -> list[Any]:
         seq_len = max(mb["input_ids"].shape[1] for mb in micro_batches)
         mbs = micro_batches[0]["input_ids"].shape[0]
@@ -144,13 +170,16 @@ class MegatronEngine:
             **extra,
         )
 
-    @staticmethod
-    def _model_forward(model, mb: MicroBatch) -> torch.Tensor:
+    def _model_forward(self, model, mb: MicroBatch) -> torch.Tensor:
         device = _device()
         for k, v in mb.items():  # roles build batches on the host; the model and loss run on the device
             if v.device != device:
                 mb[k] = v.to(device, non_blocking=True)
-        return model(mb["input_ids"], mb["position_ids"], mb.get("attention_mask"))
+        ids, pos = mb["input_ids"], mb["position_ids"]
+        if self.cp > 1:  # the model sees this rank's chunks; the loss keeps the whole micro-batch
+            local = self.cp_positions(ids.shape[1]).to(device)
+            ids, pos = ids[:, local], pos[:, local]
+        return model(ids, pos, mb.get("attention_mask"))
 
     # ------------------------------------------------------------------ public API
     @torch.no_grad()
@@ -283,6 +312,24 @@ class MegatronEngine:
         for m in self.modules:
             yield from m.named_parameters()
 
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather CP chunks [b, s/cp, …] into sequence order; backward: this rank's chunks of the gradient."""
+
+    @staticmethod
+    def forward(ctx, local, group, order, rank):
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        out = torch.empty((local.shape[0], order.numel(), *local.shape[2:]), dtype=local.dtype, device=local.device)
+        out[:, order] = torch.cat(parts, dim=1)
+        ctx.order, ctx.rank, ctx.width = order, rank, local.shape[1]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        mine = ctx.order[ctx.rank * ctx.width:(ctx.rank + 1) * ctx.width]
+        return grad[:, mine], None, None, None
 
 
 def _move_optimizer_state(optimizer, device: str) -> None:

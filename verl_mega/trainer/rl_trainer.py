@@ -115,7 +115,8 @@ class RLTrainer:
         # the EOS token is kept in the response: the policy must learn to stop
         responses = [ids[: rcfg.max_response_length] for _, ids, _ in samples]
         packed = pack_sequences(prompt_ids, responses, pad_id=self.tokenizer.pad_token_id or 0,
-                                max_response_length=rcfg.max_response_length)
+                                max_response_length=rcfg.max_response_length,
+                                multiple_of=self.actor.engine.seq_multiple)
         # vLLM's own log-probs of the sampled tokens: a live check that rollout and training agree
         packed["rollout_logprobs"] = torch.zeros_like(packed["response_mask"])
         for i, (_, _, lps) in enumerate(samples):

@@ -14,16 +14,17 @@ from verl_mega.engine.megatron_engine import MegatronEngine
 from verl_mega.trainer.batch import Batch, response_positions
 
 
-def micro_batches(batch: Batch, size: int, keys: tuple[str, ...], *, token_budget: int | None = None
-                  ) -> tuple[list[dict[str, torch.Tensor]], int]:
+def micro_batches(batch: Batch, size: int, keys: tuple[str, ...], *, token_budget: int | None = None,
+                  multiple: int = 8) -> tuple[list[dict[str, torch.Tensor]], int]:
     """Split into equal-shape micro-batches (the pipeline schedule needs one shape); the last one is padded with
     copies of row 0 whose masks are zeroed. Returns the micro-batches and the number of real rows.
 
     With `token_budget` (dynamic batching, pp=1 only) consecutive rows are packed while rows × longest row stays
-    within the budget, and each micro-batch is cut to its own longest row: short responses cost less compute.
+    within the budget, and each micro-batch is cut to its own longest row (rounded up to ``multiple``, the engine's
+    sequence multiple): short responses cost less compute.
     """
     if token_budget is not None:
-        return _token_budget_batches(batch, token_budget, keys), len(batch)
+        return _token_budget_batches(batch, token_budget, keys, multiple), len(batch)
     n = len(batch)
     pad = (-n) % size
     rows = list(range(n)) + [0] * pad
@@ -40,7 +41,8 @@ def micro_batches(batch: Batch, size: int, keys: tuple[str, ...], *, token_budge
     return out, n
 
 
-def _token_budget_batches(batch: Batch, budget: int, keys: tuple[str, ...]) -> list[dict[str, torch.Tensor]]:
+def _token_budget_batches(batch: Batch, budget: int, keys: tuple[str, ...], multiple: int
+                          ) -> list[dict[str, torch.Tensor]]:
     lengths = (batch["prompt_len"] + batch["response_len"]).tolist()
     groups, current, longest = [], [], 0
     for i, length in enumerate(lengths):
@@ -55,7 +57,7 @@ def _token_budget_batches(batch: Batch, budget: int, keys: tuple[str, ...]) -> l
     for rows in groups:
         idx = torch.tensor(rows)
         width = int(max(lengths[i] for i in rows))
-        width = min(batch["input_ids"].shape[1], -(-width // 8) * 8)
+        width = min(batch["input_ids"].shape[1], -(-width // multiple) * multiple)
         mb = {k: batch[k][idx] for k in keys if k in batch.tensors}
         mb["input_ids"] = mb["input_ids"][:, :width]
         mb["position_ids"] = torch.arange(width).expand(len(rows), width)
@@ -84,17 +86,22 @@ class PolicyRole:
         return self.max_tokens_per_micro_batch
 
     def _logprobs(self, output: torch.Tensor, mb: dict[str, torch.Tensor], with_entropy: bool):
-        ids = mb["input_ids"]
-        lp, ent = vocab_parallel_logprobs_entropy(output[:, :-1], ids[:, 1:], vocab_size=self.vocab_size,
-                                                  tp_group=self.engine.groups["tp"], temperature=self.temperature,
-                                                  with_entropy=with_entropy)
+        ids, engine = mb["input_ids"], self.engine
+        kw = dict(vocab_size=self.vocab_size, tp_group=engine.groups["tp"], temperature=self.temperature,
+                  with_entropy=with_entropy)
+        if engine.cp == 1:
+            lp, ent = vocab_parallel_logprobs_entropy(output[:, :-1], ids[:, 1:], **kw)
+        else:  # this rank's chunks predict the tokens after their global positions; then the whole sequence
+            nxt = (engine.cp_positions(ids.shape[1]).to(ids.device) + 1).clamp(max=ids.shape[1] - 1)
+            lp, ent = vocab_parallel_logprobs_entropy(output, ids[:, nxt], **kw)
+            lp, ent = (engine.full_sequence(t)[:, :-1] if t is not None else None for t in (lp, ent))
         width = mb["response_mask"].shape[1]
         return _response_frame(lp, mb, width), (_response_frame(ent, mb, width) if ent is not None else None)
 
     @torch.no_grad()
     def compute_logprobs(self, batch: Batch, *, with_entropy: bool = False) -> dict[str, torch.Tensor]:
         mbs, n = micro_batches(batch, self.micro_batch_size, ("input_ids", "prompt_len", "response_mask"),
-                               token_budget=self._token_budget())
+                               token_budget=self._token_budget(), multiple=self.engine.seq_multiple)
 
         def post(output, mb):
             lp, ent = self._logprobs(output, mb, with_entropy)
@@ -120,7 +127,8 @@ class Actor(PolicyRole):
             order = torch.randperm(len(batch)) if cfg.shuffle else torch.arange(len(batch))
             for start in range(0, len(batch), mini_batch_rows):
                 mini = batch.select(order[start:start + mini_batch_rows])
-                mbs, _ = micro_batches(mini, self.micro_batch_size, keys, token_budget=self._token_budget())
+                mbs, _ = micro_batches(mini, self.micro_batch_size, keys, token_budget=self._token_budget(),
+                                       multiple=self.engine.seq_multiple)
                 normalizer = self.engine.dp_all_reduce(
                     sum(algos.agg_loss_normalizer(mb["response_mask"], cfg.loss_agg_mode) for mb in mbs))
                 scale = self.engine.dp_size * len(mbs)
@@ -159,9 +167,8 @@ class Critic:
         self.engine = engine
         self.cfg = cfg
 
-    @staticmethod
-    def _values(output: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
-        full = output[..., 0].float()[:, :-1]
+    def _values(self, output: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+        full = self.engine.full_sequence(output[..., 0].float())[:, :-1]
         return _response_frame(full, mb, mb["response_mask"].shape[1])
 
     @torch.no_grad()
@@ -209,7 +216,8 @@ class RewardModel:
 
         def post(output, mb):
             last = (mb["prompt_len"] + mb["response_len"] - 1).clamp_min(0)
-            return {"score": output[..., 0].float().gather(1, last[:, None])[:, 0]}
+            values = self.engine.full_sequence(output[..., 0].float())
+            return {"score": values.gather(1, last[:, None])[:, 0]}
 
         res = self.engine.forward(mbs, post)
         return torch.cat([r["score"] for r in res])[:n]

@@ -1,6 +1,10 @@
 """torchrun job: mcore logits (built from a tiny HF checkpoint, or a converted dist checkpoint) vs HF transformers.
 
-Args: --tp --pp [--sp] --models qwen2,llama,qwen3 --workdir DIR [--mcore-ckpt DIR]
+Args: --tp --pp [--cp] [--sp] [--grads] --models qwen2,llama,qwen3 --workdir DIR [--mcore-ckpt DIR]
+
+Logits, log-probs and entropy go through the engine's forward (and, for log-probs, the actor's own path); with
+``--grads`` one training step (lr 0) of a log-likelihood loss through the same path leaves the gradient in
+Megatron's grad buffers, compared with HF's gradient of the same loss parameter by parameter.
 """
 
 import argparse
@@ -15,12 +19,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--cp", type=int, default=1)
     ap.add_argument("--sp", action="store_true")
+    ap.add_argument("--grads", action="store_true")
     ap.add_argument("--models", default="qwen2,llama,qwen3")
     ap.add_argument("--workdir", required=True)
     ap.add_argument("--mcore-ckpt", default=None)
     args = ap.parse_args()
 
+    from megatron.core.optimizer import OptimizerConfig
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
     from transformers import AutoModelForCausalLM
 
@@ -29,39 +36,51 @@ def main() -> None:
     from verl_mega.models.build import build_model_chunks
     from verl_mega.models.hf_config import arch_from_hf, load_hf_config, transformer_config
     from verl_mega.models.hf_io import HFCheckpointReader
-    from verl_mega.models.loader import load_hf_weights
+    from verl_mega.models.loader import load_hf_weights, unwrap
     from verl_mega.models.mcore_ckpt import load_model_dist
+    from verl_mega.models.weights import hf_to_mcore_shard, rule_for
     from verl_mega.parallel.state import init_distributed
+    from verl_mega.trainer.batch import Batch
+    from verl_mega.trainer.roles import PolicyRole
 
-    groups = init_distributed(tp=args.tp, pp=args.pp, sequence_parallel=args.sp, seed=1)
+    groups = init_distributed(tp=args.tp, pp=args.pp, cp=args.cp, sequence_parallel=args.sp, seed=1)
     report = {}
     for mt in args.models.split(","):
         path = Path(args.workdir) / mt
         arch = arch_from_hf(load_hf_config(path))
-        cfg = transformer_config(arch, tp=args.tp, pp=args.pp, sequence_parallel=args.sp,
+        cfg = transformer_config(arch, tp=args.tp, pp=args.pp, cp=args.cp, sequence_parallel=args.sp,
                                  use_cpu_initialization=True)
         chunks = build_model_chunks(arch, cfg, groups, use_te="false")
         if args.mcore_ckpt:
             load_model_dist(chunks, args.mcore_ckpt, groups)
         else:
             load_hf_weights(chunks, HFCheckpointReader(path), arch, groups)
-        engine = MegatronEngine(chunks, cfg, groups)
+        optim = OptimizerConfig(optimizer="adam", lr=0.0, weight_decay=0.0, clip_grad=0.0,
+                                use_distributed_optimizer=False, params_dtype=torch.float32) if args.grads else None
+        engine = MegatronEngine(chunks, cfg, groups, optimizer_config=optim)
         g = torch.Generator().manual_seed(7)
-        ids = torch.randint(0, arch.vocab_size, (4, 24), generator=g)  # same on every rank
+        # same on every rank; without token 0, the pad token, whose embedding row HF freezes (padding_idx)
+        ids = torch.randint(1, arch.vocab_size, (4, 24), generator=g)
         pos = torch.arange(ids.shape[1]).expand_as(ids)
         mbs = [{"input_ids": ids[i:i + 2], "position_ids": pos[i:i + 2]} for i in (0, 2)]
 
         def post(output, mb):
-            full = gather_from_tensor_model_parallel_region(output, group=groups["tp"])[..., : arch.vocab_size]
-            lp, ent = vocab_parallel_logprobs_entropy(output[:, :-1], mb["input_ids"][:, 1:],
-                                                      vocab_size=arch.vocab_size, tp_group=groups["tp"],
-                                                      with_entropy=True)
-            return {"logits": full, "logprobs": lp, "entropy": ent}
+            full = engine.full_sequence(gather_from_tensor_model_parallel_region(output, group=groups["tp"]))
+            nxt = (engine.cp_positions(mb["input_ids"].shape[1]) + 1).clamp(max=mb["input_ids"].shape[1] - 1)
+            lp, ent = vocab_parallel_logprobs_entropy(output, mb["input_ids"][:, nxt], vocab_size=arch.vocab_size,
+                                                      tp_group=groups["tp"], with_entropy=True)
+            return {"logits": full[..., : arch.vocab_size], "logprobs": engine.full_sequence(lp)[:, :-1],
+                    "entropy": engine.full_sequence(ent)[:, :-1]}
 
         res = engine.forward(mbs, post)
         logits = torch.cat([r["logits"] for r in res])
         lp = torch.cat([r["logprobs"] for r in res])
         ent = torch.cat([r["entropy"] for r in res])
+        # the actor's own log-prob path: prompt of one token, the rest is the response
+        role = PolicyRole(engine, vocab_size=arch.vocab_size, micro_batch_size=2, temperature=1.0)
+        batch = Batch({"input_ids": ids, "prompt_len": torch.ones(4, dtype=torch.long),
+                       "response_mask": torch.ones(4, ids.shape[1] - 1)})
+        role_lp = role.compute_logprobs(batch)["logprobs"]
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         with torch.no_grad():
             ref = hf(ids).logits.double()
@@ -69,15 +88,60 @@ def main() -> None:
         ref_lp = ref_lsm[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
         ref_ent = -(ref_lsm.exp() * ref_lsm).sum(-1)[:, :-1]
         err = (logits.double() - ref).abs().max().item()
-        lp_err = (lp.double() - ref_lp).abs().max().item()
+        lp_err = max((lp.double() - ref_lp).abs().max().item(), (role_lp.double() - ref_lp).abs().max().item())
         ent_err = (ent.double() - ref_ent).abs().max().item()
         report[mt] = {"logits_max_abs": err, "logprob_max_abs": lp_err, "entropy_max_abs": ent_err}
         assert err < 1e-5, f"{mt}: logits differ from HF by {err}"
         assert lp_err < 1e-5 and ent_err < 1e-5, f"{mt}: logprob {lp_err} / entropy {ent_err} differ from float64"
+        if args.grads:
+            report[mt]["grad_max_abs"] = _check_grads(engine, role, hf, ids, pos, arch, groups, rule_for,
+                                                      hf_to_mcore_shard, unwrap)
     if dist.get_rank() == 0:
-        print("PARITY " + json.dumps({"tp": args.tp, "pp": args.pp, "sp": args.sp, **report}))
+        print("PARITY " + json.dumps({"tp": args.tp, "pp": args.pp, "cp": args.cp, "sp": args.sp, **report}))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _check_grads(engine, role, hf, ids, pos, arch, groups, rule_for, hf_to_mcore_shard, unwrap) -> float:
+    """Mean negative log-likelihood of the 4 rows, one optimizer step at lr 0: Megatron's grad buffers (reduced over
+    data and context parallelism) against HF's gradient of the same loss, mapped onto this rank's shards. Each
+    data-parallel rank trains its own rows, normalised by the global token count, as the actor does."""
+    count = ids.numel() - ids.shape[0]
+    mine = torch.arange(ids.shape[0]).chunk(engine.dp_size)[engine.dp_rank]
+    mbs = [{"input_ids": ids[i:i + 1], "position_ids": pos[i:i + 1], "prompt_len": torch.ones(1, dtype=torch.long),
+            "response_mask": torch.ones(1, ids.shape[1] - 1)} for i in mine.tolist()]
+    scale = engine.dp_size * len(mbs)  # undoes the schedule's 1/num_microbatches and DDP's 1/dp
+
+    def loss_fn(output, mb):
+        lp, _ = role._logprobs(output, mb, False)
+        loss = -lp.sum() / count
+        return loss * scale, {"loss": loss.detach()}
+
+    engine.train_step(mbs, loss_fn)
+    hf.zero_grad()
+    logits = hf(ids).logits.float()
+    (-torch.log_softmax(logits, -1)[:, :-1].gather(-1, ids[:, 1:, None]).sum() / count).backward()
+    hf_grads = {n: p.grad for n, p in hf.named_parameters()}
+    if arch.tie_word_embeddings:
+        hf_grads.setdefault("lm_head.weight", hf_grads["model.embed_tokens.weight"])
+    def read(name, rows=None, cols=None):
+        t = hf_grads[name]
+        t = t if rows is None else t[rows[0]:rows[1]]
+        return t if cols is None else t[:, cols[0]:cols[1]]
+
+    worst = 0.0
+    for chunk in engine.chunks:
+        model = unwrap(chunk)
+        for name, param in model.named_parameters():
+            rule = rule_for(name, arch, model.stage_layout.layer_offset)
+            want = hf_to_mcore_shard(rule, read, arch, groups.tp_rank, groups.size("tp"),
+                                     model.vocab_size)
+            got = param.main_grad.float()
+            assert got.shape == want.shape, (name, got.shape, want.shape)
+            diff = (got - want).abs().max().item()
+            assert diff < 1e-5, f"gradient of {name} differs from HF by {diff}"
+            worst = max(worst, diff)
+    return worst
 
 
 if __name__ == "__main__":
