@@ -25,8 +25,6 @@ from typing import Mapping, MutableMapping
 
 __all__ = ["DistEnv", "LaunchEnvError", "discover", "main"]
 
-DEFAULT_MASTER_PORT = 29500
-
 
 class LaunchEnvError(ValueError):
     """The launcher environment is incomplete or contradicts itself."""

@@ -171,12 +171,14 @@ class Pool:
         return self.size // self.gen_tp
 
     def describe(self) -> str:
+        return f"{self.name}: {self.size} ranks, {self.dims()}"
+
+    def dims(self) -> str:
         if not self.trains:
-            return f"{self.name}: {self.size} ranks, generation only, gen_tp={self.gen_tp} ({self.num_engines} engines)"
+            return f"generation only, gen_tp={self.gen_tp} ({self.num_engines} engines)"
         parts = [f"tp={self.tp}", f"pp={self.pp}"] + ([f"vpp={self.vpp}"] if self.vpp else [])
         parts += [f"cp={self.cp}"] * (self.cp > 1) + [f"ep={self.ep}", f"etp={self.etp}"] * (self.ep > 1)
-        parts += [f"dp={self.dp}", f"gen_tp={self.gen_tp}"] + ["sp"] * self.sequence_parallel
-        return f"{self.name}: {self.size} ranks, " + " ".join(parts)
+        return " ".join(parts + [f"dp={self.dp}", f"gen_tp={self.gen_tp}"] + ["sp"] * self.sequence_parallel)
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "size": self.size, "first_rank": self.ranks[0], "trains": self.trains,
@@ -383,6 +385,7 @@ class Placement:
                     if set(gen) & set(micro) != {rank}:
                         raise PlacementError(f"pool {pool.name!r}: generation TP {gen} and micro-DP {micro} groups "
                                              f"must meet in rank {rank} only")
-            done.append(f"{pool.describe()}: {len(GROUP_KINDS)} group kinds partition the pool; generation groups "
-                        f"strided by {pool.micro_dp} inside TP groups, one rank in common with micro-DP")
+            how = (f"generation groups strided by {pool.micro_dp} inside TP groups, one rank in common with micro-DP"
+                   if pool.trains else f"engines of {pool.gen_tp} consecutive ranks")
+            done.append(f"{pool.describe()}: {len(GROUP_KINDS)} group kinds partition the pool; {how}")
         return done

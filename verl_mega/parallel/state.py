@@ -27,14 +27,12 @@ from verl_mega.parallel.placement import GROUP_KINDS, Placement, Pool
 def init_world(timeout_s: float = 600.0) -> None:
     """Initialise torch.distributed from the launcher variables (torchrun/mpirun/Ray set RANK/WORLD_SIZE; a plain
     process is a world of one)."""
+    from verl_mega.parallel import launch_env
+
     use_cpu = cpu_mode.enable_cpu_mode()
     if dist.is_initialized():
         return
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()) if os.environ["WORLD_SIZE"] == "1" else "29500")
+    launch_env.discover().export_to_os_environ()  # a plain process is a world of one, on a free port
     if not use_cpu:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(backend="gloo" if use_cpu else "nccl", timeout=datetime.timedelta(seconds=timeout_s))
@@ -166,14 +164,6 @@ def seed_everything(seed: int, groups: RankGroups | None = None) -> None:
 def destroy_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def all_reduce(value, group, op: str = "sum") -> torch.Tensor:

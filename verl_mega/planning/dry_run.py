@@ -91,9 +91,10 @@ class DryRunReport:
         def short(ranks: tuple[int, ...]) -> str:
             return str(list(ranks)) if len(ranks) <= 12 else f"[{ranks[0]}, {ranks[1]}, …, {ranks[-1]}] ({len(ranks)})"
 
-        out = [f"dry run: rank {self.rank} of {self.world_size}, pool {self.layout}, pipeline stage {self.stage}: "
-               f"{self.new_group_calls} process groups built in {self.seconds_groups:.2f} s, meta model in "
-               f"{self.seconds_model:.2f} s"]
+        model = (f", pipeline stage {self.stage}, meta model in {self.seconds_model:.2f} s"
+                 if self.params_on_rank is not None else "")
+        out = [f"dry run: rank {self.rank} of {self.world_size}, pool {self.layout}: {self.new_group_calls} process "
+               f"groups built in {self.seconds_groups:.2f} s{model}"]
         out += [f"  {name:<9} {short(ranks)}" for name, ranks in self.groups.items()]
         if self.params_on_rank is not None:
             out.append(f"  params on this rank: {self.params_on_rank:,} (memory model: {self.predicted_params:,}); "

@@ -509,7 +509,7 @@ def predict_memory(arch: ModelArch, layout: Pool, work: Workload, *, roles: tupl
             kind = term.name.split(" ")[0]
             if getattr(role, f"offload_{kind}", False):
                 host += term.bytes
-    notes = [f"3D-HybridEngine: {layout.describe()}, {layout.num_engines} vLLM engines, micro-DP {layout.micro_dp}",
+    notes = [f"3D-HybridEngine: {layout.dims()}, {layout.num_engines} vLLM engines, micro-DP {layout.micro_dp}",
              f"reshard bytes per GPU = (t·p − tg)/(tg·t·p)·M = ({layout.tp}·{layout.pp} − {layout.gen_tp})/"
              f"({layout.gen_tp}·{layout.tp}·{layout.pp}) × {_fmt_bytes(model_bytes)} = "
              f"{_fmt_bytes(layout.sync_bytes_per_rank(model_bytes))}; extra peak M/tg = "

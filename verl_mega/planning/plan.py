@@ -154,7 +154,7 @@ class Plan:
         totals = self.memory.totals_gib()
         mem = " ".join(f"{p}={totals[p]:.1f}" for p in PHASES)
         fit = "fits" if self.fits else "DOES NOT FIT (" + "; ".join(self.over_budget) + ")"
-        return (f"{self.layout.describe()} recompute={self.recompute} M={self.num_microbatches}: {fit}; GiB/GPU "
+        return (f"{self.layout.dims()} recompute={self.recompute} M={self.num_microbatches}: {fit}; GiB/GPU "
                 f"{mem}; bubble {self.bubble:.3f}; reshard {self.memory.reshard_bytes_per_gpu / GiB:.2f} GiB/GPU")
 
     def explain(self, cluster: Cluster) -> list[str]:

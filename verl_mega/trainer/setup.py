@@ -208,7 +208,7 @@ def build_job(cfg: TrainConfig, trainer_cls: type | None = None) -> Job:
 
 def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -> Job:
     from verl_mega import algos
-    from verl_mega.data.prompts import PromptBatch, PromptDataset, PromptLoader, load_prompt_records
+    from verl_mega.data.prompts import PromptBatch, PromptDataset, PromptLoader
     from verl_mega.parallel import launch_env
     from verl_mega.parallel.placement import Placement
     from verl_mega.parallel.scheduler import assign_device, write_placement_json
@@ -244,11 +244,10 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
                                trust_remote_code=cfg.model.trust_remote_code)
 
     def dataset(files):
-        records = load_prompt_records(files, prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key,
-                                      generated_seed=cfg.data.seed)
-        return PromptDataset(records, tokenizer, max_prompt_length=cfg.data.max_prompt_length,
-                             apply_chat_template=cfg.data.apply_chat_template,
-                             filter_overlong=cfg.data.filter_overlong_prompts)
+        return PromptDataset.from_files(files, tokenizer, max_prompt_length=cfg.data.max_prompt_length,
+                                        prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key,
+                                        apply_chat_template=cfg.data.apply_chat_template,
+                                        filter_overlong=cfg.data.filter_overlong_prompts, generated_seed=cfg.data.seed)
     train_set = dataset(cfg.data.train_files)
     val_prompts = PromptBatch(dataset(cfg.data.val_files).items, 0, 0) if cfg.data.val_files else None
     # every rank sees the global prompt batch: vLLM engines split it, DP ranks split the samples
