@@ -224,6 +224,12 @@ def test_rollout_is_thresholds():
         "actor.rollout_is expects token | sequence | null, got 'geometric'")
 
 
+def test_rollout_is_needs_unit_temperature():
+    assert _error(load_config, QUICKSTART, ["actor.rollout_is=token", "rollout.temperature=0.7"]) == (
+        "actor.rollout_is=token compares vLLM's log-probs, taken before temperature scaling, with the actor's at "
+        "rollout.temperature=0.7; set rollout.temperature=1.0 or actor.rollout_is=null")
+
+
 def test_rollout_is_resolves_and_round_trips(tmp_path):
     tis = load_config(QUICKSTART, ["actor.rollout_is=sequence"]).actor
     assert (tis.rollout_is_mode, tis.rollout_is_threshold, tis.rollout_is_threshold_lower) == ("tis", 2.0, None)
