@@ -180,6 +180,7 @@ def compute_policy_loss_clip_cov(
     budget = max(int(clip_cov_ratio * int(valid.sum().item())), 1)
     chosen = torch.nonzero(eligible).squeeze(-1)
     if chosen.numel() > budget:
+        # Drawn on the CPU generator, seeded alike on every rank, so tensor-parallel ranks drop the same tokens.
         pick = torch.randperm(chosen.numel(), generator=generator)[:budget].to(chosen.device)
         chosen = chosen[pick]
     dropped = torch.zeros_like(eligible)
