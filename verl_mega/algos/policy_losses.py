@@ -161,7 +161,8 @@ def compute_policy_loss_clip_cov(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clip-Cov: PPO clip, and the gradient of a random few high-covariance tokens dropped; see the module docstring.
 
-    ``generator`` (a CPU generator) makes the random choice reproducible. Metrics: ``clipfrac`` (PPO clip active),
+    ``generator`` (a CPU generator) makes the random choice reproducible; under tensor parallelism every rank
+    computes this loss and must pass a generator in the same state, or the ranks drop different tokens. Metrics: ``clipfrac`` (PPO clip active),
     ``covfrac`` (share of tokens dropped by the covariance rule), ``approx_kl``.
     """
     _check_clip(clip_ratio_low, clip_ratio_high, "actor.clip_ratio_low/clip_ratio_high")
@@ -180,7 +181,6 @@ def compute_policy_loss_clip_cov(
     budget = max(int(clip_cov_ratio * int(valid.sum().item())), 1)
     chosen = torch.nonzero(eligible).squeeze(-1)
     if chosen.numel() > budget:
-        # Drawn on the CPU generator, seeded alike on every rank, so tensor-parallel ranks drop the same tokens.
         pick = torch.randperm(chosen.numel(), generator=generator)[:budget].to(chosen.device)
         chosen = chosen[pick]
     dropped = torch.zeros_like(eligible)

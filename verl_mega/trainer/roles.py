@@ -108,7 +108,7 @@ class PolicyRole:
 _METRIC_PREFIX = "metric:"  # micro-batch entries that are metrics computed before the step, not model inputs
 
 
-def _policy_loss_options(cfg) -> dict[str, float]:
+def _policy_loss_options(cfg) -> dict[str, object]:
     """The actor keys the selected policy loss reads, beside the inputs every loss shares."""
     if cfg.policy_loss == "gspo":
         return {"clip_ratio_low": cfg.gspo_clip_ratio_low, "clip_ratio_high": cfg.gspo_clip_ratio_high}
@@ -168,6 +168,10 @@ class Actor(PolicyRole):
         cfg = self.cfg
         policy_loss = algos.get_policy_loss_fn(cfg.policy_loss)
         options = _policy_loss_options(cfg)
+        if cfg.policy_loss == "clip_cov":
+            # Seeded alike on every rank (same seed, same step): tensor-parallel ranks drop the same tokens.
+            seed = (torch.initial_seed() + self.engine.version) % 2**63
+            options["generator"] = torch.Generator().manual_seed(seed)
 
         def loss_fn(output, mb):
             need_entropy = True
