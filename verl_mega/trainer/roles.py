@@ -169,9 +169,8 @@ class Actor(PolicyRole):
         policy_loss = algos.get_policy_loss_fn(cfg.policy_loss)
         options = _policy_loss_options(cfg)
         if cfg.policy_loss == "clip_cov":
-            # Seeded alike on every rank (same seed, same step): tensor-parallel ranks drop the same tokens.
-            seed = (torch.initial_seed() + self.engine.version) % 2**63
-            options["generator"] = torch.Generator().manual_seed(seed)
+            # Seeded by the optimizer step, the same on every rank: tensor-parallel ranks drop the same tokens.
+            options["generator"] = torch.Generator().manual_seed(self.engine.version)
 
         def loss_fn(output, mb):
             need_entropy = True
