@@ -457,6 +457,18 @@ def _flat_keys(data: dict, prefix: str = ""):
             yield from _flat_keys(value, dotted)
 
 
+def test_diff_configs_keys_newer_than_the_saved_config():
+    cfg = load_config(QUICKSTART)
+    saved = to_dict(cfg)
+    for name in ("policy_loss", "rollout_is", "rollout_is_threshold", "clip_cov_ratio"):
+        del saved["actor"][name]  # a checkpoint written before these keys existed
+    assert diff_configs(saved, cfg) == []  # at their defaults they keep the earlier behaviour
+    changed = load_config(QUICKSTART, ["actor.rollout_is=token"])
+    assert diff_configs(saved, changed) == ["actor.rollout_is_mode: null -> 'tis'",
+                                            "actor.rollout_is: <absent> -> 'token'",
+                                            "actor.rollout_is_threshold: <absent> -> 2.0"]
+
+
 def test_recipe_files_are_all_loadable():
     for recipe in sorted(os.listdir(CONFIGS)):
         if recipe.endswith(".yaml"):
