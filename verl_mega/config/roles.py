@@ -87,7 +87,7 @@ class ActorConfig(TrainableRoleConfig):
     policy_loss: PolicyLoss = option(
         "vanilla", help="Policy loss: vanilla (PPO clip + dual-clip), gspo (sequence-level ratio), cispo (clipped, "
                         "detached IS weight × log-prob), clip_cov / kl_cov (covariance-selected tokens lose their "
-                        "gradient / get a KL penalty). verl's actor.policy_loss.loss_mode.")
+                        "gradient / get a KL penalty). verl calls it actor.policy_loss.loss_mode.")
     clip_ratio_low: float = option(0.2, help="PPO ratio clip below 1: ratio >= 1 - clip_ratio_low (vanilla, "
                                              "clip_cov; the IS-weight clip of cispo).")
     clip_ratio_high: float = option(0.2, help="PPO ratio clip above 1: ratio <= 1 + clip_ratio_high "
