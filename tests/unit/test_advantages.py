@@ -223,3 +223,80 @@ def test_low_precision_inputs_are_computed_in_float32():
     assert ret.dtype == torch.bfloat16 and abs(float(ret[0, 0]) - expected_r0) < 0.02
     _, ret = compute_reinforce_plus_plus_advantage(rewards, mask, gamma=1.0)
     assert ret.dtype == torch.bfloat16 and abs(float(ret[0, 0]) - expected_r0) < 0.02
+
+
+# ------------------------------------------------------------------------------------- masks with holes (multi-turn)
+# Positions masked out *inside* a response (tool output, observations) must be skipped, never treated as the end of
+# the response. Rewards sitting on a hole (the 7.0 and 3.0 below) are ignored by every estimator.
+HOLE_MASK = t([[1, 1, 0, 0, 1, 1], [1, 0, 1, 1, 0, 0], [1, 0, 0, 1, 1, 0]])
+HOLE_REWARDS = t([[0, 0, 7.0, 0, 0, 1.0], [0, 3.0, 0, 0, 0, 0], [0, 0, 0, 0, 0.5, 0]])  # scores 1, 0, 0.5
+
+
+def test_reinforce_plus_plus_carries_the_return_across_holes():
+    # the example from the bug report: gamma = 1, outcome reward 1 on the last token -> every response token gets 1
+    _, ret = compute_reinforce_plus_plus_advantage(t([[0, 0, 0, 0, 0, 1.0]]), t([[1, 1, 0, 0, 1, 1]]), gamma=1.0)
+    close(ret, [[1, 1, 0, 0, 1, 1]])
+
+
+def test_reinforce_plus_plus_discounts_only_masked_in_tokens():
+    rewards = t([[0, 0, 7.0, 0, 0, 1.0], [0, 3.0, 0, 2.0, 0, 9.0]])
+    mask = t([[1, 1, 0, 0, 1, 1], [1, 0, 1, 1, 0, 0]])
+    adv, ret = compute_reinforce_plus_plus_advantage(rewards, mask, gamma=0.5)
+    # row 0: G5 = 1; G4 = 0.5 * 1 = 0.5; holes 3, 2 skipped (their 7 ignored); G1 = 0.5 * 0.5 = 0.25; G0 = 0.125
+    # row 1: tail padding 5, 4 ignored (the 9 too); G3 = 2; G2 = 0.5 * 2 = 1; hole 1 skipped (its 3 ignored);
+    #        G0 = 0.5 * 1 = 0.5
+    close(ret, [[0.125, 0.25, 0, 0, 0.5, 1.0], [0.5, 0, 1.0, 2.0, 0, 0]])
+    picked = [0.125, 0.25, 0.5, 1.0, 0.5, 1.0, 2.0]
+    mean = sum(picked) / 7
+    std = math.sqrt(sum((x - mean) ** 2 for x in picked) / 6)
+    expected = [[(0.125 - mean) / std, (0.25 - mean) / std, 0, 0, (0.5 - mean) / std, (1.0 - mean) / std],
+                [(0.5 - mean) / std, 0, (1.0 - mean) / std, (2.0 - mean) / std, 0, 0]]
+    close(adv, expected, atol=1e-6)
+
+
+def test_gae_skips_holes():
+    rewards = t([[0, 0, 5.0, 0, 0, 1.0]])
+    values = t([[0.1, 0.2, 9.0, 9.0, 0.3, 0.4]])
+    adv, ret = compute_gae_advantage_return(rewards, values, t([[1, 1, 0, 0, 1, 1]]), gamma=0.9, lam=0.8,
+                                            whiten=False)
+    # A5 = 1 - 0.4 = 0.6; A4 = (0.9*0.4 - 0.3) + 0.72*0.6 = 0.06 + 0.432 = 0.492
+    # holes 3, 2 skipped (V = 9 and r = 5 never used): V_next of token 1 is V4 = 0.3, A_next is A4
+    # A1 = (0.9*0.3 - 0.2) + 0.72*0.492 = 0.07 + 0.35424 = 0.42424
+    # A0 = (0.9*0.2 - 0.1) + 0.72*0.42424 = 0.08 + 0.3054528 = 0.3854528
+    close(adv, [[0.3854528, 0.42424, 0, 0, 0.492, 0.6]])
+    close(ret, [[0.4854528, 0.62424, 0, 0, 0.792, 1.0]])
+
+
+def test_grpo_with_holes():
+    eps = 1e-6
+    adv, ret = compute_grpo_outcome_advantage(HOLE_REWARDS, HOLE_MASK, [0, 0, 0], epsilon=eps)
+    # scores [1, 0, 0.5]: mean 0.5, unbiased std 0.5 -> [1, -1, 0] * 0.5 / (0.5 + eps), on masked-in tokens only
+    a = 0.5 / (0.5 + eps)
+    close(adv, [[a, a, 0, 0, a, a], [-a, 0, -a, -a, 0, 0], [0, 0, 0, 0, 0, 0]])
+    close(ret, adv)
+    adv, _ = compute_grpo_outcome_advantage(HOLE_REWARDS, HOLE_MASK, [0, 0, 0], norm_adv_by_std_in_grpo=False)
+    close(adv, [[0.5, 0.5, 0, 0, 0.5, 0.5], [-0.5, 0, -0.5, -0.5, 0, 0], [0, 0, 0, 0, 0, 0]])
+
+
+def test_rloo_with_holes():
+    adv, _ = compute_rloo_outcome_advantage(HOLE_REWARDS, HOLE_MASK, [0, 0, 0])
+    # 1 - (0 + 0.5)/2 = 0.75; 0 - (1 + 0.5)/2 = -0.75; 0.5 - (1 + 0)/2 = 0
+    close(adv, [[0.75, 0.75, 0, 0, 0.75, 0.75], [-0.75, 0, -0.75, -0.75, 0, 0], [0, 0, 0, 0, 0, 0]])
+
+
+def test_reinforce_plus_plus_baseline_with_holes():
+    adv, _ = compute_reinforce_plus_plus_baseline_advantage(HOLE_REWARDS, HOLE_MASK, [0, 0, 0])
+    # centred scores [0.5, -0.5, 0] on 4 + 3 + 3 = 10 tokens: mean (2 - 1.5 + 0) / 10 = 0.05
+    # deviations 0.45 (x4), -0.55 (x3), -0.05 (x3): squares 0.81 + 0.9075 + 0.0075 = 1.725, unbiased var 1.725 / 9
+    s = math.sqrt(1.725 / 9 + 1e-8)
+    hi, lo, mid = 0.45 / s, -0.55 / s, -0.05 / s
+    close(adv, [[hi, hi, 0, 0, hi, hi], [lo, 0, lo, lo, 0, 0], [mid, 0, 0, mid, mid, 0]], atol=1e-6)
+
+
+def test_remax_with_holes():
+    rewards = t([[0, 0, 7.0, 0, 0, 1.0], [0.5, 3.0, 0, 2.0, 0, 9.0]])
+    mask = t([[1, 1, 0, 0, 1, 1], [1, 0, 1, 1, 0, 0]])
+    adv, ret = compute_remax_advantage(rewards, mask, t([0.25, 1.0]))
+    # row 0: reward-to-go 1 everywhere in the response; row 1: masked rewards [0.5, _, 0, 2] -> G = [2.5, _, 2, 2]
+    close(ret, [[1, 1, 0, 0, 1, 1], [2.5, 0, 2, 2, 0, 0]])
+    close(adv, [[0.75, 0.75, 0, 0, 0.75, 0.75], [1.5, 0, 1, 1, 0, 0]])

@@ -188,6 +188,105 @@ def test_adaptive_kl_needs_target():
         "or use algorithm.kl_ctrl.type=fixed")
 
 
+def test_policy_loss_option_without_its_loss():
+    assert _error(load_config, None, ["actor.clip_cov_ratio=0.001"]) == (
+        "actor.clip_cov_ratio=0.001 is only read by actor.policy_loss=clip_cov, but actor.policy_loss=vanilla; set "
+        "actor.policy_loss=clip_cov or actor.clip_cov_ratio=null")
+    assert _error(load_config, None, ["actor.policy_loss=clip_cov", "actor.ppo_kl_coef=0.5"]) == (
+        "actor.ppo_kl_coef=0.5 is only read by actor.policy_loss=kl_cov, but actor.policy_loss=clip_cov; set "
+        "actor.policy_loss=kl_cov or actor.ppo_kl_coef=null")
+    assert _error(load_config, None, ["actor.gspo_clip_ratio_high=0.001"]).startswith(
+        "actor.gspo_clip_ratio_high=0.001 is only read by actor.policy_loss=gspo")
+
+
+def test_gspo_needs_sequence_mean_aggregation():
+    assert _error(load_config, None, ["actor.policy_loss=gspo"]) == (
+        "actor.policy_loss=gspo clips a per-sequence ratio and needs actor.loss_agg_mode=seq-mean-token-mean, got "
+        "'token-mean'; set actor.loss_agg_mode=seq-mean-token-mean")
+    assert _error(load_config, None, ["actor.policy_loss=gspo", "actor.loss_agg_mode=token-sum"]).endswith(
+        "got 'token-sum'; set actor.loss_agg_mode=seq-mean-token-mean")
+
+
+def test_policy_loss_option_ranges():
+    assert _error(load_config, None, ["actor.policy_loss=clip_cov", "actor.clip_cov_lb=5", "actor.clip_cov_ub=1"]) \
+        == "actor.clip_cov_lb=5.0 must be < actor.clip_cov_ub=1.0; set e.g. actor.clip_cov_lb=1.0 and " \
+           "actor.clip_cov_ub=5.0"
+    assert _error(load_config, None, ["actor.policy_loss=clip_cov", "actor.clip_cov_ratio=2"]) == (
+        "actor.clip_cov_ratio must be <= 1.0, got 2.0; set actor.clip_cov_ratio to a value <= 1.0, e.g. "
+        "actor.clip_cov_ratio=0.0002")
+    assert _error(load_config, None, ["actor.policy_loss=kl_cov", "actor.kl_cov_ratio=0"]) == (
+        "actor.kl_cov_ratio must be > 0.0, got 0.0; set actor.kl_cov_ratio to a value > 0.0, e.g. "
+        "actor.kl_cov_ratio=0.0002")
+    assert _error(load_config, None, ["actor.policy_loss=kl_cov", "actor.ppo_kl_coef=-1"]).startswith(
+        "actor.ppo_kl_coef must be >= 0.0, got -1.0")
+    assert _error(load_config, None, ["actor.policy_loss=gspo", "actor.loss_agg_mode=seq-mean-token-mean",
+                                      "actor.gspo_clip_ratio_low=1.5"]).startswith(
+        "actor.gspo_clip_ratio_low must be < 1.0, got 1.5")
+    assert _error(load_config, None, ["actor.policy_loss=ppo"]) == (
+        "actor.policy_loss must be one of vanilla | gspo | cispo | clip_cov | kl_cov, got 'ppo'")
+    assert _error(load_config, None, ["actor.loss_agg_mode=token_sum"]).endswith(
+        "got 'token_sum'; did you mean 'token-sum'?")
+
+
+def test_policy_loss_options_resolve_to_paper_defaults():
+    gspo = load_config(None, ["actor.policy_loss=gspo", "actor.loss_agg_mode=seq-mean-token-mean"]).actor
+    assert (gspo.gspo_clip_ratio_low, gspo.gspo_clip_ratio_high, gspo.clip_cov_ratio) == (3e-4, 4e-4, None)
+    clip_cov = load_config(None, ["actor.policy_loss=clip_cov", "actor.clip_cov_ub=8"]).actor
+    assert (clip_cov.clip_cov_ratio, clip_cov.clip_cov_lb, clip_cov.clip_cov_ub) == (2e-4, 1.0, 8.0)
+    kl_cov = load_config(None, ["actor.policy_loss=kl_cov"]).actor
+    assert (kl_cov.kl_cov_ratio, kl_cov.ppo_kl_coef, kl_cov.gspo_clip_ratio_low) == (2e-4, 1.0, None)
+    vanilla = load_config(None).actor
+    assert vanilla.policy_loss == "vanilla" and vanilla.rollout_is is None and vanilla.rollout_is_threshold is None
+
+
+def test_rollout_is_option_without_rollout_is():
+    assert _error(load_config, None, ["actor.rollout_is_threshold=3"]) == (
+        "actor.rollout_is_threshold=3.0 has no effect while actor.rollout_is=null; set actor.rollout_is=token (or "
+        "sequence), or actor.rollout_is_threshold=null")
+    assert _error(load_config, None, ["actor.rollout_is_mode=mask"]).startswith(
+        "actor.rollout_is_mode='mask' has no effect while actor.rollout_is=null")
+    assert _error(load_config, None, ["actor.rollout_is_threshold_lower=0.5"]).startswith(
+        "actor.rollout_is_threshold_lower=0.5 has no effect while actor.rollout_is=null")
+
+
+def test_rollout_is_thresholds():
+    token = ["actor.rollout_is=token"]
+    assert _error(load_config, None, [*token, "actor.rollout_is_threshold_lower=0.5"]) == (
+        "actor.rollout_is_threshold_lower=0.5 is only read by actor.rollout_is_mode=mask (tis only truncates from "
+        "above); set actor.rollout_is_mode=mask or actor.rollout_is_threshold_lower=null")
+    mask = [*token, "actor.rollout_is_mode=mask"]
+    assert _error(load_config, None, [*mask, "actor.rollout_is_threshold_lower=3"]) == (
+        "actor.rollout_is_threshold_lower=3.0 must be below actor.rollout_is_threshold=2.0; set "
+        "actor.rollout_is_threshold_lower=0.5 (or null for 1/upper)")
+    assert _error(load_config, None, [*mask, "actor.rollout_is_threshold=4", "actor.rollout_is_threshold_lower=1.5"]) \
+        == "actor.rollout_is_threshold_lower=1.5 would reject tokens on which rollout and training agree (ratio 1); " \
+           "set it <= 1, e.g. actor.rollout_is_threshold_lower=0.25"
+    assert _error(load_config, None, [*mask, "actor.rollout_is_threshold_lower=-1"]).startswith(
+        "actor.rollout_is_threshold_lower must be > 0.0, got -1.0")
+    assert _error(load_config, None, [*token, "actor.rollout_is_threshold=0.5"]) == (
+        "actor.rollout_is_threshold must be > 1.0, got 0.5; set actor.rollout_is_threshold to a value > 1.0, e.g. "
+        "actor.rollout_is_threshold=2.0")
+    assert _error(load_config, None, ["actor.rollout_is=geometric"]).startswith(
+        "actor.rollout_is expects token | sequence | null, got 'geometric'")
+
+
+def test_rollout_is_needs_unit_temperature():
+    assert _error(load_config, QUICKSTART, ["actor.rollout_is=token", "rollout.temperature=0.7"]) == (
+        "actor.rollout_is=token compares vLLM's log-probs, taken before temperature scaling, with the actor's at "
+        "rollout.temperature=0.7; set rollout.temperature=1.0 or actor.rollout_is=null")
+
+
+def test_rollout_is_resolves_and_round_trips(tmp_path):
+    tis = load_config(QUICKSTART, ["actor.rollout_is=sequence"]).actor
+    assert (tis.rollout_is_mode, tis.rollout_is_threshold, tis.rollout_is_threshold_lower) == ("tis", 2.0, None)
+    cfg = load_config(QUICKSTART, ["actor.rollout_is=token", "actor.rollout_is_mode=mask",
+                                   "actor.rollout_is_threshold=4"])
+    assert cfg.actor.rollout_is_threshold_lower == 0.25
+    saved = tmp_path / "config.yaml"
+    saved.write_text(to_yaml(cfg))
+    assert load_config(str(saved)) == cfg
+
+
 def test_override_without_equals():
     assert _error(load_config, None, ["actor.lr"]) == "override 'actor.lr' must look like key=value, e.g. actor.lr=1e-6"
 
@@ -406,6 +505,18 @@ def _flat_keys(data: dict, prefix: str = ""):
         yield dotted, value
         if isinstance(value, dict):
             yield from _flat_keys(value, dotted)
+
+
+def test_diff_configs_keys_newer_than_the_saved_config():
+    cfg = load_config(QUICKSTART)
+    saved = to_dict(cfg)
+    for name in ("policy_loss", "rollout_is", "rollout_is_threshold", "clip_cov_ratio"):
+        del saved["actor"][name]  # a checkpoint written before these keys existed
+    assert diff_configs(saved, cfg) == []  # at their defaults they keep the earlier behaviour
+    changed = load_config(QUICKSTART, ["actor.rollout_is=token"])
+    assert diff_configs(saved, changed) == ["actor.rollout_is_mode: null -> 'tis'",
+                                            "actor.rollout_is: <absent> -> 'token'",
+                                            "actor.rollout_is_threshold: <absent> -> 2.0"]
 
 
 def test_recipe_files_are_all_loadable():

@@ -25,6 +25,7 @@ MASK = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]], dtype=D)  # third row: ze
     ("seq-mean-token-sum", (3 + 4) / 2),
     ("seq-mean-token-mean", (1.5 + 4) / 2),
     ("seq-mean-token-sum-norm", (3 / 3 + 4 / 3) / 2),
+    ("token-sum", 1 + 2 + 4),
 ])
 def test_agg_modes(mode, expected):
     assert agg_loss(LOSS, MASK, mode).item() == pytest.approx(expected)
@@ -66,6 +67,7 @@ def test_global_normaliser_makes_micro_batches_equal_one_batch(mode):
         "seq-mean-token-sum": (10 + 11 + 7 + 6) / 4,
         "seq-mean-token-mean": (10 / 4 + 11 / 2 + 7 / 1 + 6 / 3) / 4,
         "seq-mean-token-sum-norm": (10 + 11 + 7 + 6) / 4 / 4,
+        "token-sum": 10 + 11 + 7 + 6,
     }[mode]
     w_big = torch.ones(4, 4, dtype=D, requires_grad=True)
     big = agg_loss(loss_rows * w_big, mask, mode, loss_scale_factor=4)
@@ -86,6 +88,14 @@ def test_global_normaliser_makes_micro_batches_equal_one_batch(mode):
     if mode == "token-mean":
         naive = sum(agg_loss(loss_rows[c], mask[c], mode).item() for c in chunks) / 2
         assert naive != pytest.approx(expected)
+
+
+def test_token_sum_normaliser_is_the_constant_one():
+    # each micro-batch contributes 0, so the all-reduced normaliser of a mini-batch is 0 whatever its size, and
+    # agg_loss ignores it: the shares are plain token sums, which add up to the mini-batch's plain sum
+    assert agg_loss_normalizer(MASK, "token-sum").item() == 0.0
+    assert agg_loss(LOSS, MASK, "token-sum", normalizer=123.0).item() == pytest.approx(7.0)
+    assert agg_loss(LOSS, MASK, "token-sum", normalizer=0.0).item() == pytest.approx(7.0)
 
 
 # --------------------------------------------------------------------------------------------------- policy loss
@@ -130,6 +140,20 @@ def test_policy_loss_seq_mean_token_sum():
     loss, _ = compute_policy_loss(log_prob=new, old_log_prob=old, advantages=adv, response_mask=mask,
                                   clip_ratio_low=0.2, clip_ratio_high=0.3, loss_agg_mode="seq-mean-token-sum")
     assert loss.item() == pytest.approx(-1.3 - 0.5 + 0.8 + 3.0 + 2.2)
+
+
+def test_policy_loss_rollout_is_weights_scale_tokens():
+    new, old, adv, mask, _ = _policy_case()
+    weights = torch.tensor([[2.0, 1.0, 0.5, 1.0, 1.0, 9.0]], dtype=D, requires_grad=True)
+    loss, _ = compute_policy_loss(log_prob=new, old_log_prob=old, advantages=adv, response_mask=mask,
+                                  clip_ratio_low=0.2, clip_ratio_high=0.3, clip_ratio_c=3.0,
+                                  rollout_is_weights=weights)
+    # per-token losses of test_policy_loss_clip_and_dual_clip, times the weights: -2.6, -0.5, 0.4, 3.0, 2.2
+    assert loss.item() == pytest.approx((-2.6 - 0.5 + 0.4 + 3.0 + 2.2) / 5)
+    loss.backward()
+    assert weights.grad is None  # the weights are detached
+    # the unclipped tokens' gradients (-0.5/5 and 2.2/5) times their weights (1 and 1)
+    torch.testing.assert_close(new.grad, torch.tensor([[0.0, -0.5 / 5, 0.0, 0.0, 2.2 / 5, 0.0]], dtype=D))
 
 
 def test_policy_loss_on_policy_is_minus_mean_advantage():

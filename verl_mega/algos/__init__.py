@@ -1,4 +1,5 @@
-"""RL algorithms as pure tensor functions: advantage estimators, PPO losses, loss aggregation, KL and controllers."""
+"""RL algorithms as pure tensor functions: advantage estimators, policy losses, loss aggregation, rollout importance
+sampling, KL and controllers, DAPO's reward shaping and group filter."""
 
 from verl_mega.algos.advantages import (
     AdvantageEstimator,
@@ -11,6 +12,7 @@ from verl_mega.algos.advantages import (
     compute_rloo_outcome_advantage,
     outcome_to_token_rewards,
 )
+from verl_mega.algos.dapo import DynamicSamplingKeep, dynamic_sampling_keep, overlong_buffer_penalty
 from verl_mega.algos.kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,
@@ -30,6 +32,17 @@ from verl_mega.algos.losses import (
     entropy_from_logits,
 )
 from verl_mega.algos.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from verl_mega.algos.policy_losses import (
+    POLICY_LOSSES,
+    ROLLOUT_IS_LEVELS,
+    ROLLOUT_IS_MODES,
+    compute_policy_loss_cispo,
+    compute_policy_loss_clip_cov,
+    compute_policy_loss_gspo,
+    compute_policy_loss_kl_cov,
+    compute_rollout_is_weights,
+    get_policy_loss_fn,
+)
 
 __all__ = [
     "AdvantageEstimator",
@@ -59,4 +72,16 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "POLICY_LOSSES",
+    "ROLLOUT_IS_LEVELS",
+    "ROLLOUT_IS_MODES",
+    "compute_policy_loss_cispo",
+    "compute_policy_loss_clip_cov",
+    "compute_policy_loss_gspo",
+    "compute_policy_loss_kl_cov",
+    "compute_rollout_is_weights",
+    "get_policy_loss_fn",
+    "DynamicSamplingKeep",
+    "dynamic_sampling_keep",
+    "overlong_buffer_penalty",
 ]

@@ -177,7 +177,12 @@ def compute_reinforce_plus_plus_advantage(
     response_mask: torch.Tensor,
     gamma: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """REINFORCE++ (Hu 2025): G_t = sum_{k>=t} gamma^{k-t} r_k (within the response), A = whiten(G) over the batch."""
+    """REINFORCE++ (Hu 2025): G_t = sum_{k>=t} gamma^{k-t} r_k (within the response), A = whiten(G) over the batch.
+
+    The sum runs over the masked tokens only, like GAE: a masked-out position inside a row (tool output in
+    multi-turn) is skipped — the return carries across it and it does not count as a discounting step — and its
+    reward is ignored.
+    """
     _check_bt("token_level_rewards", token_level_rewards, response_mask)
     with torch.no_grad():
         work = torch.promote_types(token_level_rewards.dtype, torch.float32)
@@ -186,10 +191,9 @@ def compute_reinforce_plus_plus_advantage(
         returns = torch.zeros_like(rewards)
         running = torch.zeros_like(rewards[:, 0])
         for t in reversed(range(rewards.shape[-1])):
-            running = rewards[:, t] * mask[:, t] + gamma * running
+            # Only masked-in tokens update the return; tail padding leaves it at 0 until the response starts.
+            running = torch.where(mask[:, t] > 0, rewards[:, t] + gamma * running, running)
             returns[:, t] = running
-            # Padding resets the running return so a row's tail padding never feeds its response.
-            running = running * mask[:, t]
         returns = returns * mask
         advantages = masked_whiten(returns, mask)
     dtype = token_level_rewards.dtype

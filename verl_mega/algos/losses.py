@@ -7,6 +7,7 @@ Aggregation modes (``actor.loss_agg_mode``), with m the response mask and L the 
 * ``seq-mean-token-mean``      mean over sequences of (sum_t m L / sum_t m)
 * ``seq-mean-token-sum-norm``  mean over sequences of (sum_t m L / H), H a constant horizon (Dr.GRPO):
                                ``loss_scale_factor`` if given, else ``mask.shape[-1]``
+* ``token-sum``                sum_{b,t} m L (no normalisation)
 
 "Sequences" are rows with at least one masked-in token, so padding rows added to even out micro-batches never count.
 
@@ -19,6 +20,9 @@ To get exactly the gradient of one big batch, the engine should, per optimizer s
 2. ``all_reduce(SUM)`` that number over the data-parallel group -> ``n_global``;
 3. per micro-batch use ``agg_loss(..., normalizer=n_global)`` (same for the value/entropy/KL terms). Each result is
    that micro-batch's *share*, and the sum over micro-batches and ranks equals the big-batch loss;
+   ``token-sum`` has the constant denominator 1 for the whole mini-batch, which no per-micro-batch count can add up
+   to: its ``agg_loss_normalizer`` is 0 (so the summed normaliser stays 0) and ``agg_loss`` ignores ``normalizer``;
+   each share is the micro-batch's plain token sum and the shares add up to the mini-batch's plain sum;
 4. undo the averaging that would otherwise happen on top: with a loss function returning ``(loss, metrics)``,
    megatron-core's schedule multiplies the loss by the CP size and divides it by ``num_microbatches``, and DDP scales
    gradients by 1 / (DP x CP) (``calculate_per_token_loss`` off) — a net 1 / (num_microbatches x DP). So hand
@@ -47,7 +51,7 @@ __all__ = [
     "entropy_bonus",
 ]
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "token-sum")
 
 
 def _check_mode(mode: str) -> None:
@@ -56,12 +60,15 @@ def _check_mode(mode: str) -> None:
 
 
 def agg_loss_normalizer(mask: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
-    """This micro-batch's contribution to the global denominator: token count (``token-mean``) or the number of
-    non-empty rows (``seq-*`` modes). Sum it over micro-batches and DP ranks and pass it as ``normalizer``."""
+    """This micro-batch's contribution to the global denominator: token count (``token-mean``), the number of
+    non-empty rows (``seq-*`` modes) or 0 (``token-sum``, whose denominator is the constant 1). Sum it over
+    micro-batches and DP ranks and pass it as ``normalizer``."""
     _check_mode(mode)
     fmask = mask.float()
     if mode == "token-mean":
         return fmask.sum()
+    if mode == "token-sum":
+        return fmask.new_zeros(())
     return (fmask.sum(dim=-1) > 0).float().sum()
 
 
@@ -77,6 +84,8 @@ def agg_loss(
     _check_mode(mode)
     if loss_mat.shape != mask.shape:
         raise ValueError(f"loss_mat shape {tuple(loss_mat.shape)} != mask shape {tuple(mask.shape)}")
+    if mode == "token-sum":
+        return masked_sum(loss_mat, mask)  # the mini-batch denominator is 1 whatever ``normalizer`` says
     if mode in ("token-mean", "seq-mean-token-sum"):
         numerator = masked_sum(loss_mat, mask)
     elif mode == "seq-mean-token-mean":
@@ -107,14 +116,16 @@ def compute_policy_loss(
     loss_agg_mode: str = "token-mean",
     normalizer: torch.Tensor | float | None = None,
     loss_scale_factor: float | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO clipped surrogate with asymmetric clip range and dual-clip (Ye et al. 2020).
+    """PPO clipped surrogate with asymmetric clip range and dual-clip (Ye et al. 2020): ``actor.policy_loss=vanilla``.
 
     r = exp(log_prob - old_log_prob) (log-ratio clamped to [-20, 20]);
     L = max(-A r, -A clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high)); for A < 0 additionally L = min(L, -A c).
     ``clip_ratio_c=None`` turns dual-clip off. Metrics (masked means over this micro-batch, detached):
     ``clipfrac`` (share of tokens where the clipped term is active), ``approx_kl`` (mean of old - new log-prob),
-    ``clipfrac_lower`` (share where the dual-clip bound is active).
+    ``clipfrac_lower`` (share where the dual-clip bound is active). ``rollout_is_weights`` ([B, T], from
+    :func:`~verl_mega.algos.policy_losses.compute_rollout_is_weights`) multiply the per-token loss, detached.
     """
     if clip_ratio_low < 0 or clip_ratio_high < 0:
         raise ValueError("actor.clip_ratio_low/clip_ratio_high must be >= 0 (e.g. 0.2)")
@@ -138,6 +149,8 @@ def compute_policy_loss(
     else:
         pg_losses = clip_losses
         metrics["clipfrac_lower"] = torch.zeros((), device=advantages.device)
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights.detach()
     loss = agg_loss(
         pg_losses, response_mask, loss_agg_mode, normalizer=normalizer, loss_scale_factor=loss_scale_factor
     )

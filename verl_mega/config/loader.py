@@ -6,6 +6,7 @@ YAML is read with a safe loader that follows YAML 1.2 for scalars: only `true`/`
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import os
 import re
@@ -221,6 +222,24 @@ def _affects_results(key: str) -> bool:
     return True
 
 
+def _default_of(key: str, missing: Any) -> Any:
+    """The declared default of ``key``, or ``missing`` for keys unknown to this version or without a plain default."""
+    cls: Any = TrainConfig
+    for part in key.split("."):
+        if not is_section_type(cls):
+            return missing
+        field = cls.__dataclass_fields__.get(part)
+        if field is None:
+            return missing
+        tp = field_types(cls)[part]
+        if not is_section_type(tp):
+            if field.default is dataclasses.MISSING:
+                return missing
+            return list(field.default) if isinstance(field.default, tuple) else field.default  # as flattened
+        cls = tp
+    return missing
+
+
 # The run length sets the LR schedule when a role decays over it (lr_decay_steps null).
 _RUN_LENGTH_KEYS = ("trainer.total_steps", "trainer.total_epochs")
 
@@ -243,7 +262,8 @@ def diff_configs(a: TrainConfig | Mapping, b: TrainConfig | Mapping) -> list[str
     (micro-batch sizes, dynamic batching, offload, recompute, use_te, vLLM memory and scheduling knobs,
     weight_sync, reward.num_workers). Exception: total_steps / total_epochs count when an LR schedule decays
     over the run length (`lr_decay_style` not constant and `lr_decay_steps` null); keys of a critic or reference
-    that is disabled in both configs are ignored. Everything else counts —
+    that is disabled in both configs are ignored. A key the older config lacks (it predates the key) counts only
+    when the newer config moves it off its default, which keeps the earlier behaviour. Everything else counts —
     see the "result-changing" column of docs/configuration.md.
     """
     flat_a = _flatten(to_dict(a) if isinstance(a, TrainConfig) else a, TrainConfig)
@@ -256,6 +276,8 @@ def diff_configs(a: TrainConfig | Mapping, b: TrainConfig | Mapping) -> list[str
     for key in list(flat_a) + [k for k in flat_b if k not in flat_a]:
         old, new = flat_a.get(key, missing), flat_b.get(key, missing)
         if old == new or key.partition(".")[0] in unused_roles:
+            continue
+        if old is missing and new == _default_of(key, missing):
             continue
         if not (_affects_results(key) or (key in _RUN_LENGTH_KEYS and length_matters)):
             continue

@@ -11,10 +11,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from verl_mega.config.base import ConfigSection, FrozenDict, option
+from verl_mega.config.base import ConfigError, ConfigSection, FrozenDict, fmt, option
 
 KLEstimator = Literal["kl", "abs", "mse", "low_var_kl", "k1", "k2", "k3"]
-LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm",
+                      "token-sum"]
+PolicyLoss = Literal["vanilla", "gspo", "cispo", "clip_cov", "kl_cov"]
+# Keys read by one policy loss only, and the value their null takes when that loss is selected (the papers' values).
+POLICY_LOSS_OPTIONS: dict[str, dict[str, float]] = {
+    "gspo": {"gspo_clip_ratio_low": 3e-4, "gspo_clip_ratio_high": 4e-4},
+    "clip_cov": {"clip_cov_ratio": 2e-4, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0},
+    "kl_cov": {"kl_cov_ratio": 2e-4, "ppo_kl_coef": 1.0},
+}
+ROLLOUT_IS_DEFAULT_THRESHOLD = 2.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,19 +75,62 @@ class TrainableRoleConfig(ConfigSection):
 
 @dataclass(frozen=True, kw_only=True)
 class ActorConfig(TrainableRoleConfig):
-    """The policy: PPO clipped loss (dual-clip), entropy bonus, optional KL loss against the reference."""
+    """The policy: its loss (`policy_loss`: PPO clip with dual-clip, GSPO, CISPO, Clip-Cov or KL-Cov), entropy bonus,
+    optional KL loss against the reference, optional rollout-vs-training importance-sampling correction. Formulas:
+    docs/algorithms.md."""
 
     SECTION: ClassVar[str] = "actor"
 
     log_prob_micro_batch_size_per_gpu: int | None = option(
         None, help="Samples per forward-only pass when recomputing log-probs; null uses `micro_batch_size_per_gpu`.",
         affects_results=False)
-    clip_ratio_low: float = option(0.2, help="PPO ratio clip below 1: ratio >= 1 - clip_ratio_low.")
+    policy_loss: PolicyLoss = option(
+        "vanilla", help="Policy loss: vanilla (PPO clip + dual-clip), gspo (sequence-level ratio), cispo (clipped, "
+                        "detached IS weight × log-prob), clip_cov / kl_cov (covariance-selected tokens lose their "
+                        "gradient / get a KL penalty). verl calls it actor.policy_loss.loss_mode.")
+    clip_ratio_low: float = option(0.2, help="PPO ratio clip below 1: ratio >= 1 - clip_ratio_low (vanilla, "
+                                             "clip_cov; the IS-weight clip of cispo).")
     clip_ratio_high: float = option(0.2, help="PPO ratio clip above 1: ratio <= 1 + clip_ratio_high "
-                                              "(raise it for DAPO-style clip-higher).")
-    clip_ratio_c: float = option(3.0, help="Dual-clip bound for negative advantages (> 1).")
+                                              "(raise it for DAPO-style clip-higher; vanilla, clip_cov, cispo).")
+    clip_ratio_c: float = option(3.0, help="Dual-clip bound for negative advantages (> 1); vanilla only.")
+    gspo_clip_ratio_low: float | None = option(
+        None, help="GSPO: sequence-ratio clip below 1; only with policy_loss=gspo, where null uses 3e-4 (the GSPO "
+                   "paper's value).")
+    gspo_clip_ratio_high: float | None = option(
+        None, help="GSPO: sequence-ratio clip above 1; only with policy_loss=gspo, where null uses 4e-4.")
+    clip_cov_ratio: float | None = option(
+        None, help="Clip-Cov: share of tokens whose gradient is dropped; only with policy_loss=clip_cov, where null "
+                   "uses 2e-4.")
+    clip_cov_lb: float | None = option(
+        None, help="Clip-Cov: lower covariance bound of the tokens eligible for dropping; only with "
+                   "policy_loss=clip_cov, where null uses 1.0.")
+    clip_cov_ub: float | None = option(
+        None, help="Clip-Cov: upper covariance bound of the tokens eligible for dropping; only with "
+                   "policy_loss=clip_cov, where null uses 5.0.")
+    kl_cov_ratio: float | None = option(
+        None, help="KL-Cov: share of tokens (largest covariance) given the KL penalty; only with "
+                   "policy_loss=kl_cov, where null uses 2e-4.")
+    ppo_kl_coef: float | None = option(
+        None, help="KL-Cov: coefficient of the |log ratio| penalty; only with policy_loss=kl_cov, where null uses "
+                   "1.0.")
+    rollout_is: Literal["token", "sequence"] | None = option(
+        None, help="Correct the policy loss for the rollout engine sampling from slightly different probabilities "
+                   "than training computes: importance weights π_train/π_rollout per token, or their product per "
+                   "sequence; null disables.")
+    rollout_is_mode: Literal["tis", "mask"] | None = option(
+        None, help="tis: weights truncated at rollout_is_threshold multiply the token losses; mask: tokens "
+                   "(sequences) whose ratio is outside [rollout_is_threshold_lower, rollout_is_threshold] leave the "
+                   "loss, the rest are weighted by their ratio. Only with rollout_is, where null uses tis.")
+    rollout_is_threshold: float | None = option(
+        None, help=f"Upper ratio bound (> 1); only with rollout_is, where null uses {ROLLOUT_IS_DEFAULT_THRESHOLD}.")
+    rollout_is_threshold_lower: float | None = option(
+        None, help="Lower ratio bound (0 < lower <= 1); only with rollout_is_mode=mask, where null uses "
+                   "1 / rollout_is_threshold.")
     entropy_coeff: float = option(0.0, help="Weight of the entropy bonus in the actor loss.")
-    loss_agg_mode: LossAggMode = option("token-mean", help="How token losses are aggregated into the batch loss.")
+    loss_agg_mode: LossAggMode = option(
+        "token-mean", help="How token losses are aggregated into the batch loss: token-mean, seq-mean-token-sum, "
+                           "seq-mean-token-mean, seq-mean-token-sum-norm (Dr. GRPO, constant horizon "
+                           "rollout.max_response_length) or token-sum (no normalisation).")
     use_kl_loss: bool = option(False, help="Add a KL(actor‖ref) term to the actor loss (GRPO style); needs the "
                                            "reference policy.")
     kl_loss_coef: float = option(0.001, help="Weight of the KL loss term.")
@@ -94,6 +146,66 @@ class ActorConfig(TrainableRoleConfig):
         self._check_range("clip_ratio_high", ge=0.0, example=0.2)
         self._check_range("clip_ratio_c", gt=1.0, example=3.0)
         self._check_range("kl_loss_coef", ge=0.0, example=0.001)
+        self._validate_policy_loss()
+        self._validate_rollout_is()
+
+    def _validate_policy_loss(self) -> None:
+        for loss, options in POLICY_LOSS_OPTIONS.items():
+            for name, default in options.items():
+                value = getattr(self, name)
+                if self.policy_loss == loss and value is None:
+                    self._set(name, default)
+                elif self.policy_loss != loss and value is not None:
+                    raise ConfigError(f"actor.{name}={fmt(value)} is only read by actor.policy_loss={loss}, but "
+                                      f"actor.policy_loss={self.policy_loss}; set actor.policy_loss={loss} or "
+                                      f"actor.{name}=null")
+        self._check_range("gspo_clip_ratio_low", ge=0.0, lt=1.0, example=3e-4)
+        self._check_range("gspo_clip_ratio_high", ge=0.0, example=4e-4)
+        self._check_range("clip_cov_ratio", gt=0.0, le=1.0, example=2e-4)
+        self._check_range("kl_cov_ratio", gt=0.0, le=1.0, example=2e-4)
+        self._check_range("ppo_kl_coef", ge=0.0, example=1.0)
+        if self.policy_loss == "clip_cov":
+            self._require(self.clip_cov_lb < self.clip_cov_ub,
+                          f"actor.clip_cov_lb={fmt(self.clip_cov_lb)} must be < actor.clip_cov_ub="
+                          f"{fmt(self.clip_cov_ub)}; set e.g. actor.clip_cov_lb=1.0 and actor.clip_cov_ub=5.0")
+        if self.policy_loss == "gspo":
+            # The paper's gradient weighs each sequence equally and its tokens by 1/|y|: seq-mean-token-mean exactly.
+            self._require(self.loss_agg_mode == "seq-mean-token-mean",
+                          f"actor.policy_loss=gspo clips a per-sequence ratio and needs "
+                          f"actor.loss_agg_mode=seq-mean-token-mean, got {fmt(self.loss_agg_mode)}; set "
+                          f"actor.loss_agg_mode=seq-mean-token-mean")
+
+    def _validate_rollout_is(self) -> None:
+        names = ("rollout_is_mode", "rollout_is_threshold", "rollout_is_threshold_lower")
+        if self.rollout_is is None:
+            for name in names:
+                value = getattr(self, name)
+                self._require(value is None, f"actor.{name}={fmt(value)} has no effect while actor.rollout_is=null; "
+                                             f"set actor.rollout_is=token (or sequence), or actor.{name}=null")
+            return
+        if self.rollout_is_mode is None:
+            self._set("rollout_is_mode", "tis")
+        if self.rollout_is_threshold is None:
+            self._set("rollout_is_threshold", ROLLOUT_IS_DEFAULT_THRESHOLD)
+        self._check_range("rollout_is_threshold", gt=1.0, example=ROLLOUT_IS_DEFAULT_THRESHOLD)
+        upper, lower = self.rollout_is_threshold, self.rollout_is_threshold_lower
+        if self.rollout_is_mode == "tis":
+            self._require(lower is None, f"actor.rollout_is_threshold_lower={fmt(lower)} is only read by "
+                                         f"actor.rollout_is_mode=mask (tis only truncates from above); set "
+                                         f"actor.rollout_is_mode=mask or actor.rollout_is_threshold_lower=null")
+            return
+        if lower is None:
+            self._set("rollout_is_threshold_lower", 1.0 / upper)
+            return
+        suggestion = round(1.0 / upper, 4)
+        self._check_range("rollout_is_threshold_lower", gt=0.0, example=suggestion)
+        self._require(lower < upper, f"actor.rollout_is_threshold_lower={fmt(lower)} must be below "
+                                     f"actor.rollout_is_threshold={fmt(upper)}; set "
+                                     f"actor.rollout_is_threshold_lower={fmt(suggestion)} (or null for 1/upper)")
+        # A ratio of 1 means rollout and training agree on the token; such tokens must never be rejected.
+        self._require(lower <= 1.0, f"actor.rollout_is_threshold_lower={fmt(lower)} would reject tokens on which "
+                                    f"rollout and training agree (ratio 1); set it <= 1, e.g. "
+                                    f"actor.rollout_is_threshold_lower={fmt(suggestion)}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -111,6 +111,23 @@ class PolicyRole:
         return {k: torch.cat([r[k] for r in res])[:n] for k in res[0]}
 
 
+_METRIC_PREFIX = "metric:"  # micro-batch entries that are metrics computed before the step, not model inputs
+
+
+def _policy_loss_options(cfg) -> dict[str, object]:
+    """The actor keys the selected policy loss reads, beside the inputs every loss shares."""
+    if cfg.policy_loss == "gspo":
+        return {"clip_ratio_low": cfg.gspo_clip_ratio_low, "clip_ratio_high": cfg.gspo_clip_ratio_high}
+    if cfg.policy_loss == "kl_cov":
+        return {"kl_cov_ratio": cfg.kl_cov_ratio, "ppo_kl_coef": cfg.ppo_kl_coef}
+    options = {"clip_ratio_low": cfg.clip_ratio_low, "clip_ratio_high": cfg.clip_ratio_high}
+    if cfg.policy_loss == "vanilla":
+        options["clip_ratio_c"] = cfg.clip_ratio_c
+    elif cfg.policy_loss == "clip_cov":
+        options.update(clip_cov_ratio=cfg.clip_cov_ratio, clip_cov_lb=cfg.clip_cov_lb, clip_cov_ub=cfg.clip_cov_ub)
+    return options
+
+
 class Actor(PolicyRole):
     def __init__(self, engine: MegatronEngine, cfg, *, vocab_size: int, temperature: float) -> None:
         super().__init__(engine, vocab_size=vocab_size, micro_batch_size=cfg.micro_batch_size_per_gpu,
@@ -122,6 +139,8 @@ class Actor(PolicyRole):
         """PPO epochs × mini-batches over this rank's samples; one optimizer step per mini-batch."""
         cfg = self.cfg
         keys = ("input_ids", "prompt_len", "response_mask", "old_logprobs", "advantages", "ref_logprobs")
+        if cfg.rollout_is is not None:
+            keys += ("rollout_logprobs",)
         history: list[dict[str, float]] = []
         for epoch in range(cfg.ppo_epochs):
             order = torch.randperm(len(batch)) if cfg.shuffle else torch.arange(len(batch))
@@ -129,24 +148,47 @@ class Actor(PolicyRole):
                 mini = batch.select(order[start:start + mini_batch_rows])
                 mbs, _ = micro_batches(mini, self.micro_batch_size, keys, token_budget=self._token_budget(),
                                        multiple=self.engine.seq_multiple)
+                if cfg.rollout_is is not None:
+                    for mb in mbs:
+                        self._rollout_is(mb)
                 normalizer = self.engine.dp_all_reduce(
                     sum(algos.agg_loss_normalizer(mb["response_mask"], cfg.loss_agg_mode) for mb in mbs))
                 scale = self.engine.dp_size * len(mbs)
                 history.append(self.engine.train_step(mbs, self._loss_fn(normalizer, scale)))
         return {f"actor/{k}": sum(h[k] for h in history) / len(history) for k in history[0]}
 
+    def _rollout_is(self, mb: dict[str, torch.Tensor]) -> None:
+        """Rollout-vs-training importance weights of one micro-batch, set before the loss normaliser is summed: in
+        mask mode the rejected tokens leave the response mask, hence every loss term and the normaliser."""
+        cfg = self.cfg
+        if "rollout_logprobs" not in mb:
+            raise ValueError("actor.rollout_is needs the rollout engine's log-probs of the sampled tokens "
+                             "(batch key rollout_logprobs); set actor.rollout_is=null")
+        weights, mask, metrics = algos.compute_rollout_is_weights(
+            mb["old_logprobs"], mb["rollout_logprobs"], mb["response_mask"], level=cfg.rollout_is,
+            mode=cfg.rollout_is_mode, threshold=cfg.rollout_is_threshold,
+            threshold_lower=cfg.rollout_is_threshold_lower)
+        mb["response_mask"], mb["rollout_is_weights"] = mask, weights
+        mb.update({_METRIC_PREFIX + k: v for k, v in metrics.items()})  # reported by the loss function
+
     def _loss_fn(self, normalizer: torch.Tensor, scale: int):
         cfg = self.cfg
+        policy_loss = algos.get_policy_loss_fn(cfg.policy_loss)
+        options = _policy_loss_options(cfg)
+        if cfg.policy_loss == "clip_cov":
+            # Seeded by the optimizer step, the same on every rank: tensor-parallel ranks drop the same tokens.
+            options["generator"] = torch.Generator().manual_seed(self.engine.version)
 
         def loss_fn(output, mb):
             need_entropy = True
             lp, ent = self._logprobs(output, mb, need_entropy)
             mask = mb["response_mask"]
             norm = normalizer.to(device=lp.device, dtype=lp.dtype)
-            pg_loss, metrics = algos.compute_policy_loss(
+            pg_loss, metrics = policy_loss(
                 log_prob=lp, old_log_prob=mb["old_logprobs"], advantages=mb["advantages"], response_mask=mask,
-                clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
-                clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=cfg.loss_agg_mode, normalizer=norm)
+                loss_agg_mode=cfg.loss_agg_mode, normalizer=norm, rollout_is_weights=mb.get("rollout_is_weights"),
+                **options)
+            metrics.update({k[len(_METRIC_PREFIX):]: v for k, v in mb.items() if k.startswith(_METRIC_PREFIX)})
             entropy = algos.agg_loss(ent, mask, cfg.loss_agg_mode, normalizer=norm)
             loss = pg_loss - cfg.entropy_coeff * entropy
             if cfg.use_kl_loss:
