@@ -66,7 +66,7 @@ class HFGenerateRollout:
 
     @torch.no_grad()
     def generate(self, prompt_ids, specs):
-        from verl_mega.rollout.colocated import Generated
+        from verl_mega.rollout.colocated import Generated, Sample
 
         (spec,) = specs
         world, rank = dist.get_world_size(), dist.get_rank()
@@ -97,7 +97,7 @@ class HFGenerateRollout:
         for row, tokens in enumerate(new.cpu().tolist()):
             if not spec.ignore_eos and eos in tokens:
                 tokens = tokens[: tokens.index(eos) + 1]  # keep EOS, drop the padding after it
-            local.append((mine[row // spec.n], tokens, lps[row, : len(tokens)].tolist()))
+            local.append(Sample(mine[row // spec.n], tokens, lps[row, : len(tokens)].tolist()))
         gathered: list = [None] * world
         dist.all_gather_object(gathered, (local, self.weight_version))
         return [Generated([s for part, _ in gathered for s in part], {v for _, v in gathered})]

@@ -102,6 +102,13 @@ def test_grpo_without_std_is_dr_grpo():
     close(adv, [[0.5, 0.5, 0], [-0.5, -0.5, -0.5], [0, 0, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0]])
 
 
+def test_dr_grpo_estimator_never_divides_by_std():
+    # the dr_grpo estimator ignores norm_adv_by_std_in_grpo: A = s - mean_g, as hand-computed above
+    adv, _ = compute_advantage("dr_grpo", token_level_rewards=OUT_REWARDS, response_mask=OUT_MASK, group_index=GROUPS,
+                               norm_adv_by_std_in_grpo=True)
+    close(adv, [[0.5, 0.5, 0], [-0.5, -0.5, -0.5], [0, 0, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0]])
+
+
 @pytest.mark.parametrize("index", [
     [7, 7, 7, 3, 3, 9],
     np.array(["p1", "p1", "p1", "p2", "p2", "p3"]),
@@ -174,7 +181,7 @@ def test_all_equal_rewards_give_zero_for_group_methods():
 
 def test_registry_dispatch_and_errors():
     assert [e.value for e in AdvantageEstimator] == [
-        "gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax"]
+        "gae", "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax"]
     adv, _ = compute_advantage("rloo", token_level_rewards=OUT_REWARDS, response_mask=OUT_MASK, group_index=GROUPS,
                                values=torch.zeros_like(OUT_MASK))
     assert adv[0, 0].item() == pytest.approx(0.75)

@@ -118,7 +118,7 @@ def test_sequence_parallel_without_tp():
 
 def test_bad_enum_value():
     assert _error(load_config, None, ["algorithm.adv_estimator=grpoo"]) == (
-        "algorithm.adv_estimator must be one of gae | grpo | rloo | reinforce_plus_plus | "
+        "algorithm.adv_estimator must be one of gae | grpo | dr_grpo | rloo | reinforce_plus_plus | "
         "reinforce_plus_plus_baseline | remax, got 'grpoo'; did you mean 'grpo'?")
 
 
@@ -150,6 +150,40 @@ def test_remax_needs_sampling():
     assert _error(load_config, QUICKSTART, ["algorithm.adv_estimator=remax", "rollout.temperature=0"]) == (
         "algorithm.adv_estimator=remax compares samples with the greedy answer but rollout.temperature=0 makes them "
         "the greedy answer; set rollout.temperature=1.0")
+
+
+def test_dapo_and_dr_grpo_combinations():
+    assert _error(load_config, QUICKSTART, ["algorithm.adv_estimator=reinforce_plus_plus",
+                                            "algorithm.filter_groups.enable=true"]) == (
+        "algorithm.filter_groups.enable=true drops groups of equal rewards, which only a group baseline makes "
+        "useless, but algorithm.adv_estimator=reinforce_plus_plus; use grpo, dr_grpo, rloo or "
+        "reinforce_plus_plus_baseline, or algorithm.filter_groups.enable=false")
+    assert _error(load_config, QUICKSTART, ["algorithm.filter_groups.max_num_gen_batches=0"]).startswith(
+        "algorithm.filter_groups.max_num_gen_batches")
+    assert _error(load_config, QUICKSTART, ["reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=64"]) == (
+        "reward.overlong_buffer.len=64 exceeds rollout.max_response_length=16; set reward.overlong_buffer.len<=16")
+    assert _error(load_config, QUICKSTART, ["algorithm.adv_estimator=dr_grpo"]) == (
+        "algorithm.adv_estimator=dr_grpo normalises the loss by a constant, but actor.loss_agg_mode=token-mean; "
+        "set actor.loss_agg_mode=seq-mean-token-sum-norm")
+    dr = load_config(QUICKSTART, ["algorithm.adv_estimator=dr_grpo", "actor.loss_agg_mode=seq-mean-token-sum-norm"])
+    assert dr.algorithm.adv_estimator == "dr_grpo"
+    assert _error(load_config, QUICKSTART, ["algorithm.adv_estimator=dr_grpo", "rollout.n=1"]).startswith(
+        "algorithm.adv_estimator=dr_grpo compares samples of the same prompt but rollout.n=1")
+
+
+def test_multi_turn_section():
+    cfg = load_config(str(CONFIGS / "multi_turn_calculator_cpu.yaml"))
+    mt = cfg.rollout.multi_turn
+    assert mt.enable and mt.tools == ("calc",) and (mt.tool_call_start, mt.tool_call_end) == ("(", ")")
+    assert cfg.reward.function == "calculator" and cfg.data.train_files == ("generated:calculator",)
+    assert _error(load_config, QUICKSTART, ["rollout.multi_turn.enable=true", "rollout.multi_turn.tools=[]"]) == (
+        "rollout.multi_turn.enable=true with no rollout.multi_turn.tools; list at least one tool")
+    assert _error(load_config, QUICKSTART, ["rollout.multi_turn.enable=true", "rollout.ignore_eos=true"]) == (
+        "rollout.multi_turn.enable=true ends turns at EOS but rollout.ignore_eos=true; set rollout.ignore_eos=false")
+    assert _error(load_config, QUICKSTART, ["rollout.multi_turn.max_turns=0"]).startswith(
+        "rollout.multi_turn.max_turns")
+    assert _error(load_config, QUICKSTART, ['rollout.multi_turn.tool_call_end=""']).startswith(
+        "rollout.multi_turn.tool_call_end is empty")
 
 
 def test_placement_section_errors():

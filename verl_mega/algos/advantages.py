@@ -36,6 +36,7 @@ class AdvantageEstimator(str, Enum):
 
     GAE = "gae"
     GRPO = "grpo"
+    DR_GRPO = "dr_grpo"  # GRPO's group baseline without the std division (Liu et al. 2025)
     RLOO = "rloo"
     REINFORCE_PLUS_PLUS = "reinforce_plus_plus"
     REINFORCE_PLUS_PLUS_BASELINE = "reinforce_plus_plus_baseline"
@@ -284,12 +285,12 @@ def compute_advantage(
         return compute_gae_advantage_return(
             token_level_rewards, _require("values", values, key), response_mask, gamma=gamma, lam=lam
         )
-    if estimator is AdvantageEstimator.GRPO:
+    if estimator in (AdvantageEstimator.GRPO, AdvantageEstimator.DR_GRPO):
         return compute_grpo_outcome_advantage(
             token_level_rewards,
             response_mask,
             _require("group_index", group_index, key),
-            norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
+            norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo and estimator is AdvantageEstimator.GRPO,
             epsilon=epsilon,
         )
     if estimator is AdvantageEstimator.RLOO:

@@ -13,6 +13,43 @@ DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
 @dataclass(frozen=True, kw_only=True)
+class MultiTurnConfig(ConfigSection):
+    """Multi-turn episodes with tool calls: the policy writes `tool_call_start name: args tool_call_end` (or a
+    Hermes JSON body), the tool's answer is appended as observation tokens masked out of the loss, and the episode
+    goes on. rollout.max_response_length bounds the whole episode."""
+
+    SECTION: ClassVar[str] = "rollout.multi_turn"
+
+    enable: bool = option(False, help="Run rollouts as multi-turn episodes with tools.")
+    max_turns: int = option(4, help="Policy turns per episode (a turn ends at EOS or at a tool call).")
+    tools: tuple[str, ...] = option(("calc",), help="Tools the policy may call: built-ins `calc` (exact arithmetic) "
+                                                   "and `python` (sandboxed interpreter), or `pkg.module:fn` / "
+                                                   "`file.py:fn` (called with the argument text, or keyword "
+                                                   "arguments for a JSON call).")
+    tool_timeout_s: float = option(5.0, help="Time limit per tool call; a call past it is cut off and answered with "
+                                             "an error.")
+    python_memory_mb: int = option(512, help="Address-space limit of the `python` tool's interpreter.")
+    max_observation_tokens: int = option(64, help="A tool's answer is cut to this many tokens.")
+    tool_call_start: str = option("<tool_call>", help="Text that opens a tool call.")
+    tool_call_end: str = option("</tool_call>", help="Text that closes a tool call; generation stops at it when it "
+                                                     "is a single token.")
+    observation_start: str = option("<tool_response>", help="Text before a tool's answer when the tokenizer has no "
+                                                            "chat template (with one, the template's tool turn is "
+                                                            "used).")
+    observation_end: str = option("</tool_response>", help="Text after a tool's answer (no chat template).")
+
+    def validate(self) -> None:
+        self._check_range("max_turns", ge=1, example=4)
+        self._check_range("tool_timeout_s", gt=0.0, example=5.0)
+        self._check_range("python_memory_mb", ge=16, example=512)
+        self._check_range("max_observation_tokens", ge=1, example=64)
+        self._require(not self.enable or bool(self.tools),
+                      "rollout.multi_turn.enable=true with no rollout.multi_turn.tools; list at least one tool")
+        for key in ("tool_call_start", "tool_call_end"):
+            self._require(bool(getattr(self, key)), f"rollout.multi_turn.{key} is empty; set it to the marker text")
+
+
+@dataclass(frozen=True, kw_only=True)
 class RolloutConfig(ConfigSection):
     """Generation with vLLM, colocated with training (the 3D-HybridEngine reshards training weights into it)."""
 
@@ -47,8 +84,12 @@ class RolloutConfig(ConfigSection):
                         "`reference`: gather full tensors and let vLLM slice them (baseline).", affects_results=False)
     seed: int | None = option(None, help="Sampling seed; null uses trainer.seed.")
     val_temperature: float = option(0.0, help="Sampling temperature for validation (0 = greedy).")
+    multi_turn: MultiTurnConfig = option(factory=MultiTurnConfig, help="Multi-turn tool rollouts.")
 
     def validate(self) -> None:
+        self._require(not (self.multi_turn.enable and self.ignore_eos),
+                      "rollout.multi_turn.enable=true ends turns at EOS but rollout.ignore_eos=true; set "
+                      "rollout.ignore_eos=false")
         self._check_range("gen_tp", ge=1)
         self._check_range("n", ge=1, example=8)
         self._check_range("temperature", ge=0.0, example=1.0)
@@ -85,9 +126,26 @@ class KLControlConfig(ConfigSection):
                       "algorithm.kl_ctrl.target_kl=0.1 or use algorithm.kl_ctrl.type=fixed")
 
 
-AdvEstimator = Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax"]
+@dataclass(frozen=True, kw_only=True)
+class FilterGroupsConfig(ConfigSection):
+    """DAPO dynamic sampling: drop prompt groups whose samples all got the same reward (they carry no gradient under
+    a group baseline) and generate from further prompt batches until the step has data.train_batch_size groups."""
+
+    SECTION: ClassVar[str] = "algorithm.filter_groups"
+
+    enable: bool = option(False, help="Filter groups with identical rewards and refill the batch (needs a group "
+                                      "estimator: grpo, rloo or reinforce_plus_plus_baseline).")
+    max_num_gen_batches: int = option(10, help="At most this many prompt batches are generated per step; if the "
+                                               "batch is still short, dropped groups fill it (their advantage is 0).")
+
+    def validate(self) -> None:
+        self._check_range("max_num_gen_batches", ge=1, example=10)
+
+
+AdvEstimator = Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+                       "remax"]
 # Estimators whose baseline comes from the other samples of the same prompt: they need rollout.n >= 2.
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,18 +154,25 @@ class AlgorithmConfig(ConfigSection):
 
     SECTION: ClassVar[str] = "algorithm"
 
-    adv_estimator: AdvEstimator = option("gae", help="Advantage estimator; gae needs a critic, grpo / rloo / "
-                                                     "reinforce_plus_plus_baseline need rollout.n >= 2.")
+    adv_estimator: AdvEstimator = option("gae", help="Advantage estimator; gae needs a critic, grpo / dr_grpo / rloo "
+                                                     "/ reinforce_plus_plus_baseline need rollout.n >= 2. dr_grpo "
+                                                     "is GRPO without the std division, with "
+                                                     "actor.loss_agg_mode=seq-mean-token-sum-norm.")
     gamma: float = option(1.0, help="Discount factor (GAE, REINFORCE++).")
     lam: float = option(1.0, help="GAE lambda.")
-    norm_adv_by_std_in_grpo: bool = option(True, help="Divide GRPO advantages by the group's reward std "
-                                                      "(false gives Dr. GRPO).")
+    norm_adv_by_std_in_grpo: bool = option(True, help="Divide grpo advantages by the group's reward std (false is "
+                                                      "Dr. GRPO's advantage; dr_grpo never divides).")
     use_kl_in_reward: bool = option(False, help="Subtract kl_ctrl.kl_coef · KL(actor‖ref) from the token rewards.")
     kl_penalty: KLEstimator = option("kl", help="KL estimator of the reward penalty: kl (= k1), abs, mse (= k2), "
                                                "low_var_kl (= k3).")
     kl_ctrl: KLControlConfig = option(factory=KLControlConfig, help="KL coefficient controller.")
+    filter_groups: FilterGroupsConfig = option(factory=FilterGroupsConfig, help="DAPO dynamic sampling.")
 
     def validate(self) -> None:
+        self._require(not self.filter_groups.enable or self.adv_estimator in GROUP_ESTIMATORS,
+                      f"algorithm.filter_groups.enable=true drops groups of equal rewards, which only a group "
+                      f"baseline makes useless, but algorithm.adv_estimator={self.adv_estimator}; use grpo, dr_grpo, rloo or "
+                      f"reinforce_plus_plus_baseline, or algorithm.filter_groups.enable=false")
         self._check_range("gamma", ge=0.0, le=1.0, example=1.0)
         self._check_range("lam", ge=0.0, le=1.0, example=0.95)
 

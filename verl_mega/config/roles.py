@@ -249,6 +249,22 @@ _REWARD_FN = re.compile(r"[A-Za-z_]\w*((\.[A-Za-z_]\w*)*(:[A-Za-z_]\w*)?)|[^:\s]
 
 
 @dataclass(frozen=True, kw_only=True)
+class OverlongBufferConfig(ConfigSection):
+    """DAPO's soft overlong punishment: responses within `len` tokens of rollout.max_response_length lose reward
+    linearly, down to -penalty_factor at the limit."""
+
+    SECTION: ClassVar[str] = "reward.overlong_buffer"
+
+    enable: bool = option(False, help="Add the overlong penalty to every response's reward.")
+    len: int = option(64, help="Buffer length in tokens before rollout.max_response_length where the penalty starts.")
+    penalty_factor: float = option(1.0, help="Penalty at rollout.max_response_length (and beyond).")
+
+    def validate(self) -> None:
+        self._check_range("len", ge=1, example=64)
+        self._check_range("penalty_factor", ge=0.0, example=1.0)
+
+
+@dataclass(frozen=True, kw_only=True)
 class RewardConfig(ConfigSection):
     """How responses are scored: a rule-based / user function, a reward model, or both (scores are added)."""
 
@@ -264,6 +280,7 @@ class RewardConfig(ConfigSection):
                               affects_results=False)
     timeout_s: float = option(30.0, help="Time limit per reward-function call.")
     kwargs: Mapping[str, Any] = option(FrozenDict(), help="Extra keyword arguments passed to the reward function.")
+    overlong_buffer: OverlongBufferConfig = option(factory=OverlongBufferConfig, help="DAPO overlong penalty.")
 
     def validate(self) -> None:
         if self.function is not None:

@@ -72,6 +72,11 @@ class TrainConfig(ConfigSection):
             self._require(not self.parallel.sequence_parallel or self.parallel.tp > 1,
                           "parallel.sequence_parallel=true needs tensor parallelism but parallel.tp=1; "
                           "set parallel.tp>1 or parallel.sequence_parallel=false")
+        ob = self.reward.overlong_buffer
+        self._require(not ob.enable or ob.len <= self.rollout.max_response_length,
+                      f"reward.overlong_buffer.len={ob.len} exceeds rollout.max_response_length="
+                      f"{self.rollout.max_response_length}; set reward.overlong_buffer.len<="
+                      f"{self.rollout.max_response_length}")
         tp, gen_tp = self.parallel.tp, self.rollout.gen_tp
         self._require(tp % gen_tp == 0, f"rollout.gen_tp={gen_tp} must divide parallel.tp={tp} (generation TP groups "
                                         f"are carved out of each training TP group); set rollout.gen_tp to a divisor "
@@ -135,6 +140,9 @@ class TrainConfig(ConfigSection):
             self._require(self.rollout.temperature > 0, f"algorithm.adv_estimator={est} needs diverse samples but "
                                                         f"rollout.temperature=0 makes them identical; set "
                                                         f"rollout.temperature=1.0")
+        self._require(est != "dr_grpo" or self.actor.loss_agg_mode == "seq-mean-token-sum-norm",
+                      f"algorithm.adv_estimator=dr_grpo normalises the loss by a constant, but actor.loss_agg_mode="
+                      f"{self.actor.loss_agg_mode}; set actor.loss_agg_mode=seq-mean-token-sum-norm")
         self._require(est != "remax" or self.rollout.temperature > 0,
                       "algorithm.adv_estimator=remax compares samples with the greedy answer but rollout.temperature=0 "
                       "makes them the greedy answer; set rollout.temperature=1.0")

@@ -13,6 +13,8 @@ from typing import Any, Callable
 from verl_mega.config.rl import GENERATED_PREFIX
 from verl_mega.data.arithmetic import REWARD_SPEC as _ARITHMETIC_REWARD
 from verl_mega.data.arithmetic import generate_arithmetic
+from verl_mega.data.calculator import REWARD_SPEC as _CALCULATOR_REWARD
+from verl_mega.data.calculator import generate_calculator
 
 __all__ = ["GENERATED_PREFIX", "GeneratedTask", "GENERATED_TASKS", "is_generated", "generated_task"]
 
@@ -31,6 +33,8 @@ GENERATED_TASKS: dict[str, GeneratedTask] = {
     # 25 distinct sums a+b with a, b in 0..4: small enough for a 2-core CPU run to learn by RL alone in minutes
     "addition_small": GeneratedTask("addition_small", partial(generate_arithmetic, ops="+", max_operand=4),
                                     _ARITHMETIC_REWARD),
+    # two-digit products, solved by calling the calc tool (multi-turn rollouts; configs/multi_turn_calculator_cpu.yaml)
+    "calculator": GeneratedTask("calculator", generate_calculator, _CALCULATOR_REWARD),
 }
 
 

@@ -2,7 +2,7 @@
 
 Accepted specs:
 
-* a built-in name: ``gsm8k``, ``gsm8k_flexible``, ``format``, ``arithmetic``
+* a built-in name: ``gsm8k``, ``gsm8k_flexible``, ``format``, ``arithmetic``, ``calculator``
 * ``pkg.module:fn`` or ``pkg.module.fn``
 * ``path/to/file.py:fn`` (or ``path/to/file.py``, which loads ``compute_score``)
 
@@ -32,6 +32,7 @@ BUILTIN_REWARDS = {
     "gsm8k_flexible": "verl_mega.rewards.math_reward:compute_score",
     "format": "verl_mega.rewards.math_reward:format_reward",
     "arithmetic": "verl_mega.rewards.math_reward:arithmetic_score",
+    "calculator": "verl_mega.data.calculator:calculator_score",
 }
 _BUILTIN_KWARGS = {"gsm8k_flexible": {"method": "flexible"}}
 _DEFAULT_FN_NAME = "compute_score"
@@ -101,10 +102,10 @@ class RewardFunction:
         return [to_score(v) for v in out]
 
 
-def _import_module_from_file(path: str, spec_text: str):
+def _import_module_from_file(path: str, spec_text: str, what: str):
     if not os.path.isfile(path):
         raise RewardFunctionError(
-            f"reward function file '{path}' not found (from '{spec_text}'); give an existing .py path or a dotted "
+            f"{what} file '{path}' not found (from '{spec_text}'); give an existing .py path or a dotted "
             "module path like 'my_pkg.rewards:score'"
         )
     real = os.path.realpath(path)
@@ -119,43 +120,43 @@ def _import_module_from_file(path: str, spec_text: str):
     except Exception as exc:
         del sys.modules[mod_name]
         raise RewardFunctionError(
-            f"importing reward function file '{path}' failed: {type(exc).__name__}: {exc}"
+            f"importing {what} file '{path}' failed: {type(exc).__name__}: {exc}"
         ) from exc
     return module
 
 
-def _import_module(name: str, spec_text: str):
+def _import_module(name: str, spec_text: str, what: str):
     try:
         return importlib.import_module(name)
     except Exception as exc:
         raise RewardFunctionError(
-            f"could not import module '{name}' for reward function '{spec_text}' ({type(exc).__name__}: {exc}); "
+            f"could not import module '{name}' for {what} '{spec_text}' ({type(exc).__name__}: {exc}); "
             "check the module is installed or on PYTHONPATH"
         ) from exc
 
 
-def _resolve(spec_text: str) -> tuple[Callable[..., Any], str]:
+def _resolve(spec_text: str, what: str = "reward function") -> tuple[Callable[..., Any], str]:
     text = spec_text.strip()
     if not text:
-        raise RewardFunctionError("empty reward function spec; give e.g. 'gsm8k' or 'my_pkg.rewards:score'")
+        raise RewardFunctionError(f"empty {what} spec; give e.g. 'my_pkg.module:function'")
     module_part, sep, fn_name = text.rpartition(":")
     if not sep:  # no colon: a file path, or pkg.module.fn
         module_part, fn_name = text, ""
     is_file = module_part.endswith(".py") or "/" in module_part or os.sep in module_part
     if is_file:
-        module = _import_module_from_file(module_part, text)
+        module = _import_module_from_file(module_part, text, what)
         fn_name = fn_name or _DEFAULT_FN_NAME
     elif sep:
-        module = _import_module(module_part, text)
+        module = _import_module(module_part, text, what)
     else:
         module_name, _, fn_name = text.rpartition(".")
         if not module_name:
             choices = ", ".join(sorted(BUILTIN_REWARDS))
             raise RewardFunctionError(
-                f"reward function '{text}' is neither a built-in ({choices}) nor 'module:function' / "
+                f"{what} '{text}' is neither a built-in ({choices}) nor 'module:function' / "
                 "'module.function' / 'file.py:function'"
             )
-        module = _import_module(module_name, text)
+        module = _import_module(module_name, text, what)
     fn = getattr(module, fn_name, None)
     if fn is None:
         available = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
@@ -164,6 +165,11 @@ def _resolve(spec_text: str) -> tuple[Callable[..., Any], str]:
             f"'{where}' has no function '{fn_name}' (from '{text}'); available: {', '.join(available) or 'none'}"
         )
     return fn, fn_name
+
+
+def load_callable(spec: str, *, what: str) -> Callable[..., Any]:
+    """A user function given as ``pkg.module:fn``, ``pkg.module.fn`` or ``file.py:fn`` (tools, reward functions)."""
+    return _resolve(spec, what)[0]
 
 
 def _check_signature(fn: Callable[..., Any], name: str) -> frozenset[str] | None:

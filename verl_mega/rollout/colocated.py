@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, replace
-from typing import Any, Callable, Protocol, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, NamedTuple, Protocol, Sequence
 
 import torch
 
@@ -26,16 +26,23 @@ from verl_mega.rollout.vllm_rollout import SamplingSpec, VLLMRollout
 logger = logging.getLogger(__name__)
 SEED_MODULUS = 2**31 - 1
 
-# (prompt index in the global batch, generated token ids, sampled-token log-probs)
-Sample = tuple[int, list[int], list[float]]
+
+
+class Sample(NamedTuple):
+    prompt: int  # index in the global prompt batch
+    ids: list[int]  # the response: generated tokens and, in multi-turn episodes, the tools' answers
+    logprobs: list[float]  # of the sampled tokens (0 for a tool's tokens)
+    mask: list[int] | None = None  # multi-turn: 1 where the policy wrote the token, 0 for a tool's answer
 
 
 @dataclass
 class Generated:
-    """Every engine's samples for one sampling spec, prompt-major, and the weight versions that made them."""
+    """Every engine's samples for one sampling spec, prompt-major, the weight versions that made them, and counts
+    summed over engines (multi-turn: episodes, turns, tool_calls, tool_errors)."""
 
     samples: list[Sample]
     versions: set[int]
+    counts: dict[str, float] = field(default_factory=dict)
 
 
 class Rollout(Protocol):
@@ -59,12 +66,16 @@ class ColocatedRollout:
     ``gather_group``: the pool's process group, over which every engine's samples are shared. ``offload``:
     called with True before generation and False after, to move idle training state out of the way.
     ``profiler``: records the sub-stages (wake-up, prefill, decode, postprocess, sleep) under ``rollout``.
+    ``multi_turn``: a :class:`~verl_mega.rollout.multi_turn.MultiTurn` runner; every spec then runs as episodes
+    with tool calls.
     """
 
     def __init__(self, engine: VLLMRollout | None = None, *, weight_sync: Any = None, gather_group: Any = None,
-                 offload: Callable[[bool], None] | None = None, free_cache: bool = True, profiler: Any = None) -> None:
+                 offload: Callable[[bool], None] | None = None, free_cache: bool = True, profiler: Any = None,
+                 multi_turn: Any = None) -> None:
         self.engine, self.weight_sync, self.gather_group = engine, weight_sync, gather_group
         self.offload, self.free_cache, self.profiler = offload, free_cache, profiler
+        self.multi_turn = multi_turn
 
     # ---- availability ------------------------------------------------------------------------------------
     @staticmethod
@@ -114,28 +125,41 @@ class ColocatedRollout:
         engine.wake_up()
         prof.record("wake_up", t0, prof.now(), parent="rollout")  # vLLM re-maps weights and KV cache
         mine = engine.engine_share(list(range(len(prompt_ids))))
-        local = []
+        local, counts = [], []
         for spec in specs:
             if spec.seed is not None:
                 spec = replace(spec, seed=(spec.seed + (mine[0] if mine else 0)) % SEED_MODULUS)
-            gen = engine.generate([prompt_ids[i] for i in mine], spec)
+            mine_prompts = [prompt_ids[i] for i in mine]
+            if self.multi_turn is not None:
+                episodes = self.multi_turn.run(engine, mine_prompts, spec)
+                local.append([Sample(mine[e.prompt], e.ids, e.logprobs, e.mask) for e in episodes])
+                counts.append({"episodes": float(len(episodes)), "turns": float(sum(e.turns for e in episodes)),
+                               "tool_calls": float(sum(e.tool_calls for e in episodes)),
+                               "tool_errors": float(sum(e.tool_errors for e in episodes))})
+                continue
+            gen = engine.generate(mine_prompts, spec)
             if gen.phases is not None:  # vLLM's request stats split the call into prefill and the decode loop
                 prof.record("prefill", gen.phases["start"], gen.phases["first_tokens"], parent="rollout")
                 prof.record("decode", gen.phases["first_tokens"], gen.phases["end"], parent="rollout")
                 prof.add_counter("decode_steps", gen.phases["decode_steps"])
-            local.append([(mine[p], ids, lps) for p, ids, lps in zip(gen.prompt_index, gen.token_ids, gen.logprobs)])
+            local.append([Sample(mine[p], ids, lps) for p, ids, lps in zip(gen.prompt_index, gen.token_ids,
+                                                                             gen.logprobs)])
+            counts.append({})
         generated_at = prof.now()
         gathered: list = [None] * dist.get_world_size(self.gather_group)
-        dist.all_gather_object(gathered, (engine.engine_index, local, engine.weight_version), group=self.gather_group)
+        dist.all_gather_object(gathered, (engine.engine_index, local, engine.weight_version, counts),
+                               group=self.gather_group)
         handoff_from = prof.now()
         prof.record("postprocess", generated_at, handoff_from, parent="rollout")  # the gather; packing follows
         if self.free_cache:
             engine.sleep()
         self._offload(False)
         prof.record("sleep", handoff_from, prof.now(), parent="rollout")  # vLLM frees memory, training state returns
-        by_engine = {e: (per_spec, v) for e, per_spec, v in gathered}
-        versions = {v for _, v in by_engine.values()}
-        return [Generated([s for e in sorted(by_engine) for s in by_engine[e][0][k]], versions)
+        by_engine = {e: (per_spec, v, c) for e, per_spec, v, c in gathered}  # an engine's ranks send the same
+        versions = {v for _, v, _ in by_engine.values()}
+        return [Generated([s for e in sorted(by_engine) for s in by_engine[e][0][k]], versions,
+                          {key: sum(by_engine[e][2][k].get(key, 0.0) for e in by_engine)
+                           for key in by_engine[min(by_engine)][2][k]})
                 for k in range(len(specs))]
 
     def update_weights(self) -> dict[str, float]:
@@ -150,6 +174,8 @@ class ColocatedRollout:
         self._ready().wake_up()
 
     def shutdown(self) -> None:
+        if self.multi_turn is not None:
+            self.multi_turn.close()
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None

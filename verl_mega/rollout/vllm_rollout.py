@@ -159,37 +159,38 @@ class VLLMRollout:
         return _compat_driver_model(self.llm)
 
     # ---- generation --------------------------------------------------------------------------------------
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingSpec) -> RolloutBatch:
-        """Generate ``sampling.n`` samples for each prompt (token ids). Returns prompt-major samples."""
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]],
+                 sampling: SamplingSpec | Sequence[SamplingSpec]) -> RolloutBatch:
+        """Generate ``n`` samples for each prompt (token ids). Returns prompt-major samples. ``sampling``: one spec
+        for every prompt (an explicit seed gives prompt i ``seed + i``), or one spec per prompt (seeds as given)."""
         if self._sleeping:
             raise RolloutError(f"rollout.generate called while {sorted(self._sleeping)} sleep; call wake_up() first")
         from vllm import SamplingParams
 
-        kwargs: dict[str, Any] = dict(
-            n=sampling.n,
-            max_tokens=sampling.max_tokens,
-            min_tokens=sampling.min_tokens,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            stop_token_ids=list(sampling.stop_token_ids),
-            ignore_eos=sampling.ignore_eos,
-            logprobs=0 if sampling.logprobs else None,
-            detokenize=False,
-        )
-        if sampling.top_k > 0:
-            kwargs["top_k"] = sampling.top_k
+        def params_of(spec: SamplingSpec, seed: int | None) -> Any:
+            kwargs: dict[str, Any] = dict(n=spec.n, max_tokens=spec.max_tokens, min_tokens=spec.min_tokens,
+                                          temperature=spec.temperature, top_p=spec.top_p,
+                                          stop_token_ids=list(spec.stop_token_ids), ignore_eos=spec.ignore_eos,
+                                          logprobs=0 if spec.logprobs else None, detokenize=False, seed=seed)
+            if spec.top_k > 0:
+                kwargs["top_k"] = spec.top_k
+            return SamplingParams(**kwargs)
+
         prompts = [{"prompt_token_ids": [int(t) for t in p]} for p in prompt_token_ids]
+        per_prompt = not isinstance(sampling, SamplingSpec)
+        specs = list(sampling) if per_prompt else [sampling] * len(prompts)
+        sampling = specs[0] if specs else SamplingSpec()
         self._calls += 1
         start = time.perf_counter()
-        if sampling.seed is None:
-            params = SamplingParams(**kwargs)
+        if any(spec.seed is None for spec in specs):
             # Every rank of an engine samples on its own and must draw the same tokens, but training consumes the
             # global RNG differently on each rank; run vLLM's sampler from a stream shared by the engine's ranks
             # (distinct per engine and call) and give the training RNG back untouched.
+            params = [params_of(spec, None) for spec in specs] if per_prompt else params_of(sampling, None)
             with _forked_rng(hash((self.config.seed, self.engine_index, self._calls)) % (2**31)):
                 outputs = self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
         else:  # explicit seeds: one per prompt, so prompts do not share noise
-            params = [SamplingParams(**{**kwargs, "seed": sampling.seed + i}) for i in range(len(prompts))]
+            params = [params_of(spec, spec.seed + (0 if per_prompt else i)) for i, spec in enumerate(specs)]
             outputs = self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
         batch = RolloutBatch(prompt_index=[], token_ids=[], logprobs=[] if sampling.logprobs else None,
                              finish_reasons=[], weight_version=self.weight_version)

@@ -25,13 +25,15 @@ class RLTrainer:
     overlap_host_stages = True
 
     def __init__(self, cfg: TrainConfig, *, actor, ref, critic, reward_model, rollout, reward_pool, tokenizer,
-                 profiler, kl_ctrl, arch=None, val_prompts=None) -> None:
+                 profiler, kl_ctrl, arch=None, val_prompts=None, more_prompts=None) -> None:
         self.cfg = cfg
         self.actor, self.ref, self.critic, self.reward_model = actor, ref, critic, reward_model
         self.rollout, self.reward_pool = rollout, reward_pool
         self.tokenizer, self.profiler, self.kl_ctrl = tokenizer, profiler, kl_ctrl
         self.arch = arch  # the model's architecture: with it the step counts its model FLOPs (perf/* metrics)
         self.val_prompts = val_prompts  # a PromptBatch of data.val_files, for validate()
+        self.more_prompts = more_prompts  # the next prompt batch (dynamic sampling generates from several per step)
+        self.prescored = None
         engine = actor.engine  # samples are split over the actor's data-parallel group
         self.dp, self.dp_rank, self.dp_group = engine.dp_size, engine.dp_rank, engine.groups["dp"]
         self.flow = self._build_flow()
@@ -102,34 +104,30 @@ class RLTrainer:
     # ------------------------------------------------------------------ stages
     def _rollout(self, ctx) -> dict[str, Any]:
         """Generate, then pack the global batch of samples and keep this data-parallel rank's rows."""
-        prompts = ctx["prompts"].items
         rcfg = self.cfg.rollout
-        specs = [self._sampling(ctx["prompts"])]
-        if self.cfg.algorithm.adv_estimator == "remax":  # ReMax's baseline: one greedy answer per prompt
-            specs.append(SamplingSpec(n=1, max_tokens=rcfg.max_response_length, temperature=0.0,
-                                      stop_token_ids=specs[0].stop_token_ids, logprobs=True))
-        generated = self.rollout.generate([p.prompt_ids for p in prompts], specs)
-        samples, versions = generated[0].samples, generated[0].versions
+        prompts, samples, baselines, versions, scores, metrics = self._sample(ctx["prompts"])
         packing_from = self.profiler.now()
-        prompt_ids = [prompts[p].prompt_ids for p, _, _ in samples]
+        prompt_ids = [prompts[s.prompt].prompt_ids for s in samples]
         # the EOS token is kept in the response: the policy must learn to stop
-        responses = [ids[: rcfg.max_response_length] for _, ids, _ in samples]
-        packed = pack_sequences(prompt_ids, responses, pad_id=self.tokenizer.pad_token_id or 0,
-                                max_response_length=rcfg.max_response_length,
-                                multiple_of=self.actor.engine.seq_multiple)
+        limit = rcfg.max_response_length
+        packed = pack_sequences(prompt_ids, [s.ids[:limit] for s in samples], pad_id=self.tokenizer.pad_token_id or 0,
+                                max_response_length=limit, multiple_of=self.actor.engine.seq_multiple)
         # vLLM's own log-probs of the sampled tokens: a live check that rollout and training agree
         packed["rollout_logprobs"] = torch.zeros_like(packed["response_mask"])
-        for i, (_, _, lps) in enumerate(samples):
-            packed["rollout_logprobs"][i, : len(lps[: rcfg.max_response_length])] = torch.tensor(
-                lps[: rcfg.max_response_length])
-        meta = {"group": [p for p, _, _ in samples], "ground_truth": [prompts[p].ground_truth for p, _, _ in samples],
-                "response_text": [self._text(ids) for _, ids, _ in samples]}
-        if len(generated) > 1:
-            greedy = {p: self._text(ids) for p, ids, _ in generated[1].samples}
-            meta["baseline_text"] = [greedy[p] for p, _, _ in samples]
+        for i, s in enumerate(samples):
+            packed["rollout_logprobs"][i, : len(s.logprobs[:limit])] = torch.tensor(s.logprobs[:limit])
+            if s.mask is not None:  # a multi-turn episode: tools' answers are context, not actions
+                packed["response_mask"][i, : len(s.mask[:limit])] *= torch.tensor(s.mask[:limit])
+        meta = {"group": [s.prompt for s in samples], "ground_truth": [prompts[s.prompt].ground_truth for s in samples],
+                "response_text": [self._text(s.ids) for s in samples]}
+        if baselines:
+            meta["baseline_text"] = [self._text(baselines[s.prompt]) for s in samples]
+            meta["baseline_len"] = [len(baselines[s.prompt]) for s in samples]
         full = Batch(packed, meta)
         rows = len(full) // self.dp
-        self.batch = full.select(range(self.dp_rank * rows, (self.dp_rank + 1) * rows))
+        mine = range(self.dp_rank * rows, (self.dp_rank + 1) * rows)
+        self.batch = full.select(mine)
+        self.prescored = scores[mine.start:mine.stop] if scores is not None else None
         self.global_rows = len(full)
         n_tokens = float(packed["response_len"].sum())
         self.profiler.record("postprocess", packing_from, self.profiler.now(), parent="rollout")
@@ -137,8 +135,68 @@ class RLTrainer:
         self.profiler.add_counter("prompt_tokens", float(packed["prompt_len"].sum()))
         if self.arch is not None:
             self.profiler.add_counter("flops", self._step_flops(packed["prompt_len"], packed["response_len"]))
-        return {"rollout/response_length": n_tokens / len(full), "rollout/weight_version": float(max(versions)),
+        return {**metrics, "rollout/response_length": n_tokens / len(full),
+                "rollout/weight_version": float(max(versions)),
                 "rollout/truncated_frac": float((packed["response_len"] >= rcfg.max_response_length).float().mean())}
+
+    def _sample(self, prompt_batch):
+        """The step's samples: one generation of the prompt batch or, with DAPO dynamic sampling, generations of
+        further batches until data.train_batch_size groups have rewards that differ (dropped groups fill a batch
+        that is still short after algorithm.filter_groups.max_num_gen_batches). Returns the prompts, prompt-major
+        samples indexing them, ReMax's greedy answers, weight versions, the filter's rewards and metrics."""
+        fcfg, rcfg = self.cfg.algorithm.filter_groups, self.cfg.rollout
+        specs = [self._sampling(prompt_batch)]
+        if self.cfg.algorithm.adv_estimator == "remax":  # ReMax's baseline: one greedy answer per prompt
+            specs.append(SamplingSpec(n=1, max_tokens=rcfg.max_response_length, temperature=0.0,
+                                      stop_token_ids=specs[0].stop_token_ids, logprobs=True))
+        items, kept, dropped, versions, rounds, batch, counts = [], [], [], set(), 0, prompt_batch, {}
+        while batch is not None:
+            rounds += 1
+            generated = self.rollout.generate([p.prompt_ids for p in batch.items], specs)
+            offset, versions = len(items), versions | generated[0].versions
+            items += batch.items
+            samples = [s._replace(prompt=s.prompt + offset) for s in generated[0].samples]
+            counts = {k: counts.get(k, 0.0) + v for k, v in generated[0].counts.items()}
+            if not fcfg.enable:
+                baselines = {s.prompt: s.ids[:rcfg.max_response_length] for s in generated[1].samples} \
+                    if len(generated) > 1 else {}
+                return items, samples, baselines, versions, None, _episode_metrics(counts)
+            scores = self._score_all(samples, items)
+            keep = algos.dynamic_sampling_keep(scores, [s.prompt for s in samples]).rows.tolist()
+            for sample, score, k in zip(samples, scores.tolist(), keep):
+                (kept if k else dropped).append((sample, score))
+            if len({s.prompt for s, _ in kept}) >= len(prompt_batch) or rounds >= fcfg.max_num_gen_batches:
+                break
+            batch = self.more_prompts() if self.more_prompts is not None else None
+        groups: dict[int, list] = {}
+        for sample, score in kept + dropped:  # whole groups, the kept ones first
+            if sample.prompt in groups or len(groups) < len(prompt_batch):
+                groups.setdefault(sample.prompt, []).append((sample, score))
+        chosen = [x for g in groups.values() for x in g]
+        kept_groups = {s.prompt for s, _ in kept}
+        metrics = {"dapo/gen_batches": float(rounds), "dapo/kept_group_frac": len(kept_groups) / max(1, len(items)),
+                   # the policy's reward before filtering (reward/mean is the filtered batch's)
+                   "dapo/generated_reward_mean": sum(c for _, c in kept + dropped) / max(1, len(kept + dropped)),
+                   "dapo/filled_groups": float(len(prompt_batch) - len(kept_groups & set(groups))),
+                   **_episode_metrics(counts)}
+        return items, [s for s, _ in chosen], {}, versions, torch.tensor([c for _, c in chosen]), metrics
+
+    def _score_all(self, samples, items) -> torch.Tensor:
+        """Rewards of every sample on every rank: each data-parallel rank scores its share, one gather."""
+        share = [s for i, s in enumerate(samples) if i % self.dp == self.dp_rank]
+        mine = self._scores([self._text(s.ids) for s in share], [items[s.prompt].ground_truth for s in share],
+                            [len(s.ids[:self.cfg.rollout.max_response_length]) for s in share]).tolist()
+        parts = self._dp_all_gather_list([mine]) if self.dp > 1 else [mine]
+        return torch.tensor([parts[i % self.dp][i // self.dp] for i in range(len(samples))], dtype=torch.float32)
+
+    def _scores(self, texts: list[str], truths: list, lengths) -> torch.Tensor:
+        """Reward-function scores plus, with reward.overlong_buffer, DAPO's overlong penalty."""
+        scores = torch.tensor(self.reward_pool.score(texts, truths).scores, dtype=torch.float32)
+        ob = self.cfg.reward.overlong_buffer
+        if ob.enable:
+            limit = self.cfg.rollout.max_response_length
+            scores = scores + algos.overlong_buffer_penalty(torch.as_tensor(lengths), limit, ob.len, ob.penalty_factor)
+        return scores
 
     def _text(self, ids: list[int]) -> str:
         eos = self.tokenizer.eos_token_id
@@ -168,9 +226,9 @@ class RLTrainer:
         samples = self.rollout.generate([p.prompt_ids for p in items],
                                         [self._sampling(self.val_prompts, validation=True)])[0].samples
         mine = samples[self.dp_rank::self.dp]
-        scores = self.reward_pool.score([self._text(ids) for _, ids, _ in mine],
-                                        [items[p].ground_truth for p, _, _ in mine]).scores
-        totals = [float(sum(scores)), float(sum(len(ids) for _, ids, _ in mine)), float(len(mine))]
+        scores = self.reward_pool.score([self._text(s.ids) for s in mine],
+                                        [items[s.prompt].ground_truth for s in mine]).scores
+        totals = [float(sum(scores)), float(sum(len(s.ids) for s in mine)), float(len(mine))]
         total, tokens, count = self.actor.engine.dp_all_reduce(totals).tolist()
         return {"val/reward/mean": total / count, "val/response_length": tokens / count, "val/num_samples": count}
 
@@ -196,11 +254,14 @@ class RLTrainer:
         return float(lengths.sum()) * passes + float(response_len.sum()) * per_token(False, gen_context)
 
     def _reward(self, ctx) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Scores of this rank's samples and, for ReMax, of their prompts' greedy answers (scored in the same call)."""
+        """Scores of this rank's samples and, for ReMax, of their prompts' greedy answers (scored in the same call);
+        dynamic sampling scored them already."""
+        if self.prescored is not None:
+            return self.prescored, None
         texts, truths = self.batch.meta["response_text"], self.batch.meta["ground_truth"]
         baselines = self.batch.meta.get("baseline_text", [])
-        scores = torch.tensor(self.reward_pool.score(texts + baselines, truths + truths[:len(baselines)]).scores,
-                              dtype=torch.float32)
+        lengths = self.batch["response_len"].tolist() + self.batch.meta.get("baseline_len", [])
+        scores = self._scores(texts + baselines, truths + truths[:len(baselines)], lengths)
         return scores[:len(texts)], (scores[len(texts):] if baselines else None)
 
     def _old_logprob(self, ctx) -> torch.Tensor:
@@ -304,3 +365,12 @@ class RLTrainer:
         parts: list = [None] * self.dp
         dist.all_gather_object(parts, list(values), group=self.dp_group)
         return [v for p in parts for v in p]
+
+
+def _episode_metrics(counts: dict[str, float]) -> dict[str, float]:
+    """Multi-turn rollouts: turns and tool calls per episode, and the share of tool calls that failed."""
+    if not counts.get("episodes"):
+        return {}
+    episodes = counts["episodes"]
+    return {"rollout/turns": counts["turns"] / episodes, "rollout/tool_calls": counts["tool_calls"] / episodes,
+            "rollout/tool_error_frac": counts["tool_errors"] / max(counts["tool_calls"], 1.0)}

@@ -97,8 +97,9 @@ def build_role_engine(cfg: TrainConfig, groups: RankGroups, path: Path, *, role_
 
 
 def build_rollout(cfg: TrainConfig, groups: RankGroups, path: Path, actor: RoleModel, *, offload=None,
-                  profiler=None):
-    """vLLM engines on the actor's pool, fed by the 3D-HybridEngine's in-place weight sync."""
+                  profiler=None, tokenizer=None):
+    """vLLM engines on the actor's pool, fed by the 3D-HybridEngine's in-place weight sync; with
+    rollout.multi_turn.enable, episodes with tool calls (``tokenizer`` then required)."""
     from verl_mega.hybrid.producer import WeightProducer, WeightSync
     from verl_mega.rollout.colocated import ColocatedRollout
     from verl_mega.rollout.vllm_rollout import VLLMRollout, VLLMRolloutConfig
@@ -116,7 +117,23 @@ def build_rollout(cfg: TrainConfig, groups: RankGroups, path: Path, actor: RoleM
     sync = WeightSync(WeightProducer(groups=groups, arch=actor.arch, chunks=actor.engine.chunks), engine,
                       mode=rcfg.weight_sync)
     return ColocatedRollout(engine, weight_sync=sync, gather_group=groups["pool"], offload=offload,
-                            free_cache=rcfg.free_cache_engine, profiler=profiler)
+                            free_cache=rcfg.free_cache_engine, profiler=profiler,
+                            multi_turn=build_multi_turn(cfg, groups, tokenizer) if rcfg.multi_turn.enable else None)
+
+
+def build_multi_turn(cfg: TrainConfig, groups: RankGroups, tokenizer):
+    """The multi-turn runner of this rank's vLLM engine: its first rank calls the tools."""
+    from verl_mega.rollout.multi_turn import MultiTurn, MultiTurnSpec
+    from verl_mega.rollout.tools import ToolRunner
+
+    mt = cfg.rollout.multi_turn
+    spec = MultiTurnSpec(max_turns=mt.max_turns, max_response_tokens=cfg.rollout.max_response_length,
+                         max_observation_tokens=mt.max_observation_tokens, tool_call_start=mt.tool_call_start,
+                         tool_call_end=mt.tool_call_end, observation_start=mt.observation_start,
+                         observation_end=mt.observation_end)
+    engine_ranks = groups.ranks("gen_tp")
+    return MultiTurn(tokenizer, ToolRunner(mt.tools, mt.tool_timeout_s, python_memory_mb=mt.python_memory_mb), spec,
+                     engine_group=groups["gen_tp"], leader_rank=engine_ranks[0])
 
 
 def offload_trainers(cfg: TrainConfig, actor, critic, ref):
@@ -240,6 +257,11 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
         check_checkpoint_matches(HFCheckpointReader(weights), model_arch(weights))  # headers only
     find_checkpoint(cfg)  # a bad resume target fails here, before anything is built
     reward_fn = load_reward_fn(cfg.reward.function, reward_kwargs=dict(cfg.reward.kwargs))
+    if cfg.rollout.multi_turn.enable:
+        from verl_mega.rollout.tools import load_tool
+
+        for spec in cfg.rollout.multi_turn.tools:  # a bad tool fails here, before anything is built
+            load_tool(spec)
     tokenizer = load_tokenizer(Path(cfg.model.tokenizer_path) if cfg.model.path != "tiny" else path,
                                trust_remote_code=cfg.model.trust_remote_code)
 
@@ -252,8 +274,9 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
     val_prompts = PromptBatch(dataset(cfg.data.val_files).items, 0, 0) if cfg.data.val_files else None
     # every rank sees the global prompt batch: vLLM engines split it, DP ranks split the samples
     # trainer.total_steps, when set, wins over trainer.total_epochs: the loader then cycles epochs as needed
+    batches_per_step = cfg.algorithm.filter_groups.max_num_gen_batches if cfg.algorithm.filter_groups.enable else 1
     epochs = cfg.trainer.total_epochs if not cfg.trainer.total_steps else 1 + cfg.trainer.total_steps * \
-        cfg.data.train_batch_size // max(len(train_set), 1)
+        batches_per_step * cfg.data.train_batch_size // max(len(train_set), 1)
     loader = PromptLoader(train_set, global_batch_size=cfg.data.train_batch_size, seed=cfg.data.seed,
                           shuffle=cfg.data.shuffle, num_epochs=epochs or 1)
     total_steps = cfg.trainer.total_steps or loader.total_batches
@@ -282,7 +305,7 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
     profiler = StageProfiler(n_devices=dist.get_world_size(), peak_flops=peak,
                              synchronize=torch.cuda.synchronize if cuda else None)
     rollout = build_rollout(cfg, groups, path, actor_m, offload=offload_trainers(cfg, actor, critic, ref),
-                            profiler=profiler)
+                            profiler=profiler, tokenizer=tokenizer)
     resources.callback(rollout.shutdown)  # vLLM's process groups go before torch.distributed's
     rollout.update_weights()  # vLLM starts from the actor's exact weights (and version 1)
     reward_pool = resources.enter_context(contextlib.closing(
@@ -291,7 +314,8 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
     kl_ctrl = algos.make_kl_controller(kc.type, kc.kl_coef, kc.target_kl or 0.1, kc.horizon)
     trainer = (trainer_cls or RLTrainer)(
         cfg, actor=actor, ref=ref, critic=critic, reward_model=reward_model, rollout=rollout, reward_pool=reward_pool,
-        tokenizer=tokenizer, profiler=profiler, kl_ctrl=kl_ctrl, arch=arch, val_prompts=val_prompts)
+        tokenizer=tokenizer, profiler=profiler, kl_ctrl=kl_ctrl, arch=arch, val_prompts=val_prompts,
+        more_prompts=loader.next_batch)
     if cfg.trainer.profile:
         trainer.enable_profiling()
     ckpt = CheckpointManager(cfg, engines={"actor": actor_m.engine, "critic": critic and critic.engine},

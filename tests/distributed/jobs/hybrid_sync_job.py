@@ -175,8 +175,8 @@ def main() -> None:
     assert after.weight_version == 1 and before.weight_version == 0 and engine.weight_version == 1
     # The colocated timeline: every engine generates its share of the global batch, every rank gets all of it.
     (gathered,) = engine.generate(prompts, [greedy])
-    assert [p for p, _, _ in gathered.samples] == list(range(len(prompts))) and gathered.versions == {1}
-    assert [ids for _, ids, _ in gathered.samples] == hf_tokens, f"rank {rank}: gathered samples differ from HF"
+    assert [s.prompt for s in gathered.samples] == list(range(len(prompts))) and gathered.versions == {1}
+    assert [s.ids for s in gathered.samples] == hf_tokens, f"rank {rank}: gathered samples differ from HF"
     assert rollout.asleep  # the timeline put vLLM to sleep again (memory released for training)
     engine.restore_memory()
 

@@ -1,0 +1,202 @@
+"""Tools a policy can call in a multi-turn episode: a registry of Python functions, and a sandboxed interpreter.
+
+A tool is a function ``fn(arguments) -> str`` (``arguments`` is the call's text, or keyword arguments when the call
+is JSON). Built-ins: ``calc`` (exact arithmetic on an expression, no ``eval``) and ``python`` (runs the code in a
+fresh, isolated interpreter with CPU-time, memory and output limits, and returns what it printed). Any other tool is
+given as ``pkg.module:fn`` or ``file.py:fn``.
+
+Every call runs in a worker process (:class:`ToolRunner`): a call that hangs past the time limit, crashes the worker
+or prints megabytes is cut off, reported as an error string the policy sees as the tool's answer (and counted), and
+the episode goes on.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import functools
+import operator
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+from typing import Any, Callable
+
+MAX_OUTPUT_CHARS = 4096  # a tool's answer is cut here (and again to the token limit of the episode)
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+        ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow, ast.USub: operator.neg,
+        ast.UAdd: operator.pos}
+
+
+def calc(expression: str) -> str:
+    """Exact arithmetic: numbers, + - * / // % ** and parentheses (exponents up to 64)."""
+    def value(node: ast.AST) -> Any:
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return node.value
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](value(node.operand))
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Pow) and abs(right) > 64:
+                raise ValueError("exponent too large")
+            return _OPS[type(node.op)](left, right)
+        raise ValueError(f"not arithmetic: {ast.dump(node)[:40]}")
+
+    result = value(ast.parse(expression.strip(), mode="eval").body)
+    return str(int(result)) if isinstance(result, float) and result.is_integer() else str(result)
+
+
+class ToolError(Exception):
+    """A tool's failure, shown to the policy as ``error: <message>``."""
+
+
+def python(code: str, *, timeout_s: float = 5.0, memory_mb: int = 512) -> str:
+    """Run ``code`` in a new isolated interpreter (``python -I``, empty environment, limits on CPU time, address
+    space and output size) and return what it printed; raises :class:`ToolError` with stderr's last line, or the
+    limit it hit."""
+    limit = MAX_OUTPUT_CHARS * 4  # bytes a print may write before the kernel stops the process (SIGXFSZ)
+
+    def limits() -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_CPU, (int(timeout_s) + 1, int(timeout_s) + 1))
+        resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        try:  # output goes to files, not pipes: a runaway print is stopped by RLIMIT_FSIZE, not held in memory
+            code_ = subprocess.run([sys.executable, "-I", "-c", code], stdout=out, stderr=err, timeout=timeout_s,
+                                   env={}, preexec_fn=limits).returncode
+        except subprocess.TimeoutExpired:
+            raise ToolError(f"timed out after {timeout_s:g} s") from None
+        if code_ == -signal.SIGXFSZ or out.seek(0, os.SEEK_END) >= limit:
+            raise ToolError(f"output exceeded {limit} bytes")
+        out.seek(0), err.seek(0)
+        stdout, stderr = out.read(limit).decode(errors="replace"), err.read(limit).decode(errors="replace")
+    if code_ != 0:
+        raise ToolError((stderr.strip().splitlines() or [f"exit code {code_}"])[-1])
+    return stdout
+
+
+BUILTIN_TOOLS: dict[str, Callable[..., str]] = {"calc": calc, "python": python}
+
+
+def load_tool(spec: str) -> Callable[..., str]:
+    """A built-in tool name, ``pkg.module:fn`` or ``file.py:fn``."""
+    if spec in BUILTIN_TOOLS:
+        return BUILTIN_TOOLS[spec]
+    from verl_mega.rewards.loader import load_callable
+
+    if ":" not in spec and "." not in spec:
+        raise ValueError(f"rollout.multi_turn.tools: {spec!r} is not a built-in tool ({', '.join(BUILTIN_TOOLS)}) nor "
+                         f"'pkg.module:fn' / 'file.py:fn'")
+    return load_callable(spec, what="tool")
+
+
+def tool_name(spec: str) -> str:
+    """The name the policy calls a tool by: the built-in name, or the function's name."""
+    return spec if spec in BUILTIN_TOOLS else spec.rpartition(":")[2] or spec.rpartition(".")[2]
+
+
+def _answer(tools: dict[str, Callable[..., str]], name: str, arguments: Any) -> tuple[bool, str]:
+    try:
+        fn = tools[name]
+        out = str(fn(**arguments) if isinstance(arguments, dict) else fn(arguments))
+    except ToolError as exc:
+        return False, f"error: {exc}"[:MAX_OUTPUT_CHARS]
+    except Exception as exc:  # noqa: BLE001 - the policy sees the error as the tool's answer
+        return False, f"error: {type(exc).__name__}: {exc}"[:MAX_OUTPUT_CHARS]
+    if len(out) > MAX_OUTPUT_CHARS:
+        return False, f"{out[:MAX_OUTPUT_CHARS]} ... error: answer cut at {MAX_OUTPUT_CHARS} of {len(out)} characters"
+    return True, out
+
+
+def _serve(setup: str) -> None:
+    """The worker (``python -m verl_mega.rollout.tools SETUP``): one JSON call per line on stdin, one JSON answer
+    per line on the original stdout; whatever the tools themselves print goes to /dev/null."""
+    config = json.loads(setup)
+    replies = os.fdopen(os.dup(1), "w")
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1), os.dup2(devnull, 2)
+    tools = {tool_name(spec): load_tool(spec) for spec in config["specs"]}
+    if "python" in tools:
+        tools["python"] = functools.partial(python, **config["python_limits"])
+    for line in sys.stdin:
+        name, arguments = json.loads(line)
+        replies.write(json.dumps(_answer(tools, name, arguments)) + "\n")
+        replies.flush()
+
+
+class ToolRunner:
+    """Runs tool calls in one worker process, each with a time limit; a stuck or crashed worker is replaced.
+    The ``python`` tool gets ``timeout_s`` and ``python_memory_mb`` as its own limits.
+
+    The worker is a fresh interpreter (not a fork of a process holding vLLM's and torch's threads)."""
+
+    def __init__(self, specs: list[str] | tuple[str, ...], timeout_s: float, *, python_memory_mb: int = 512) -> None:
+        self.specs, self.timeout_s = list(specs), timeout_s
+        self.python_limits = {"timeout_s": timeout_s, "memory_mb": python_memory_mb}
+        self.names = {tool_name(s) for s in specs}
+        for spec in self.specs:  # fail at start-up, in this process, on a bad spec
+            load_tool(spec)
+        self._proc: subprocess.Popen | None = None
+
+    def _start(self) -> subprocess.Popen:
+        setup = json.dumps({"specs": self.specs, "python_limits": self.python_limits})
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+        return subprocess.Popen([sys.executable, "-m", "verl_mega.rollout.tools", setup], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+
+    def call(self, name: str, arguments: Any) -> tuple[bool, str]:
+        """(ok, answer) of one call; never raises for what the tool does."""
+        if name not in self.names:
+            return False, f"error: unknown tool {name!r}; tools: {', '.join(sorted(self.names))}"
+        if not isinstance(arguments, (str, dict)):
+            return False, "error: arguments must be text or a JSON object"
+        if self._proc is None or self._proc.poll() is not None:
+            self._proc = self._start()
+        proc = self._proc
+        try:
+            proc.stdin.write(json.dumps([name, arguments]) + "\n")
+            proc.stdin.flush()
+            # the worker's start-up counts too; the python tool stops itself at timeout_s, the margin lets its own,
+            # clearer message arrive first
+            ready, _, _ = select.select([proc.stdout], [], [], self.timeout_s + 1.0)
+            line = proc.stdout.readline() if ready else None
+        except (BrokenPipeError, OSError):
+            line = ""
+        if line is None:
+            self.close()
+            return False, f"error: {name} timed out after {self.timeout_s:g} s"
+        if not line:
+            code = proc.wait(5)
+            self._proc = None
+            return False, f"error: {name} crashed (exit code {code})"
+        ok, text = json.loads(line)
+        return bool(ok), text
+
+    def close(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+            self._proc = None
+
+
+def parse_call(body: str) -> tuple[str, Any]:
+    """``{"name": ..., "arguments": {...}}`` (Hermes / Qwen JSON) or ``name: argument text``."""
+    body = body.strip()
+    if body.startswith("{"):  # a JSON call, or nothing the runner will accept (an unknown tool '')
+        try:
+            obj = json.loads(body)
+            return str(obj["name"]), obj.get("arguments", {})
+        except (json.JSONDecodeError, KeyError, TypeError):
+            return "", body
+    name, sep, rest = body.partition(":")
+    return (name.strip(), rest.strip()) if sep else ("", body)
+
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1])
