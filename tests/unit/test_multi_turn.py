@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from verl_mega.models.tiny import build_char_tokenizer
-from verl_mega.rollout.multi_turn import MultiTurn, MultiTurnSpec, _template_parts
+from verl_mega.config.rl import MultiTurnConfig
+from verl_mega.rollout.multi_turn import MultiTurn, _template_parts
 from verl_mega.rollout.tools import ToolRunner
 from verl_mega.rollout.vllm_rollout import SamplingSpec
 
@@ -46,10 +47,10 @@ def calculator_policy(text):
     return f"(calc:{text[:-1]})tail"  # "tail" after the call must never be generated (stop at ")")
 
 
-def runner(tok, engine_tools=("calc",), **spec):
-    return MultiTurn(tok, ToolRunner(list(engine_tools), 2.0),
-                     MultiTurnSpec(**{**SPEC, "max_turns": 3, "max_response_tokens": 40,
-                                      "max_observation_tokens": 16, **spec}))
+def runner(tok, engine_tools=("calc",), max_response_tokens=40, **spec):
+    cfg = MultiTurnConfig(**{**SPEC, "enable": True, "tools": engine_tools, "max_turns": 3,
+                             "max_observation_tokens": 16, **spec})
+    return MultiTurn(tok, ToolRunner(list(engine_tools), 2.0), cfg, max_response_tokens=max_response_tokens)
 
 
 def test_episode_tokens_masks_and_counts(tok):
@@ -87,6 +88,11 @@ def test_turn_limit_token_limit_and_tool_errors(tok):
     mt = runner(tok, max_response_tokens=14)
     (cut,) = mt.run(engine, [tok.encode("99*99=")], SamplingSpec(n=1, max_tokens=14))
     assert tok.decode(cut.ids) == "(calc:99*99)=9" and cut.mask == [1] * 12 + [0] * 2  # the episode's token limit
+    mt.close()
+
+    mt = runner(tok, max_tokens_per_turn=5)
+    (turn_cut,) = mt.run(engine, [tok.encode("99*99=")], SamplingSpec(n=1, max_tokens=40))
+    assert tok.decode(turn_cut.ids) == "(calc" and turn_cut.turns == 1  # a turn's limit; no call, the episode ends
     mt.close()
 
     mt = runner(tok, max_observation_tokens=3)

@@ -22,6 +22,8 @@ class MultiTurnConfig(ConfigSection):
 
     enable: bool = option(False, help="Run rollouts as multi-turn episodes with tools.")
     max_turns: int = option(4, help="Policy turns per episode (a turn ends at EOS or at a tool call).")
+    max_tokens_per_turn: int | None = option(None, help="Tokens the policy may write in one turn; null: up to "
+                                                        "rollout.max_response_length for the whole episode.")
     tools: tuple[str, ...] = option(("calc",), help="Tools the policy may call: built-ins `calc` (exact arithmetic) "
                                                    "and `python` (sandboxed interpreter), or `pkg.module:fn` / "
                                                    "`file.py:fn` (called with the argument text, or keyword "
@@ -40,6 +42,7 @@ class MultiTurnConfig(ConfigSection):
 
     def validate(self) -> None:
         self._check_range("max_turns", ge=1, example=4)
+        self._check_range("max_tokens_per_turn", ge=1, example=256)
         self._check_range("tool_timeout_s", gt=0.0, example=5.0)
         self._check_range("python_memory_mb", ge=16, example=512)
         self._check_range("max_observation_tokens", ge=1, example=64)

@@ -1,5 +1,6 @@
 """Multi-turn episodes with tools: the policy writes, calls a tool, reads the tool's answer — observation tokens,
-masked out of the loss — and goes on, up to ``max_turns`` turns and ``max_response_tokens`` tokens in all.
+masked out of the loss — and goes on, up to ``max_turns`` turns of at most ``max_tokens_per_turn`` tokens and
+``max_response_tokens`` tokens in all.
 
 A turn that contains ``tool_call_start … tool_call_end`` calls a tool; the body is ``{"name": …, "arguments": {…}}``
 (Hermes / Qwen JSON) or ``name: argument text``. Generation stops at EOS and, when ``tool_call_end`` is one token,
@@ -19,23 +20,13 @@ from typing import Any
 
 import torch.distributed as dist
 
+from verl_mega.config.rl import MultiTurnConfig
 from verl_mega.rollout.colocated import SEED_MODULUS
 from verl_mega.rollout.tools import ToolRunner, parse_call
 from verl_mega.rollout.vllm_rollout import SamplingSpec, VLLMRollout
 
 log = logging.getLogger("verl_mega.rollout")
 _PLACEHOLDER = "\x00tool answer\x00"
-
-
-@dataclass(frozen=True, kw_only=True)
-class MultiTurnSpec:
-    max_turns: int
-    max_response_tokens: int
-    max_observation_tokens: int
-    tool_call_start: str = "<tool_call>"
-    tool_call_end: str = "</tool_call>"
-    observation_start: str = "<tool_response>"
-    observation_end: str = "</tool_response>"
 
 
 @dataclass
@@ -52,12 +43,13 @@ class Episode:
 
 
 class MultiTurn:
-    """Runs episodes on one vLLM engine. ``engine_group``/``leader``: the engine's process group and whether this rank
-    is its first (the one that calls tools)."""
+    """Runs episodes of at most ``max_response_tokens`` tokens on one vLLM engine, as ``spec``
+    (rollout.multi_turn) says. ``engine_group``/``leader_rank``: the engine's process group and its first rank,
+    the one that calls the tools."""
 
-    def __init__(self, tokenizer: Any, tools: ToolRunner, spec: MultiTurnSpec, *, engine_group=None,
-                 leader_rank: int | None = None) -> None:
-        self.tokenizer, self.tools, self.spec = tokenizer, tools, spec
+    def __init__(self, tokenizer: Any, tools: ToolRunner, spec: MultiTurnConfig, *, max_response_tokens: int,
+                 engine_group=None, leader_rank: int | None = None) -> None:
+        self.tokenizer, self.tools, self.spec, self.max_tokens = tokenizer, tools, spec, max_response_tokens
         self.engine_group, self.leader_rank = engine_group, leader_rank
         end = tokenizer.encode(spec.tool_call_end, add_special_tokens=False)
         self.stop_ids = (tokenizer.eos_token_id,) + ((end[0],) if len(end) == 1 else ())
@@ -78,7 +70,8 @@ class MultiTurn:
             # an episode's seed depends only on its prompt's place in the batch (the caller's seed is offset by
             # this engine's first prompt), its sample number and the turn: a resumed run, or one with another
             # number of engines, samples the same episodes
-            specs = [replace(sampling, n=1, max_tokens=spec.max_response_tokens - len(e.ids),
+            specs = [replace(sampling, n=1, max_tokens=min(self.max_tokens - len(e.ids),
+                                                           spec.max_tokens_per_turn or self.max_tokens),
                              stop_token_ids=self.stop_ids, seed=None if sampling.seed is None else
                              (sampling.seed + e.prompt + 1_000_003 * (e.index % sampling.n) + 100_003 * turn)
                              % SEED_MODULUS)
@@ -91,19 +84,19 @@ class MultiTurn:
                 e.mask += [1] * len(ids)
                 e.turns += 1
                 call = self._find_call(ids)
-                if call is None or turn == spec.max_turns - 1 or len(e.ids) >= spec.max_response_tokens:
+                if call is None or turn == spec.max_turns - 1 or len(e.ids) >= self.max_tokens:
                     e.done = True
                 else:
                     calls.append((e, call, bool(ids) and ids[-1] == self.tokenizer.eos_token_id))
             for (e, _, eos), (ok, answer) in zip(calls, self._answers([c for _, c, _ in calls])):
                 obs = self._observation(answer, eos)[:spec.max_observation_tokens]
-                obs = obs[:spec.max_response_tokens - len(e.ids)]
+                obs = obs[:self.max_tokens - len(e.ids)]
                 e.ids += obs
                 e.logprobs += [0.0] * len(obs)
                 e.mask += [0] * len(obs)
                 e.tool_calls += 1
                 e.tool_errors += not ok
-                e.done = len(e.ids) >= spec.max_response_tokens
+                e.done = len(e.ids) >= self.max_tokens
         return episodes
 
     def close(self) -> None:

@@ -123,17 +123,13 @@ def build_rollout(cfg: TrainConfig, groups: RankGroups, path: Path, actor: RoleM
 
 def build_multi_turn(cfg: TrainConfig, groups: RankGroups, tokenizer):
     """The multi-turn runner of this rank's vLLM engine: its first rank calls the tools."""
-    from verl_mega.rollout.multi_turn import MultiTurn, MultiTurnSpec
+    from verl_mega.rollout.multi_turn import MultiTurn
     from verl_mega.rollout.tools import ToolRunner
 
     mt = cfg.rollout.multi_turn
-    spec = MultiTurnSpec(max_turns=mt.max_turns, max_response_tokens=cfg.rollout.max_response_length,
-                         max_observation_tokens=mt.max_observation_tokens, tool_call_start=mt.tool_call_start,
-                         tool_call_end=mt.tool_call_end, observation_start=mt.observation_start,
-                         observation_end=mt.observation_end)
-    engine_ranks = groups.ranks("gen_tp")
-    return MultiTurn(tokenizer, ToolRunner(mt.tools, mt.tool_timeout_s, python_memory_mb=mt.python_memory_mb), spec,
-                     engine_group=groups["gen_tp"], leader_rank=engine_ranks[0])
+    tools = ToolRunner(mt.tools, mt.tool_timeout_s, python_memory_mb=mt.python_memory_mb)
+    return MultiTurn(tokenizer, tools, mt, max_response_tokens=cfg.rollout.max_response_length,
+                     engine_group=groups["gen_tp"], leader_rank=groups.ranks("gen_tp")[0])
 
 
 def offload_trainers(cfg: TrainConfig, actor, critic, ref):
