@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                                  bundle_label_selector=[{"ray.io/node-id": node["NodeID"]}] * ppn)
             groups.append(pg)
         ray.get([pg.ready() for pg in groups], timeout=120)
-        for node_rank, pg in enumerate(groups):
+        for pg in groups:
             for local_rank in range(ppn):
                 opts = {"scheduling_strategy": PGStrategy(placement_group=pg, placement_group_bundle_index=local_rank)}
                 opts["num_gpus" if unit == "GPU" else "num_cpus"] = 1

@@ -11,12 +11,16 @@ warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs CUDA GPUs; skipped without them")
-    config.addinivalue_line("markers", "slow: long-running CPU test")
+    config.addinivalue_line("markers", "slow: multi-process or whole-run CPU test (every test under tests/distributed "
+                                       "is one); the fast tier is -m 'not slow'")
 
 
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    for item in items:  # multi-process jobs and whole training runs: minutes, not seconds
+        if "distributed" in item.path.parts:
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (run on a GPU machine)")

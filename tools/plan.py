@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
                                              sequence_parallel=best.sequence_parallel)
             reports["dry_run"] = dry_run(arch, placement, ranks=args.rank, dtype=work.dtype)
             if any(r.value_head for r in roles):  # the critic's stage differs by its value head
-                critic = [r for r in reports["dry_run"] if placement.pool_of_rank(r.rank) is placement.pool_of("critic")]
+                critic_pool = placement.pool_of("critic")
+                critic = [r for r in reports["dry_run"] if placement.pool_of_rank(r.rank) is critic_pool]
                 reports["dry_run_critic"] = dry_run(arch, placement, ranks=[r.rank for r in critic], dtype=work.dtype,
                                                     value_head=True)
     except (OSError, ValueError) as exc:  # PlanningError, ModelConfigError, PlacementError, TopologyParseError

@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     for line in plan.decisions:
         print(f"  - {line}")
     print("Device order per node (local_rank -> GPU):")
-    for node, order in enumerate(plan.device_order[: min(4, plan.num_nodes)]):
+    for node in range(min(4, plan.num_nodes)):
         print(f"  node {node}: CUDA_VISIBLE_DEVICES={plan.cuda_visible_devices(node)}")
     if plan.num_nodes > 4:
         print(f"  ... ({plan.num_nodes - 4} more node(s))")

@@ -10,14 +10,18 @@ import sys
 
 from verl_mega.config import ConfigError, load_config
 from verl_mega.trainer.checkpoint import NonFiniteError
+from verl_mega.trainer.console import configure_console
 
 
 def train(cfg) -> dict[str, float]:
+    import time
+
     from verl_mega.trainer.setup import build_job
 
+    started = time.monotonic()
     job = build_job(cfg)
     try:
-        metrics = run(job)
+        metrics = run(job, started=started)
     except BaseException:
         job.close(after_error=True)
         raise
@@ -25,12 +29,15 @@ def train(cfg) -> dict[str, float]:
     return metrics
 
 
-def run(job) -> dict[str, float]:
-    """The RL loop over a built job."""
+def run(job, *, started: float | None = None) -> dict[str, float]:
+    """The RL loop over a built job; the summary's wall time counts from ``started`` (``time.monotonic()``, by
+    default the loop's start)."""
+    import time
+
     import torch.distributed as dist
 
     from verl_mega.trainer.checkpoint import fault_point
-    from verl_mega.trainer.metrics import MetricsLogger
+    from verl_mega.trainer.metrics import MetricsLogger, write_summary
 
     cfg, trainer, loader, ckpt = job.cfg, job.trainer, job.loader, job.ckpt
     start_step, total_steps = job.start_step, job.total_steps
@@ -38,6 +45,7 @@ def run(job) -> dict[str, float]:
                            progress_bar=cfg.logging.progress_bar, jsonl=cfg.logging.jsonl,
                            tensorboard=cfg.logging.tensorboard, plot=cfg.logging.plot, total_steps=total_steps,
                            rank=dist.get_rank(), resume_step=start_step, log_every=cfg.trainer.log_every)
+    started = time.monotonic() if started is None else started
     stop = {"signal": None}
     signal.signal(signal.SIGTERM, lambda signum, frame: stop.update(signal=signum))
 
@@ -59,6 +67,11 @@ def run(job) -> dict[str, float]:
             break
     ckpt.close()  # a background save (checkpoint.async_save) becomes complete and visible
     logger.close()
+    if dist.get_rank() == 0:
+        latest = ckpt.root / "latest"
+        last = ckpt.root / latest.read_text().strip() if latest.exists() else None
+        print(write_summary(cfg.trainer.output_dir, wall_s=time.monotonic() - started, checkpoint=last), end="",
+              flush=True)
     return metrics
 
 
@@ -70,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
         cfg = load_config(args.config, args.overrides)
+        configure_console(cfg.logging.verbose)
         train(cfg)
     except (ConfigError, ValueError, FileNotFoundError, NonFiniteError) as exc:
         print(f"error: {exc}", file=sys.stderr)

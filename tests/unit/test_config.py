@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from verl_mega.config import (ActorConfig, ConfigError, ParallelConfig, TrainConfig, config_from_dict, diff_configs,
+from verl_mega.config import (ActorConfig, TrainConfig, config_from_dict, diff_configs,
                               load_config, to_dict, to_yaml)
 from verl_mega.config.docgen import generate_reference
 

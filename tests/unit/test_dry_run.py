@@ -228,8 +228,10 @@ def test_plan_cli_dry_run_json():
 
 
 def test_plan_cli_dry_run_two_pool_recipe():
-    """tools/plan.py --dry-run on the recipe whose placement has a 768-rank training pool and a 256-rank rollout pool."""
-    cmd = [sys.executable, str(REPO / "tools" / "plan.py"), "--config", str(REPO / "configs" / "ppo_llama2_7b_two_pools.yaml"),
+    """tools/plan.py --dry-run on the recipe whose placement has a 768-rank training pool and a 256-rank rollout
+    pool."""
+    cmd = [sys.executable, str(REPO / "tools" / "plan.py"), "--config",
+           str(REPO / "configs" / "ppo_llama2_7b_two_pools.yaml"),
            "--model", str(MODEL), "--gpus", str(WORLD), "--dry-run", "--rank", "5", "767", "768", "--json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]

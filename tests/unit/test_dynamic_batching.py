@@ -30,9 +30,9 @@ def test_token_budget_matches_fixed_micro_batches(world, tmp_path):
             "actor.micro_batch_size_per_gpu=4", f"model.path={path}", "data.max_prompt_length=16",
             "rollout.max_response_length=6"]
     fixed = _actor(load_config("configs/quickstart_cpu.yaml", base), path, world)
-    dynamic = _actor(load_config("configs/quickstart_cpu.yaml", base + ["actor.use_dynamic_bsz=true",
-                                                                         "actor.max_tokens_per_gpu=40", "data.max_prompt_length=16",
-                                                                         "rollout.max_response_length=6"]), path, world)
+    dynamic_keys = ["actor.use_dynamic_bsz=true", "actor.max_tokens_per_gpu=40", "data.max_prompt_length=16",
+                    "rollout.max_response_length=6"]
+    dynamic = _actor(load_config("configs/quickstart_cpu.yaml", base + dynamic_keys), path, world)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(5, 40, (int(n),), generator=g).tolist() for n in torch.randint(2, 9, (8,), generator=g)]
     responses = [torch.randint(5, 40, (int(n),), generator=g).tolist() for n in torch.randint(1, 7, (8,), generator=g)]

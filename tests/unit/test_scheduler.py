@@ -112,7 +112,7 @@ def test_128_nodes_tp8_pp4_tg4_under_two_seconds():
     assert plan.world_size == 1024 and plan.placement.pool("main").dp == 32
     devices = [plan.device_for(r) for r in range(1024)]
     assert len(set(devices)) == 1024  # a bijection rank <-> (node, GPU)
-    for node, order in enumerate(plan.device_order):
+    for order in plan.device_order:
         assert sorted(order) == list(range(8))
     assert all(devices[r][0] == r // 8 for r in range(1024))  # launchers number ranks node by node
     expect_sizes = {"tp": (128, 8), "gen_tp": (256, 4), "micro_dp": (512, 2), "dp": (32, 32), "pp": (256, 4)}

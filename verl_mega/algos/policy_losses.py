@@ -162,8 +162,8 @@ def compute_policy_loss_clip_cov(
     """Clip-Cov: PPO clip, and the gradient of a random few high-covariance tokens dropped; see the module docstring.
 
     ``generator`` (a CPU generator) makes the random choice reproducible; under tensor parallelism every rank
-    computes this loss and must pass a generator in the same state, or the ranks drop different tokens. Metrics: ``clipfrac`` (PPO clip active),
-    ``covfrac`` (share of tokens dropped by the covariance rule), ``approx_kl``.
+    computes this loss and must pass a generator in the same state, or the ranks drop different tokens. Metrics:
+    ``clipfrac`` (PPO clip active), ``covfrac`` (share of tokens dropped by the covariance rule), ``approx_kl``.
     """
     _check_clip(clip_ratio_low, clip_ratio_high, "actor.clip_ratio_low/clip_ratio_high")
     if not 0.0 < clip_cov_ratio <= 1.0:

@@ -174,8 +174,8 @@ class AlgorithmConfig(ConfigSection):
     def validate(self) -> None:
         self._require(not self.filter_groups.enable or self.adv_estimator in GROUP_ESTIMATORS,
                       f"algorithm.filter_groups.enable=true drops groups of equal rewards, which only a group "
-                      f"baseline makes useless, but algorithm.adv_estimator={self.adv_estimator}; use grpo, dr_grpo, rloo or "
-                      f"reinforce_plus_plus_baseline, or algorithm.filter_groups.enable=false")
+                      f"baseline makes useless, but algorithm.adv_estimator={self.adv_estimator}; use grpo, dr_grpo, "
+                      f"rloo or reinforce_plus_plus_baseline, or algorithm.filter_groups.enable=false")
         self._check_range("gamma", ge=0.0, le=1.0, example=1.0)
         self._check_range("lam", ge=0.0, le=1.0, example=0.95)
 

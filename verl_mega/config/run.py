@@ -94,7 +94,10 @@ class LoggingConfig(ConfigSection):
     AFFECTS_RESULTS: ClassVar[bool] = False
 
     console: bool = option(True, help="Print metrics to the console.")
-    progress_bar: bool = option(True, help="Show a progress bar over steps.")
+    progress_bar: bool = option(True, help="On a terminal, a progress bar with ETA over steps (elsewhere, one line "
+                                           "per step).")
+    verbose: bool = option(False, help="Show Megatron's, vLLM's and transformers' INFO lines and the warnings of "
+                                       "conditions the framework handles (hidden by default).")
     jsonl: bool = option(True, help="Append one JSON object per step to <output_dir>/metrics.jsonl.")
     tensorboard: bool = option(True, help="Write TensorBoard event files under <output_dir>.")
     plot: bool = option(True, help="Write a reward / KL / entropy curve PNG to <output_dir> at the end.")

@@ -207,7 +207,8 @@ class WeightProducer:
         rows = vllm_vocab_rows(self.arch.vocab_size, tg, getattr(module, "padding_size", 64))
         need = rows[j]
         indices = getattr(module, "shard_indices", None)
-        if indices is not None and (indices.org_vocab_start_index, indices.org_vocab_end_index) != (need.start, need.end):
+        if indices is not None and (indices.org_vocab_start_index,
+                                    indices.org_vocab_end_index) != (need.start, need.end):
             raise WeightSyncError(f"{vllm_param}: vLLM keeps rows {indices}, the sync planned {need}")
         dst = sink.buffer(vllm_param, (need.partition_rows, self.arch.hidden_size))
         if self.groups.pp_rank == stage:

@@ -28,7 +28,7 @@ class ValueHead(torch.nn.Module):
         self.tp_group = tp_group
         self.weight = torch.nn.Parameter(torch.empty(1, hidden_size, dtype=config.params_dtype))
         torch.nn.init.normal_(self.weight, mean=0.0, std=config.init_method_std)
-        setattr(self.weight, "sequence_parallel", config.sequence_parallel)
+        self.weight.sequence_parallel = config.sequence_parallel
 
     def forward(self, hidden_states: torch.Tensor, weight=None, runtime_gather_output=None):
         if self.sequence_parallel:

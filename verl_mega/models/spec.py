@@ -33,7 +33,7 @@ class RMSNorm(torch.nn.Module):
         init = 0.0 if self.zero_centered_gamma else 1.0
         self.weight = torch.nn.Parameter(torch.full((hidden_size,), init, dtype=config.params_dtype))
         # Tells mcore to all-reduce this weight's grad over TP when activations are sequence-split.
-        setattr(self.weight, "sequence_parallel", config.sequence_parallel)
+        self.weight.sequence_parallel = config.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight + 1 if self.zero_centered_gamma else self.weight

@@ -74,14 +74,14 @@ def make_tiny_hf_model(
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
-        torch_dtype="float32",
+        dtype="float32",
     )
     if model_type == "qwen3":
         kwargs["head_dim"] = hidden_size // num_heads
     kwargs.update(extra or {})
     config = AutoConfig.for_model(model_type, **kwargs)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Random (non-unit) norm weights and biases so the parity tests exercise every tensor.
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -132,7 +132,7 @@ def warm_start(model_dir: str | Path, records: list[dict[str, Any]], *, steps: i
         loss.backward()
         opt.step()
     model.eval()
-    stats = {"loss": float(loss) if steps else float("nan")}
+    stats = {"loss": loss.item() if steps else float("nan")}
     if not any("demonstration" in r for r in records):
         stats["sampled_accuracy"] = _sampled_accuracy(model, tok, encoded, records, gen)
     model.save_pretrained(str(model_dir), safe_serialization=True)

@@ -34,7 +34,8 @@ _LAYER_RULES: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "self_attention.linear_qkv.bias": ("qkv", tuple(f"model.layers.{{i}}.self_attn.{p}_proj.bias" for p in "qkv")),
     "self_attention.linear_proj.weight": ("row", ("model.layers.{i}.self_attn.o_proj.weight",)),
-    "mlp.linear_fc1.weight": ("gate_up", ("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight")),
+    "mlp.linear_fc1.weight": ("gate_up", ("model.layers.{i}.mlp.gate_proj.weight",
+                                          "model.layers.{i}.mlp.up_proj.weight")),
     "mlp.linear_fc2.weight": ("row", ("model.layers.{i}.mlp.down_proj.weight",)),
 }
 _TOP_RULES: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -77,7 +78,8 @@ def rule_for(mcore_name: str, arch: ModelArch, layer_offset: int = 0) -> ParamRu
 Reader = Callable[..., torch.Tensor]  # reader(name, rows=(a, b) | None, cols=(a, b) | None)
 
 
-def hf_to_mcore_shard(rule: ParamRule, read: Reader, arch: ModelArch, tp_rank: int, tp: int, padded_vocab: int) -> torch.Tensor:
+def hf_to_mcore_shard(rule: ParamRule, read: Reader, arch: ModelArch, tp_rank: int, tp: int,
+                      padded_vocab: int) -> torch.Tensor:
     """Build TP rank `tp_rank`'s shard of an mcore parameter, reading only the HF rows/columns it needs."""
     kind = rule.kind
     if kind == "replicated":
@@ -111,7 +113,8 @@ def hf_to_mcore_shard(rule: ParamRule, read: Reader, arch: ModelArch, tp_rank: i
     raise ValueError(f"unknown mapping kind {kind!r}")
 
 
-def mcore_shards_to_hf(rule: ParamRule, shards: list[torch.Tensor], arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
+def mcore_shards_to_hf(rule: ParamRule, shards: list[torch.Tensor],
+                       arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
     """Inverse of :func:`hf_to_mcore_shard`: all TP shards of one mcore parameter → its HF tensor(s)."""
     kind = rule.kind
     if kind == "replicated":

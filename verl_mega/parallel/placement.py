@@ -32,8 +32,10 @@ TRAINING_ROLES = ("actor", "critic", "ref", "reward_model")
 DEFAULT_POOL = "main"
 # Every group kind a rank belongs to, in the order groups are built (the same order on every rank).
 DENSE_KINDS = {"tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "pp": ("pp",), "dp_cp": ("cp", "dp"),
-               "tp_cp": ("tp", "cp"), "mp": ("tp", "pp"), "tp_dp_cp": ("tp", "cp", "dp"), "pool": ("tp", "cp", "dp", "pp")}
-EXPERT_KINDS = {"ep": ("ep",), "etp": ("etp",), "edp": ("edp",), "tp_ep": ("etp", "ep"), "tp_ep_pp": ("etp", "ep", "pp")}
+               "tp_cp": ("tp", "cp"), "mp": ("tp", "pp"), "tp_dp_cp": ("tp", "cp", "dp"),
+               "pool": ("tp", "cp", "dp", "pp")}
+EXPERT_KINDS = {"ep": ("ep",), "etp": ("etp",), "edp": ("edp",), "tp_ep": ("etp", "ep"),
+                "tp_ep_pp": ("etp", "ep", "pp")}
 GENERATION_KINDS = ("gen_tp", "micro_dp")
 GROUP_KINDS = (*DENSE_KINDS, "embd", *EXPERT_KINDS, *GENERATION_KINDS)
 # What placement.json records for every rank.

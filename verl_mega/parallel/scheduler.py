@@ -17,6 +17,8 @@ gets a bandwidth class in the report. Pure functions over parsed topologies: 102
 
 from __future__ import annotations
 
+import functools
+
 import warnings
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -147,6 +149,13 @@ def _best_partition(topo: NodeTopology, gpus: tuple[int, ...], size: int) -> lis
     return best[1]
 
 
+def _closeness(topo: NodeTopology, block: list[int], g: int) -> tuple[int, int, int, int]:
+    """How well GPU ``g`` joins ``block``: its worst link to it, then same NUMA node, then its total link rank."""
+    worst = min(_rank(topo, g, b) for b in block)
+    same_numa = int(topo.numa_node(g) == topo.numa_node(block[0]))
+    return (worst, same_numa, sum(_rank(topo, g, b) for b in block), -g)
+
+
 def _greedy_blocks(topo: NodeTopology, pool: Sequence[int], size: int, count: int | None = None
                    ) -> list[tuple[int, ...]]:
     """Grow up to ``count`` blocks from the lowest free GPU, adding the GPU whose worst link to the block is best
@@ -157,12 +166,7 @@ def _greedy_blocks(topo: NodeTopology, pool: Sequence[int], size: int, count: in
     while free and len(blocks) < count:
         block = [free.pop(0)]
         while len(block) < size:
-            def key(g: int) -> tuple[int, int, int, int]:
-                worst = min(_rank(topo, g, b) for b in block)
-                same_numa = int(topo.numa_node(g) == topo.numa_node(block[0]))
-                return (worst, same_numa, sum(_rank(topo, g, b) for b in block), -g)
-
-            nxt = max(free, key=key)
+            nxt = max(free, key=functools.partial(_closeness, topo, block))
             free.remove(nxt)
             block.append(nxt)
         blocks.append(tuple(sorted(block)))
@@ -200,7 +204,8 @@ def _node_blocks(topo: NodeTopology, shapes: tuple[tuple[int, int], ...]) -> tup
             pool, inside = (min(fits, key=len), True) if fits else (tuple(sorted(free)), False)
             block = _greedy_blocks(topo, pool, size, count=1)[0]
             free -= set(block)
-            out[i] = _Block(_best_order(topo, block, gen_tp), inside and (size == 1 or topo.worst_link(block).is_nvlink))
+            nvlink = size == 1 or topo.worst_link(block).is_nvlink
+            out[i] = _Block(_best_order(topo, block, gen_tp), inside and nvlink)
         blocks = tuple(out)
     islands_txt = ", ".join("[" + ",".join(map(str, isl)) + "]" + (f" ({topo.worst_link(isl)})" if len(isl) > 1
                                                                   else "") for isl in topo.nvlink_islands)

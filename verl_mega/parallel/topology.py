@@ -484,6 +484,7 @@ def read_local_topology_text(timeout_s: float = 60.0) -> str:
     proc = subprocess.run([exe, "topo", "-m"], capture_output=True, text=True, timeout=timeout_s, check=False)
     if proc.returncode != 0:
         raise TopologyUnavailableError(
-            f"`nvidia-smi topo -m` failed with exit code {proc.returncode}: {proc.stderr.strip() or proc.stdout.strip()}"
+            f"`nvidia-smi topo -m` failed with exit code {proc.returncode}: "
+            f"{proc.stderr.strip() or proc.stdout.strip()}"
         )
     return proc.stdout

@@ -372,6 +372,7 @@ def _build_llm(config: VLLMRolloutConfig, is_cpu: bool):
         trust_remote_code=config.trust_remote_code,
         max_logprobs=1,
         disable_log_stats=not config.request_stats,
+        use_tqdm_on_load=False,
     )
     if config.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = config.max_num_batched_tokens

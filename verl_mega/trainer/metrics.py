@@ -22,13 +22,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MetricsLogger", "plot_curves", "read_metrics", "METRICS_FILE", "CURVES_FILE", "TENSORBOARD_DIR"]
+__all__ = ["MetricsLogger", "plot_curves", "read_metrics", "write_summary", "METRICS_FILE", "CURVES_FILE",
+           "TENSORBOARD_DIR", "SUMMARY_FILE"]
 
 logger = logging.getLogger("verl_mega.metrics")
 
 METRICS_FILE = "metrics.jsonl"
 CURVES_FILE = "curves.png"
 TENSORBOARD_DIR = "tensorboard"
+SUMMARY_FILE = "summary.txt"
 
 # (panel title, preferred keys in order, fallback name): the first preferred key present wins, else the first key
 # (sorted) whose last `/` segment is `<name>` or `<name>_mean`, else one under `<name>/` that is not a coefficient.
@@ -141,6 +143,38 @@ def plot_curves(jsonl_path: str | os.PathLike, png_path: str | os.PathLike) -> b
     fig.savefig(tmp, format="png")
     os.replace(tmp, png_path)
     return True
+
+
+def write_summary(output_dir: str | os.PathLike, *, wall_s: float, checkpoint: Path | None) -> str:
+    """The end-of-run summary: steps, the mean reward over the first and the last (up to) 10 logged steps, wall time
+    of this run, and where the metrics, curves, TensorBoard events and last checkpoint are. Written to
+    ``<output_dir>/summary.txt`` (atomically) and returned for printing."""
+    out = Path(output_dir)
+    metrics = out / METRICS_FILE
+    rows = read_metrics(metrics) if metrics.exists() else []
+    lines = [f"run summary: {out}"]
+    if rows:
+        lines.append(f"  steps       {rows[-1]['step']} ({len(rows)} logged)")
+        key = _find_key(sorted({k for r in rows for k in r}), *_PANELS[0][1:])
+        values = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))] if key else []
+        if values:
+            k = min(10, max(1, len(values) // 2))
+            first, last = values[:k], values[-k:]
+            lines.append(f"  {key:<11} first {sum(v for _, v in first) / k:.3f} (steps {first[0][0]}-{first[-1][0]}), "
+                         f"last {sum(v for _, v in last) / k:.3f} (steps {last[0][0]}-{last[-1][0]})")
+    minutes, seconds = divmod(int(round(wall_s)), 60)
+    lines.append(f"  wall time   {minutes // 60}h {minutes % 60:02d}m {seconds:02d}s" if minutes >= 60 else
+                 f"  wall time   {minutes}m {seconds:02d}s")
+    for label, path in (("metrics", metrics), ("curves", out / CURVES_FILE), ("tensorboard", out / TENSORBOARD_DIR)):
+        if path.exists():
+            lines.append(f"  {label:<11} {path}")
+    lines.append(f"  checkpoint  {checkpoint if checkpoint is not None else 'none saved'}")
+    text = "\n".join(lines) + "\n"
+    tmp = out / (SUMMARY_FILE + ".tmp")
+    out.mkdir(parents=True, exist_ok=True)
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, out / SUMMARY_FILE)
+    return text
 
 
 class MetricsLogger:

@@ -142,7 +142,7 @@ class Actor(PolicyRole):
         if cfg.rollout_is is not None:
             keys += ("rollout_logprobs",)
         history: list[dict[str, float]] = []
-        for epoch in range(cfg.ppo_epochs):
+        for _ in range(cfg.ppo_epochs):
             order = torch.randperm(len(batch)) if cfg.shuffle else torch.arange(len(batch))
             for start in range(0, len(batch), mini_batch_rows):
                 mini = batch.select(order[start:start + mini_batch_rows])

@@ -50,6 +50,8 @@ def resolve_model_path(cfg: TrainConfig) -> Path:
             stats = warm_start(tmp, records, steps=steps, seed=seed)
             (tmp / "warmstart.json").write_text(json.dumps(stats))
             os.replace(tmp, target)
+            log.info("built the tiny model and warm-started it for %d steps on %s (%s) -> %s", steps, entry,
+                     ", ".join(f"{k.replace('_', ' ')} {v:.3f}" for k, v in stats.items()), target)
     return target
 
 

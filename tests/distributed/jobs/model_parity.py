@@ -64,7 +64,7 @@ def main() -> None:
         pos = torch.arange(ids.shape[1]).expand_as(ids)
         mbs = [{"input_ids": ids[i:i + 2], "position_ids": pos[i:i + 2]} for i in (0, 2)]
 
-        def post(output, mb):
+        def post(output, mb, engine=engine, arch=arch):
             full = engine.full_sequence(gather_from_tensor_model_parallel_region(output, group=groups["tp"]))
             nxt = (engine.cp_positions(mb["input_ids"].shape[1]) + 1).clamp(max=mb["input_ids"].shape[1] - 1)
             lp, ent = vocab_parallel_logprobs_entropy(output, mb["input_ids"][:, nxt], vocab_size=arch.vocab_size,

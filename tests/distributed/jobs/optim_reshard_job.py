@@ -18,7 +18,6 @@ import argparse
 import functools
 import itertools
 import json
-import os
 from pathlib import Path
 
 import torch

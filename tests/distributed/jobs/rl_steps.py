@@ -8,7 +8,6 @@ import math
 import sys
 from pathlib import Path
 
-import torch.distributed as dist
 
 
 def main() -> None:
