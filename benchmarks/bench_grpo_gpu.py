@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from verl_mega.trainer.rl_trainer import RLTrainer  # noqa: E402
+from verl_mega.trainer.transfer import SamplePath  # noqa: E402
 
 STAGES = ("rollout", "reward", "old_logprob", "ref_logprob", "advantage", "actor_update", "weight_sync")
 
@@ -98,9 +99,7 @@ class HFGenerateRollout:
             if not spec.ignore_eos and eos in tokens:
                 tokens = tokens[: tokens.index(eos) + 1]  # keep EOS, drop the padding after it
             local.append(Sample(mine[row // spec.n], tokens, lps[row, : len(tokens)].tolist()))
-        gathered: list = [None] * world
-        dist.all_gather_object(gathered, (local, self.weight_version))
-        return [Generated([s for part, _ in gathered for s in part], {v for _, v in gathered})]
+        return [Generated(local, self.weight_version, engine=rank, leader=True)]  # each rank is an engine
 
     def update_weights(self):
         from verl_mega.models.loader import iter_hf_tensors
@@ -234,9 +233,12 @@ def main() -> None:
     replica = replica.to("cpu" if cpu else "cuda").eval()
     hf_rollout = HFGenerateRollout(replica, actor_engine=t.actor.engine, arch=job.arch, tokenizer=t.tokenizer,
                                    rollout_cfg=cfg.rollout)
+    pool = job.placement.pool_of("actor")
+    path = SamplePath(pool, rank, group=t.path.group, max_length=cfg.rollout.max_response_length,
+                      balance=cfg.trainer.balance_batch, engines=[(r,) for r in pool.ranks])
     baseline_trainer = HFGenerateBaseline(cfg, actor=t.actor, ref=t.ref, critic=t.critic, reward_model=None,
                                           rollout=hf_rollout, reward_pool=t.reward_pool, tokenizer=t.tokenizer,
-                                          profiler=job.profiler, kl_ctrl=t.kl_ctrl, arch=job.arch)
+                                          profiler=job.profiler, kl_ctrl=t.kl_ctrl, sample_path=path, arch=job.arch)
     baseline = run_steps(baseline_trainer, job, args.warmup + args.baseline_steps)[args.warmup:]
 
     if rank == 0:

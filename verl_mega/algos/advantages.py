@@ -10,7 +10,7 @@ the same prompt share an id). Formulas and config keys: docs/algorithms.md.
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any, Hashable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
@@ -29,6 +29,7 @@ __all__ = [
 ]
 
 GroupIndex = torch.Tensor | Sequence[Hashable] | Any  # tensor, numpy array or list of prompt ids
+BatchSum = Callable[[torch.Tensor], torch.Tensor]  # sums a tensor over the ranks that share a batch
 
 
 class AdvantageEstimator(str, Enum):
@@ -101,6 +102,7 @@ def compute_gae_advantage_return(
     gamma: float = 1.0,
     lam: float = 1.0,
     whiten: bool = True,
+    batch_sum: BatchSum | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation (Schulman et al. 2016).
 
@@ -127,7 +129,7 @@ def compute_gae_advantage_return(
             last_gae = gae * m + (1.0 - m) * last_gae
             advantages[:, t] = last_gae
         returns = (advantages + values) * mask
-        advantages = masked_whiten(advantages, mask) if whiten else advantages * mask
+        advantages = masked_whiten(advantages, mask, batch_sum=batch_sum) if whiten else advantages * mask
     return advantages.to(token_level_rewards.dtype), returns.to(token_level_rewards.dtype)
 
 
@@ -177,6 +179,7 @@ def compute_reinforce_plus_plus_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
     gamma: float = 1.0,
+    batch_sum: BatchSum | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ (Hu 2025): G_t = sum_{k>=t} gamma^{k-t} r_k (within the response), A = whiten(G) over the batch.
 
@@ -196,7 +199,7 @@ def compute_reinforce_plus_plus_advantage(
             running = torch.where(mask[:, t] > 0, rewards[:, t] + gamma * running, running)
             returns[:, t] = running
         returns = returns * mask
-        advantages = masked_whiten(returns, mask)
+        advantages = masked_whiten(returns, mask, batch_sum=batch_sum)
     dtype = token_level_rewards.dtype
     return advantages.to(dtype), returns.to(dtype)
 
@@ -205,6 +208,7 @@ def compute_reinforce_plus_plus_baseline_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
     group_index: GroupIndex,
+    batch_sum: BatchSum | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++-baseline: A = whiten(s_i - mean_g) over all masked tokens of the batch.
 
@@ -216,7 +220,7 @@ def compute_reinforce_plus_plus_baseline_advantage(
     ids, num_groups = _group_ids(group_index, scores.shape[0])
     _, _, means, _ = _group_stats(scores, ids, num_groups)
     centred = _broadcast(scores - means, mask)
-    adv = masked_whiten(centred, mask)
+    adv = masked_whiten(centred, mask, batch_sum=batch_sum)
     return adv, adv.clone()
 
 
@@ -272,9 +276,13 @@ def compute_advantage(
     lam: float = 1.0,
     norm_adv_by_std_in_grpo: bool = True,
     epsilon: float = 1e-6,
+    batch_sum: BatchSum | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatch on ``algorithm.adv_estimator``. Inputs an estimator does not use are ignored, so the trainer can pass
-    everything it has; a missing required input raises a one-line error."""
+    everything it has; a missing required input raises a one-line error.
+
+    The batch may be one data-parallel rank's rows: group estimators then need each group's rows on the same rank,
+    and ``batch_sum`` (a sum over the ranks) makes whitening see the whole batch."""
     try:
         estimator = AdvantageEstimator(name)
     except ValueError:
@@ -283,7 +291,8 @@ def compute_advantage(
     key = estimator.value
     if estimator is AdvantageEstimator.GAE:
         return compute_gae_advantage_return(
-            token_level_rewards, _require("values", values, key), response_mask, gamma=gamma, lam=lam
+            token_level_rewards, _require("values", values, key), response_mask, gamma=gamma, lam=lam,
+            batch_sum=batch_sum,
         )
     if estimator in (AdvantageEstimator.GRPO, AdvantageEstimator.DR_GRPO):
         return compute_grpo_outcome_advantage(
@@ -298,10 +307,11 @@ def compute_advantage(
             token_level_rewards, response_mask, _require("group_index", group_index, key)
         )
     if estimator is AdvantageEstimator.REINFORCE_PLUS_PLUS:
-        return compute_reinforce_plus_plus_advantage(token_level_rewards, response_mask, gamma=gamma)
+        return compute_reinforce_plus_plus_advantage(token_level_rewards, response_mask, gamma=gamma,
+                                                     batch_sum=batch_sum)
     if estimator is AdvantageEstimator.REINFORCE_PLUS_PLUS_BASELINE:
         return compute_reinforce_plus_plus_baseline_advantage(
-            token_level_rewards, response_mask, _require("group_index", group_index, key)
+            token_level_rewards, response_mask, _require("group_index", group_index, key), batch_sum=batch_sum
         )
     return compute_remax_advantage(
         token_level_rewards, response_mask, _require("reward_baselines", reward_baselines, key)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 __all__ = ["masked_sum", "masked_mean", "masked_var", "masked_whiten"]
@@ -31,15 +33,24 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) 
 
 
 def masked_whiten(
-    values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8
+    values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8,
+    batch_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """(x - mean) / sqrt(var + eps) with mean/var over the masked entries of the whole batch; 0 outside the mask.
 
     ``shift_mean=False`` keeps the original mean (only rescales). Fewer than 2 masked entries give var 0, so the
     result is the centred value scaled by 1/sqrt(eps) — which is 0 because the single entry equals the mean.
+    ``batch_sum``: when the batch is split over ranks, sums a tensor over them (mean and variance are then those
+    of the whole batch); None: ``values`` is the whole batch.
     """
-    mean = masked_mean(values, mask)
-    var = masked_var(values, mask)
+    if batch_sum is None:
+        mean = masked_mean(values, mask)
+        var = masked_var(values, mask)
+    else:
+        count = batch_sum(mask.to(values.dtype).sum())
+        mean = batch_sum(masked_sum(values, mask)) / count.clamp_min(1.0)
+        var = batch_sum(masked_sum((values - mean) ** 2, mask)) / (count - 1).clamp_min(1.0)
+        var = torch.where(count > 1, var, torch.zeros_like(var))
     whitened = (values - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         whitened = whitened + mean

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from verl_mega.config.base import ConfigSection, option
 
@@ -47,6 +47,12 @@ class TrainerConfig(ConfigSection):
                            affects_results=False)
     val_every: int = option(0, help="Validate every N steps (needs data.val_files); 0 disables.",
                             affects_results=False)
+    balance_batch: bool = option(True, help="Give each data-parallel rank the same number of rows with similar "
+                                            "token counts (whole groups, longest first to the least-loaded rank); "
+                                            "false: contiguous blocks of the batch.")
+    sample_transport: Literal["scatter", "gather"] = option(
+        "scatter", help="`scatter`: each rank receives only the rows it trains on; `gather`: every rank receives "
+                        "every row (the baseline, for checks and benchmarks).", affects_results=False)
     peak_tflops: float | None = option(
         None, help="One device's peak TFLOP/s for the `perf/mfu` metric; null uses the datasheet bf16/fp16 dense "
                    "figure of known GPUs (H100/H200 989, A100 312, B200 2250) and omits MFU elsewhere.",

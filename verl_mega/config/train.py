@@ -177,6 +177,11 @@ class TrainConfig(ConfigSection):
         """Checks that need the placement (call once the world size is known)."""
         parallel_dims = placement.pool_of("actor")
         dp, n = parallel_dims.dp, self.rollout.n
+        prompts, est = self.data.train_batch_size, self.algorithm.adv_estimator
+        self._require(est not in GROUP_ESTIMATORS or prompts % dp == 0,
+                      f"data.train_batch_size={prompts} prompts do not split into whole groups over {dp} data-parallel "
+                      f"ranks (algorithm.adv_estimator={est} keeps each prompt's rollout.n samples on one rank); set "
+                      f"data.train_batch_size to a multiple of {dp}")
         for role in self._trained_roles():
             mini, mini_key = role.ppo_mini_batch_size, role.key("ppo_mini_batch_size")
             samples = mini * n

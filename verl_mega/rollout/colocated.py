@@ -37,16 +37,21 @@ class Sample(NamedTuple):
 
 @dataclass
 class Generated:
-    """Every engine's samples for one sampling spec, prompt-major, the weight versions that made them, and counts
-    summed over engines (multi-turn: episodes, turns, tool_calls, tool_errors)."""
+    """One engine's samples for one sampling spec, prompt-major, with the prompt indices of the global batch; the
+    engine's weight version, and counts (multi-turn: episodes, turns, tool_calls, tool_errors). ``engine``: which
+    engine made them; ``leader``: whether this rank is the engine's first (every rank of an engine holds the same
+    samples; :mod:`verl_mega.trainer.transfer` moves them to the ranks that train on them)."""
 
     samples: list[Sample]
-    versions: set[int]
+    version: int
+    engine: int = 0
+    leader: bool = True
     counts: dict[str, float] = field(default_factory=dict)
 
 
 class Rollout(Protocol):
-    """What the trainer needs from a rollout, wherever its engines run."""
+    """What the trainer needs from a rollout, wherever its engines run: ``generate`` takes the global prompt batch
+    and returns, on every rank of an engine, that engine's share of the samples."""
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], specs: Sequence[SamplingSpec]) -> list[Generated]: ...
 
@@ -63,17 +68,17 @@ class ColocatedRollout:
     """vLLM engines inside the training ranks; weights arrive through the 3D-HybridEngine's in-place sync.
 
     ``weight_sync``: an object whose ``sync()`` writes the actor's weights into ``engine`` (hybrid.WeightSync).
-    ``gather_group``: the pool's process group, over which every engine's samples are shared. ``offload``:
+    ``engine_ranks``: the ranks of this rank's engine (its first is the engine's leader). ``offload``:
     called with True before generation and False after, to move idle training state out of the way.
     ``profiler``: records the sub-stages (wake-up, prefill, decode, postprocess, sleep) under ``rollout``.
     ``multi_turn``: a :class:`~verl_mega.rollout.multi_turn.MultiTurn` runner; every spec then runs as episodes
     with tool calls.
     """
 
-    def __init__(self, engine: VLLMRollout | None = None, *, weight_sync: Any = None, gather_group: Any = None,
-                 offload: Callable[[bool], None] | None = None, free_cache: bool = True, profiler: Any = None,
-                 multi_turn: Any = None) -> None:
-        self.engine, self.weight_sync, self.gather_group = engine, weight_sync, gather_group
+    def __init__(self, engine: VLLMRollout | None = None, *, weight_sync: Any = None,
+                 engine_ranks: Sequence[int] = (0,), offload: Callable[[bool], None] | None = None,
+                 free_cache: bool = True, profiler: Any = None, multi_turn: Any = None) -> None:
+        self.engine, self.weight_sync, self.engine_ranks = engine, weight_sync, tuple(engine_ranks)
         self.offload, self.free_cache, self.profiler = offload, free_cache, profiler
         self.multi_turn = multi_turn
 
@@ -115,8 +120,8 @@ class ColocatedRollout:
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], specs: Sequence[SamplingSpec]) -> list[Generated]:
         """Every rank passes the global prompt batch; each engine generates its share under every spec (one wake
-        for all of them); all ranks get all samples. An explicit ``spec.seed`` is the batch's base seed: prompt i
-        of the batch samples with ``seed + i``, whichever engine runs it."""
+        for all of them) and its ranks return it. An explicit ``spec.seed`` is the batch's base seed: prompt i of
+        the batch samples with ``seed + i``, whichever engine runs it."""
         import torch.distributed as dist
 
         engine, prof = self._ready(), self.profiler
@@ -145,22 +150,14 @@ class ColocatedRollout:
             local.append([Sample(mine[p], ids, lps) for p, ids, lps in zip(gen.prompt_index, gen.token_ids,
                                                                              gen.logprobs)])
             counts.append({})
-        generated_at = prof.now()
-        gathered: list = [None] * dist.get_world_size(self.gather_group)
-        dist.all_gather_object(gathered, (engine.engine_index, local, engine.weight_version, counts),
-                               group=self.gather_group)
         handoff_from = prof.now()
-        prof.record("postprocess", generated_at, handoff_from, parent="rollout")  # the gather; packing follows
         if self.free_cache:
             engine.sleep()
         self._offload(False)
         prof.record("sleep", handoff_from, prof.now(), parent="rollout")  # vLLM frees memory, training state returns
-        by_engine = {e: (per_spec, v, c) for e, per_spec, v, c in gathered}  # an engine's ranks send the same
-        versions = {v for _, v, _ in by_engine.values()}
-        return [Generated([s for e in sorted(by_engine) for s in by_engine[e][0][k]], versions,
-                          {key: sum(by_engine[e][2][k].get(key, 0.0) for e in by_engine)
-                           for key in by_engine[min(by_engine)][2][k]})
-                for k in range(len(specs))]
+        leader = not dist.is_initialized() or dist.get_rank() == self.engine_ranks[0]
+        return [Generated(part, engine.weight_version, engine.engine_index, leader, c)
+                for part, c in zip(local, counts)]
 
     def update_weights(self) -> dict[str, float]:
         """Write the actor's new weights into vLLM (collective over the pool)."""

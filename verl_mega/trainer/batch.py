@@ -72,12 +72,13 @@ class Batch:
 
 
 def pack_sequences(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *, pad_id: int,
-                   max_response_length: int, multiple_of: int = 8) -> dict[str, torch.Tensor]:
-    """Build left-aligned [prompt|response|pad] rows and the response-frame mask."""
+                   max_response_length: int, multiple_of: int = 8, min_width: int = 1) -> dict[str, torch.Tensor]:
+    """Build left-aligned [prompt|response|pad] rows and the response-frame mask; rows are at least
+    ``min_width`` wide (rounded up to ``multiple_of``), so that every data-parallel rank pads alike."""
     b = len(prompts)
     p_len = torch.tensor([len(p) for p in prompts], dtype=torch.long)
     r_len = torch.tensor([len(r) for r in responses], dtype=torch.long)
-    width = int((p_len + r_len).max()) if b else 1
+    width = max(int((p_len + r_len).max()) if b else 1, min_width)
     width = -(-width // multiple_of) * multiple_of
     ids = torch.full((b, width), pad_id, dtype=torch.long)
     resp = torch.full((b, max_response_length), pad_id, dtype=torch.long)

@@ -13,11 +13,11 @@ import torch.distributed as dist
 
 from verl_mega import algos
 from verl_mega.config import TrainConfig
-from verl_mega.parallel.cpu_mode import comm_device
 from verl_mega.rollout.colocated import SEED_MODULUS
 from verl_mega.rollout.vllm_rollout import SamplingSpec
 from verl_mega.trainer.batch import Batch, pack_sequences
 from verl_mega.trainer.dataflow import DataflowBuilder
+from verl_mega.trainer.transfer import RowTable, imbalance
 
 
 class RLTrainer:
@@ -25,7 +25,7 @@ class RLTrainer:
     overlap_host_stages = True
 
     def __init__(self, cfg: TrainConfig, *, actor, ref, critic, reward_model, rollout, reward_pool, tokenizer,
-                 profiler, kl_ctrl, arch=None, val_prompts=None, more_prompts=None) -> None:
+                 profiler, kl_ctrl, sample_path, arch=None, val_prompts=None, more_prompts=None) -> None:
         self.cfg = cfg
         self.actor, self.ref, self.critic, self.reward_model = actor, ref, critic, reward_model
         self.rollout, self.reward_pool = rollout, reward_pool
@@ -33,9 +33,10 @@ class RLTrainer:
         self.arch = arch  # the model's architecture: with it the step counts its model FLOPs (perf/* metrics)
         self.val_prompts = val_prompts  # a PromptBatch of data.val_files, for validate()
         self.more_prompts = more_prompts  # the next prompt batch (dynamic sampling generates from several per step)
-        self.prescored = None
+        self.path = sample_path  # rollout → train: which rows reach this rank, and which it scores (transfer.py)
+        self.prescored = self.baseline_scores = None
         engine = actor.engine  # samples are split over the actor's data-parallel group
-        self.dp, self.dp_rank, self.dp_group = engine.dp_size, engine.dp_rank, engine.groups["dp"]
+        self.dp, self.dp_rank = engine.dp_size, engine.dp_rank
         self.flow = self._build_flow()
 
     # ------------------------------------------------------------------ the step, as a graph
@@ -103,91 +104,95 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ stages
     def _rollout(self, ctx) -> dict[str, Any]:
-        """Generate, then pack the global batch of samples and keep this data-parallel rank's rows."""
-        rcfg = self.cfg.rollout
-        prompts, samples, baselines, versions, scores, metrics = self._sample(ctx["prompts"])
+        """Generate; then this rank receives the rows its data-parallel replica trains on (and only those) and
+        packs them, padded to the global batch's widest row."""
+        limit = self.cfg.rollout.max_response_length
+        items, table, local, metrics = self._sample(ctx["prompts"])
         packing_from = self.profiler.now()
-        prompt_ids = [prompts[s.prompt].prompt_ids for s in samples]
-        # the EOS token is kept in the response: the policy must learn to stop
-        limit = rcfg.max_response_length
-        packed = pack_sequences(prompt_ids, [s.ids[:limit] for s in samples], pad_id=self.tokenizer.pad_token_id or 0,
-                                max_response_length=limit, multiple_of=self.actor.engine.seq_multiple)
+        prompt_len = torch.tensor([len(items[p].prompt_ids) for p in table.prompt.tolist()])
+        rows, owner = self.path.deliver(local, table, prompt_len)
+        mine = sorted(rows)
+        samples = [rows[row] for row in mine]
+        packed = pack_sequences([items[s.prompt].prompt_ids for s in samples], [s.ids for s in samples],
+                                pad_id=self.tokenizer.pad_token_id or 0, max_response_length=limit,
+                                multiple_of=self.actor.engine.seq_multiple,
+                                min_width=int((prompt_len + table.length).max()))
         # vLLM's own log-probs of the sampled tokens: a live check that rollout and training agree
         packed["rollout_logprobs"] = torch.zeros_like(packed["response_mask"])
-        for i, s in enumerate(samples):
-            packed["rollout_logprobs"][i, : len(s.logprobs[:limit])] = torch.tensor(s.logprobs[:limit])
+        for i, s in enumerate(samples):  # the EOS token is kept in the response: the policy must learn to stop
+            packed["rollout_logprobs"][i, : len(s.logprobs)] = torch.tensor(s.logprobs)
             if s.mask is not None:  # a multi-turn episode: tools' answers are context, not actions
-                packed["response_mask"][i, : len(s.mask[:limit])] *= torch.tensor(s.mask[:limit])
-        meta = {"group": [s.prompt for s in samples], "ground_truth": [prompts[s.prompt].ground_truth for s in samples],
-                "response_text": [self._text(s.ids) for s in samples]}
-        if baselines:
-            meta["baseline_text"] = [self._text(baselines[s.prompt]) for s in samples]
-            meta["baseline_len"] = [len(baselines[s.prompt]) for s in samples]
-        full = Batch(packed, meta)
-        rows = len(full) // self.dp
-        mine = range(self.dp_rank * rows, (self.dp_rank + 1) * rows)
-        self.batch = full.select(mine)
-        self.prescored = scores[mine.start:mine.stop] if scores is not None else None
-        self.global_rows = len(full)
-        n_tokens = float(packed["response_len"].sum())
+                packed["response_mask"][i, : len(s.mask)] *= torch.tensor(s.mask, dtype=torch.float32)
+        self.batch = Batch(packed, {"row": mine, "group": [s.prompt for s in samples]})
+        self.items, self.table, self.rows = items, table, rows
+        tokens = table.length
         self.profiler.record("postprocess", packing_from, self.profiler.now(), parent="rollout")
-        self.profiler.add_counter("tokens", n_tokens)  # generated tokens, all ranks
-        self.profiler.add_counter("prompt_tokens", float(packed["prompt_len"].sum()))
+        self.profiler.add_counter("tokens", float(tokens.sum()))  # generated tokens, all ranks
+        self.profiler.add_counter("prompt_tokens", float(prompt_len.sum()))
         if self.arch is not None:
-            self.profiler.add_counter("flops", self._step_flops(packed["prompt_len"], packed["response_len"]))
-        return {**metrics, "rollout/response_length": n_tokens / len(full),
-                "rollout/weight_version": float(max(versions)),
-                "rollout/truncated_frac": float((packed["response_len"] >= rcfg.max_response_length).float().mean())}
+            self.profiler.add_counter("flops", self._step_flops(prompt_len, tokens))
+        return {**metrics, "rollout/response_length": float(tokens.sum()) / len(table),
+                "rollout/weight_version": float(table.version.max()),
+                "rollout/truncated_frac": float((tokens >= limit).float().mean()),
+                "rollout/dp_token_imbalance": imbalance(owner, prompt_len + tokens, self.dp)}
 
     def _sample(self, prompt_batch):
-        """The step's samples: one generation of the prompt batch or, with DAPO dynamic sampling, generations of
-        further batches until data.train_batch_size groups have rewards that differ (dropped groups fill a batch
-        that is still short after algorithm.filter_groups.max_num_gen_batches). Returns the prompts, prompt-major
-        samples indexing them, ReMax's greedy answers, weight versions, the filter's rewards and metrics."""
+        """The step's prompts, its rows' table and this engine's rows: one generation of the prompt batch or, with
+        DAPO dynamic sampling, generations of further batches until data.train_batch_size groups have rewards that
+        differ (dropped groups fill a batch still short after algorithm.filter_groups.max_num_gen_batches)."""
         fcfg, rcfg = self.cfg.algorithm.filter_groups, self.cfg.rollout
         specs = [self._sampling(prompt_batch)]
         if self.cfg.algorithm.adv_estimator == "remax":  # ReMax's baseline: one greedy answer per prompt
             specs.append(SamplingSpec(n=1, max_tokens=rcfg.max_response_length, temperature=0.0,
                                       stop_token_ids=specs[0].stop_token_ids, logprobs=True))
-        items, kept, dropped, versions, rounds, batch, counts = [], [], [], set(), 0, prompt_batch, {}
+        n = specs[0].n
+        items, rounds, batch, counts, candidates = [], 0, prompt_batch, {}, []
         while batch is not None:
             rounds += 1
             generated = self.rollout.generate([p.prompt_ids for p in batch.items], specs)
-            offset, versions = len(items), versions | generated[0].versions
+            offset = len(items)
             items += batch.items
-            samples = [s._replace(prompt=s.prompt + offset) for s in generated[0].samples]
-            counts = {k: counts.get(k, 0.0) + v for k, v in generated[0].counts.items()}
+            gen = generated[0]
+            seen: dict[int, int] = {}
+            rows_of = []  # row of each local sample: prompt-major, n per prompt
+            for s in gen.samples:
+                rows_of.append(s.prompt * n + seen.get(s.prompt, 0))
+                seen[s.prompt] = seen.get(s.prompt, 0) + 1
+            table, c = self.path.table(gen, rows_of, [offset + i // n for i in range(len(batch.items) * n)],
+                                       counts=True)
+            counts = {k: counts.get(k, 0.0) + v for k, v in c.items()}
+            local = {row: s._replace(prompt=s.prompt + offset) for row, s in zip(rows_of, gen.samples)}
+            if len(generated) > 1:
+                self.baseline_scores = self._engine_scores(generated[1], items, offset, len(batch.items))
             if not fcfg.enable:
-                baselines = {s.prompt: s.ids[:rcfg.max_response_length] for s in generated[1].samples} \
-                    if len(generated) > 1 else {}
-                return items, samples, baselines, versions, None, _episode_metrics(counts)
-            scores = self._score_all(samples, items)
-            keep = algos.dynamic_sampling_keep(scores, [s.prompt for s in samples]).rows.tolist()
-            for sample, score, k in zip(samples, scores.tolist(), keep):
-                (kept if k else dropped).append((sample, score))
-            if len({s.prompt for s, _ in kept}) >= len(prompt_batch) or rounds >= fcfg.max_num_gen_batches:
+                self.prescored = None
+                return items, table, local, _episode_metrics(counts)
+            scores = self._engine_scores(gen, items, offset, len(table), rows_of=rows_of)
+            candidates.append((table, local, scores))
+            keep = algos.dynamic_sampling_keep(scores, table.prompt).rows
+            if len(set(table.prompt[keep].tolist()) | _kept_groups(candidates[:-1])) >= len(prompt_batch) or \
+                    rounds >= fcfg.max_num_gen_batches:
                 break
             batch = self.more_prompts() if self.more_prompts is not None else None
-        groups: dict[int, list] = {}
-        for sample, score in kept + dropped:  # whole groups, the kept ones first
-            if sample.prompt in groups or len(groups) < len(prompt_batch):
-                groups.setdefault(sample.prompt, []).append((sample, score))
-        chosen = [x for g in groups.values() for x in g]
-        kept_groups = {s.prompt for s, _ in kept}
-        metrics = {"dapo/gen_batches": float(rounds), "dapo/kept_group_frac": len(kept_groups) / max(1, len(items)),
-                   # the policy's reward before filtering (reward/mean is the filtered batch's)
-                   "dapo/generated_reward_mean": sum(c for _, c in kept + dropped) / max(1, len(kept + dropped)),
-                   "dapo/filled_groups": float(len(prompt_batch) - len(kept_groups & set(groups))),
-                   **_episode_metrics(counts)}
-        return items, [s for s, _ in chosen], {}, versions, torch.tensor([c for _, c in chosen]), metrics
+        table, local, self.prescored, metrics = _filter_groups(candidates, len(prompt_batch))
+        metrics["dapo/gen_batches"] = float(rounds)
+        metrics["dapo/kept_group_frac"] = metrics.pop("kept_groups") / max(1, len(items))
+        return items, table, local, {**metrics, **_episode_metrics(counts)}
 
-    def _score_all(self, samples, items) -> torch.Tensor:
-        """Rewards of every sample on every rank: each data-parallel rank scores its share, one gather."""
-        share = [s for i, s in enumerate(samples) if i % self.dp == self.dp_rank]
-        mine = self._scores([self._text(s.ids) for s in share], [items[s.prompt].ground_truth for s in share],
-                            [len(s.ids[:self.cfg.rollout.max_response_length]) for s in share]).tolist()
-        parts = self._dp_all_gather_list([mine]) if self.dp > 1 else [mine]
-        return torch.tensor([parts[i % self.dp][i // self.dp] for i in range(len(samples))], dtype=torch.float32)
+    def _engine_scores(self, gen, items, offset: int, num_rows: int, rows_of=None) -> torch.Tensor:
+        """Every row's reward, known to every rank: each rank scores its share of its engine's samples, one
+        all-reduce. ``rows_of``: each sample's row (default: its prompt, one sample per prompt)."""
+        rows_of = rows_of if rows_of is not None else [s.prompt for s in gen.samples]
+        by_row = dict(zip(rows_of, gen.samples))
+        share = self.path.engine_share(sorted(by_row))
+        limit = self.cfg.rollout.max_response_length
+        partial = torch.zeros(num_rows, dtype=torch.float32)
+        if share:
+            samples = [by_row[row] for row in share]
+            partial[share] = self._scores([self._text(s.ids) for s in samples],
+                                          [items[offset + s.prompt].ground_truth for s in samples],
+                                          [min(len(s.ids), limit) for s in samples])
+        return self.path.sum_over_pool(partial)
 
     def _scores(self, texts: list[str], truths: list, lengths) -> torch.Tensor:
         """Reward-function scores plus, with reward.overlong_buffer, DAPO's overlong penalty."""
@@ -219,17 +224,18 @@ class RLTrainer:
 
     def validate(self) -> dict[str, float]:
         """Generate one answer per data.val_files prompt with the current weights and score it: val/* metrics.
-        Every rank scores its share of the answers; one all-reduce sums them."""
+        Every rank scores its share of its engine's answers; one all-reduce sums them."""
         if self.val_prompts is None:
             raise ValueError("RLTrainer.validate() needs data.val_files; set data.val_files=[...]")
         items = self.val_prompts.items
-        samples = self.rollout.generate([p.prompt_ids for p in items],
-                                        [self._sampling(self.val_prompts, validation=True)])[0].samples
-        mine = samples[self.dp_rank::self.dp]
-        scores = self.reward_pool.score([self._text(s.ids) for s in mine],
-                                        [items[s.prompt].ground_truth for s in mine]).scores
-        totals = [float(sum(scores)), float(sum(len(s.ids) for s in mine)), float(len(mine))]
-        total, tokens, count = self.actor.engine.dp_all_reduce(totals).tolist()
+        (gen,) = self.rollout.generate([p.prompt_ids for p in items], [self._sampling(self.val_prompts,
+                                                                                     validation=True)])
+        by_prompt = {s.prompt: s for s in gen.samples}
+        mine = [by_prompt[p] for p in self.path.engine_share(sorted(by_prompt))]
+        scores = self.reward_pool.score([self._text(s.ids) for s in mine], [items[s.prompt].ground_truth for s in mine])
+        totals = torch.tensor([float(sum(scores.scores)), float(sum(len(s.ids) for s in mine)), float(len(mine))],
+                              dtype=torch.float64)
+        total, tokens, count = self.path.sum_over_pool(totals).tolist()
         return {"val/reward/mean": total / count, "val/response_length": tokens / count, "val/num_samples": count}
 
     def _step_flops(self, prompt_len: torch.Tensor, response_len: torch.Tensor) -> float:
@@ -253,16 +259,19 @@ class RLTrainer:
         gen_context = float((prompt_len + response_len / 2).float().mean())
         return float(lengths.sum()) * passes + float(response_len.sum()) * per_token(False, gen_context)
 
-    def _reward(self, ctx) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Scores of this rank's samples and, for ReMax, of their prompts' greedy answers (scored in the same call);
-        dynamic sampling scored them already."""
+    def _reward(self, ctx) -> tuple[torch.Tensor, bool]:
+        """Rewards of the rows this rank scores (its share of its replica's rows), in a vector over every row of
+        the step, and whether that vector is already complete (dynamic sampling scored every row)."""
         if self.prescored is not None:
-            return self.prescored, None
-        texts, truths = self.batch.meta["response_text"], self.batch.meta["ground_truth"]
-        baselines = self.batch.meta.get("baseline_text", [])
-        lengths = self.batch["response_len"].tolist() + self.batch.meta.get("baseline_len", [])
-        scores = self._scores(texts + baselines, truths + truths[:len(baselines)], lengths)
-        return scores[:len(texts)], (scores[len(texts):] if baselines else None)
+            return self.prescored, True
+        rows = self.path.replica_share(self.batch.meta["row"])
+        partial = torch.zeros(len(self.table), dtype=torch.float32)
+        if rows:
+            samples = [self.rows[row] for row in rows]
+            partial[rows] = self._scores([self._text(s.ids) for s in samples],
+                                         [self.items[s.prompt].ground_truth for s in samples],
+                                         self.table.length[rows].tolist())
+        return partial, False
 
     def _old_logprob(self, ctx) -> torch.Tensor:
         out = self.actor.compute_logprobs(self.batch, with_entropy=True)
@@ -289,40 +298,36 @@ class RLTrainer:
     def _advantage(self, ctx) -> dict[str, float]:
         acfg = self.cfg.algorithm
         b = self.batch
-        scores, baselines = ctx["reward"]
-        scores = scores + (ctx["rm_score"] if "rm_score" in ctx else 0.0)
+        scores, complete = ctx["reward"]
+        if not complete:
+            scores = self.path.sum_over_pool(scores)
+        if "rm_score" in ctx:  # the reward model scored the replica's rows on each of its ranks: count them once
+            rm = torch.zeros_like(scores)
+            if self.path.replica[0] == dist.get_rank():
+                rm[b.meta["row"]] = ctx["rm_score"].float()
+            scores = scores + self.path.sum_over_pool(rm)
         mask = b["response_mask"]
-        token_rewards = algos.outcome_to_token_rewards(scores, mask)
+        token_rewards = algos.outcome_to_token_rewards(scores[b.meta["row"]], mask)
         metrics = {}
         if acfg.use_kl_in_reward:
             token_rewards, kl_metrics = algos.apply_kl_penalty(token_rewards, b["old_logprobs"], b["ref_logprobs"],
                                                                mask, self.kl_ctrl.value, acfg.kl_penalty)
             current_kl = self._dp_reduce(kl_metrics["kl"], "mean")
-            self.kl_ctrl.update(current_kl, self.global_rows)
+            self.kl_ctrl.update(current_kl, len(self.table))
             metrics.update({"kl/reward_kl": current_kl, "kl/coef": float(self.kl_ctrl.value)})
-        # advantages see the whole global batch (group baselines, global whitening), then each rank keeps its rows
-        fields = {"token_rewards": token_rewards, "mask": mask}
-        if self.critic is not None:
-            fields["values"] = b["values"]
-        if baselines is not None:
-            fields["reward_baselines"] = baselines
-        full = self._dp_all_gather(fields)
-        group = torch.tensor(self._dp_all_gather_list(b.meta["group"]))
-        adv, ret = algos.compute_advantage(
-            acfg.adv_estimator, token_level_rewards=full["token_rewards"], response_mask=full["mask"],
-            values=full.get("values"), group_index=group, reward_baselines=full.get("reward_baselines"),
-            gamma=acfg.gamma, lam=acfg.lam, norm_adv_by_std_in_grpo=acfg.norm_adv_by_std_in_grpo)
-        rows = len(b)
-        own = slice(self.dp_rank * rows, (self.dp_rank + 1) * rows)
-        b["advantages"], b["returns"] = adv[own], ret[own]
+        # groups are whole on each rank (group baselines need no communication); whitening sums over the replicas
+        baselines = self.baseline_scores[torch.tensor(b.meta["group"])] if self.baseline_scores is not None else None
+        b["advantages"], b["returns"] = algos.compute_advantage(
+            acfg.adv_estimator, token_level_rewards=token_rewards, response_mask=mask, values=b.tensors.get("values"),
+            group_index=b.meta["group"], reward_baselines=baselines, gamma=acfg.gamma, lam=acfg.lam,
+            norm_adv_by_std_in_grpo=acfg.norm_adv_by_std_in_grpo, batch_sum=self._batch_sum)
         if "ref_logprobs" not in b:
             b["ref_logprobs"] = b["old_logprobs"]
-        all_scores = torch.cat(self._dp_all_gather({"s": scores[:, None]})["s"].unbind(0))
-        if "reward_baselines" in full:
-            metrics["reward/baseline_mean"] = float(full["reward_baselines"].mean())
+        if self.baseline_scores is not None:
+            metrics["reward/baseline_mean"] = float(self.baseline_scores[self.table.prompt].mean())
         metrics.update(self.logprob_gap)
-        metrics.update({"reward/mean": float(all_scores.mean()), "reward/max": float(all_scores.max()),
-                        "reward/min": float(all_scores.min()),
+        metrics.update({"reward/mean": float(scores.mean()), "reward/max": float(scores.max()),
+                        "reward/min": float(scores.min()),
                         "actor/entropy_rollout": self._dp_reduce(algos.masked_mean(b["entropy"], mask), "mean")})
         if "ref_logprobs" in b.tensors and self.ref is not None:
             kl = algos.masked_mean(algos.kl_penalty(b["old_logprobs"], b["ref_logprobs"], "kl"), mask)
@@ -347,24 +352,11 @@ class RLTrainer:
     def _dp_reduce(self, value, op: str) -> float:
         return float(self.actor.engine.dp_all_reduce(value, op))
 
-    def _dp_all_gather(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Every data-parallel rank's rows, concatenated in rank order (advantages see the global batch)."""
+    def _batch_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum over the data-parallel replicas (the rows of a step are split over them)."""
         if self.dp == 1:
-            return tensors
-        out = {}
-        for k, t in tensors.items():
-            t = t.to(comm_device()).contiguous()
-            parts = [torch.empty_like(t) for _ in range(self.dp)]
-            dist.all_gather(parts, t, group=self.dp_group)
-            out[k] = torch.cat(parts).cpu()
-        return out
-
-    def _dp_all_gather_list(self, values: list) -> list:
-        if self.dp == 1:
-            return list(values)
-        parts: list = [None] * self.dp
-        dist.all_gather_object(parts, list(values), group=self.dp_group)
-        return [v for p in parts for v in p]
+            return value
+        return self.actor.engine.dp_all_reduce(value).to(value.dtype)
 
 
 def _episode_metrics(counts: dict[str, float]) -> dict[str, float]:
@@ -374,3 +366,36 @@ def _episode_metrics(counts: dict[str, float]) -> dict[str, float]:
     episodes = counts["episodes"]
     return {"rollout/turns": counts["turns"] / episodes, "rollout/tool_calls": counts["tool_calls"] / episodes,
             "rollout/tool_error_frac": counts["tool_errors"] / max(counts["tool_calls"], 1.0)}
+
+
+def _kept_groups(candidates) -> set[int]:
+    """Groups that dynamic sampling kept in earlier rounds."""
+    return {g for table, _, scores in candidates
+            for g in table.prompt[algos.dynamic_sampling_keep(scores, table.prompt).rows].tolist()}
+
+
+def _filter_groups(candidates, num_groups: int):
+    """DAPO's batch from the rounds' (table, rows, scores): the first ``num_groups`` groups whose rewards differ,
+    then, if short, groups that were dropped; whole groups, kept ones first. Returns the new table, this engine's
+    rows renumbered, every row's score and metrics."""
+    kept, dropped = [], []
+    for k, (table, _, scores) in enumerate(candidates):
+        keep = algos.dynamic_sampling_keep(scores, table.prompt).rows.tolist()
+        for row, ok in enumerate(keep):
+            (kept if ok else dropped).append((k, row))
+    groups: dict[int, list[tuple[int, int]]] = {}
+    for k, row in kept + dropped:
+        g = int(candidates[k][0].prompt[row])
+        if g in groups or len(groups) < num_groups:
+            groups.setdefault(g, []).append((k, row))
+    chosen = [x for rows in groups.values() for x in rows]
+    pick = {name: torch.stack([getattr(candidates[k][0], name)[row] for k, row in chosen])
+            for name in ("prompt", "length", "version", "engine")}
+    table = RowTable(**pick, masked=any(t.masked for t, _, _ in candidates))
+    local = {new: candidates[k][1][row] for new, (k, row) in enumerate(chosen) if row in candidates[k][1]}
+    scores = torch.stack([candidates[k][2][row] for k, row in chosen])
+    kept_groups = {int(candidates[k][0].prompt[row]) for k, row in kept}
+    metrics = {"kept_groups": float(len(kept_groups)),
+               "dapo/generated_reward_mean": float(torch.cat([s for _, _, s in candidates]).mean()),
+               "dapo/filled_groups": float(num_groups - len(kept_groups & set(groups)))}
+    return table, local, scores, metrics

@@ -118,7 +118,7 @@ def build_rollout(cfg: TrainConfig, groups: RankGroups, path: Path, actor: RoleM
     engine = VLLMRollout(vcfg, rank_order=pool.vllm_rank_order(), engine_index=groups.coords["engine"])
     sync = WeightSync(WeightProducer(groups=groups, arch=actor.arch, chunks=actor.engine.chunks), engine,
                       mode=rcfg.weight_sync)
-    return ColocatedRollout(engine, weight_sync=sync, gather_group=groups["pool"], offload=offload,
+    return ColocatedRollout(engine, weight_sync=sync, engine_ranks=groups.ranks("gen_tp"), offload=offload,
                             free_cache=rcfg.free_cache_engine, profiler=profiler,
                             multi_turn=build_multi_turn(cfg, groups, tokenizer) if rcfg.multi_turn.enable else None)
 
@@ -234,6 +234,7 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
     from verl_mega.trainer.profiler import StageProfiler, detect_peak_flops
     from verl_mega.trainer.rl_trainer import RLTrainer
     from verl_mega.trainer.roles import Actor, Critic, PolicyRole, RewardModel
+    from verl_mega.trainer.transfer import SamplePath
 
     # --- validate everything that can be validated before any heavy allocation
     env = launch_env.discover()
@@ -310,10 +311,12 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
         RewardPool(reward_fn, num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s, mode="thread")))
     kc = cfg.algorithm.kl_ctrl
     kl_ctrl = algos.make_kl_controller(kc.type, kc.kl_coef, kc.target_kl or 0.1, kc.horizon)
+    path = SamplePath(groups.pool, groups.rank, group=groups["pool"], max_length=cfg.rollout.max_response_length,
+                      balance=cfg.trainer.balance_batch, transport=cfg.trainer.sample_transport)
     trainer = (trainer_cls or RLTrainer)(
         cfg, actor=actor, ref=ref, critic=critic, reward_model=reward_model, rollout=rollout, reward_pool=reward_pool,
-        tokenizer=tokenizer, profiler=profiler, kl_ctrl=kl_ctrl, arch=arch, val_prompts=val_prompts,
-        more_prompts=loader.next_batch)
+        tokenizer=tokenizer, profiler=profiler, kl_ctrl=kl_ctrl, sample_path=path, arch=arch,
+        val_prompts=val_prompts, more_prompts=loader.next_batch)
     if cfg.trainer.profile:
         trainer.enable_profiling()
     ckpt = CheckpointManager(cfg, engines={"actor": actor_m.engine, "critic": critic and critic.engine},

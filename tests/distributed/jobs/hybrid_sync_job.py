@@ -136,7 +136,7 @@ def main() -> None:
                                             kv_cache_memory_bytes=32 << 20),
                           rank_order=pool.vllm_rank_order(), engine_index=coords["engine"])
     sync = WeightSync(WeightProducer(groups=groups, arch=arch, chunks=chunks), rollout)
-    engine = ColocatedRollout(rollout, weight_sync=sync, gather_group=groups["pool"], profiler=StageProfiler())
+    engine = ColocatedRollout(rollout, weight_sync=sync, engine_ranks=groups.ranks("gen_tp"), profiler=StageProfiler())
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, arch.vocab_size, (n,), generator=g).tolist() for n in (5, 9, 3, 7)]
     greedy = SamplingSpec(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
@@ -173,10 +173,12 @@ def main() -> None:
     assert after.token_ids == hf_tokens, f"rank {rank}: vLLM {after.token_ids} != HF {hf_tokens}"
     assert before.token_ids != hf_tokens, f"rank {rank}: perturbation did not change the greedy output"
     assert after.weight_version == 1 and before.weight_version == 0 and engine.weight_version == 1
-    # The colocated timeline: every engine generates its share of the global batch, every rank gets all of it.
-    (gathered,) = engine.generate(prompts, [greedy])
-    assert [s.prompt for s in gathered.samples] == list(range(len(prompts))) and gathered.versions == {1}
-    assert [s.ids for s in gathered.samples] == hf_tokens, f"rank {rank}: gathered samples differ from HF"
+    # The colocated timeline: every engine generates its share of the global batch; its ranks return that share.
+    (share,) = engine.generate(prompts, [greedy])
+    mine = rollout.engine_share(list(range(len(prompts))))
+    assert [s.prompt for s in share.samples] == mine and share.version == 1
+    assert [s.ids for s in share.samples] == [hf_tokens[p] for p in mine], f"rank {rank}: samples differ from HF"
+    assert share.leader == (rank == groups.ranks("gen_tp")[0])
     assert rollout.asleep  # the timeline put vLLM to sleep again (memory released for training)
     engine.restore_memory()
 
