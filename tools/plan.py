@@ -145,16 +145,23 @@ def main(argv: list[str] | None = None) -> int:
         if not plans:
             reason = rejected[0].reason if rejected else "no tp/pp combination divides the cluster"
             raise PlanningError(f"no feasible layout (first reason: {reason}); relax the pinned flags")
-        reports = {}
+        reports, sample_path = {}, None
         if args.dry_run:
             from verl_mega.parallel.placement import Placement
-            from verl_mega.planning.dry_run import dry_run
+            from verl_mega.planning.dry_run import dry_run, sample_path_report
 
             if placement is None or len(placement.pools) == 1:
                 best = plans[0].layout
                 placement = Placement.single(cluster.gpus, tp=best.tp, pp=best.pp, vpp=best.vpp, gen_tp=best.gen_tp,
                                              sequence_parallel=best.sequence_parallel)
             reports["dry_run"] = dry_run(arch, placement, ranks=args.rank, dtype=work.dtype)
+            if cfg is not None:  # one step's rows as the recipe makes them, else the flags' global batch
+                rows, n = cfg.data.train_batch_size * cfg.rollout.n, cfg.rollout.n
+                cap, prompt = cfg.rollout.max_response_length, cfg.data.max_prompt_length
+            else:
+                rows, n, cap, prompt = global_batch, 1, work.seq_len // 2, work.seq_len // 2
+            sample_path = sample_path_report(placement, samples_per_rank=rows // placement.pool_of("actor").dp,
+                                             n=n, max_response_length=cap, prompt_length=prompt)
             if any(r.value_head for r in roles):  # the critic's stage differs by its value head
                 critic_pool = placement.pool_of("critic")
                 critic = [r for r in reports["dry_run"] if placement.pool_of_rank(r.rank) is critic_pool]
@@ -176,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
                "plans": [p.to_json(i + 1) for i, p in enumerate(plans)],
                "rejected": [r.to_json() for r in rejected]}
         out.update({key: [rep.to_json() for rep in reps] for key, reps in reports.items()})
+        if reports:
+            out["sample_path"] = sample_path
         print(json.dumps(out))
         return 0
 
@@ -201,6 +210,14 @@ def main(argv: list[str] | None = None) -> int:
     for key, reps in reports.items():
         for rep in reps:
             print(f"\n{'critic ' if key.endswith('critic') else ''}" + "\n".join(rep.lines()))
+    if reports:
+        sp, mb = sample_path, 1 / 2**20
+        print(f"\nsample path (rollout -> train, one step): {sp['rows']} rows ({sp['samples_per_rank']} per "
+              f"data-parallel rank), response lengths lognormal with mean {sp['mean_response_length']:.0f}, capped at "
+              f"{sp['max_response_length']}: each rank receives at most {sp['max_bytes_received'] * mb:.2f} MiB "
+              f"(gather-everything: {sp['gather_bytes_received'] * mb:.2f} MiB) and sends at most "
+              f"{sp['max_bytes_sent'] * mb:.2f} MiB; metadata all-reduce {sp['metadata_bytes'] / 1024:.1f} KiB; "
+              f"token imbalance {100 * sp['token_imbalance']:.1f} %")
     return 0
 
 

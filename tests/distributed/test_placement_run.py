@@ -12,6 +12,7 @@ from torchrun_util import run_torchrun
 
 sys.path.insert(0, str(Path(__file__).parent / "jobs"))
 from rl_steps import check  # noqa: E402
+from test_rl_loop import same_results  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TOPO = ROOT / "tests" / "fixtures" / "topo" / "4gpu_nvlink_pairs_0_2_and_1_3.txt"
@@ -22,11 +23,16 @@ SMALL = ["trainer.total_steps=2", "trainer.save_every=0", "logging.progress_bar=
 
 @pytest.mark.slow
 def test_four_ranks_tp2_on_recorded_topology(tmp_path):
-    out = tmp_path / "run"
-    run_torchrun("rl_steps.py", 4, str(ROOT / "configs" / "quickstart_cpu.yaml"), str(out), "parallel.tp=2",
-                 f"parallel.topology_file={TOPO}", *SMALL,
-                 env={"VERL_MEGA_CACHE": os.environ.get("VERL_MEGA_CACHE", str(tmp_path / "cache"))}, timeout=900)
+    """Also: with 4 ranks (tp=2 × dp=2), each rank receiving only its rows gives exactly the metrics of the
+    gather-everything transport."""
+    for transport in ("scatter", "gather"):
+        run_torchrun("rl_steps.py", 4, str(ROOT / "configs" / "quickstart_cpu.yaml"), str(tmp_path / transport),
+                     "parallel.tp=2", f"parallel.topology_file={TOPO}", f"trainer.sample_transport={transport}",
+                     *SMALL, env={"VERL_MEGA_CACHE": os.environ.get("VERL_MEGA_CACHE", str(tmp_path / "cache"))},
+                     timeout=900)
+    out = tmp_path / "scatter"
     check(str(out), 2, critic=False)
+    assert same_results(out, tmp_path / "gather")
     placement = json.loads((out / "placement.json").read_text())
     ranks = placement["ranks"]
     assert placement["world_size"] == 4 and placement["colocated"] and placement["topology"] == str(TOPO)

@@ -32,13 +32,31 @@ def test_rl_steps(tmp_path, recipe, critic, layout):
 
 def test_rl_steps_data_parallel(tmp_path):
     """tp=pp=1 on 2 ranks: dp=2 (each rank trains half the samples, the distributed optimizer shards over dp) and
-    two vLLM engines at tg=1 (each generates half the prompts); PPO so the critic's dp reductions run too."""
-    out = tmp_path / "run"
-    run_torchrun("rl_steps.py", 2, str(ROOT / "configs" / "ppo_cpu.yaml"), str(out), "parallel.tp=1",
-                 "parallel.pp=1", "rollout.gen_tp=1", "critic.micro_batch_size_per_gpu=4", *SMALL,
-                 env={"VERL_MEGA_CACHE": os.environ.get("VERL_MEGA_CACHE", str(tmp_path / "cache"))}, timeout=600)
-    last = check(str(out), 3, critic=True)
-    assert last["kl/actor_ref"] != 0.0
+    two vLLM engines at tg=1 (each generates half the prompts); PPO so the critic's dp reductions and the whitening
+    over both ranks run too. Each rank receives only its rows; the gather-everything transport gives the same
+    metrics, bit for bit."""
+    runs = {}
+    for transport in ("scatter", "gather"):
+        out = tmp_path / transport
+        run_torchrun("rl_steps.py", 2, str(ROOT / "configs" / "ppo_cpu.yaml"), str(out), "parallel.tp=1",
+                     "parallel.pp=1", "rollout.gen_tp=1", "critic.micro_batch_size_per_gpu=4",
+                     f"trainer.sample_transport={transport}", *SMALL,
+                     env={"VERL_MEGA_CACHE": os.environ.get("VERL_MEGA_CACHE", str(tmp_path / "cache"))}, timeout=600)
+        runs[transport] = check(str(out), 3, critic=True)
+    assert runs["scatter"]["kl/actor_ref"] != 0.0
+    assert same_results(tmp_path / "scatter", tmp_path / "gather")
+
+
+def same_results(a: Path, b: Path) -> bool:
+    """Every metric of every step equal, except timings."""
+    import json
+
+    rows = [[json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (a, b)]
+    skip = ("timing/", "overlap/", "perf/", "weight_sync/seconds")
+    for x, y in zip(*rows):
+        differ = {k: (x.get(k), y.get(k)) for k in set(x) | set(y) if not k.startswith(skip) and x.get(k) != y.get(k)}
+        assert not differ, f"step {x['step']}: {differ}"
+    return len(rows[0]) == len(rows[1]) > 0
 
 
 def test_rl_steps_context_parallel(tmp_path):

@@ -120,3 +120,15 @@ def test_whitening_over_split_batch_equals_whole_batch():
     for t in threads:
         t.join(10)
     torch.testing.assert_close(torch.cat(parts), whole, rtol=1e-12, atol=1e-12)
+
+
+def test_dry_run_sample_path_bytes_do_not_grow_with_world_size():
+    from verl_mega.planning.dry_run import sample_path_report
+
+    reports = [sample_path_report(Placement.single(world, tp=2, gen_tp=2), samples_per_rank=64, n=8,
+                                  max_response_length=8192, prompt_length=512) for world in (8, 128, 1024)]
+    received = [r["max_bytes_received"] for r in reports]
+    assert max(received) < 1.1 * min(received)  # fixed per-rank batch: fixed per-rank traffic
+    assert [r["gather_bytes_received"] > 0.9 * r["dp"] * received[0] for r in reports] == [True] * 3
+    assert reports[-1]["metadata_bytes"] < 0.05 * reports[-1]["gather_bytes_received"]
+    assert all(r["token_imbalance"] < 0.1 for r in reports)

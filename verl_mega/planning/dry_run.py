@@ -19,6 +19,8 @@ A mismatch raises :class:`DryRunError` naming the group or tensor count.
 
 from __future__ import annotations
 
+import math
+
 import contextlib
 import os
 import time
@@ -211,3 +213,42 @@ def _build_meta_model(arch: ModelArch, groups, report: DryRunReport, *, value_he
                           f"{want} with {per_chunk} layers each")
     report.checks.append(f"meta model of stage {stage}: {len(chunks)} chunk(s), parameter count equals the memory "
                          f"model")
+
+
+def sample_path_report(placement: Placement, *, samples_per_rank: int, n: int, max_response_length: int,
+                       prompt_length: int, mean_response_length: float | None = None, seed: int = 0) -> dict:
+    """The rollout → train sample path of one step on ``placement``'s actor pool (verl_mega/trainer/transfer.py):
+    bytes each rank sends and receives for ``samples_per_rank`` × dp rows with long-tailed (lognormal, sigma 1,
+    capped) response lengths, assigned and routed exactly as the trainer does, plus the metadata all-reduce."""
+    import random
+
+    import torch
+
+    from verl_mega.trainer.transfer import RowTable, assign_rows, imbalance, route_bytes, table_bytes
+
+    pool = placement.pool_of("actor")
+    rows = samples_per_rank * pool.dp
+    if rows % n:
+        raise DryRunError(f"dry run: {samples_per_rank} samples per data-parallel rank × dp={pool.dp} is not a "
+                          f"multiple of rollout.n={n}")
+    mean = mean_response_length or max_response_length / 4
+    rng = random.Random(seed)
+    mu = math.log(mean) - 0.5  # lognormal with sigma 1 has mean exp(mu + 1/2)
+    lengths = torch.tensor([max(1, min(max_response_length, int(rng.lognormvariate(mu, 1.0)))) for _ in range(rows)])
+    prompt = torch.arange(rows // n).repeat_interleave(n)
+    engines = [tuple(g) for g in pool.groups("gen_tp")]
+    prompts = rows // n
+    engine = torch.tensor([e for e in range(len(engines)) for _ in range(n * ((e + 1) * prompts // len(engines)
+                                                                             - e * prompts // len(engines)))])
+    table = RowTable(prompt, lengths, torch.zeros_like(prompt), engine, masked=False)
+    tokens = lengths + prompt_length
+    owner = assign_rows(prompt, tokens, pool.dp, balance=True)
+    ranks = list(pool.ranks)
+    sent, received = route_bytes(table, owner, ranks=ranks, replica_of=[pool.coords(r)["dp"] for r in ranks],
+                                 engines=engines)
+    return {"world_size": placement.world_size, "dp": pool.dp, "rows": rows, "samples_per_rank": samples_per_rank,
+            "mean_response_length": float(lengths.float().mean()), "max_response_length": max_response_length,
+            "max_bytes_received": max(received), "max_bytes_sent": max(sent),
+            "mean_bytes_received": sum(received) / len(ranks), "metadata_bytes": table_bytes(rows, len(engines)),
+            "gather_bytes_received": sum(int(w) * 4 for w in table.words()),
+            "token_imbalance": imbalance(owner, tokens, pool.dp)}
