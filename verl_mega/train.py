@@ -1,21 +1,27 @@
 """The RL job: ``python -m verl_mega.train --config configs/<recipe>.yaml [key=value …]`` (under torchrun, mpirun
 or Ray for several ranks; a plain ``python`` run is a world of one)."""
 
+# Only light imports at module level: reward worker processes are spawned, and spawning re-imports this module.
 from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
 
 from verl_mega.config import ConfigError, load_config
-from verl_mega.trainer.checkpoint import NonFiniteError
+
+log = logging.getLogger("verl_mega")
 
 
 def train(cfg) -> dict[str, float]:
+    from verl_mega.trainer.ckpt_integrity import RunComplete
     from verl_mega.trainer.setup import build_job
 
-    job = build_job(cfg)
+    try:
+        job = build_job(cfg)
+    except RunComplete as done:
+        log.info("%s", done)
+        return {}
     try:
         metrics = run(job)
     except BaseException:
@@ -26,11 +32,15 @@ def train(cfg) -> dict[str, float]:
 
 
 def run(job) -> dict[str, float]:
-    """The RL loop over a built job."""
+    """The RL loop over a built job. SIGTERM, SIGINT and trainer.time_limit_s stop it after a step, on every rank
+    together, with a checkpoint of that step (trainer/stop.py)."""
+    import time
+
     import torch.distributed as dist
 
     from verl_mega.trainer.checkpoint import fault_point
     from verl_mega.trainer.metrics import MetricsLogger
+    from verl_mega.trainer.stop import StopRequest
 
     cfg, trainer, loader, ckpt = job.cfg, job.trainer, job.loader, job.ckpt
     start_step, total_steps = job.start_step, job.total_steps
@@ -38,26 +48,28 @@ def run(job) -> dict[str, float]:
                            progress_bar=cfg.logging.progress_bar, jsonl=cfg.logging.jsonl,
                            tensorboard=cfg.logging.tensorboard, plot=cfg.logging.plot, total_steps=total_steps,
                            rank=dist.get_rank(), resume_step=start_step, log_every=cfg.trainer.log_every)
-    stop = {"signal": None}
-    signal.signal(signal.SIGTERM, lambda signum, frame: stop.update(signal=signum))
 
     # --- the RL loop
     metrics: dict[str, float] = {}
-    for step in range(start_step + 1, total_steps + 1):
-        fault_point("step_start", step)
-        prompts = loader.next_batch()
-        if prompts is None:
-            break
-        metrics = trainer.step(prompts)
-        ckpt.guard_nonfinite(metrics, step)
-        if cfg.trainer.val_every and (step % cfg.trainer.val_every == 0 or step == total_steps):
-            metrics.update(trainer.validate())
-        logger.log(metrics, step)
-        if ckpt.should_save(step, total_steps) or stop["signal"] is not None:
-            ckpt.save(step)
-        if stop["signal"] is not None:
-            break
-    ckpt.close()  # a background save (checkpoint.async_save) becomes complete and visible
+    with StopRequest(cfg.trainer.time_limit_s, started=job.started) as stop:
+        for step in range(start_step + 1, total_steps + 1):
+            began = time.monotonic()
+            fault_point("step_start", step)
+            prompts = loader.next_batch()
+            if prompts is None:
+                break
+            metrics = trainer.step(prompts)
+            ckpt.guard_nonfinite(metrics, step)
+            if cfg.trainer.val_every and (step % cfg.trainer.val_every == 0 or step == total_steps):
+                metrics.update(trainer.validate())
+            logger.log(metrics, step)
+            reason = stop.agreed(time.monotonic() - began)
+            if ckpt.should_save(step, total_steps) or reason:
+                ckpt.save(step)
+            if reason:
+                log.warning("stopping after step %d (%s) with a checkpoint of that step", step, reason)
+                break
+        ckpt.close()  # a background save (checkpoint.async_save) becomes complete and visible
     logger.close()
     return metrics
 
@@ -68,11 +80,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.lr=1e-6 parallel.tp=2")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    from verl_mega.rewards import RewardFunctionFailed
+    from verl_mega.trainer.checkpoint import NonFiniteError
+    from verl_mega.trainer.preflight import describe_os_error, disk_full_error
+
     try:
         cfg = load_config(args.config, args.overrides)
         train(cfg)
-    except (ConfigError, ValueError, FileNotFoundError, NonFiniteError) as exc:
+    except (ConfigError, ValueError, FileNotFoundError, NonFiniteError, RewardFunctionFailed) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        full = disk_full_error(exc)  # a full disk may surface wrapped in a checkpoint writer's error
+        if full is None:
+            raise
+        print(f"error: {describe_os_error(full)}", file=sys.stderr)
         return 2
     return 0
 

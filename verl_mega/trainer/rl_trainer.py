@@ -34,6 +34,8 @@ class RLTrainer:
         self.val_prompts = val_prompts  # a PromptBatch of data.val_files, for validate()
         self.more_prompts = more_prompts  # the next prompt batch (dynamic sampling generates from several per step)
         self.prescored = None
+        self._reward_counts = [0, 0, 0]  # this step's errors, timeouts and scored samples on this rank
+        self._reward_first_error: str | None = None
         engine = actor.engine  # samples are split over the actor's data-parallel group
         self.dp, self.dp_rank, self.dp_group = engine.dp_size, engine.dp_rank, engine.groups["dp"]
         self.flow = self._build_flow()
@@ -91,6 +93,7 @@ class RLTrainer:
                 raise StopIteration(f"trainer.total_steps={self.job.total_steps} (or the data) is exhausted")
             self.job_step += 1
         self.profiler.reset_step()
+        self._reward_counts, self._reward_first_error = [0, 0, 0], None
         out = self.flow.run({"prompts": prompt_batch})
         if getattr(self, "print_each_step", False) and dist.get_rank() == 0:
             self.print_profiling_summary()
@@ -99,7 +102,31 @@ class RLTrainer:
             if isinstance(out.get(name), dict):
                 metrics.update({k: v for k, v in out[name].items() if isinstance(v, float)})
         metrics.update(self.profiler.step_summary())  # stage times, overlap, tokens/s, TFLOP/s, MFU
+        metrics.update(self._reward_health())
         return metrics
+
+    def _reward_health(self) -> dict[str, float]:
+        """reward/errors and reward/timeouts of the step, over all ranks' samples. Past reward.max_error_frac the run
+        stops with the function's first error; the counts are summed over every rank first, so all ranks stop."""
+        from verl_mega.rewards import RewardFunctionFailed
+
+        totals = torch.tensor(self._reward_counts, dtype=torch.float64, device=comm_device())
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world > 1:
+            dist.all_reduce(totals)
+        errors, timeouts, samples = (totals.cpu() * self.dp / world).tolist()  # model-parallel peers score alike
+        limit = self.cfg.reward.max_error_frac
+        if samples and (errors + timeouts) / samples > limit:
+            firsts = [self._reward_first_error]
+            if world > 1:
+                firsts = [None] * world
+                dist.all_gather_object(firsts, self._reward_first_error)
+            first = " ".join(str(next((f for f in firsts if f), "unknown")).split())
+            raise RewardFunctionFailed(
+                f"reward function '{self.reward_pool.fn.name}' failed on {errors + timeouts:g} of {samples:g} samples "
+                f"of this step ({errors:g} errors, {timeouts:g} timeouts), more than reward.max_error_frac={limit:g}; "
+                f"first: {first}; fix the function, or raise reward.timeout_s or reward.max_error_frac")
+        return {"reward/errors": errors, "reward/timeouts": timeouts}
 
     # ------------------------------------------------------------------ stages
     def _rollout(self, ctx) -> dict[str, Any]:
@@ -191,7 +218,11 @@ class RLTrainer:
 
     def _scores(self, texts: list[str], truths: list, lengths) -> torch.Tensor:
         """Reward-function scores plus, with reward.overlong_buffer, DAPO's overlong penalty."""
-        scores = torch.tensor(self.reward_pool.score(texts, truths).scores, dtype=torch.float32)
+        result = self.reward_pool.score(texts, truths)
+        self._reward_counts = [self._reward_counts[0] + result.num_errors,
+                               self._reward_counts[1] + result.num_timeouts, self._reward_counts[2] + len(texts)]
+        self._reward_first_error = self._reward_first_error or result.first_error
+        scores = torch.tensor(result.scores, dtype=torch.float32)
         ob = self.cfg.reward.overlong_buffer
         if ob.enable:
             limit = self.cfg.rollout.max_response_length
