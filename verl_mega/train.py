@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, FileNotFoundError, NonFiniteError, RewardFunctionFailed) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except Exception as exc:
+    except BaseException as exc:  # torch's CheckpointException is a BaseException
         full = disk_full_error(exc)  # a full disk may surface wrapped in a checkpoint writer's error
         if full is None:
             raise

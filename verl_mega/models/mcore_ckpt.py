@@ -40,10 +40,9 @@ def load_model_dist(chunks: list[torch.nn.Module], ckpt_dir: str | Path, groups)
     """Load weights saved at any tp/pp into this rank's chunks (mcore reshards on load). Metadata and objects are read
     without running code from the checkpoint (see safe_ckpt)."""
     from verl_mega.models.loader import unwrap
-    from verl_mega.models.safe_ckpt import check_dist_checkpoint, load_dist
+    from verl_mega.models.safe_ckpt import load_dist
 
     ckpt_dir = Path(ckpt_dir)
-    check_dist_checkpoint(ckpt_dir)
     state = load_dist(model_sharded_state_dict(chunks, groups), ckpt_dir)
     if len(chunks) == 1:
         unwrap(chunks[0]).load_state_dict(state["model"], strict=False)

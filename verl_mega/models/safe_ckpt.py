@@ -36,7 +36,8 @@ ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
     | {(_DCP_PLANNER, n) for n in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "LoadPlan",
                                    "ReadItem", "LoadItemType")}
     | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-       ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
+       ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+       ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")}  # StorageMeta.checkpoint_id may be a path
     | {("torch", name) for name, value in vars(torch).items() if isinstance(value, (torch.dtype, torch.layout,
                                                                                        torch.memory_format))}
 )
@@ -113,7 +114,30 @@ def check_dist_checkpoint(ckpt_dir: str | Path) -> None:
 
 
 def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [""])[0][:200]
+    lines = str(exc).strip().splitlines() or [""]
+    # torch's weights-only refusal explains itself at length; the line naming the refused global is the useful one
+    named = [line.strip() for line in lines if "unsupported global" in line.lower()]
+    return (named or lines)[0][:200]
+
+
+def exception_chain(exc: BaseException):
+    """`exc` and every exception behind it: causes, contexts, arguments, and the per-rank failures that
+    torch.distributed.checkpoint collects into a CheckpointException."""
+    seen: set[int] = set()
+    stack: list[Any] = [exc]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, tuple):
+            stack += list(item)
+            continue
+        if not isinstance(item, BaseException) or id(item) in seen:
+            continue
+        seen.add(id(item))
+        yield item
+        stack += [item.__cause__, item.__context__, *item.args]
+        failures = getattr(item, "failures", None)
+        if isinstance(failures, dict):
+            stack += list(failures.values())
 
 
 # ------------------------------------------------------------------------------------ mcore strategies over them
@@ -207,14 +231,18 @@ def _strategies(ckpt_dir: Path):
 def load_dist(sharded_state_dict: dict, ckpt_dir: str | Path) -> dict:
     """``megatron.core.dist_checkpointing.load`` with the safe readers above (collective, like mcore's)."""
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
     ckpt_dir = Path(ckpt_dir)
+    check_dist_checkpoint(ckpt_dir)  # refusals surface here, not inside torch's error collection
     sharded, common = _strategies(ckpt_dir)
     try:
         return dist_checkpointing.load(sharded_state_dict, str(ckpt_dir), sharded_strategy=sharded,
                                        common_strategy=common)
-    except CheckpointError:
-        raise
-    except Exception as exc:  # mcore and torch raise many types for missing or corrupt shards
+    except (Exception, CheckpointException) as exc:  # many types for missing or corrupt shards
+        found = [e for e in exception_chain(exc) if isinstance(e, CheckpointError)]
+        ours = next((e for e in found if isinstance(e, UnsafeCheckpointError)), found[0] if found else None)
+        if ours is not None:  # our own one-line error, possibly wrapped by torch's per-rank collection
+            raise ours from None
         raise CheckpointError(f"checkpoint: cannot load {ckpt_dir} ({type(exc).__name__}: {_first_line(exc)}); "
                               "the checkpoint is incomplete, corrupt or belongs to another model") from None

@@ -74,17 +74,7 @@ def check_tokenizer(tokenizer: Any, path: str, *, model_vocab_size: int) -> None
 def disk_full_error(exc: BaseException) -> OSError | None:
     """The ENOSPC/EDQUOT OSError behind `exc`, if any: a full disk may surface wrapped, e.g. in torch's
     CheckpointException (per-rank failures) or as the cause of another error."""
-    seen: set[int] = set()
-    stack: list[Any] = [exc]
-    while stack:
-        err = stack.pop()
-        if not isinstance(err, BaseException) or id(err) in seen:
-            continue
-        seen.add(id(err))
-        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
-            return err
-        stack += [err.__cause__, err.__context__, *err.args]
-        failures = getattr(err, "failures", None)  # torch.distributed.checkpoint's CheckpointException
-        if isinstance(failures, dict):
-            stack += list(failures.values())
-    return None
+    from verl_mega.models.safe_ckpt import exception_chain
+
+    return next((e for e in exception_chain(exc)
+                 if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)), None)
