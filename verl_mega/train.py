@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         full = disk_full_error(exc)  # a full disk may surface wrapped in a checkpoint writer's error
         if full is None:
             raise
-        print(f"error: {describe_os_error(full)}", file=sys.stderr)
+        print(f"error: {describe_os_error(full)}; free space there or point trainer.output_dir at another disk, then "
+              f"resume (a checkpoint being written when it happened is incomplete and never loaded)", file=sys.stderr)
         return 2
     return 0
 

@@ -61,7 +61,7 @@ def test_tokenizer_must_fit_the_model_vocabulary(tmp_path):
     with pytest.raises(ValueError, match="less than half of the model's vocabulary of 151936; it belongs to another"):
         load_tokenizer(path, model_vocab_size=151936)
     cfg = json.loads((path / "tokenizer_config.json").read_text())
-    cfg.pop("eos_token")
+    cfg["eos_token"] = None
     (path / "tokenizer_config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="has no end-of-sequence token"):
         load_tokenizer(path, model_vocab_size=size)
@@ -88,7 +88,7 @@ def test_output_dir_probe(tmp_path, monkeypatch):
     monkeypatch.setattr(preflight.os, "fsync", lambda fd: full(fd, b""))
     with pytest.raises(ValueError) as info:
         preflight.probe_output_dir(str(target))
-    assert "is not writable: no space left on the device; free space there" in str(info.value)
+    assert "is not writable: no space left on the device; free space there or choose another" in str(info.value)
     assert not (tmp_path / "a").exists()
 
 
@@ -109,7 +109,8 @@ def test_full_disk_is_named_even_when_wrapped():
         assert disk_full_error(wrapped) is full
     assert disk_full_error(CheckpointException("write", {0: (full, None)})) is full
     assert disk_full_error(ValueError("other")) is None
-    assert describe_os_error(full).startswith("no space left on the device writing /out/checkpoints/.tmp-step_000002")
+    assert describe_os_error(full) == ("no space left on the device writing "
+                                       "/out/checkpoints/.tmp-step_000002/actor/__0_0.distcp")
 
 
 def test_rollout_architecture_must_be_the_causal_lm_class(tmp_path):

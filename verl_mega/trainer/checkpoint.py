@@ -161,7 +161,19 @@ class CheckpointManager:
 
     def save(self, step: int) -> Path:
         """Write the full training state of `step`. With checkpoint.async_save the shards are written in the
-        background and the checkpoint becomes visible (COMPLETE, rename, `latest`) at a later poll/save/close."""
+        background and the checkpoint becomes visible (COMPLETE, rename, `latest`) at a later poll/save/close.
+        A full disk is reported as an OSError naming the checkpoint directory."""
+        try:
+            return self._save(step)
+        except BaseException as exc:  # torch's CheckpointException (per-rank write failures) is a BaseException
+            from verl_mega.trainer.preflight import disk_full_error
+
+            full = disk_full_error(exc)
+            if full is not None and not full.filename:
+                raise OSError(full.errno, full.strerror, str(self.root / f".tmp-step_{step:06d}")) from exc
+            raise
+
+    def _save(self, step: int) -> Path:
         from megatron.core import dist_checkpointing
 
         from verl_mega.models.mcore_ckpt import model_sharded_state_dict

@@ -34,21 +34,22 @@ def probe_output_dir(output_dir: str) -> None:
             f.flush()
             os.fsync(f.fileno())
     except OSError as exc:
-        raise ValueError(f"trainer.output_dir={output_dir!r} is not writable: {describe_os_error(exc)}") from None
+        raise ValueError(f"trainer.output_dir={output_dir!r} is not writable: {describe_os_error(exc)}; free space "
+                         f"there or choose another trainer.output_dir") from None
     finally:
         for made in missing:  # leave no partial output behind: only what existed before remains
             shutil.rmtree(made, ignore_errors=True)
 
 
 def describe_os_error(exc: OSError) -> str:
-    """One line for an OSError raised while writing outputs; a full disk is named as such."""
+    """What went wrong, in one line, for an OSError raised while writing outputs; a full disk is named as such."""
     where = f" writing {exc.filename}" if exc.filename else ""
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        what = "no space left on the device" if exc.errno == errno.ENOSPC else "disk quota exceeded"
-        return (f"{what}{where}; free space there or point trainer.output_dir at another disk (a checkpoint "
-                f"that was being written is incomplete and is never loaded; resume from the last complete one)")
+    if exc.errno == errno.ENOSPC:
+        return f"no space left on the device{where}"
+    if exc.errno == errno.EDQUOT:
+        return f"disk quota exceeded{where}"
     if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return f"permission denied{where} ({exc.strerror}); choose a trainer.output_dir you can write"
+        return f"permission denied{where} ({exc.strerror})"
     return f"{exc.strerror or type(exc).__name__}{where}"
 
 
