@@ -19,6 +19,7 @@ finalisation runs once every rank has finished (checked each step, awaited befor
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import logging
@@ -54,6 +55,7 @@ class NonFiniteError(RuntimeError):
 
 
 FAULT_ENV = "VERL_MEGA_FAULT_INJECT"
+_NEARLY_FULL = 64 << 20  # bytes left on the disk after a failed save below which the disk is named as the cause
 
 
 def fault_point(phase: str, step: int) -> None:
@@ -168,9 +170,14 @@ class CheckpointManager:
         except BaseException as exc:  # torch's CheckpointException (per-rank write failures) is a BaseException
             from verl_mega.trainer.preflight import disk_full_error
 
+            tmp = str(self.root / f".tmp-step_{step:06d}")
             full = disk_full_error(exc)
-            if full is not None and not full.filename:
-                raise OSError(full.errno, full.strerror, str(self.root / f".tmp-step_{step:06d}")) from exc
+            # torch's zip writer reports a full disk without its errno ("unexpected pos …"): look at the disk itself
+            if full is None and not isinstance(exc, (KeyboardInterrupt, SystemExit)) \
+                    and shutil.disk_usage(self.root).free < _NEARLY_FULL:
+                full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            if full is not None:
+                raise OSError(full.errno, full.strerror, full.filename or tmp) from exc
             raise
 
     def _save(self, step: int) -> Path:
