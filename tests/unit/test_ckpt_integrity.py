@@ -131,6 +131,7 @@ def test_optimizer_type_and_config_mismatch(run):
 def test_steps_left(run):
     _, (_, newest) = run
     check_steps_left(newest, 5)
+    check_steps_left(newest, 4, complete_ok=True)
     with pytest.raises(RunComplete, match="already holds step 4, the last of this run"):
         check_steps_left(newest, 4)
     with pytest.raises(ResumeError, match="trainer.total_steps=3 is below step 4"):

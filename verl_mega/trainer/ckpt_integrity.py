@@ -237,14 +237,15 @@ class RunComplete(Exception):
     """The checkpoint to resume from already holds the run's last step: there is nothing to train."""
 
 
-def check_steps_left(path: Path, total_steps: int) -> None:
+def check_steps_left(path: Path, total_steps: int, *, complete_ok: bool = False) -> None:
     """Before building: the checkpoint's step must be below the run's last step (trainer.total_steps, or the
-    batches of trainer.total_epochs)."""
+    batches of trainer.total_epochs). ``complete_ok``: a checkpoint at the last step passes (its checksums are not
+    verified yet, and a broken one would be replaced by an older one)."""
     step = checkpoint_step(path)
     if step > total_steps:
         raise ResumeError(f"trainer.total_steps={total_steps} is below step {step} of {path}: that run went further "
                           f"already; set trainer.total_steps above {step} to continue it, or trainer.resume=off (or "
                           f"another trainer.output_dir) to start over")
-    if step == total_steps:
+    if step == total_steps and not complete_ok:
         raise RunComplete(f"{path} already holds step {step}, the last of this run; nothing to train (raise "
                           f"trainer.total_steps to continue, or set trainer.resume=off to start over)")

@@ -287,12 +287,14 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
                           shuffle=cfg.data.shuffle, num_epochs=epochs or 1)
     total_steps = cfg.trainer.total_steps or loader.total_batches
     if resume_path is not None:
-        check_steps_left(resume_path, total_steps)
+        check_steps_left(resume_path, total_steps, complete_ok=True)
 
     # --- build groups, roles, rollout and the 3D-HybridEngine
     init_world(cfg.trainer.collective_timeout_s)
     # every file's checksum, each rank hashing a share; a broken newest checkpoint falls back (resume=auto)
     resume_path = verify_checkpoint(cfg, resume_path)
+    if resume_path is not None:
+        check_steps_left(resume_path, total_steps)  # a complete run ends here, before anything is built
     groups = build_groups(placement, timeout_s=cfg.trainer.collective_timeout_s)
     seed_everything(cfg.trainer.seed, groups)
     actor_m = build_role_engine(cfg, groups, path, role_cfg=cfg.actor, total_steps=total_steps)
