@@ -30,6 +30,21 @@ class _Stub:
         pass
 
 
+def _train_step(engine, vocab_size: int) -> None:
+    import torch
+
+    from verl_mega.engine.logprobs import vocab_parallel_logprobs_entropy
+
+    ids = torch.randint(0, vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def loss_fn(output, mb):
+        lp, _ = vocab_parallel_logprobs_entropy(output[:, :-1], mb["input_ids"][:, 1:], vocab_size=vocab_size,
+                                                tp_group=engine.groups["tp"], with_entropy=False)
+        return -lp.mean(), {}
+
+    engine.train_step([{"input_ids": ids, "position_ids": torch.arange(16).expand_as(ids)}], loss_fn)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, default=1024)
@@ -54,6 +69,7 @@ def main() -> None:
                        "checkpoint.keep_last=1"], check_paths=False)
     groups = init_distributed(seed=cfg.trainer.seed)
     engine = setup.build_role_engine(cfg, groups, model, role_cfg=cfg.actor, total_steps=10).engine
+    _train_step(engine, vocab_size=32000)  # the optimizer holds its state (Adam moments, step) from here on
     manager = ckpt_mod.CheckpointManager(cfg, engines={"actor": engine}, loader=_Stub(), kl_ctrl=_Stub())
 
     digest_s: list[float] = []
