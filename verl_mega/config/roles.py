@@ -286,7 +286,8 @@ class RewardConfig(ConfigSection):
     max_error_frac: float = option(
         0.1, help="Stop the run with an error naming the function and its first failure when more than this "
                   "fraction of a step's samples failed to score (exception, non-finite or non-number result, "
-                  "timeout, crash); the rest of such a batch is not scored. 1.0 never stops.")
+                  "timeout, crash); the rest of such a batch is not scored. 1.0 never stops.",
+        affects_results=False)
     kwargs: Mapping[str, Any] = option(FrozenDict(), help="Extra keyword arguments passed to the reward function.")
     overlong_buffer: OverlongBufferConfig = option(factory=OverlongBufferConfig, help="DAPO overlong penalty.")
 
