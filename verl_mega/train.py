@@ -1,27 +1,30 @@
 """The RL job: ``python -m verl_mega.train --config configs/<recipe>.yaml [key=value …]`` (under torchrun, mpirun
 or Ray for several ranks; a plain ``python`` run is a world of one)."""
 
+# Only light imports at module level: reward worker processes are spawned, and spawning re-imports this module.
 from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
 
 from verl_mega.config import ConfigError, load_config
-from verl_mega.trainer.checkpoint import NonFiniteError
 from verl_mega.trainer.console import configure_console
+
+log = logging.getLogger("verl_mega")
 
 
 def train(cfg) -> dict[str, float]:
-    import time
-
+    from verl_mega.trainer.ckpt_integrity import RunComplete
     from verl_mega.trainer.setup import build_job
 
-    started = time.monotonic()
-    job = build_job(cfg)
     try:
-        metrics = run(job, started=started)
+        job = build_job(cfg)
+    except RunComplete as done:
+        log.info("%s", done)
+        return {}
+    try:
+        metrics = run(job)
     except BaseException:
         job.close(after_error=True)
         raise
@@ -29,15 +32,16 @@ def train(cfg) -> dict[str, float]:
     return metrics
 
 
-def run(job, *, started: float | None = None) -> dict[str, float]:
-    """The RL loop over a built job; the summary's wall time counts from ``started`` (``time.monotonic()``, by
-    default the loop's start)."""
+def run(job) -> dict[str, float]:
+    """The RL loop over a built job. SIGTERM, SIGINT and trainer.time_limit_s stop it after a step, on every rank
+    together, with a checkpoint of that step (trainer/stop.py). The summary's wall time counts from the build."""
     import time
 
     import torch.distributed as dist
 
     from verl_mega.trainer.checkpoint import fault_point
     from verl_mega.trainer.metrics import MetricsLogger, write_summary
+    from verl_mega.trainer.stop import StopRequest
 
     cfg, trainer, loader, ckpt = job.cfg, job.trainer, job.loader, job.ckpt
     start_step, total_steps = job.start_step, job.total_steps
@@ -45,32 +49,33 @@ def run(job, *, started: float | None = None) -> dict[str, float]:
                            progress_bar=cfg.logging.progress_bar, jsonl=cfg.logging.jsonl,
                            tensorboard=cfg.logging.tensorboard, plot=cfg.logging.plot, total_steps=total_steps,
                            rank=dist.get_rank(), resume_step=start_step, log_every=cfg.trainer.log_every)
-    started = time.monotonic() if started is None else started
-    stop = {"signal": None}
-    signal.signal(signal.SIGTERM, lambda signum, frame: stop.update(signal=signum))
 
     # --- the RL loop
     metrics: dict[str, float] = {}
-    for step in range(start_step + 1, total_steps + 1):
-        fault_point("step_start", step)
-        prompts = loader.next_batch()
-        if prompts is None:
-            break
-        metrics = trainer.step(prompts)
-        ckpt.guard_nonfinite(metrics, step)
-        if cfg.trainer.val_every and (step % cfg.trainer.val_every == 0 or step == total_steps):
-            metrics.update(trainer.validate())
-        logger.log(metrics, step)
-        if ckpt.should_save(step, total_steps) or stop["signal"] is not None:
-            ckpt.save(step)
-        if stop["signal"] is not None:
-            break
-    ckpt.close()  # a background save (checkpoint.async_save) becomes complete and visible
+    with StopRequest(cfg.trainer.time_limit_s, started=job.started) as stop:
+        for step in range(start_step + 1, total_steps + 1):
+            began = time.monotonic()
+            fault_point("step_start", step)
+            prompts = loader.next_batch()
+            if prompts is None:
+                break
+            metrics = trainer.step(prompts)
+            ckpt.guard_nonfinite(metrics, step)
+            if cfg.trainer.val_every and (step % cfg.trainer.val_every == 0 or step == total_steps):
+                metrics.update(trainer.validate())
+            logger.log(metrics, step)
+            reason = stop.agreed(time.monotonic() - began)
+            if ckpt.should_save(step, total_steps) or reason:
+                ckpt.save(step)
+            if reason:
+                log.warning("stopping after step %d (%s) with a checkpoint of that step", step, reason)
+                break
+        ckpt.close()  # a background save (checkpoint.async_save) becomes complete and visible
     logger.close()
     if dist.get_rank() == 0:
         latest = ckpt.root / "latest"
         last = ckpt.root / latest.read_text().strip() if latest.exists() else None
-        print(write_summary(cfg.trainer.output_dir, wall_s=time.monotonic() - started, checkpoint=last), end="",
+        print(write_summary(cfg.trainer.output_dir, wall_s=time.monotonic() - job.started, checkpoint=last), end="",
               flush=True)
     return metrics
 
@@ -81,12 +86,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.lr=1e-6 parallel.tp=2")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    from verl_mega.rewards import RewardFunctionFailed
+    from verl_mega.trainer.checkpoint import NonFiniteError
+    from verl_mega.trainer.preflight import describe_os_error, disk_full_error
+
     try:
         cfg = load_config(args.config, args.overrides)
         configure_console(cfg.logging.verbose)
         train(cfg)
-    except (ConfigError, ValueError, FileNotFoundError, NonFiniteError) as exc:
+    except (ConfigError, ValueError, FileNotFoundError, NonFiniteError, RewardFunctionFailed) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except BaseException as exc:  # torch's CheckpointException is a BaseException
+        full = disk_full_error(exc)  # a full disk may surface wrapped in a checkpoint writer's error
+        if full is None:
+            raise
+        print(f"error: {describe_os_error(full)}; free space there or point trainer.output_dir at another disk, then "
+              f"resume (a checkpoint being written when it happened is incomplete and never loaded)", file=sys.stderr)
         return 2
     return 0
 

@@ -5,6 +5,7 @@ for background saves (checkpoint.async_save), whose checkpoints equal the synchr
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -115,6 +116,31 @@ def test_sigterm_saves_current_step(reference, tmp_path):
     proc = _train(out, cache, None, f"trainer.total_steps={last_logged + 1}", "trainer.save_every=0")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _rows(out)[-1]["step"] == last_logged + 1
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_broken_newest_checkpoint_falls_back_and_reproduces(reference, tmp_path, damage):
+    """step_000006 damaged after it was written: a truncated shard (caught by its size, before anything is built) or
+    flipped bytes (caught by its SHA-256 once the process group exists). resume=auto warns, resumes from step 4 and
+    the run's metrics equal the uninterrupted run's."""
+    ref_rows, cache, ref_out = reference
+    out = tmp_path / "run"
+    shutil.copytree(ref_out, out)
+    shard = sorted((out / "checkpoints" / "step_000006" / "actor").glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) // 2]
+    else:
+        data[len(data) // 2: len(data) // 2 + 64] = bytes(b ^ 0x5A for b in data[len(data) // 2:][:64])
+    shard.write_bytes(bytes(data))
+    proc = _train(out, cache)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    text = (tmp_path / "train.log").read_text()
+    problem = f"has {len(data)} bytes" if damage == "truncate" else "does not match its SHA-256"
+    assert f"{shard} {problem}" in text and "resuming from the older step_000004 instead" in text, text[-4000:]
+    assert "resumed from" in text and "step_000004 (step 4)" in text
+    _check_checkpoints(out)
+    assert _rows(out) == ref_rows
 
 
 # ---------------------------------------------------------------- background saves (checkpoint.async_save=true)

@@ -350,6 +350,31 @@ def test_yaml_syntax_error(tmp_path):
     assert message.startswith(f"cannot parse {recipe} at line ") and message.endswith("; fix the YAML syntax")
 
 
+def test_duplicate_yaml_keys_are_refused(tmp_path):
+    recipe = tmp_path / "dup.yaml"
+    recipe.write_text("actor:\n  lr: 1.0e-4\n  ppo_epochs: 1\n  lr: 2.0e-4\n")
+    assert _error(load_config, str(recipe)) == (
+        f"{recipe} at line 4, column 3: key 'lr' appears twice (lines 2 and 4); keep one")
+    recipe.write_text("actor: {lr: 1.0e-4}\nactor: {lr: 2.0e-4}\n")
+    assert "key 'actor' appears twice (lines 1 and 2)" in _error(load_config, str(recipe))
+
+
+def test_empty_recipe_is_refused(tmp_path):
+    for text in ("", "# only a comment\n", "{}\n"):
+        recipe = tmp_path / "empty.yaml"
+        recipe.write_text(text)
+        assert _error(load_config, str(recipe)).startswith(f"config file '{recipe}' is empty;")
+
+
+def test_reward_workers_and_error_fraction():
+    assert "reward.num_workers=0: reward functions run in worker processes" in _error(
+        load_config, None, ["reward.function=arithmetic", "reward.num_workers=0"])
+    assert "reward.max_error_frac=1.5 is a fraction" in _error(
+        load_config, None, ["reward.function=arithmetic", "reward.max_error_frac=1.5"])
+    assert "trainer.time_limit_s" in _error(load_config, None, ["reward.function=arithmetic",
+                                                                "trainer.time_limit_s=0"])
+
+
 def test_include_cycle(tmp_path):
     (tmp_path / "a.yaml").write_text("defaults: b.yaml\n")
     (tmp_path / "b.yaml").write_text("defaults: a.yaml\n")

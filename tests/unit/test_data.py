@@ -136,6 +136,18 @@ def test_bad_input_errors_name_file_line_field_and_fix(tmp_path):
                                               answer_key="solution")
     assert "extension '.csv'" in _err(tmp_path, "x.csv", "prompt,answer\n")
     assert "expected a list of objects" in _err(tmp_path, "x.json", '{"prompt": "a"}')
+    msg = _err(tmp_path, "n.jsonl", '{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": null}\n')
+    assert "n.jsonl:line 2: field 'answer' is null, so every response would score 0" in msg
+
+
+def test_bytes_that_are_not_utf8_name_file_line_and_column(tmp_path):
+    for name in ("u.jsonl", "u.json"):
+        path = tmp_path / name
+        body = b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "caf\xe9", "answer": "3"}\n'
+        path.write_bytes(b"[" + body.replace(b"}\n{", b"},\n{") + b"]" if name.endswith(".json") else body)
+        with pytest.raises(PromptDataError) as info:
+            load_prompt_records(str(path))
+        assert str(info.value) == f"{path}:line 2: byte 0xe9 at column 16 is not UTF-8; re-save the file as UTF-8"
 
 
 def test_no_answer_key_and_message_list_needs_template(tmp_path):

@@ -130,3 +130,25 @@ def test_launch_scripts_parse_and_explain_themselves():
     r = subprocess.run(["bash", str(REPO / "launch" / "mpirun.sh"), "--", "-c", "pass"], capture_output=True,
                        text=True, timeout=30, env={**os.environ, "MPIRUN": "no-such-mpirun"})
     assert r.returncode == 2 and "'no-such-mpirun' not found" in r.stderr
+
+
+def test_single_node_mpirun_needs_no_remote_shell(tmp_path):
+    """Open MPI 4.x refuses to start without ssh/rsh unless told otherwise; one node never needs them (checked by
+    hand with Open MPI 4.1.4 and 5.0.11 on a machine without ssh). Here: the arguments mpirun.sh passes."""
+    fake = tmp_path / "mpirun"
+    fake.write_text("#!/bin/sh\nprintf '%s\\n' \"$@\"\n")
+    fake.chmod(0o755)
+
+    def args(*extra: str, **env: str) -> list[str]:
+        r = subprocess.run(["bash", str(REPO / "launch" / "mpirun.sh"), "-np", "2", *extra, "--", "-c", "pass"],
+                           capture_output=True, text=True, timeout=30,
+                           env={**os.environ, "MPIRUN": str(fake), **env})
+        assert r.returncode == 0, r.stderr
+        return r.stdout.split("\n")
+
+    single = args()
+    i = single.index("plm_rsh_agent")
+    assert single[i - 1:i + 2] == ["--mca", "plm_rsh_agent", "false"]
+    assert "plm_rsh_agent" not in args("--hosts", "a:1,b:1")  # several hosts: mpirun's own ssh launch
+    assert "false" not in args(OMPI_MCA_plm_rsh_agent="rsh")  # the user's choice wins
+    assert args(MPIRUN_EXTRA_ARGS="--mca plm_rsh_agent /usr/bin/ssh").count("plm_rsh_agent") == 1

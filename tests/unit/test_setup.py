@@ -46,3 +46,86 @@ def test_directory_without_tokenizer_files(tmp_path):
     (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
     with pytest.raises(ValueError, match="has no tokenizer files"):
         load_tokenizer(tmp_path / "m")
+
+
+# ----------------------------------------------------------------------------- checks before anything is built
+def test_tokenizer_must_fit_the_model_vocabulary(tmp_path):
+    from verl_mega.models.tiny import tokenizer_vocab_size
+
+    path = build_char_tokenizer(tmp_path / "tok")
+    size = tokenizer_vocab_size()
+    load_tokenizer(path, model_vocab_size=size)
+    load_tokenizer(path, model_vocab_size=size + 9)  # models pad their vocabulary
+    with pytest.raises(ValueError, match=f"the tokenizer has {size} tokens but the model's vocabulary has {size - 1}"):
+        load_tokenizer(path, model_vocab_size=size - 1)
+    with pytest.raises(ValueError, match="less than half of the model's vocabulary of 151936; it belongs to another"):
+        load_tokenizer(path, model_vocab_size=151936)
+    cfg = json.loads((path / "tokenizer_config.json").read_text())
+    cfg["eos_token"] = None
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="has no end-of-sequence token"):
+        load_tokenizer(path, model_vocab_size=size)
+
+
+def test_output_dir_probe(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    from verl_mega.trainer import preflight
+
+    target = tmp_path / "a" / "b"
+    preflight.probe_output_dir(str(target))
+    assert not (tmp_path / "a").exists()  # what the probe created is gone again
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="trainer.output_dir=.*file' is a file, not a directory"):
+        preflight.probe_output_dir(str(tmp_path / "file"))
+    with pytest.raises(ValueError, match="file is a file, not a directory; choose another"):
+        preflight.probe_output_dir(str(tmp_path / "file" / "out"))
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(preflight.os, "fsync", lambda fd: full(fd, b""))
+    with pytest.raises(ValueError) as info:
+        preflight.probe_output_dir(str(target))
+    assert "is not writable: no space left on the device; free space there or choose another" in str(info.value)
+    assert not (tmp_path / "a").exists()
+
+
+def test_full_disk_is_named_even_when_wrapped():
+    import errno
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from verl_mega.trainer.preflight import describe_os_error, disk_full_error
+
+    full = OSError(errno.ENOSPC, "No space left on device", "/out/checkpoints/.tmp-step_000002/actor/__0_0.distcp")
+    try:
+        try:
+            raise full
+        except OSError as exc:
+            raise RuntimeError("the writer failed") from exc
+    except RuntimeError as wrapped:
+        assert disk_full_error(wrapped) is full
+    assert disk_full_error(CheckpointException("write", {0: (full, None)})) is full
+    assert disk_full_error(ValueError("other")) is None
+    assert describe_os_error(full) == ("no space left on the device writing "
+                                       "/out/checkpoints/.tmp-step_000002/actor/__0_0.distcp")
+
+
+def test_rollout_architecture_must_be_the_causal_lm_class(tmp_path):
+    from verl_mega.models.hf_config import ModelConfigError, check_rollout_architecture
+
+    check_rollout_architecture({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}, tmp_path)
+    for archs in (["FooForCausalLM"], None, ["Qwen2ForCausalLM", "Qwen2ForTokenClassification"]):
+        with pytest.raises(ModelConfigError, match='runs model_type=.qwen2. as Qwen2ForCausalLM: set "architectures"'):
+            check_rollout_architecture({"model_type": "qwen2", "architectures": archs}, tmp_path)
+
+
+def test_vllm_knows_every_architecture_we_name():
+    from vllm import ModelRegistry
+
+    from verl_mega.models.hf_config import CAUSAL_LM_ARCHITECTURES, SUPPORTED_MODEL_TYPES
+
+    assert set(CAUSAL_LM_ARCHITECTURES) == set(SUPPORTED_MODEL_TYPES)
+    assert set(CAUSAL_LM_ARCHITECTURES.values()) <= set(ModelRegistry.get_supported_archs())

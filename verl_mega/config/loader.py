@@ -28,7 +28,20 @@ _EXP_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]
 
 
 class _RecipeLoader(yaml.SafeLoader):
-    """yaml.SafeLoader with YAML 1.2 booleans and exponent floats."""
+    """yaml.SafeLoader with YAML 1.2 booleans and exponent floats, refusing duplicate keys (YAML forbids them;
+    PyYAML would silently keep the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} appears twice (lines {seen[key] + 1} and "
+                                    f"{key_node.start_mark.line + 1}); keep one", key_node.start_mark)
+                seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
 
 
 class _RecipeDumper(yaml.SafeDumper):
@@ -50,6 +63,8 @@ def _parse_yaml(text: str, source: str, fix: str = "fix the YAML syntax") -> Any
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc)
+        if "appears twice" in problem:  # our duplicate-key check: its own fix
+            raise ConfigError(f"{source}{where}: {problem}") from None
         raise ConfigError(f"cannot parse {source}{where}: {problem}; {fix}") from None
 
 
@@ -85,8 +100,9 @@ def load_recipe(path: str | os.PathLike, _chain: tuple[str, ...] = ()) -> dict:
         raise _missing_file_error(path, _chain[-1] if _chain else None)
     with open(path, encoding="utf-8") as f:
         data = _parse_yaml(f.read(), path)
-    if data is None:
-        return {}
+    if data is None or data == {}:
+        raise ConfigError(f"config file '{path}' is empty; write the sections to change (e.g. `actor: {{lr: 1e-6}}`) "
+                          f"or start from a recipe in configs/, e.g. configs/quickstart_cpu.yaml")
     if not isinstance(data, Mapping):
         raise ConfigError(f"{path} must hold a mapping of config sections, got {type(data).__name__}; "
                           f"write it as `section: {{key: value}}`")

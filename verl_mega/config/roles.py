@@ -276,9 +276,18 @@ class RewardConfig(ConfigSection):
                    "`generated:<task>` data.")
     reward_model_path: str | None = option(None, help="HF directory of a reward model (value-head model scoring the "
                                                       "last token); null for function-only rewards.")
-    num_workers: int = option(2, help="Worker processes scoring responses off the critical path; 0 scores inline.",
-                              affects_results=False)
-    timeout_s: float = option(30.0, help="Time limit per reward-function call.")
+    num_workers: int = option(
+        2, help="Worker processes (per rank) that run the reward function, off the critical path. A call past "
+                "reward.timeout_s, or one that ends its process (os._exit, a crash), scores 0 and its worker is "
+                "killed and replaced; the step's metrics count them (reward/timeouts, reward/errors).",
+        affects_results=False)
+    timeout_s: float = option(30.0, help="Time limit per reward-function call (one sample, or one chunk of a "
+                                         "batched function), enforced by killing the worker.")
+    max_error_frac: float = option(
+        0.1, help="Stop the run with an error naming the function and its first failure when more than this "
+                  "fraction of a step's samples failed to score (exception, non-finite or non-number result, "
+                  "timeout, crash); the rest of such a batch is not scored. 1.0 never stops.",
+        affects_results=False)
     kwargs: Mapping[str, Any] = option(FrozenDict(), help="Extra keyword arguments passed to the reward function.")
     overlong_buffer: OverlongBufferConfig = option(factory=OverlongBufferConfig, help="DAPO overlong penalty.")
 
@@ -287,5 +296,10 @@ class RewardConfig(ConfigSection):
             self._require(bool(_REWARD_FN.fullmatch(self.function)),
                           f"reward.function={self.function!r} is not a built-in name, `pkg.module.fn`, "
                           f"`pkg.module:fn` or `file.py[:fn]`; fix reward.function")
-        self._check_range("num_workers", ge=0)
+        self._require(self.num_workers >= 1, f"reward.num_workers={self.num_workers}: reward functions run in "
+                                             f"worker processes, so that a hung or crashing one can be stopped; "
+                                             f"set reward.num_workers>=1 (1 suits a cheap function)")
         self._check_range("timeout_s", gt=0.0, example=30.0)
+        self._check_range("max_error_frac", ge=0.0, example=0.1)
+        self._require(self.max_error_frac <= 1.0, f"reward.max_error_frac={self.max_error_frac} is a fraction of "
+                                                  f"the samples; set it in [0, 1] (1.0 never stops)")

@@ -28,6 +28,10 @@ class TrainerConfig(ConfigSection):
                                              "slower on GPU).")
     save_every: int = option(0, help="Save a checkpoint every N steps; 0 disables periodic saves.",
                              affects_results=False)
+    time_limit_s: float | None = option(
+        None, help="Stop cleanly (checkpoint of the last step, exit 0) before the run has been going this many "
+                   "seconds: after the first step that ends less than one step's duration before the limit. null: "
+                   "no limit. SIGTERM and SIGINT stop the same way (docs/checkpointing.md).", affects_results=False)
     resume: str = option(RESUME_AUTO, help="`auto` resumes from the newest complete checkpoint in output_dir, `off` "
                                            "starts fresh, anything else is a checkpoint directory.",
                          affects_results=False)
@@ -72,6 +76,7 @@ class TrainerConfig(ConfigSection):
         self._check_range("max_consecutive_nonfinite", ge=1, example=3)
         self._check_range("collective_timeout_s", gt=0.0, example=1800)
         self._check_range("peak_tflops", gt=0.0, example=989)
+        self._check_range("time_limit_s", gt=0.0, example=3600)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,6 +92,10 @@ class CheckpointConfig(ConfigSection):
                               "once every rank has written it (see docs/checkpointing.md).")
     export_hf: bool = option(False, help="Also export the actor as HF safetensors at each save.")
     save_optimizer: bool = option(True, help="Include optimizer state (needed for an exact resume).")
+    verify_checksums: bool = option(
+        True, help="Before resuming, compare every file of the checkpoint with the SHA-256 recorded in its "
+                   "manifest.json at save time (the ranks hash a share each); false skips that, sizes are still "
+                   "checked (cost: docs/checkpointing.md).")
 
     def validate(self) -> None:
         self._check_range("keep_last", ge=1, example=2)

@@ -122,9 +122,9 @@ def _rows(path: str) -> Iterator[tuple[str, Any]]:
         for i, row in enumerate(rows, start=1):
             yield f"{path}:row {i}", row
     elif ext == ".json":
+        text = _read_utf8(path)
         try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
+            data = json.loads(text)
         except json.JSONDecodeError as exc:
             raise PromptDataError(
                 f"{path}:line {exc.lineno}: invalid JSON ({exc.msg}); expected a list of objects"
@@ -136,19 +136,31 @@ def _rows(path: str) -> Iterator[tuple[str, Any]]:
         for i, row in enumerate(data, start=1):
             yield f"{path}:item {i}", row
     elif ext == ".jsonl":
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise PromptDataError(
-                        f"{path}:line {lineno}: invalid JSON ({exc.msg}); each line must be one JSON object"
-                    ) from None
-                yield f"{path}:line {lineno}", row
+        for lineno, line in enumerate(_read_utf8(path).splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise PromptDataError(
+                    f"{path}:line {lineno}: invalid JSON ({exc.msg}); each line must be one JSON object"
+                ) from None
+            yield f"{path}:line {lineno}", row
     else:
         raise PromptDataError(f"prompt file '{path}' has extension '{ext}'; use .jsonl, .json or .parquet")
+
+
+def _read_utf8(path: str) -> str:
+    """The file's text; a byte that is not UTF-8 is an error naming the line and column."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise PromptDataError(f"{path}:line {line}: byte 0x{raw[exc.start]:02x} at column {column} is not UTF-8; "
+                              f"re-save the file as UTF-8") from None
 
 
 def _generated_rows(task: GeneratedTask, entry: str, num_examples: int, seed: int) -> Iterator[tuple[str, Any]]:
@@ -201,6 +213,11 @@ def load_prompt_records(
                     raise PromptDataError(
                         f"{where}: missing field '{file_answer_key}' (fields: {', '.join(sorted(row)) or 'none'}); "
                         "set answer_key to the field holding the ground truth, or null if there is none"
+                    )
+                if truth is None:  # it would score 0 silently, whatever the response
+                    raise PromptDataError(
+                        f"{where}: field '{file_answer_key}' is null, so every response would score 0; give the "
+                        "ground truth or remove the record"
                     )
             extra = {k: v for k, v in row.items() if k not in (file_prompt_key, file_answer_key)}
             records.append(PromptRecord(_check_prompt(prompt, where, file_prompt_key), truth, extra, where))

@@ -12,6 +12,9 @@ import torch
 import torch.nn.functional as F
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# the HF class vLLM instantiates for each supported model_type (vLLM picks its model class by `architectures`)
+CAUSAL_LM_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                           "qwen3": "Qwen3ForCausalLM"}
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -128,6 +131,20 @@ def arch_from_hf(hf: dict[str, Any]) -> ModelArch:
         rope_scaling=rope_scaling,
         sliding_window=sliding,
     )
+
+
+def check_rollout_architecture(hf: dict[str, Any], path: str | Path) -> None:
+    """The `architectures` of the policy's config.json must name the causal-LM class of its model_type: vLLM chooses
+    its model implementation by that name (and fails late, with a long message, on one it does not know)."""
+    want = CAUSAL_LM_ARCHITECTURES.get(hf.get("model_type"))
+    archs = hf.get("architectures")
+    if want is None:
+        return  # arch_from_hf reports the unsupported model_type
+    if not isinstance(archs, list) or archs != [want]:
+        shown = ", ".join(map(str, archs)) if isinstance(archs, list) and archs else "nothing"
+        raise ModelConfigError(f"model: {Path(path) / 'config.json'} names architectures {shown}; the rollout engine "
+                               f"(vLLM) runs model_type={hf['model_type']!r} as {want}: set \"architectures\": "
+                               f"[\"{want}\"] in config.json")
 
 
 def _divisors(n: int) -> str:

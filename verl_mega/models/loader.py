@@ -41,9 +41,11 @@ def check_checkpoint_matches(reader: HFCheckpointReader, arch: ModelArch) -> Non
 @torch.no_grad()
 def load_hf_weights(chunks: list[torch.nn.Module], reader: HFCheckpointReader, arch: ModelArch, groups: RankGroups,
                     *, skip_value_head: bool = False) -> int:
-    """Copy this rank's slices of an HF checkpoint into the mcore chunks. Returns the number of params loaded."""
+    """Copy this rank's slices of an HF checkpoint into the mcore chunks. Returns the number of params loaded.
+    Non-finite values (NaN/Inf) in any rank's slices are an error on every rank (collective when distributed)."""
     tp, tp_rank = groups.size("tp"), groups.tp_rank
     loaded = 0
+    nonfinite: str | None = None
     for chunk in chunks:
         model = unwrap(chunk)
         offset = model.stage_layout.layer_offset
@@ -58,8 +60,19 @@ def load_hf_weights(chunks: list[torch.nn.Module], reader: HFCheckpointReader, a
                     f"checkpoint: {rule.hf_names[0]} gives shape {tuple(shard.shape)} for {name} but the model "
                     f"expects {tuple(param.shape)}; the weights do not match config.json"
                 )
+            if nonfinite is None and shard.is_floating_point() and not bool(torch.isfinite(shard).all()):
+                nonfinite = rule.hf_names[0]
             param.data.copy_(shard.to(param.dtype))
             loaded += 1
+    found = [nonfinite]
+    pool = groups["pool"] if dist.is_initialized() else None
+    if pool is not None and dist.get_world_size(pool) > 1:  # every rank fails, not only the one holding the slice
+        found = [None] * dist.get_world_size(pool)
+        dist.all_gather_object(found, nonfinite, group=pool)
+    bad = next((name for name in found if name), None)
+    if bad is not None:
+        raise CheckpointError(f"checkpoint: tensor {bad} in {reader.path} holds NaN or Inf values; the weights are "
+                              f"damaged (or were saved after training diverged): use an intact checkpoint")
     return loaded
 
 

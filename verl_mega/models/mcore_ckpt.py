@@ -37,22 +37,13 @@ def save_model_dist(chunks: list[torch.nn.Module], out_dir: str | Path, groups) 
 
 
 def load_model_dist(chunks: list[torch.nn.Module], ckpt_dir: str | Path, groups) -> None:
-    """Load weights saved at any tp/pp into this rank's chunks (mcore reshards on load)."""
-    from megatron.core import dist_checkpointing
-
+    """Load weights saved at any tp/pp into this rank's chunks (mcore reshards on load). Metadata and objects are read
+    without running code from the checkpoint (see safe_ckpt)."""
     from verl_mega.models.loader import unwrap
+    from verl_mega.models.safe_ckpt import load_dist
 
     ckpt_dir = Path(ckpt_dir)
-    if not (ckpt_dir / "metadata.json").exists():
-        raise CheckpointError(f"checkpoint: {ckpt_dir} is not a Megatron dist checkpoint (no metadata.json)")
-    sharded = model_sharded_state_dict(chunks, groups)
-    try:
-        state = dist_checkpointing.load(sharded, str(ckpt_dir))
-    except Exception as exc:  # mcore raises several types for missing/corrupt shards
-        raise CheckpointError(
-            f"checkpoint: cannot load {ckpt_dir} ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
-            "the checkpoint is incomplete or belongs to another model"
-        ) from None
+    state = load_dist(model_sharded_state_dict(chunks, groups), ckpt_dir)
     if len(chunks) == 1:
         unwrap(chunks[0]).load_state_dict(state["model"], strict=False)
     else:
@@ -111,9 +102,12 @@ def convert_mcore_to_hf(mcore_path: str | Path, out_dir: str | Path) -> Path:
     """Megatron dist checkpoint (written by verl_mega) → HF safetensors + config.json, in one CPU process."""
     from verl_mega.models.loader import iter_hf_tensors
 
+    from verl_mega.models.safe_ckpt import check_dist_checkpoint
+
     mcore_path = Path(mcore_path)
     meta = read_model_meta(mcore_path)
     arch = arch_from_hf(meta["hf_config"])
+    check_dist_checkpoint(mcore_path)  # a refused or broken file fails here, before the model is built
     with AtomicDir(out_dir) as tmp:
         chunks, groups = _single_process_model(arch, meta["dtype"])
         load_model_dist(chunks, mcore_path, groups)

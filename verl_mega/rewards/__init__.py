@@ -14,7 +14,7 @@ from verl_mega.rewards.math_reward import (
     numbers_match,
     parse_number,
 )
-from verl_mega.rewards.pool import RewardBatchResult, RewardPool
+from verl_mega.rewards.pool import RewardBatchResult, RewardFunctionFailed, RewardPool
 
 __all__ = [
     "BUILTIN_REWARDS",
@@ -32,4 +32,5 @@ __all__ = [
     "parse_number",
     "RewardBatchResult",
     "RewardPool",
+    "RewardFunctionFailed",
 ]

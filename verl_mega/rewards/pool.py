@@ -1,44 +1,57 @@
-"""Run reward functions off the critical path, with a per-call time limit, in threads or worker processes.
+"""Run reward functions in worker processes, off the critical path, under a time limit.
 
 ``RewardPool.submit(responses, ground_truths, extras) -> Future[RewardBatchResult]`` returns at once; the trainer
-collects the future after the GPU scoring stages it overlaps with. A call that raises, returns something that is not a
-finite number, or runs past ``timeout_s`` scores 0.0; failures are counted (``total_timeouts`` / ``total_errors``)
-and logged once per batch — they never stop the job.
+collects the future after the device stages it overlaps with.
 
-Modes:
+Every call of the user function runs in one of ``num_workers`` worker processes (started with ``spawn``; each loads
+the function once), because only a process can be stopped whatever the function does. For each call the pool waits
+for the answer, the worker's death or the time limit, whichever comes first:
 
-* ``thread`` (default): cheap, shares memory; right for fast or I/O-bound functions. A Python thread cannot be
-  stopped, so a timed-out call is abandoned (scored 0) and its thread replaced; the stuck thread is a daemon and does
-  not block exit.
-* ``num_workers=0``: inline — scored in the calling thread when submitted (the Future is already done); for cheap
-  functions. Errors still score 0, but the time limit cannot be enforced.
-* ``process``: worker processes (``spawn``); right for CPU-heavy or untrusted code. The time limit interrupts the
-  call inside the worker (SIGALRM); a worker stuck in native code (past every call's limit plus ``stuck_grace_s``)
-  is killed and the pool restarted after the batch.
-  Functions given by spec string are re-loaded in each worker; other callables must be picklable.
+* an answer: the scores; a call that raises or returns something that is not a finite number is an *error*;
+* the worker died (``os._exit``, a segfault, the OOM killer): an *error* saying so, with the exit code; the worker is
+  replaced;
+* ``timeout_s`` passed: the worker is killed (SIGKILL) and replaced; a *timeout*.
+
+Errors and timeouts score 0.0 and are counted per batch (:class:`RewardBatchResult`) and per pool. Once more than
+``max_error_frac`` of a batch's samples failed, its remaining calls are not run (scored 0, counted as errors): a
+function that always hangs costs about one time limit per batch, not one per sample, and the trainer then stops
+(:class:`RewardFunctionFailed`, raised by the trainer from the step's counts). Nothing leaks: killed workers are
+joined, one dispatcher thread serves the pool, and ``close()`` (also run at exit) kills every worker. Workers ignore
+SIGINT and SIGTERM, which are the trainer's to handle, and die with the trainer (Linux parent-death signal).
+
+Functions given by spec string are re-loaded in each worker; other callables must be picklable.
 """
 
 from __future__ import annotations
 
+import atexit
+import collections
 import logging
 import math
 import multiprocessing as mp
 import pickle
 import queue
 import signal
+import sys
 import threading
 import time
-from concurrent.futures import ALL_COMPLETED, Future, wait
+import weakref
+from concurrent.futures import Future
 from dataclasses import dataclass
+from multiprocessing.connection import wait as wait_any
 from typing import Any, Callable, Mapping, Sequence
 
 from verl_mega.rewards.loader import RewardFunction, load_reward_fn
 
-__all__ = ["RewardPool", "RewardBatchResult"]
+__all__ = ["RewardPool", "RewardBatchResult", "RewardFunctionFailed"]
 
 logger = logging.getLogger("verl_mega.rewards")
 
 _STARTUP_TIMEOUT_S = 60.0
+
+
+class RewardFunctionFailed(RuntimeError):
+    """A reward function failed on more than reward.max_error_frac of a step's samples."""
 
 
 @dataclass(frozen=True)
@@ -50,162 +63,124 @@ class RewardBatchResult:
     first_error: str | None = None
 
 
-class _DaemonThreadPool:
-    """Minimal pool of daemon threads (``ThreadPoolExecutor`` joins its threads at exit, so one hung user call
-    would hang interpreter shutdown)."""
+# ------------------------------------------------------------------------------------------- worker process side
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        import ctypes
 
-    def __init__(self, num_workers: int, name: str):
-        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
-        self._name = name
-        self._count = 0
-        for _ in range(num_workers):
-            self.add_worker()
-
-    def add_worker(self) -> None:
-        self._count += 1
-        threading.Thread(target=self._loop, name=f"{self._name}-{self._count}", daemon=True).start()
-
-    def _loop(self) -> None:
-        while True:
-            item = self._tasks.get()
-            if item is None:
-                return
-            future, fn, args = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn(*args))
-            except BaseException as exc:  # noqa: BLE001 - delivered to the waiting side
-                future.set_exception(exc)
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
-        future: Future = Future()
-        self._tasks.put((future, fn, args))
-        return future
-
-    def shutdown(self) -> None:
-        for _ in range(self._count):
-            self._tasks.put(None)
-
-
-# ------------------------------------------------------------------------------------------- process-worker side
-_WORKER_FN: RewardFunction | None = None
-
-
-class _CallTimeout(Exception):
-    pass
-
-
-def _on_alarm(signum, frame):  # noqa: ARG001
-    raise _CallTimeout()
-
-
-def _init_worker(spec: str | None, pickled_fn: bytes | None, batched: bool, reward_kwargs: dict) -> None:
-    global _WORKER_FN
-    if spec is not None:
-        _WORKER_FN = load_reward_fn(spec, batched=batched, reward_kwargs=reward_kwargs)
-    else:
-        _WORKER_FN = pickle.loads(pickled_fn)
-    signal.signal(signal.SIGALRM, _on_alarm)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is handled by the parent
-
-
-def _process_unit(responses, ground_truths, extras, timeout_s):
-    start = time.monotonic()
-    signal.setitimer(signal.ITIMER_REAL, timeout_s)
-    try:
-        outcome = _call_unit(_WORKER_FN, responses, ground_truths, extras)
-    except _CallTimeout:
-        return ("timeout", None)
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-    # A call that blocked the alarm (native code) but finished late is still over its limit.
-    return ("timeout", None) if time.monotonic() - start > timeout_s else outcome
-
-
-def _ping(x: int) -> int:
-    return x
+        try:  # PR_SET_PDEATHSIG = 1: SIGKILL this worker when the trainer dies, even by SIGKILL
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+        except (OSError, AttributeError):
+            pass
 
 
 def _call_unit(fn: RewardFunction, responses, ground_truths, extras) -> tuple[str, Any]:
-    """Never raises (except a timeout): ("ok", scores) or ("error", message)."""
+    """Never raises: ("ok", scores) or ("error", message)."""
     try:
         return ("ok", fn.score_batch(responses, ground_truths, extras))
-    except _CallTimeout:
-        raise
-    except Exception as exc:  # noqa: BLE001 - user code: any failure scores 0
+    except Exception as exc:  # noqa: BLE001 - user code: any failure is counted and scores 0
         return ("error", f"{type(exc).__name__}: {exc}")
 
 
-def _timed_thread_unit(fn: RewardFunction, started: dict, key: int, responses, ground_truths, extras):
-    started[key] = time.monotonic()
-    return _call_unit(fn, responses, ground_truths, extras)
+def _worker_main(conn, spec: str | None, pickled_fn: bytes | None, batched: bool, reward_kwargs: dict) -> None:
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer handles Ctrl-C and SIGTERM; it kills us when done
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        fn = load_reward_fn(spec, batched=batched, reward_kwargs=reward_kwargs) if spec is not None \
+            else pickle.loads(pickled_fn)
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        conn.send(("init_error", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", None))
+    while True:
+        try:
+            unit = conn.recv()
+        except (EOFError, OSError):  # the trainer is gone
+            return
+        if unit is None:
+            return
+        outcome = _call_unit(fn, *unit)
+        try:
+            conn.send(outcome)
+        except Exception as exc:  # noqa: BLE001 - e.g. a score that cannot be pickled
+            conn.send(("error", f"its result could not be sent back ({type(exc).__name__}: {exc})"))
 
 
-# ------------------------------------------------------------------------------------------------------ the pool
+# ------------------------------------------------------------------------------------------------- parent side
+class _Worker:
+    def __init__(self, ctx, initargs: tuple) -> None:
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker_main, args=(child, *initargs), daemon=True, name="reward-worker")
+        self.proc.start()
+        child.close()
+        self.ready = False
+        self.started = time.monotonic()
+        self.unit: int | None = None  # the unit it is scoring
+        self.deadline = math.inf
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join()
+        self.conn.close()
+
+    def death(self) -> str:
+        self.proc.join()
+        code = self.proc.exitcode
+        how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+        if not self.ready:
+            return f"the worker process died while starting ({how}; its error is printed above)"
+        return f"the worker process died ({how}) inside the function (os._exit, a crash or the OOM killer)"
+
+
 class RewardPool:
-    """Score batches of responses asynchronously; see the module docstring."""
+    """Score batches of responses asynchronously in worker processes; see the module docstring."""
 
     def __init__(
         self,
         reward_fn: RewardFunction | str | Callable[..., Any],
         *,
-        mode: str = "thread",
         num_workers: int = 4,
         timeout_s: float = 30.0,
+        max_error_frac: float = 1.0,
         chunk_size: int | None = None,
-        stuck_grace_s: float = 5.0,
     ):
-        if mode not in ("thread", "process"):
-            raise ValueError(f"reward pool mode must be 'thread' or 'process', got '{mode}'")
-        if num_workers < 0:
-            raise ValueError(f"reward pool num_workers must be >= 0 (0 scores inline), got {num_workers}")
-        if num_workers == 0:
-            mode = "inline"
+        if num_workers < 1:
+            raise ValueError(f"reward pool num_workers must be >= 1 (reward functions run in worker processes), "
+                             f"got {num_workers}")
         if not timeout_s > 0:
             raise ValueError(f"reward timeout_s must be > 0, got {timeout_s}")
+        if not 0 <= max_error_frac <= 1:
+            raise ValueError(f"reward max_error_frac must be in [0, 1], got {max_error_frac}")
         self.fn = reward_fn if isinstance(reward_fn, RewardFunction) else load_reward_fn(reward_fn)
-        self.mode, self.num_workers, self.timeout_s, self.chunk_size = mode, num_workers, float(timeout_s), chunk_size
-        self.stuck_grace_s = float(stuck_grace_s)
-        self.total_timeouts = 0
-        self.total_errors = 0
-        self.total_scored = 0
+        self.num_workers, self.timeout_s, self.chunk_size = num_workers, float(timeout_s), chunk_size
+        self.max_error_frac = float(max_error_frac)
+        self.total_timeouts = self.total_errors = self.total_scored = 0
         self._closed = False
-        self._dispatcher = _DaemonThreadPool(1, "reward-dispatch")  # batches run one after another, in order
-        self._threads: _DaemonThreadPool | None = None
-        self._procs = None
-        self._pickled_fn: bytes | None = None
-        if mode == "thread":
-            self._threads = _DaemonThreadPool(num_workers, "reward-worker")
-        elif mode == "process":
-            if self.fn.spec is None:
-                try:
-                    self._pickled_fn = pickle.dumps(self.fn)
-                except Exception as exc:
-                    raise ValueError(
-                        f"reward function '{self.fn.name}' cannot be sent to worker processes ({exc}); give it as "
-                        "'module:function' or use mode='thread'"
-                    ) from exc
-            self._procs = self._start_processes()
-
-    def _start_processes(self):
-        ctx = mp.get_context("spawn")
-        procs = ctx.Pool(
-            self.num_workers,
-            initializer=_init_worker,
-            initargs=(self.fn.spec, self._pickled_fn, self.fn.batched, self.fn.reward_kwargs),
-        )
-        # Wait for the workers to boot so start-up time is not charged to the first batch's time limit. Bounded:
-        # a worker that dies while starting is re-spawned by the pool forever, which would otherwise hang here.
+        pickled = None
+        if self.fn.spec is None:
+            try:
+                pickled = pickle.dumps(self.fn)
+            except Exception as exc:
+                raise ValueError(f"reward function '{self.fn.name}' cannot be sent to worker processes ({exc}); "
+                                 "give it as 'module:function' or define it at module level") from None
+        self._ctx = mp.get_context("spawn")
+        self._initargs = (self.fn.spec, pickled, self.fn.batched, self.fn.reward_kwargs)
+        self._workers: list[_Worker] = []
+        self._lock = threading.Lock()  # close() may run while the dispatcher scores
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         try:
-            procs.map_async(_ping, range(self.num_workers), chunksize=1).get(timeout=_STARTUP_TIMEOUT_S)
-        except mp.TimeoutError:
-            procs.terminate()
-            raise RuntimeError(
-                f"reward worker processes did not start within {_STARTUP_TIMEOUT_S:g}s (see their errors above; "
-                "spawned workers must be able to import the main module and the reward function); use mode='thread'"
-            ) from None
-        return procs
+            for _ in range(num_workers):
+                self._workers.append(_Worker(self._ctx, self._initargs))
+            # start-up time is not charged to the first batch's time limit
+            self._await_ready(self._workers)
+        except BaseException:
+            self._kill_all()
+            raise
+        self._dispatcher = threading.Thread(target=self._serve, name="reward-dispatch", daemon=True)
+        self._dispatcher.start()
+        atexit.register(_close_at_exit, weakref.ref(self))
 
     # -------------------------------------------------------------------------------------------------- public
     def submit(
@@ -224,26 +199,22 @@ class RewardPool:
                 f"reward batch lengths differ: {len(responses)} responses, {len(ground_truths)} ground truths, "
                 f"{len(extras)} extras"
             )
-        if self.mode == "inline":
-            done: Future = Future()
-            done.set_result(self._score_batch(responses, ground_truths, extras))
-            return done
-        return self._dispatcher.submit(self._score_batch, responses, ground_truths, extras)
+        future: Future = Future()
+        self._tasks.put((future, responses, ground_truths, extras))
+        return future
 
     def score(self, responses, ground_truths, extras=None) -> RewardBatchResult:
         """Blocking convenience: ``submit(...).result()``."""
         return self.submit(responses, ground_truths, extras).result()
 
     def close(self) -> None:
+        """Stop the dispatcher and kill every worker (a call in progress is abandoned)."""
         if self._closed:
             return
         self._closed = True
-        self._dispatcher.shutdown()
-        if self._threads is not None:
-            self._threads.shutdown()
-        if self._procs is not None:
-            self._procs.terminate()
-            self._procs.join()
+        self._tasks.put(None)
+        self._kill_all()  # wakes the dispatcher if it waits on a call
+        self._dispatcher.join(timeout=10)
 
     def __enter__(self) -> "RewardPool":
         return self
@@ -252,22 +223,55 @@ class RewardPool:
         self.close()
 
     # ------------------------------------------------------------------------------------------------ internals
+    def _kill_all(self) -> None:
+        with self._lock:
+            for worker in self._workers:
+                worker.kill()
+            self._workers = []
+
+    def _await_ready(self, workers: list[_Worker]) -> None:
+        deadline = time.monotonic() + _STARTUP_TIMEOUT_S
+        for worker in workers:
+            if not worker.conn.poll(max(0.0, deadline - time.monotonic())):
+                raise RuntimeError(f"reward worker processes did not start within {_STARTUP_TIMEOUT_S:g}s "
+                                   f"({'the process died' if not worker.proc.is_alive() else 'no answer'}); spawned "
+                                   f"workers must be able to import the main module and the reward function")
+            self._on_ready_message(worker)
+
+    def _on_ready_message(self, worker: _Worker) -> None:
+        try:
+            kind, detail = worker.conn.recv()
+        except (EOFError, OSError):
+            kind, detail = "init_error", worker.death()
+        if kind != "ready":
+            raise RuntimeError(f"reward function '{self.fn.name}' cannot be loaded in a worker process ({detail}); "
+                               f"spawned workers must be able to import the main module and the reward function")
+        worker.ready = True
+
+    def _serve(self) -> None:
+        while True:
+            task = self._tasks.get()
+            if task is None:
+                return
+            future, responses, ground_truths, extras = task
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(self._score_batch(responses, ground_truths, extras))
+            except BaseException as exc:  # noqa: BLE001 - delivered to the waiting side
+                future.set_exception(exc)
+
     def _units(self, n: int) -> list[range]:
         if not self.fn.batched:
             return [range(i, i + 1) for i in range(n)]  # one call = one sample, so the time limit is per sample
-        size = self.chunk_size or max(1, math.ceil(n / max(1, self.num_workers)))
+        size = self.chunk_size or max(1, math.ceil(n / self.num_workers))
         return [range(i, min(i + size, n)) for i in range(0, n, size)]
 
     def _score_batch(self, responses, ground_truths, extras) -> RewardBatchResult:
         start = time.monotonic()
         units = self._units(len(responses))
         args = [([responses[i] for i in u], [ground_truths[i] for i in u], [extras[i] for i in u]) for u in units]
-        if self.mode == "thread":
-            outcomes = self._run_threads(args)
-        elif self.mode == "process":
-            outcomes = self._run_processes(args)
-        else:
-            outcomes = [_call_unit(self.fn, *a) for a in args]
+        outcomes = self._run(args, sizes=[len(u) for u in units], n=len(responses))
         scores = [0.0] * len(responses)
         timeouts = errors = 0
         first_error = None
@@ -292,48 +296,73 @@ class RewardPool:
             )
         return RewardBatchResult(scores, timeouts, errors, time.monotonic() - start, first_error)
 
-    def _run_threads(self, args) -> list[tuple[str, Any]]:
-        started: dict[int, float] = {}
-        futures = [self._threads.submit(_timed_thread_unit, self.fn, started, k, *a) for k, a in enumerate(args)]
-        outcomes: list[tuple[str, Any] | None] = [None] * len(futures)
-        pending = set(range(len(futures)))
-        poll = min(0.05, self.timeout_s / 4)
-        while pending:
-            now = time.monotonic()
-            for k in list(pending):
-                if futures[k].done():
-                    exc = futures[k].exception()
-                    outcomes[k] = ("error", f"{type(exc).__name__}: {exc}") if exc else futures[k].result()
-                    pending.discard(k)
-                elif k in started and now - started[k] > self.timeout_s:
-                    outcomes[k] = ("timeout", None)
-                    pending.discard(k)
-                    self._threads.add_worker()  # the stuck thread keeps running; keep the pool at full strength
-            if pending:  # wake as soon as everything is done, or at the next poll to check time limits
-                wait([futures[k] for k in pending], timeout=poll, return_when=ALL_COMPLETED)
-        return outcomes
-
-    def _run_processes(self, args) -> list[tuple[str, Any]]:
-        handles = [self._procs.apply_async(_process_unit, (*a, self.timeout_s)) for a in args]
-        # Each call is interrupted in its worker after timeout_s, so the batch cannot legitimately take longer than
-        # this; past it a worker is stuck in native code and the pool is restarted.
-        waves = math.ceil(len(args) / self.num_workers)
-        deadline = time.monotonic() + waves * self.timeout_s + max(self.stuck_grace_s, self.timeout_s)
-        outcomes: list[tuple[str, Any]] = []
-        stuck = False
-        for handle in handles:
-            handle.wait(max(0.0, deadline - time.monotonic()))
-            if not handle.ready():
-                outcomes.append(("timeout", None))
-                stuck = True
+    def _run(self, args: list[tuple], *, sizes: list[int], n: int) -> list[tuple[str, Any]]:
+        """Outcome of every unit: each goes to an idle worker; a worker past its deadline is killed, a dead one
+        replaced. Once more than max_error_frac of the batch's samples failed, the units not started are skipped."""
+        outcomes: list[tuple[str, Any] | None] = [None] * len(args)
+        todo = collections.deque(range(len(args)))
+        failed = 0
+        while todo or any(w.unit is not None for w in self._workers):
+            if self._closed:
+                raise RuntimeError("RewardPool was closed while scoring")
+            if todo and failed > self.max_error_frac * n:
+                while todo:
+                    outcomes[todo.popleft()] = ("error", "not run: the batch already failed on more than "
+                                                         f"{self.max_error_frac:g} of its samples")
                 continue
+            now = time.monotonic()
+            for worker in self._workers:
+                if worker.ready and worker.unit is None and todo:
+                    worker.unit = todo.popleft()
+                    worker.deadline = now + self.timeout_s
+                    try:
+                        worker.conn.send(args[worker.unit])
+                    except OSError:  # it just died: _check reports that as the unit's outcome
+                        worker.deadline = now
+            busy = [w for w in self._workers if w.unit is not None or not w.ready]
+            deadlines = [w.deadline if w.ready else w.started + _STARTUP_TIMEOUT_S for w in busy]
+            wait_any([w.conn for w in busy] + [w.proc.sentinel for w in busy],
+                     timeout=max(0.0, min(deadlines, default=now) - time.monotonic()))
+            now = time.monotonic()
+            for i, worker in enumerate(list(self._workers)):
+                outcome = self._check(worker, now)
+                if outcome is None:
+                    continue
+                unit = worker.unit
+                if outcome[0] != "ok" and unit is not None:
+                    failed += sizes[unit]
+                if unit is not None:
+                    outcomes[unit] = outcome
+                    worker.unit, worker.deadline = None, math.inf
+                if not worker.proc.is_alive() or outcome[0] == "timeout":
+                    worker.kill()
+                    with self._lock:
+                        if not self._closed:
+                            self._workers[i] = _Worker(self._ctx, self._initargs)
+        return outcomes  # type: ignore[return-value]
+
+    def _check(self, worker: _Worker, now: float) -> tuple[str, Any] | None:
+        """What happened to `worker` since the last look: None (still busy or idle), or the outcome of its unit."""
+        if worker.conn.poll():
+            if not worker.ready:
+                self._on_ready_message(worker)
+                return None
             try:
-                outcomes.append(handle.get())
-            except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable return value
-                outcomes.append(("error", f"{type(exc).__name__}: {exc}"))
-        if stuck:
-            logger.warning("reward worker process stuck past its time limit; restarting the reward process pool")
-            self._procs.terminate()
-            self._procs.join()
-            self._procs = self._start_processes()
-        return outcomes
+                return worker.conn.recv()
+            except (EOFError, OSError):
+                return ("error", worker.death())
+        if not worker.proc.is_alive():
+            if not worker.ready:
+                raise RuntimeError(f"reward function '{self.fn.name}': {worker.death()}")
+            return ("error", worker.death()) if worker.unit is not None else ("idle_death", None)
+        if worker.ready and worker.unit is not None and now >= worker.deadline:
+            return ("timeout", None)
+        if not worker.ready and now >= worker.started + _STARTUP_TIMEOUT_S:
+            raise RuntimeError(f"a reward worker process did not start within {_STARTUP_TIMEOUT_S:g}s")
+        return None
+
+
+def _close_at_exit(ref: "weakref.ref[RewardPool]") -> None:
+    pool = ref()
+    if pool is not None:
+        pool.close()

@@ -19,6 +19,7 @@ finalisation runs once every rank has finished (checked each step, awaited befor
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import logging
@@ -26,6 +27,7 @@ import math
 import os
 import random
 import shutil
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,8 +35,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from verl_mega.config import diff_configs, to_dict
+from verl_mega.config import to_dict
 from verl_mega.trainer import optim_state
+from verl_mega.trainer.ckpt_integrity import (SCHEMA, BrokenCheckpointError, ResumeError, checkpoint_files,
+                                              digest_files, find_checkpoint, verify_checkpoint, write_manifest)
 
 if TYPE_CHECKING:
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
@@ -42,8 +46,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("verl_mega.checkpoint")
 
 
-class ResumeError(ValueError):
-    """A checkpoint that cannot be resumed from; the message says why and what to do."""
+__all__ = ["CheckpointManager", "NonFiniteError", "ResumeError", "BrokenCheckpointError", "find_checkpoint",
+           "fault_point"]
 
 
 class NonFiniteError(RuntimeError):
@@ -51,6 +55,7 @@ class NonFiniteError(RuntimeError):
 
 
 FAULT_ENV = "VERL_MEGA_FAULT_INJECT"
+_NEARLY_FULL = 64 << 20  # bytes left on the disk after a failed save below which the disk is named as the cause
 
 
 def fault_point(phase: str, step: int) -> None:
@@ -120,35 +125,6 @@ def _flat(model_sd: dict) -> dict:
     return {k: v for d in model_sd.values() for k, v in d.items()} if len(model_sd) > 1 else model_sd["model"]
 
 
-def find_checkpoint(cfg) -> Path | None:
-    """The checkpoint `trainer.resume` selects, validated (complete, readable, compatible config) — cheap, so the
-    trainer calls it before building anything."""
-    mode = cfg.trainer.resume
-    if mode == "off":
-        return None
-    if mode != "auto":
-        path = Path(mode)
-        if not (path / "COMPLETE").exists():
-            raise ResumeError(f"trainer.resume={mode}: not a complete checkpoint (no COMPLETE marker); "
-                              "pick a step_* directory or use trainer.resume=auto")
-    else:
-        root = Path(cfg.trainer.output_dir) / "checkpoints"
-        candidates = sorted(p for p in root.glob("step_*") if (p / "COMPLETE").exists())
-        if not candidates:
-            return None
-        path = candidates[-1]
-    try:
-        state = json.loads((path / "trainer.json").read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ResumeError(f"resume: {path}/trainer.json is unreadable ({exc}); pick an older checkpoint with "
-                          "trainer.resume=PATH or start over with trainer.resume=off") from None
-    changes = diff_configs(state["config"], cfg)
-    if changes and not cfg.trainer.resume_allow_config_change:
-        raise ResumeError(f"resume: config differs from {path.name} in result-changing keys ({'; '.join(changes)}); "
-                          "restore them or set trainer.resume_allow_config_change=true")
-    return path
-
-
 class CheckpointManager:
     def __init__(self, cfg, *, engines: dict[str, Any], loader, kl_ctrl, hf_source: Path | None = None,
                  arch=None) -> None:
@@ -187,7 +163,24 @@ class CheckpointManager:
 
     def save(self, step: int) -> Path:
         """Write the full training state of `step`. With checkpoint.async_save the shards are written in the
-        background and the checkpoint becomes visible (COMPLETE, rename, `latest`) at a later poll/save/close."""
+        background and the checkpoint becomes visible (COMPLETE, rename, `latest`) at a later poll/save/close.
+        A full disk is reported as an OSError naming the checkpoint directory."""
+        try:
+            return self._save(step)
+        except BaseException as exc:  # torch's CheckpointException (per-rank write failures) is a BaseException
+            from verl_mega.trainer.preflight import disk_full_error
+
+            tmp = str(self.root / f".tmp-step_{step:06d}")
+            full = disk_full_error(exc)
+            # torch's zip writer reports a full disk without its errno ("unexpected pos …"): look at the disk itself
+            if full is None and not isinstance(exc, (KeyboardInterrupt, SystemExit)) \
+                    and shutil.disk_usage(self.root).free < _NEARLY_FULL:
+                full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            if full is not None:
+                raise OSError(full.errno, full.strerror, full.filename or tmp) from exc
+            raise
+
+    def _save(self, step: int) -> Path:
         from megatron.core import dist_checkpointing
 
         from verl_mega.models.mcore_ckpt import model_sharded_state_dict
@@ -229,7 +222,8 @@ class CheckpointManager:
         return self.root / name
 
     def _trainer_state(self, step: int) -> dict[str, Any]:
-        return {"step": step, "loader": self.loader.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
+        return {"schema": SCHEMA, "step": step, "loader": self.loader.state_dict(),
+                "kl_ctrl": self.kl_ctrl.state_dict(),
                 "engines": {r: {"version": e.version, "scheduler": e.scheduler.state_dict()}
                             for r, e in self.engines.items()},
                 "world_size": dist.get_world_size() if dist.is_initialized() else 1,
@@ -237,11 +231,16 @@ class CheckpointManager:
                 "config": to_dict(self.cfg)}
 
     def _finalize(self, step: int, tmp: Path, trainer_json: str) -> None:
-        """All shards of `tmp` are on disk on every rank: rank 0 marks it COMPLETE and makes it visible."""
+        """All shards of `tmp` are on disk on every rank (collective): rank 0 writes trainer.json, the ranks hash a
+        share of the files each, rank 0 writes the manifest, marks the directory COMPLETE and makes it visible."""
         fault_point("save_shards_written", step)
         final = self.root / tmp.name.removeprefix(".tmp-")
         if _rank() == 0:
             (tmp / "trainer.json").write_text(trainer_json)
+        _barrier()
+        entries = self._digests(tmp)
+        if _rank() == 0:
+            write_manifest(tmp, entries)
             (tmp / "COMPLETE").write_text("ok\n")
             if final.exists():
                 shutil.rmtree(final)
@@ -254,6 +253,24 @@ class CheckpointManager:
             log.info("checkpoint %s complete", final)
         _barrier()
         fault_point("save_done", step)
+
+    @staticmethod
+    def _digests(tmp: Path) -> dict[str, dict[str, Any]]:
+        """Size and SHA-256 of every file of `tmp`, each rank hashing every world_size-th file (collective)."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        names = [checkpoint_files(tmp) if _rank() == 0 else None]
+        if world > 1:  # one listing, so that every file is hashed exactly once
+            dist.broadcast_object_list(names, src=0)
+        begin = time.perf_counter()
+        mine = digest_files(tmp, names[0][_rank()::world])
+        parts = [mine]
+        if world > 1:
+            parts = [None] * world
+            dist.all_gather_object(parts, mine)
+        entries = {k: v for part in parts for k, v in part.items()}
+        log.debug("checkpoint %s: SHA-256 of %d files (%.1f MB on this rank) in %.3f s", tmp.name, len(mine),
+                  sum(e["size"] for e in mine.values()) / 1e6, time.perf_counter() - begin)
+        return entries
 
     def _export_hf(self, out: Path) -> None:
         """The actor as HF safetensors + config + tokenizer (collective over the model-parallel ranks)."""
@@ -280,24 +297,30 @@ class CheckpointManager:
             shutil.rmtree(old, ignore_errors=True)
 
     # ------------------------------------------------------------------ resume
-    def maybe_resume(self) -> int:
-        """Load the checkpoint chosen by trainer.resume; returns the step it holds (0 when starting fresh)."""
-        path = find_checkpoint(self.cfg)
+    def maybe_resume(self, path: Path | None | str = "select") -> int:
+        """Load a checkpoint; returns the step it holds (0 when starting fresh). ``path``: the checkpoint that
+        find_checkpoint + verify_checkpoint chose (build_job does that before building); by default they run here
+        (collective)."""
+        if path == "select":
+            path = verify_checkpoint(self.cfg, find_checkpoint(self.cfg))
         if path is None:
             return 0
-        from megatron.core import dist_checkpointing
-
         from verl_mega.models.loader import unwrap
         from verl_mega.models.mcore_ckpt import model_sharded_state_dict
+        from verl_mega.models.safe_ckpt import load_dist, weights_only_load
+        from verl_mega.trainer.ckpt_integrity import read_trainer_state
 
-        state = json.loads((path / "trainer.json").read_text())
+        path = Path(path)
+        state = read_trainer_state(path)
+        has_optimizer = state["config"].get("checkpoint", {}).get("save_optimizer", True)
         for role, engine in self.engines.items():
-            if not (path / role).exists():
-                raise ResumeError(f"resume: {path} has no {role}/ state; it was saved by a run without that role")
             model_sd = model_sharded_state_dict(engine.chunks, engine.groups)
             sd = dict(model_sd)
             fmt = state.get("optimizer_format", optim_state.LEGACY_FORMAT)
-            if self.cfg.checkpoint.save_optimizer:
+            if self.cfg.checkpoint.save_optimizer and not has_optimizer:
+                log.warning("resume: %s was saved without optimizer state (checkpoint.save_optimizer=false); the "
+                            "weights load, the optimizer state restarts", path.name)
+            elif self.cfg.checkpoint.save_optimizer:
                 if fmt == optim_state.FORMAT or state.get("layout") == _layout(engine):
                     sd["optimizer"] = optim_state.sharded_state_dict(engine.optimizer, _flat(model_sd),
                                                                      is_loading=True, fmt=fmt)
@@ -305,7 +328,7 @@ class CheckpointManager:
                     log.warning("resume: %s holds %s optimizer state in the %s form, which loads only at its own "
                                 "layout %s (now %s); the weights are resharded, the optimizer state restarts",
                                 path.name, role, fmt, state.get("layout"), _layout(engine))
-            loaded = dist_checkpointing.load(sd, str(path / role))
+            loaded = load_dist(sd, path / role)
             for i, c in enumerate(engine.chunks):
                 unwrap(c).load_state_dict(loaded["model" if len(engine.chunks) == 1 else f"model{i}"])
             if "optimizer" in sd:  # `loaded` can hold the optimizer's common part even when sd asked for none
@@ -314,11 +337,13 @@ class CheckpointManager:
             engine.scheduler.load_state_dict(state["engines"][role]["scheduler"])
         self.loader.load_state_dict(state["loader"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        world = dist.get_world_size() if dist.is_initialized() else 1
         rank_file = path / f"rank_{_rank():05d}.pt"
-        if rank_file.exists() and state["world_size"] == (dist.get_world_size() if dist.is_initialized() else 1):
-            set_rng_state(torch.load(rank_file, weights_only=True))
+        if state["world_size"] == world:
+            set_rng_state(weights_only_load(rank_file, what=str(rank_file)))
         else:
-            log.warning("resume: world size changed; RNG streams restart from the seed (results will differ)")
+            log.warning("resume: %s was saved by %d ranks, this run has %d; RNG streams restart from the seed "
+                        "(results will differ from an uninterrupted run)", path.name, state["world_size"], world)
         log.info("resumed from %s (step %d)", path, state["step"])
         return int(state["step"])
 

@@ -35,6 +35,8 @@ class RLTrainer:
         self.more_prompts = more_prompts  # the next prompt batch (dynamic sampling generates from several per step)
         self.path = sample_path  # rollout → train: which rows reach this rank, and which it scores (transfer.py)
         self.prescored = self.baseline_scores = None
+        self._reward_counts = [0, 0, 0]  # this step's errors, timeouts and scored samples on this rank
+        self._reward_first_error: str | None = None
         engine = actor.engine  # samples are split over the actor's data-parallel group
         self.dp, self.dp_rank = engine.dp_size, engine.dp_rank
         self.flow = self._build_flow()
@@ -92,6 +94,7 @@ class RLTrainer:
                 raise StopIteration(f"trainer.total_steps={self.job.total_steps} (or the data) is exhausted")
             self.job_step += 1
         self.profiler.reset_step()
+        self._reward_counts, self._reward_first_error = [0, 0, 0], None
         out = self.flow.run({"prompts": prompt_batch})
         if getattr(self, "print_each_step", False) and dist.get_rank() == 0:
             self.print_profiling_summary()
@@ -100,7 +103,30 @@ class RLTrainer:
             if isinstance(out.get(name), dict):
                 metrics.update({k: v for k, v in out[name].items() if isinstance(v, float)})
         metrics.update(self.profiler.step_summary())  # stage times, overlap, tokens/s, TFLOP/s, MFU
+        metrics.update(self._reward_health())
         return metrics
+
+    def _reward_health(self) -> dict[str, float]:
+        """reward/errors and reward/timeouts of the step, over the pool's samples (each is scored on one rank).
+        Past reward.max_error_frac the run stops with the function's first error; the counts are summed over every
+        rank first, so all ranks stop together."""
+        from verl_mega.rewards import RewardFunctionFailed
+
+        totals = self.path.sum_over_pool(torch.tensor(self._reward_counts, dtype=torch.float64))
+        errors, timeouts, samples = totals.tolist()
+        limit = self.cfg.reward.max_error_frac
+        if samples and (errors + timeouts) / samples > limit:
+            firsts = [self._reward_first_error]
+            group = self.path.group
+            if group is not None and dist.get_world_size(group) > 1:
+                firsts = [None] * dist.get_world_size(group)
+                dist.all_gather_object(firsts, self._reward_first_error, group=group)
+            first = " ".join(str(next((f for f in firsts if f), "unknown")).split())
+            raise RewardFunctionFailed(
+                f"reward function '{self.reward_pool.fn.name}' failed on {errors + timeouts:g} of {samples:g} samples "
+                f"of this step ({errors:g} errors, {timeouts:g} timeouts), more than reward.max_error_frac={limit:g}; "
+                f"first: {first}; fix the function, or raise reward.timeout_s or reward.max_error_frac")
+        return {"reward/errors": errors, "reward/timeouts": timeouts}
 
     # ------------------------------------------------------------------ stages
     def _rollout(self, ctx) -> dict[str, Any]:
@@ -196,7 +222,11 @@ class RLTrainer:
 
     def _scores(self, texts: list[str], truths: list, lengths) -> torch.Tensor:
         """Reward-function scores plus, with reward.overlong_buffer, DAPO's overlong penalty."""
-        scores = torch.tensor(self.reward_pool.score(texts, truths).scores, dtype=torch.float32)
+        result = self.reward_pool.score(texts, truths)
+        self._reward_counts = [self._reward_counts[0] + result.num_errors,
+                               self._reward_counts[1] + result.num_timeouts, self._reward_counts[2] + len(texts)]
+        self._reward_first_error = self._reward_first_error or result.first_error
+        scores = torch.tensor(result.scores, dtype=torch.float32)
         ob = self.cfg.reward.overlong_buffer
         if ob.enable:
             limit = self.cfg.rollout.max_response_length

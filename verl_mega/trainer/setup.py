@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,7 +19,8 @@ import torch.distributed as dist
 from verl_mega.config import ConfigError, TrainConfig
 from verl_mega.engine.megatron_engine import MegatronEngine, ScheduleSpec
 from verl_mega.models.build import build_model_chunks
-from verl_mega.models.hf_config import ModelArch, arch_from_hf, check_layout, load_hf_config, transformer_config
+from verl_mega.models.hf_config import (ModelArch, arch_from_hf, check_layout, check_rollout_architecture,
+                                        load_hf_config, transformer_config)
 from verl_mega.models.hf_io import HFCheckpointReader
 from verl_mega.models.loader import check_checkpoint_matches, load_hf_weights
 from verl_mega.parallel.state import RankGroups
@@ -150,9 +153,12 @@ def offload_trainers(cfg: TrainConfig, actor, critic, ref):
     return offload
 
 
-def load_tokenizer(path: Path, *, trust_remote_code: bool = False):
-    """The tokenizer of `path`; one-line error when the directory has none (every prompt would encode to [])."""
+def load_tokenizer(path: Path, *, trust_remote_code: bool = False, model_vocab_size: int | None = None):
+    """The tokenizer of `path`, checked (trainer/preflight.py): one-line error when the directory has none (every
+    prompt would encode to []), it has no EOS token, or (given the model's vocab size) its vocabulary does not fit."""
     from transformers import AutoTokenizer
+
+    from verl_mega.trainer.preflight import check_tokenizer
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
@@ -161,9 +167,7 @@ def load_tokenizer(path: Path, *, trust_remote_code: bool = False):
             raise ValueError(f"model.tokenizer_path={str(path)!r} ships its own tokenizer code; set "
                              f"model.trust_remote_code=true if you trust that directory") from None
         raise
-    if not tokenizer.encode("The answer is 42.", add_special_tokens=False):
-        raise ValueError(f"model.tokenizer_path={str(path)!r} has no tokenizer files (tokenizer.json or a vocabulary); "
-                         f"point model.tokenizer_path at the model's tokenizer")
+    check_tokenizer(tokenizer, str(path), model_vocab_size=model_vocab_size or len(tokenizer))
     return tokenizer
 
 
@@ -190,6 +194,7 @@ class Job:
     start_step: int
     arch: Any
     placement: Any
+    started: float = field(default_factory=time.monotonic)  # when build_job began (trainer.time_limit_s counts)
     resources: contextlib.ExitStack = field(default_factory=contextlib.ExitStack, repr=False)
 
     def close(self, *, after_error: bool = False) -> None:
@@ -214,8 +219,9 @@ def build_job(cfg: TrainConfig, trainer_cls: type | None = None) -> Job:
     built is released before the error propagates."""
     resources = contextlib.ExitStack()
     resources.callback(_destroy_distributed)
+    started = time.monotonic()
     try:
-        return _build_job(cfg, trainer_cls, resources)
+        return dataclasses.replace(_build_job(cfg, trainer_cls, resources), started=started)
     except BaseException:
         _close(resources, after_error=True)
         raise
@@ -230,7 +236,9 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
     from verl_mega.parallel.state import build_groups, init_world, seed_everything
     from verl_mega.rewards.loader import load_reward_fn
     from verl_mega.rewards.pool import RewardPool
-    from verl_mega.trainer.checkpoint import CheckpointManager, find_checkpoint
+    from verl_mega.trainer.checkpoint import CheckpointManager, find_checkpoint, verify_checkpoint
+    from verl_mega.trainer.ckpt_integrity import check_steps_left
+    from verl_mega.trainer.preflight import probe_output_dir
     from verl_mega.trainer.profiler import StageProfiler, detect_peak_flops
     from verl_mega.trainer.rl_trainer import RLTrainer
     from verl_mega.trainer.roles import Actor, Critic, PolicyRole, RewardModel
@@ -247,14 +255,16 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
                           f"checks other placements)")
     device = assign_device(placement, env, cfg.parallel.topology_file)  # before anything initialises CUDA
     cfg.validate_runtime(placement)
+    probe_output_dir(cfg.trainer.output_dir)
     path = resolve_model_path(cfg)
     arch = model_arch(path)
+    check_rollout_architecture(load_hf_config(path), path)
     check_layout(placement.pool_of("actor"), num_layers=arch.num_layers, num_heads=arch.num_heads,
                  num_kv_heads=arch.num_kv_heads, ffn_hidden_size=arch.ffn_hidden_size)
     for weights in {path, resolve_critic_path(cfg, path) if cfg.critic.enable else path,
                     *([Path(cfg.reward.reward_model_path)] if cfg.reward.reward_model_path else [])}:
         check_checkpoint_matches(HFCheckpointReader(weights), model_arch(weights))  # headers only
-    find_checkpoint(cfg)  # a bad resume target fails here, before anything is built
+    resume_path = find_checkpoint(cfg)  # a bad resume target fails here, before anything is built
     reward_fn = load_reward_fn(cfg.reward.function, reward_kwargs=dict(cfg.reward.kwargs))
     if cfg.rollout.multi_turn.enable:
         from verl_mega.rollout.tools import load_tool
@@ -262,7 +272,7 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
         for spec in cfg.rollout.multi_turn.tools:  # a bad tool fails here, before anything is built
             load_tool(spec)
     tokenizer = load_tokenizer(Path(cfg.model.tokenizer_path) if cfg.model.path != "tiny" else path,
-                               trust_remote_code=cfg.model.trust_remote_code)
+                               trust_remote_code=cfg.model.trust_remote_code, model_vocab_size=arch.vocab_size)
 
     def dataset(files):
         return PromptDataset.from_files(files, tokenizer, max_prompt_length=cfg.data.max_prompt_length,
@@ -279,9 +289,15 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
     loader = PromptLoader(train_set, global_batch_size=cfg.data.train_batch_size, seed=cfg.data.seed,
                           shuffle=cfg.data.shuffle, num_epochs=epochs or 1)
     total_steps = cfg.trainer.total_steps or loader.total_batches
+    if resume_path is not None:
+        check_steps_left(resume_path, total_steps, complete_ok=True)
 
     # --- build groups, roles, rollout and the 3D-HybridEngine
     init_world(cfg.trainer.collective_timeout_s)
+    # every file's checksum, each rank hashing a share; a broken newest checkpoint falls back (resume=auto)
+    resume_path = verify_checkpoint(cfg, resume_path)
+    if resume_path is not None:
+        check_steps_left(resume_path, total_steps)  # a complete run ends here, before anything is built
     groups = build_groups(placement, timeout_s=cfg.trainer.collective_timeout_s)
     seed_everything(cfg.trainer.seed, groups)
     actor_m = build_role_engine(cfg, groups, path, role_cfg=cfg.actor, total_steps=total_steps)
@@ -308,7 +324,8 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
     resources.callback(rollout.shutdown)  # vLLM's process groups go before torch.distributed's
     rollout.update_weights()  # vLLM starts from the actor's exact weights (and version 1)
     reward_pool = resources.enter_context(contextlib.closing(
-        RewardPool(reward_fn, num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s, mode="thread")))
+        RewardPool(reward_fn, num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s,
+                   max_error_frac=cfg.reward.max_error_frac)))
     kc = cfg.algorithm.kl_ctrl
     kl_ctrl = algos.make_kl_controller(kc.type, kc.kl_coef, kc.target_kl or 0.1, kc.horizon)
     path = SamplePath(groups.pool, groups.rank, group=groups["pool"], max_length=cfg.rollout.max_response_length,
@@ -322,7 +339,7 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
     ckpt = CheckpointManager(cfg, engines={"actor": actor_m.engine, "critic": critic and critic.engine},
                              loader=loader, kl_ctrl=kl_ctrl, hf_source=path, arch=arch)
     resources.callback(ckpt.close)  # a background save becomes complete and visible
-    start_step = ckpt.maybe_resume()
+    start_step = ckpt.maybe_resume(resume_path)
     if start_step:
         rollout.update_weights()
     write_placement_json(placement, device, Path(cfg.trainer.output_dir) / "placement.json")  # all was built

@@ -139,7 +139,9 @@ def _train(run: Path, nodist: bool, build, arch, layout: dict) -> None:
             meta = run / "legacy" / "checkpoints" / f"step_{STEPS:06d}" / "trainer.json"
             state = json.loads(meta.read_text())
             assert state.pop("optimizer_format") == optim_state.FORMAT  # the CheckpointManager's own claim
+            state.pop("schema")
             meta.write_text(json.dumps(state))
+            (meta.parent / "manifest.json").unlink()  # nor did it have a manifest
     losses += [_train_step(engine, arch.vocab_size) for _ in range(2)]
     if dist.get_rank() == 0:
         torch.save(reference, run / "optim_reference.pt")

@@ -1,0 +1,153 @@
+"""Faults during a run (slow: whole training runs on CPU).
+
+- SIGTERM that reaches one rank of two (as when one node of a job is preempted): both ranks save the same step and
+  exit cleanly within 30 s.
+- A reward function that hangs: the step ends one time limit later, and the run stops with an error naming the
+  function and its first failure (reward.max_error_frac). A function that ends its process (os._exit): a clear error.
+- A disk that fills up during a save: the error names it.
+"""
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from torchrun_util import free_port, run_in_session
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPE = str(ROOT / "configs" / "quickstart_cpu.yaml")
+pytestmark = pytest.mark.slow
+SMALL = ["data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "actor.micro_batch_size_per_gpu=8", "rollout.n=4",
+         "rollout.max_response_length=6", "rollout.kv_cache_memory_bytes=33554432", "logging.progress_bar=false",
+         "logging.tensorboard=false", "logging.plot=false"]
+
+
+def _env(tmp_path: Path) -> dict:
+    return {**os.environ, "VERL_MEGA_CACHE": os.environ.get("VERL_MEGA_CACHE", str(tmp_path / "cache")),
+            "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "VLLM_CPU_CI_ENV": "1",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def _rank_pids(launcher_pid: int) -> dict[int, int]:
+    """RANK → pid of torchrun's worker processes (its direct children; reward workers are their children)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            env = dict(kv.split("=", 1) for kv in (entry / "environ").read_text().split("\0") if "=" in kv)
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == launcher_pid and "RANK" in env:
+            found[int(env["RANK"])] = int(entry.name)
+    return found
+
+
+def _metric_rows(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def test_sigterm_to_one_rank_stops_both_at_the_same_step(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", f"--master-port={free_port()}",
+           "-m", "verl_mega.train", "--config", RECIPE, f"trainer.output_dir={out}", *SMALL,
+           "trainer.total_steps=500", "trainer.save_every=0", "trainer.collective_timeout_s=120"]
+    log = tmp_path / "train.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, env=_env(tmp_path), stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and len(_metric_rows(out)) < 2 and proc.poll() is None:
+            time.sleep(0.5)
+        assert proc.poll() is None and len(_metric_rows(out)) >= 2, log.read_text()[-4000:]
+        ranks = _rank_pids(proc.pid)
+        assert sorted(ranks) == [0, 1], ranks
+        os.kill(ranks[1], signal.SIGTERM)  # rank 1 only; rank 0 never hears of it
+        sent = time.monotonic()
+        rc = proc.wait(timeout=120)
+        took = time.monotonic() - sent
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    text = log.read_text()
+    assert rc == 0, text[-4000:]
+    assert took < 30, f"the job took {took:.1f} s to stop after SIGTERM"
+    last = _metric_rows(out)[-1]["step"]
+    assert text.count(f"stopping after step {last} (SIGTERM)") == 2, text[-4000:]  # both ranks, the same step
+    saved = sorted((out / "checkpoints").glob("step_*"))
+    assert [p.name for p in saved] == [f"step_{last:06d}"]
+    assert (saved[0] / "COMPLETE").exists() and (saved[0] / "rank_00000.pt").exists() \
+        and (saved[0] / "rank_00001.pt").exists()
+    print(f"SIGTERM to rank 1 after step {last - 1}: both ranks saved step {last} and exited in {took:.1f} s")
+
+
+REWARDS = '''
+import os
+import time
+from pathlib import Path
+
+
+def hangs(response, ground_truth):
+    marker = Path(os.environ["FIRST_CALL_FILE"])
+    if not marker.exists():
+        marker.write_text(repr(time.time()))
+    time.sleep(3600)
+    return 1.0
+
+
+def exits(response, ground_truth):
+    os._exit(3)
+'''
+
+
+@pytest.mark.parametrize("function,first_error", [
+    ("hangs", "first: timed out after 3s"),
+    ("exits", "first: the worker process died (exit code 3) inside the function"),
+])
+def test_misbehaving_reward_function_stops_the_run(tmp_path, function, first_error):
+    rewards = tmp_path / "my_rewards.py"
+    rewards.write_text(REWARDS)
+    first_call = tmp_path / "first_call"
+    cmd = [sys.executable, "-m", "verl_mega.train", "--config", RECIPE, f"trainer.output_dir={tmp_path / 'run'}",
+           *SMALL, "trainer.total_steps=5", "trainer.save_every=0", f"reward.function={rewards}:{function}",
+           "reward.timeout_s=3", "reward.num_workers=4", "reward.max_error_frac=0.1"]
+    log = tmp_path / "train.log"
+    rc = run_in_session(cmd, env={**_env(tmp_path), "FIRST_CALL_FILE": str(first_call)}, log=log, timeout=600)
+    ended = time.time()
+    text = log.read_text()
+    errors = [line for line in text.splitlines() if line.startswith("error: ")]
+    assert rc == 2 and len(errors) == 1, text[-4000:]
+    assert f"reward function '{rewards}:{function}' failed on 32 of 32 samples of this step" in errors[0]
+    assert first_error in errors[0] and "reward.max_error_frac=0.1" in errors[0]
+    assert not _metric_rows(tmp_path / "run")  # it stopped in the first step
+    if function == "hangs":
+        # the first call started; one time limit (3 s) later the step gave up, and the job ended (teardown included)
+        took = ended - float(first_call.read_text())
+        assert took < 3 + 20, f"{took:.1f} s from the first reward call to the end of the job"
+        print(f"hanging reward function: the job ended {took:.1f} s after the first call (time limit 3 s)")
+
+
+def test_disk_full_during_a_save_is_named(tmp_path):
+    """A 4 MiB filesystem: the output-directory probe passes, the first checkpoint (about 5 MB) does not fit."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    train = [sys.executable, "-m", "verl_mega.train", "--config", RECIPE, f"trainer.output_dir={mnt / 'out'}", *SMALL,
+             "trainer.total_steps=2", "trainer.save_every=1"]
+    cmd = ["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=4m tmpfs {mnt} && exec {shlex.join(train)}"]
+    log = tmp_path / "train.log"
+    rc = run_in_session(cmd, env=_env(tmp_path), log=log, timeout=600)
+    text = log.read_text()
+    errors = [line for line in text.splitlines() if line.startswith("error: ")]
+    assert rc == 2 and len(errors) == 1, text[-4000:]
+    assert errors[0].startswith("error: no space left on the device writing ") and "checkpoints/.tmp-step_000001" \
+        in errors[0], errors[0]

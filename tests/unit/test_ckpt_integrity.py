@@ -1,0 +1,147 @@
+"""Which checkpoint a run resumes from: manifests with per-file SHA-256, cheap checks before anything is built,
+checksums, the fallback of trainer.resume=auto to the newest intact checkpoint, and one-line errors for the rest."""
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from verl_mega.config import load_config, to_dict
+from verl_mega.trainer.ckpt_integrity import (MANIFEST, BrokenCheckpointError, ResumeError, RunComplete, SCHEMA,
+                                              bad_checksums, check_steps_left, checkpoint_files, digest_files,
+                                              find_checkpoint, read_manifest, verify_checkpoint, write_manifest)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _cfg(out: Path, *overrides: str):
+    return load_config(str(ROOT / "configs" / "quickstart_cpu.yaml"), [f"trainer.output_dir={out}", *overrides])
+
+
+def _checkpoint(out: Path, step: int, cfg) -> Path:
+    """A checkpoint laid out as CheckpointManager writes it (a small dist checkpoint for the actor)."""
+    path = out / "checkpoints" / f"step_{step:06d}"
+    actor = path / "actor"
+    dcp.save({"w": torch.full((64, 64), float(step))}, checkpoint_id=str(actor), no_dist=True)
+    (actor / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    torch.save({"optimizer": {"step": step}}, actor / "common.pt")
+    torch.save({"torch": torch.get_rng_state()}, path / "rank_00000.pt")
+    state = {"schema": SCHEMA, "step": step, "loader": {}, "kl_ctrl": {}, "engines": {}, "world_size": 1,
+             "layout": {"tp": 1, "pp": 1, "dp": 1}, "config": to_dict(cfg)}
+    (path / "trainer.json").write_text(json.dumps(state))
+    write_manifest(path, digest_files(path, checkpoint_files(path)))
+    (path / "COMPLETE").write_text("ok\n")
+    return path
+
+
+@pytest.fixture
+def run(tmp_path):
+    cfg = _cfg(tmp_path / "out")
+    return cfg, [_checkpoint(tmp_path / "out", step, cfg) for step in (2, 4)]
+
+
+def _shard(path: Path) -> Path:
+    return next((path / "actor").glob("*.distcp"))
+
+
+def test_manifest_lists_every_file_with_size_and_sha256(run):
+    _, (_, newest) = run
+    manifest = read_manifest(newest)
+    assert set(manifest) == {"trainer.json", "rank_00000.pt", "actor/.metadata", "actor/metadata.json",
+                             "actor/common.pt", _shard(newest).relative_to(newest).as_posix()}
+    assert all(len(e["sha256"]) == 64 and e["size"] > 0 for e in manifest.values())
+    assert not bad_checksums(newest, manifest, sorted(manifest))
+
+
+def test_intact_newest_is_chosen(run):
+    cfg, (_, newest) = run
+    assert find_checkpoint(cfg) == newest
+    assert verify_checkpoint(cfg, newest) == newest
+
+
+def test_truncated_newest_falls_back_with_a_warning(run, caplog):
+    cfg, (older, newest) = run
+    shard = _shard(newest)
+    shard.write_bytes(shard.read_bytes()[:100])
+    with caplog.at_level(logging.WARNING):
+        assert find_checkpoint(cfg) == older
+    assert f"{shard} has 100 bytes" in caplog.text and "resuming from the older step_000002" in caplog.text
+    explicit = _cfg(cfg.trainer.output_dir, f"trainer.resume={newest}")
+    with pytest.raises(BrokenCheckpointError, match=f"{shard} has 100 bytes, manifest.json records"):
+        find_checkpoint(explicit)
+
+
+def test_flipped_bytes_are_detected_by_checksum(run, caplog):
+    cfg, (older, newest) = run
+    shard = _shard(newest)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size: only the checksum can tell
+    shard.write_bytes(bytes(data))
+    assert find_checkpoint(cfg) == newest  # the cheap checks pass
+    with caplog.at_level(logging.WARNING):
+        assert verify_checkpoint(cfg, newest) == older
+    assert f"{shard} does not match its SHA-256" in caplog.text
+    explicit = _cfg(cfg.trainer.output_dir, f"trainer.resume={newest}")
+    with pytest.raises(BrokenCheckpointError, match="does not match its SHA-256") as info:
+        verify_checkpoint(explicit, newest)
+    assert "\n" not in str(info.value)
+    skip = _cfg(cfg.trainer.output_dir, "checkpoint.verify_checksums=false")
+    assert verify_checkpoint(skip, newest) == newest
+
+
+def test_every_checkpoint_broken_is_an_error(run):
+    cfg, paths = run
+    for path in paths:
+        (path / "rank_00000.pt").unlink()
+    with pytest.raises(BrokenCheckpointError, match="rank_00000.pt is missing.*no older intact checkpoint"):
+        find_checkpoint(cfg)
+
+
+@pytest.mark.parametrize("edit,pattern", [
+    (lambda s: s.pop("config"), "lacks 'config'"),
+    (lambda s: s.update(loader=[1]), "has a list as 'loader'"),
+    (lambda s: s.update(schema=SCHEMA + 1), f"has schema {SCHEMA + 1}"),
+])
+def test_trainer_json_schema(run, edit, pattern):
+    cfg, (_, newest) = run
+    state = json.loads((newest / "trainer.json").read_text())
+    edit(state)
+    (newest / "trainer.json").write_text(json.dumps(state))
+    (newest / MANIFEST).unlink()  # as if written so: only the schema is wrong
+    explicit = _cfg(cfg.trainer.output_dir, f"trainer.resume={newest}")
+    with pytest.raises(ResumeError, match=pattern):
+        find_checkpoint(explicit)
+
+
+def test_optimizer_type_and_config_mismatch(run):
+    cfg, (_, newest) = run
+    flipped = _cfg(cfg.trainer.output_dir, "parallel.use_distributed_optimizer=false")
+    with pytest.raises(ResumeError, match="distributed optimizer, which the plain one cannot load; set "
+                                          "parallel.use_distributed_optimizer=true"):
+        find_checkpoint(flipped)
+    assert find_checkpoint(_cfg(cfg.trainer.output_dir, "parallel.use_distributed_optimizer=false",
+                                "checkpoint.save_optimizer=false")) == newest
+    with pytest.raises(ResumeError, match="config differs from step_000004 in result-changing keys"):
+        find_checkpoint(_cfg(cfg.trainer.output_dir, "actor.lr=0.1"))
+
+
+def test_steps_left(run):
+    _, (_, newest) = run
+    check_steps_left(newest, 5)
+    check_steps_left(newest, 4, complete_ok=True)
+    with pytest.raises(RunComplete, match="already holds step 4, the last of this run"):
+        check_steps_left(newest, 4)
+    with pytest.raises(ResumeError, match="trainer.total_steps=3 is below step 4"):
+        check_steps_left(newest, 3)
+
+
+def test_legacy_checkpoint_without_manifest(run, caplog):
+    cfg, (_, newest) = run
+    (newest / MANIFEST).unlink()
+    assert find_checkpoint(cfg) == newest
+    with caplog.at_level(logging.WARNING):
+        assert verify_checkpoint(cfg, newest) == newest
+    assert "written without a manifest" in caplog.text

@@ -1,0 +1,36 @@
+"""Stop requests: SIGTERM and SIGINT are noted by a handler, a second SIGINT aborts, the time limit stops before
+another step would overrun it (the all-reduce across ranks is exercised by tests/distributed/test_stop.py)."""
+
+import os
+import signal
+import time
+
+import pytest
+
+from verl_mega.trainer.stop import StopRequest
+
+
+def test_signals_are_noted_not_fatal_and_handlers_restored():
+    before = signal.getsignal(signal.SIGTERM)
+    with StopRequest() as stop:
+        assert stop.agreed(0.1) == ""
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.agreed(0.1) == "SIGTERM"
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.agreed(0.1) == "SIGTERM"  # the more severe reason stays
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_second_sigint_aborts():
+    with StopRequest() as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.agreed(0.0) == "SIGINT"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+
+
+def test_time_limit_stops_before_a_step_would_overrun_it():
+    stop = StopRequest(time_limit_s=10.0, started=time.monotonic() - 7.0)
+    assert stop.agreed(1.0) == ""
+    assert stop.agreed(4.0) == "trainer.time_limit_s"

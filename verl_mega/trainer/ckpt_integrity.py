@@ -1,0 +1,251 @@
+"""Which checkpoint a run resumes from, and whether it is intact.
+
+Every checkpoint carries ``manifest.json``: each file's size and SHA-256, computed at save time (the hashing is
+split over the ranks). Before a resume:
+
+* on every rank, before anything is built (:func:`find_checkpoint`): ``trainer.json`` parses and has the fields of its
+  schema; every file of the manifest is present with its size; each role's dist-checkpoint metadata reads through the
+  allow-list of :mod:`verl_mega.models.safe_ckpt`; result-changing config keys and the optimizer type agree;
+* once the process group exists (:func:`verify_checkpoint`, collective): every file's SHA-256 equals the manifest's,
+  each rank hashing its share (``checkpoint.verify_checksums=false`` skips this).
+
+A broken checkpoint (unreadable, missing or truncated file, wrong checksum) is an error naming the file; with
+``trainer.resume=auto`` the newest intact checkpoint is used instead, with a warning. A file the allow-list refuses,
+or a config that does not fit the checkpoint, is always an error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from verl_mega.config import diff_configs
+from verl_mega.models.hf_io import CheckpointError
+
+log = logging.getLogger("verl_mega.checkpoint")
+
+SCHEMA = 1  # trainer.json layout; a checkpoint with a newer schema comes from a newer verl_mega
+MANIFEST = "manifest.json"
+COMPLETE = "COMPLETE"
+_FIELDS = {"step": int, "loader": dict, "kl_ctrl": dict, "engines": dict, "world_size": int, "layout": dict,
+           "config": dict}
+
+
+class ResumeError(ValueError):
+    """A checkpoint that cannot be resumed from; the message says why and what to do."""
+
+
+class BrokenCheckpointError(ResumeError):
+    """A checkpoint with a missing, truncated, unreadable or altered file (named in the message)."""
+
+
+# ---------------------------------------------------------------------------------------------------- manifest
+def sha256_file(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def checkpoint_files(root: Path) -> list[str]:
+    """Every file of a checkpoint directory (relative, sorted), except the manifest and the COMPLETE marker."""
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*")
+                  if p.is_file() and p.relative_to(root).as_posix() not in (MANIFEST, COMPLETE))
+
+
+def digest_files(root: Path, names: list[str]) -> dict[str, dict[str, Any]]:
+    return {n: {"size": (root / n).stat().st_size, "sha256": sha256_file(root / n)} for n in names}
+
+
+def write_manifest(root: Path, entries: dict[str, dict[str, Any]]) -> None:
+    tmp = root / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps({"algorithm": "sha256", "files": dict(sorted(entries.items()))}, indent=1))
+    os.replace(tmp, root / MANIFEST)
+
+
+def read_manifest(root: Path) -> dict[str, dict[str, Any]] | None:
+    """The manifest's file table; None for checkpoints written before manifests existed."""
+    path = root / MANIFEST
+    if not path.exists():
+        return None
+    try:
+        files = json.loads(path.read_text())["files"]
+        if not all(isinstance(e.get("size"), int) and isinstance(e.get("sha256"), str) for e in files.values()):
+            raise ValueError("an entry lacks its size or sha256")
+        return files
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise BrokenCheckpointError(f"resume: {path} is unreadable ({type(exc).__name__}: {exc})") from None
+
+
+def check_sizes(root: Path, manifest: dict[str, dict[str, Any]]) -> None:
+    for name, entry in manifest.items():
+        path = root / name
+        if not path.is_file():
+            raise BrokenCheckpointError(f"resume: {path} is missing (listed in {MANIFEST})")
+        size = path.stat().st_size
+        if size != entry["size"]:
+            raise BrokenCheckpointError(f"resume: {path} has {size} bytes, {MANIFEST} records {entry['size']} "
+                                        f"(truncated or overwritten)")
+
+
+def bad_checksums(root: Path, manifest: dict[str, dict[str, Any]], names: list[str]) -> list[str]:
+    """Messages for the files among `names` whose content differs from the manifest."""
+    bad = []
+    for name in names:
+        try:
+            if sha256_file(root / name) != manifest[name]["sha256"]:
+                bad.append(f"resume: {root / name} does not match its SHA-256 in {MANIFEST} (the file was altered "
+                           f"or corrupted after it was written)")
+        except OSError as exc:
+            bad.append(f"resume: {root / name} is unreadable ({exc})")
+    return bad
+
+
+# ------------------------------------------------------------------------------------------- cheap inspection
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    """trainer.json of a checkpoint, checked against its schema."""
+    file = path / "trainer.json"
+    try:
+        state = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise BrokenCheckpointError(f"resume: {file} is unreadable ({type(exc).__name__}: {exc})") from None
+    if not isinstance(state, dict):
+        raise BrokenCheckpointError(f"resume: {file} holds a {type(state).__name__}, not a JSON object")
+    schema = state.get("schema", SCHEMA)
+    if not isinstance(schema, int) or schema > SCHEMA:
+        raise ResumeError(f"resume: {file} has schema {schema!r}, this verl_mega reads schema {SCHEMA} and older; "
+                          f"resume it with the verl_mega version that wrote it")
+    for key, kind in _FIELDS.items():
+        if not isinstance(state.get(key), kind):
+            problem = "lacks" if key not in state else f"has a {type(state[key]).__name__} as"
+            raise BrokenCheckpointError(f"resume: {file} {problem} '{key}' (schema {SCHEMA} needs a "
+                                        f"{kind.__name__}); the file is damaged or not a verl_mega checkpoint's")
+    return state
+
+
+def _roles(cfg) -> list[str]:
+    return ["actor", "critic"] if cfg.critic.enable else ["actor"]
+
+
+def inspect_checkpoint(path: Path, cfg) -> dict[str, Any]:
+    """The cheap checks of the module docstring; returns trainer.json's content."""
+    from verl_mega.models.safe_ckpt import UnsafeCheckpointError, check_dist_checkpoint
+
+    state = read_trainer_state(path)
+    manifest = read_manifest(path)
+    if manifest is not None:
+        check_sizes(path, manifest)
+    else:  # written before manifests: at least every rank's file and role directory must be there
+        for rank in range(state["world_size"]):
+            if not (path / f"rank_{rank:05d}.pt").is_file():
+                raise BrokenCheckpointError(f"resume: {path / f'rank_{rank:05d}.pt'} is missing")
+    changes = diff_configs(state["config"], cfg)
+    if changes and not cfg.trainer.resume_allow_config_change:
+        raise ResumeError(f"resume: config differs from {path.name} in result-changing keys ({'; '.join(changes)}); "
+                          "restore them or set trainer.resume_allow_config_change=true")
+    saved_optim = state["config"].get("checkpoint", {}).get("save_optimizer", True)
+    saved_dist = state["config"].get("parallel", {}).get("use_distributed_optimizer")
+    now_dist = cfg.parallel.use_distributed_optimizer
+    if saved_optim and cfg.checkpoint.save_optimizer and saved_dist is not None and saved_dist != now_dist:
+        raise ResumeError(f"resume: {path.name} holds the state of the {'distributed' if saved_dist else 'plain'} "
+                          f"optimizer, which the {'distributed' if now_dist else 'plain'} one cannot load; set "
+                          f"parallel.use_distributed_optimizer={str(saved_dist).lower()} as saved, or "
+                          f"checkpoint.save_optimizer=false to restart the optimizer state")
+    for role in _roles(cfg):
+        if not (path / role).is_dir():
+            raise ResumeError(f"resume: {path} has no {role}/ state; it was saved by a run without that role")
+        try:
+            check_dist_checkpoint(path / role)
+        except UnsafeCheckpointError:
+            raise
+        except CheckpointError as exc:
+            raise BrokenCheckpointError(str(exc).replace("checkpoint: ", "resume: ", 1)) from None
+    return state
+
+
+def _candidates(cfg) -> list[Path]:
+    """The checkpoints trainer.resume may use, newest first."""
+    mode = cfg.trainer.resume
+    if mode == "off":
+        return []
+    if mode != "auto":
+        path = Path(mode)
+        if not (path / COMPLETE).exists():
+            raise ResumeError(f"trainer.resume={mode}: not a complete checkpoint (no COMPLETE marker); "
+                              "pick a step_* directory or use trainer.resume=auto")
+        return [path]
+    root = Path(cfg.trainer.output_dir) / "checkpoints"
+    return sorted((p for p in root.glob("step_*") if (p / COMPLETE).exists()), reverse=True)
+
+
+def _fall_back(cfg, path: Path, exc: BrokenCheckpointError, older: list[Path]) -> None:
+    """Raise `exc` unless trainer.resume=auto has an older checkpoint to try."""
+    if cfg.trainer.resume != "auto":
+        raise exc
+    if not older:
+        raise BrokenCheckpointError(f"{exc}; no older intact checkpoint under {path.parent}: remove the broken one to "
+                                    f"start over, or set trainer.resume=off") from None
+    log.warning("%s; resuming from the older %s instead", exc, older[0].name)
+
+
+def find_checkpoint(cfg, *, after: Path | None = None) -> Path | None:
+    """The checkpoint trainer.resume selects, after the cheap checks (no process group needed): the newest that
+    passes them, with trainer.resume=auto. ``after``: consider only checkpoints older than this one."""
+    candidates = _candidates(cfg)
+    if after is not None:
+        candidates = [p for p in candidates if p.name < after.name]
+    for i, path in enumerate(candidates):
+        try:
+            inspect_checkpoint(path, cfg)
+            return path
+        except BrokenCheckpointError as exc:
+            _fall_back(cfg, path, exc, candidates[i + 1:])
+    return None
+
+
+def verify_checkpoint(cfg, path: Path | None) -> Path | None:
+    """Check `path`'s files against its manifest's SHA-256 (collective: each rank hashes its share, all ranks get the
+    same verdict) and fall back like find_checkpoint. Returns the checkpoint to load."""
+    while path is not None and cfg.checkpoint.verify_checksums:
+        manifest = read_manifest(path)
+        if manifest is None:
+            log.warning("resume: %s was written without a manifest; its files are not verified", path.name)
+            return path
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        bad = bad_checksums(path, manifest, sorted(manifest)[rank::world])
+        if world > 1:
+            everyone: list = [None] * world
+            dist.all_gather_object(everyone, bad)
+            bad = [m for part in everyone for m in part]
+        if not bad:
+            return path
+        older = [p for p in _candidates(cfg) if p.name < path.name] if cfg.trainer.resume == "auto" else []
+        _fall_back(cfg, path, BrokenCheckpointError(sorted(bad)[0]), older)
+        path = find_checkpoint(cfg, after=path)
+    return path
+
+
+def checkpoint_step(path: Path) -> int:
+    return int(read_trainer_state(path)["step"])
+
+
+class RunComplete(Exception):
+    """The checkpoint to resume from already holds the run's last step: there is nothing to train."""
+
+
+def check_steps_left(path: Path, total_steps: int, *, complete_ok: bool = False) -> None:
+    """Before building: the checkpoint's step must be below the run's last step (trainer.total_steps, or the
+    batches of trainer.total_epochs). ``complete_ok``: a checkpoint at the last step passes (its checksums are not
+    verified yet, and a broken one would be replaced by an older one)."""
+    step = checkpoint_step(path)
+    if step > total_steps:
+        raise ResumeError(f"trainer.total_steps={total_steps} is below step {step} of {path}: that run went further "
+                          f"already; set trainer.total_steps above {step} to continue it, or trainer.resume=off (or "
+                          f"another trainer.output_dir) to start over")
+    if step == total_steps and not complete_ok:
+        raise RunComplete(f"{path} already holds step {step}, the last of this run; nothing to train (raise "
+                          f"trainer.total_steps to continue, or set trainer.resume=off to start over)")

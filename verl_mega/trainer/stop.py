@@ -1,0 +1,66 @@
+"""Stopping a run cleanly on SIGTERM, SIGINT (Ctrl-C) or ``trainer.time_limit_s``, agreed by every rank.
+
+A signal may reach only some ranks: preempting one node of a job signals its processes only. Each rank notes what it
+received; at the end of every step all ranks combine their notes (an all-reduce of one number over the world), so
+either every rank saves that step and exits, or none does: no rank waits in a collective that the others never
+join. A second SIGINT on a rank aborts it at once (KeyboardInterrupt).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("verl_mega")
+
+# severity of each reason: the all-reduce keeps the largest, so every rank reports the same one
+_REASONS = ("", "trainer.time_limit_s", "SIGINT", "SIGTERM")
+
+
+class StopRequest:
+    """Signal handlers plus the per-step agreement. Use as a context manager around the training loop."""
+
+    def __init__(self, time_limit_s: float | None = None, *, started: float | None = None) -> None:
+        self.time_limit_s = time_limit_s
+        self.started = time.monotonic() if started is None else started
+        self.received: str = ""
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "StopRequest":
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            self._previous[signum] = signal.signal(signum, self._on_signal)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    def _on_signal(self, signum: int, frame) -> None:  # noqa: ARG002
+        name = signal.Signals(signum).name
+        if signum == signal.SIGINT and "SIGINT" in self.received:
+            raise KeyboardInterrupt  # the second Ctrl-C: stop now, without the checkpoint
+        if _REASONS.index(name) > _REASONS.index(self.received):
+            self.received = name
+        hint = " (Ctrl-C again aborts at once)" if signum == signal.SIGINT else ""
+        log.warning("%s received: the current step finishes, every rank saves a checkpoint, then the run exits%s",
+                    name, hint)
+
+    def agreed(self, last_step_s: float) -> str:
+        """Collective, once per step on every rank: the stop reason all ranks agree on ('' = go on). The time limit
+        stops the run when another step of the last one's duration would end past it."""
+        local = _REASONS.index(self.received)
+        if self.time_limit_s is not None and time.monotonic() - self.started + last_step_s > self.time_limit_s:
+            local = max(local, _REASONS.index("trainer.time_limit_s"))
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            from verl_mega.parallel.cpu_mode import comm_device
+
+            flag = torch.tensor([local], dtype=torch.int32, device=comm_device())
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            local = int(flag.item())
+        return _REASONS[local]
