@@ -8,7 +8,9 @@ module installs a small, reversible shim *only when CUDA is absent*:
   ``Tensor.cuda()`` a no-op;
 * ``Tensor.type()`` reports ``torch.cuda.*Tensor`` for CPU tensors, which mcore's dtype checks expect;
 * ``torch.cuda.current_device / get_rng_state / set_rng_state / manual_seed / synchronize`` and mcore's
-  ``_get/_set_cuda_rng_state`` act on the CPU generator.
+  ``_get/_set_cuda_rng_state`` act on the CPU generator;
+* ``torch.cuda.Stream / Event / stream / current_stream`` are host-synchronous stand-ins (CPU work is already
+  ordered), which mcore's MoE alltoall token dispatcher uses for its device-to-host copies.
 
 Everything numerical still runs through the real mcore code paths; only device placement changes. The shim is
 process-global, idempotent, and a no-op when CUDA is available.
@@ -88,9 +90,64 @@ def enable_cpu_mode() -> bool:
         return True
 
 
+class _HostEvent:
+    """A CUDA event on the host: CPU work is synchronous, so it has always completed."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _HostStream:
+    """A CUDA stream on the host: work runs in program order, so waits and events are no-ops."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> _HostEvent:
+        return event or _HostEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _HostStream)
+
+    def __hash__(self) -> int:
+        return 0
+
+
 def _patch_cuda_namespace() -> None:
+    import contextlib
+
     cpu_gen = torch.random.default_generator
+    host_stream = _HostStream()
     patches = {
+        "Stream": _HostStream,
+        "Event": _HostEvent,
+        "current_stream": lambda device=None: host_stream,
+        "default_stream": lambda device=None: host_stream,
+        "stream": lambda stream=None: contextlib.nullcontext(),
         "current_device": lambda: 0,
         "device_count": lambda: 1,
         "get_rng_state": lambda device="cuda": cpu_gen.get_state(),
