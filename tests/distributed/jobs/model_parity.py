@@ -1,6 +1,6 @@
 """torchrun job: mcore logits (built from a tiny HF checkpoint, or a converted dist checkpoint) vs HF transformers.
 
-Args: --tp --pp [--cp] [--sp] [--grads] --models qwen2,llama,qwen3 --workdir DIR [--mcore-ckpt DIR]
+Args: --tp --pp [--cp] [--ep] [--sp] [--grads] --models qwen2,llama,qwen3 --workdir DIR [--mcore-ckpt DIR]
 
 Logits, log-probs and entropy go through the engine's forward (and, for log-probs, the actor's own path); with
 ``--grads`` one training step (lr 0) of a log-likelihood loss through the same path leaves the gradient in
@@ -20,6 +20,7 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--cp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--sp", action="store_true")
     ap.add_argument("--grads", action="store_true")
     ap.add_argument("--models", default="qwen2,llama,qwen3")
@@ -43,13 +44,15 @@ def main() -> None:
     from verl_mega.trainer.batch import Batch
     from verl_mega.trainer.roles import PolicyRole
 
-    groups = init_distributed(tp=args.tp, pp=args.pp, cp=args.cp, sequence_parallel=args.sp, seed=1)
+    groups = init_distributed(tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, sequence_parallel=args.sp, seed=1)
     report = {}
     for mt in args.models.split(","):
         path = Path(args.workdir) / mt
         arch = arch_from_hf(load_hf_config(path))
-        cfg = transformer_config(arch, tp=args.tp, pp=args.pp, cp=args.cp, sequence_parallel=args.sp,
-                                 use_cpu_initialization=True)
+        # HF's loss has no router load-balancing term (output_router_logits is off)
+        moe = dict(moe_aux_loss_coeff=0.0) if arch.is_moe else {}
+        cfg = transformer_config(arch, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep if arch.is_moe else 1,
+                                 sequence_parallel=args.sp, use_cpu_initialization=True, **moe)
         chunks = build_model_chunks(arch, cfg, groups, use_te="false")
         if args.mcore_ckpt:
             load_model_dist(chunks, args.mcore_ckpt, groups)
@@ -95,14 +98,40 @@ def main() -> None:
         assert lp_err < 1e-5 and ent_err < 1e-5, f"{mt}: logprob {lp_err} / entropy {ent_err} differ from float64"
         if args.grads:
             report[mt]["grad_max_abs"] = _check_grads(engine, role, hf, ids, pos, arch, groups, rule_for,
-                                                      hf_to_mcore_shard, unwrap)
+                                                      hf_to_mcore_shard, unwrap, path)
     if dist.get_rank() == 0:
-        print("PARITY " + json.dumps({"tp": args.tp, "pp": args.pp, "cp": args.cp, "sp": args.sp, **report}))
+        print("PARITY " + json.dumps({"tp": args.tp, "pp": args.pp, "cp": args.cp, "ep": args.ep, "sp": args.sp,
+                                      **report}))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _check_grads(engine, role, hf, ids, pos, arch, groups, rule_for, hf_to_mcore_shard, unwrap) -> float:
+def _checkpoint_names(hf, arch, value) -> dict:
+    """``value(param)`` of every HF parameter under its checkpoint name: transformers keeps each MoE layer's experts
+    fused ([E, 2f, h] gate|up and [E, h, f] down, under ``mlp``) while checkpoints name them expert by expert."""
+    import re
+
+    block, (gate, up, down) = (("block_sparse_moe", ("w1", "w3", "w2")) if arch.model_type == "mixtral"
+                               else ("mlp", ("gate_proj", "up_proj", "down_proj")))
+    out = {}
+    for name, param in hf.named_parameters():
+        t, m = value(param), re.match(r"model\.layers\.(\d+)\.mlp\.(.+)$", name)
+        if not (arch.is_moe and m):
+            out[name] = t
+            continue
+        base = f"model.layers.{m.group(1)}.{block}"
+        if m.group(2) == "experts.gate_up_proj":
+            for e in range(arch.num_experts):
+                out[f"{base}.experts.{e}.{gate}.weight"], out[f"{base}.experts.{e}.{up}.weight"] = t[e].chunk(2)
+        elif m.group(2) == "experts.down_proj":
+            for e in range(arch.num_experts):
+                out[f"{base}.experts.{e}.{down}.weight"] = t[e]
+        else:
+            out[f"{base}.{m.group(2)}"] = t
+    return out
+
+
+def _check_grads(engine, role, hf, ids, pos, arch, groups, rule_for, hf_to_mcore_shard, unwrap, path) -> float:
     """Mean negative log-likelihood of the 4 rows, one optimizer step at lr 0: Megatron's grad buffers (reduced over
     data and context parallelism) against HF's gradient of the same loss, mapped onto this rank's shards. Each
     data-parallel rank trains its own rows, normalised by the global token count, as the actor does."""
@@ -121,7 +150,13 @@ def _check_grads(engine, role, hf, ids, pos, arch, groups, rule_for, hf_to_mcore
     hf.zero_grad()
     logits = hf(ids).logits.float()
     (-torch.log_softmax(logits, -1)[:, :-1].gather(-1, ids[:, 1:, None]).sum() / count).backward()
-    hf_grads = {n: p.grad for n, p in hf.named_parameters()}
+    from verl_mega.models.hf_io import HFCheckpointReader
+    from verl_mega.models.loader import expert_shard
+
+    reader = HFCheckpointReader(path)  # the renaming of fused experts, checked on the weights themselves
+    for name, value in _checkpoint_names(hf, arch, lambda p: p.detach()).items():
+        assert torch.equal(value, reader.get(name)), f"{name}: HF parameter layout misread"
+    hf_grads = _checkpoint_names(hf, arch, lambda p: p.grad)
     if arch.tie_word_embeddings:
         hf_grads.setdefault("lm_head.weight", hf_grads["model.embed_tokens.weight"])
     def read(name, rows=None, cols=None):
@@ -135,7 +170,7 @@ def _check_grads(engine, role, hf, ids, pos, arch, groups, rule_for, hf_to_mcore
         for name, param in model.named_parameters():
             rule = rule_for(name, arch, model.stage_layout.layer_offset)
             want = hf_to_mcore_shard(rule, read, arch, groups.tp_rank, groups.size("tp"),
-                                     model.vocab_size)
+                                     model.vocab_size, expert_shard(groups))
             got = param.main_grad.float()
             assert got.shape == want.shape, (name, got.shape, want.shape)
             diff = (got - want).abs().max().item()
