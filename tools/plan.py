@@ -125,15 +125,14 @@ def main(argv: list[str] | None = None) -> int:
         global_batch, sequence_parallel = args.global_batch, not args.no_sequence_parallel
         placement = None
         if cfg is not None:
-            from verl_mega.models.hf_config import check_layout
+            from verl_mega.models.hf_config import check_arch_layout
             from verl_mega.parallel.placement import Placement
             from verl_mega.planning.plan import inputs_from_config
 
             # The recipe's own runtime checks for this world size (batch splits, layout vs model shape).
             placement = Placement.from_config(cfg, cluster.gpus)
             cfg.validate_runtime(placement, cuda_available=True)
-            check_layout(placement.pool_of("actor"), num_layers=arch.num_layers, num_heads=arch.num_heads,
-                         num_kv_heads=arch.num_kv_heads, ffn_hidden_size=arch.ffn_hidden_size)
+            check_arch_layout(placement.pool_of("actor"), arch)
             given = inputs_from_config(cfg, placement)
             if len(placement.pools) > 1:  # layouts are ranked for the actor's pool
                 cluster = Cluster(gpus=placement.pool_of("actor").size, gpus_per_node=args.gpus_per_node,

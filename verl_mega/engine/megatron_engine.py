@@ -18,6 +18,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
+from verl_mega.engine import moe
 from verl_mega.models.loader import unwrap
 from verl_mega.parallel.cpu_mode import comm_device as _device
 from verl_mega.parallel.placement import context_chunks
@@ -104,6 +105,10 @@ class MegatronEngine:
     @property
     def modules(self) -> list[torch.nn.Module]:
         return [unwrap(c) for c in self.chunks]
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.config.num_moe_experts)
 
     @property
     def dp_size(self) -> int:
@@ -209,6 +214,8 @@ class MegatronEngine:
             c.train()
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
+        if self.is_moe:
+            moe.clear_aux_losses()
 
         def step(data_iterator, model):
             mb = next(data_iterator)
@@ -224,6 +231,8 @@ class MegatronEngine:
             self.scheduler.step(increment=1)
             self.version += 1
         metrics = self._reduce_metrics(outputs)
+        if self.is_moe:
+            metrics.update(moe.aux_loss_metrics(self.groups, self.config.num_layers, len(micro_batches)))
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["update_skipped"] = float(not update_ok)
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
@@ -231,7 +240,8 @@ class MegatronEngine:
 
     def _grads_finite(self) -> bool:
         """True when every gradient (after the DP reduction) is finite on every rank of the pool."""
-        local = all(bool(torch.isfinite(buf.grad_data).all()) for c in self.chunks for buf in c.buffers)
+        local = all(bool(torch.isfinite(buf.grad_data).all()) for c in self.chunks
+                    for buf in c.buffers + c.expert_parallel_buffers)
         return float(all_reduce(0.0 if local else 1.0, self.groups["pool"], "max")) == 0.0
 
     @staticmethod

@@ -231,19 +231,27 @@ def check_layout(pool, *, num_layers: int, num_heads: int, num_kv_heads: int, ff
 
 
 def _check_moe_layout(pool, num_experts: int, width: int) -> None:
-    key = pool._key if hasattr(pool, "_key") else (lambda k: f"parallel.{k}")
-    if num_experts % pool.ep:
-        raise ModelConfigError(f"{key('ep')}={pool.ep} does not divide the model's {num_experts} experts; choose "
+    key = pool._key if hasattr(pool, "_key") else (lambda k: "rollout.gen_tp" if k == "gen_tp" else f"parallel.{k}")
+    ep, etp = getattr(pool, "ep", 1), getattr(pool, "etp", None) or pool.tp
+    if num_experts % ep:
+        raise ModelConfigError(f"{key('ep')}={ep} does not divide the model's {num_experts} experts; choose "
                                f"{key('ep')} among {_divisors(num_experts)}")
-    if width % pool.etp:
-        raise ModelConfigError(f"{key('etp')}={pool.etp} does not divide the experts' FFN width {width}; choose "
+    if width % etp:
+        raise ModelConfigError(f"{key('etp')}={etp} does not divide the experts' FFN width {width}; choose "
                                f"{key('etp')} among {_divisors(width)}")
     if width % pool.gen_tp:
-        raise ModelConfigError(f"rollout.gen_tp={pool.gen_tp} does not divide the experts' FFN width {width}; choose "
-                               f"rollout.gen_tp among {_divisors(width)}")
+        raise ModelConfigError(f"{key('gen_tp')}={pool.gen_tp} does not divide the experts' FFN width {width} (vLLM "
+                               f"splits every expert over its TP ranks); choose among {_divisors(width)}")
     if pool.tp > 1 and getattr(pool, "trains", True) and not pool.sequence_parallel:
         raise ModelConfigError(f"{key('tp')}={pool.tp} with experts needs sequence parallelism (Megatron's MoE layer "
                                f"trains only with it); set parallel.sequence_parallel=true")
+
+
+def check_arch_layout(pool, arch: ModelArch) -> None:
+    """:func:`check_layout` with every width of ``arch`` (for MoE: the experts' and the shared expert's)."""
+    ffn = (arch.shared_expert_ffn_hidden_size or None) if arch.is_moe else arch.ffn_hidden_size
+    check_layout(pool, num_layers=arch.num_layers, num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads,
+                 ffn_hidden_size=ffn, num_experts=arch.num_experts, moe_ffn_hidden_size=arch.moe_ffn_hidden_size)
 
 
 def torch_dtype(name: str) -> torch.dtype:

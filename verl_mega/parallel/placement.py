@@ -321,8 +321,8 @@ class Placement:
                 raise PlacementError(f"parallel: tp·pp·cp·dp = {p.tp}·{p.pp}·{p.cp}·{p.dp} = "
                                      f"{p.tp * p.pp * p.cp * p.dp} does not equal the world size {world_size}; set "
                                      f"parallel.dp=null to derive dp, or start {p.tp * p.pp * p.cp * p.dp} processes")
-            return cls.single(world_size, tp=p.tp, pp=p.pp, vpp=p.vpp, cp=p.cp, gen_tp=cfg.rollout.gen_tp,
-                              sequence_parallel=p.sequence_parallel)
+            return cls.single(world_size, tp=p.tp, pp=p.pp, vpp=p.vpp, cp=p.cp, ep=p.ep, etp=p.etp,
+                              gen_tp=cfg.rollout.gen_tp, sequence_parallel=p.sequence_parallel)
         pools, start = [], 0
         trained = {spec.roles.get(r, spec.roles.get("actor")) for r in TRAINING_ROLES}
         for name, dims in spec.pools.items():

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from verl_mega.models.hf_config import ModelArch, ModelConfigError, check_layout
+from verl_mega.models.hf_config import ModelArch, ModelConfigError, check_arch_layout
 from verl_mega.parallel.placement import PlacementError, Pool
 
 GiB = 2**30
@@ -400,8 +400,7 @@ def predict_memory(arch: ModelArch, layout: Pool, work: Workload, *, roles: tupl
     if arch.num_layers % layout.chunks:
         raise PlanningError(f"pp·vpp={layout.chunks} must divide num_layers={arch.num_layers}")
     try:
-        check_layout(layout, num_layers=arch.num_layers, num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads,
-                     ffn_hidden_size=arch.ffn_hidden_size)
+        check_arch_layout(layout, arch)
     except ModelConfigError as exc:
         raise PlanningError(str(exc)) from None
     dt = work.dtype

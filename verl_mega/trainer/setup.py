@@ -17,7 +17,8 @@ import torch.distributed as dist
 from verl_mega.config import ConfigError, TrainConfig
 from verl_mega.engine.megatron_engine import MegatronEngine, ScheduleSpec
 from verl_mega.models.build import build_model_chunks
-from verl_mega.models.hf_config import ModelArch, arch_from_hf, check_layout, load_hf_config, transformer_config
+from verl_mega.models.hf_config import (ModelArch, arch_from_hf, check_arch_layout, load_hf_config,
+                                        transformer_config)
 from verl_mega.models.hf_io import HFCheckpointReader
 from verl_mega.models.loader import check_checkpoint_matches, load_hf_weights
 from verl_mega.parallel.state import RankGroups
@@ -73,9 +74,10 @@ def build_role_engine(cfg: TrainConfig, groups: RankGroups, path: Path, *, role_
     reader = HFCheckpointReader(path)
     check_checkpoint_matches(reader, arch)
     pool = groups.pool
-    tcfg = transformer_config(arch, tp=pool.tp, pp=pool.pp, vpp=pool.vpp, cp=pool.cp,
+    tcfg = transformer_config(arch, tp=pool.tp, pp=pool.pp, vpp=pool.vpp, cp=pool.cp, ep=pool.ep, etp=pool.etp,
                               sequence_parallel=pool.sequence_parallel, dtype=cfg.model.dtype,
-                              recompute=cfg.model.recompute, use_cpu_initialization=not torch.cuda.is_available())
+                              recompute=cfg.model.recompute, use_cpu_initialization=not torch.cuda.is_available(),
+                              **moe_options(cfg, arch))
     use_te = {True: "true", False: "false"}.get(cfg.model.use_te, cfg.model.use_te)
     chunks = build_model_chunks(arch, tcfg, groups, value_head=value_head, use_te=use_te,
                                 make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
@@ -94,6 +96,16 @@ def build_role_engine(cfg: TrainConfig, groups: RankGroups, path: Path, *, role_
         schedule = ScheduleSpec(warmup_steps=role_cfg.lr_warmup_steps,
                                 total_steps=role_cfg.lr_decay_steps or total_steps, decay_style=role_cfg.lr_decay_style)
     return RoleModel(arch, tcfg, MegatronEngine(chunks, tcfg, groups, optimizer_config=optim, schedule=schedule))
+
+
+def moe_options(cfg: TrainConfig, arch: ModelArch) -> dict[str, Any]:
+    """The `model.moe_*` keys as Megatron's own TransformerConfig fields (none for a dense model)."""
+    if not arch.is_moe:
+        return {}
+    aux = cfg.model.moe_aux_loss_coeff
+    return dict(moe_aux_loss_coeff=arch.router_aux_loss_coef if aux is None else aux,
+                moe_z_loss_coeff=cfg.model.moe_z_loss_coeff or None,
+                moe_token_dispatcher_type=cfg.model.moe_token_dispatcher)
 
 
 def build_rollout(cfg: TrainConfig, groups: RankGroups, path: Path, actor: RoleModel, *, offload=None,
@@ -246,8 +258,7 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
     cfg.validate_runtime(placement)
     path = resolve_model_path(cfg)
     arch = model_arch(path)
-    check_layout(placement.pool_of("actor"), num_layers=arch.num_layers, num_heads=arch.num_heads,
-                 num_kv_heads=arch.num_kv_heads, ffn_hidden_size=arch.ffn_hidden_size)
+    check_arch_layout(placement.pool_of("actor"), arch)
     for weights in {path, resolve_critic_path(cfg, path) if cfg.critic.enable else path,
                     *([Path(cfg.reward.reward_model_path)] if cfg.reward.reward_model_path else [])}:
         check_checkpoint_matches(HFCheckpointReader(weights), model_arch(weights))  # headers only
