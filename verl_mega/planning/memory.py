@@ -7,7 +7,9 @@ is derived in docs/planning.md.
 
 Symbols: L layers, h hidden, a heads, k key/value heads, d head dim, f FFN hidden, V vocabulary padded for tp,
 s sequence length, b micro-batch, B bytes per activation element, t training TP, σ = t with sequence parallelism
-(else 1), p PP, v virtual stages, D data parallel, tg generation TP.
+(else 1), p PP, v virtual stages, D data parallel, tg generation TP. Mixture of experts: E experts of width f_e,
+top-k routing, f_s the shared expert's width, ep / etp expert parallel / expert TP, D_e = t·D/(ep·etp) expert data
+parallel (the ranks that hold the same experts).
 """
 
 from __future__ import annotations
@@ -170,22 +172,41 @@ class StageParams:
     """Parameters held by one rank of pipeline stage `stage` (all its virtual chunks)."""
 
     layers: int  # transformer layers on this rank
-    per_layer: int
+    per_layer: int  # of which expert_per_layer are routed-expert weights
     embedding: int
     output: int
     final_norm: int
     largest: int  # the biggest single parameter tensor
+    expert_per_layer: int = 0
 
     @property
     def total(self) -> int:
         return self.layers * self.per_layer + self.embedding + self.output + self.final_norm
 
+    @property
+    def experts(self) -> int:
+        """Routed-expert parameters on this rank (reduced and optimizer-sharded over D_e, not D)."""
+        return self.layers * self.expert_per_layer
 
-def layer_params(arch: ModelArch, tp: int) -> int:
-    """Parameters of one transformer layer on one TP rank (norm weights replicated)."""
+
+def expert_layer_params(arch: ModelArch, *, ep: int = 1, etp: int = 1) -> int:
+    """Routed-expert parameters of one layer on one rank: E/ep experts of 3·h·f_e/etp."""
+    return arch.num_experts // ep * arch.expert_parameters() // etp if arch.is_moe else 0
+
+
+def layer_params(arch: ModelArch, tp: int, *, ep: int = 1, etp: int | None = None) -> int:
+    """Parameters of one transformer layer on one TP rank (norm weights replicated). MoE layers: the router
+    (E·h) and the shared expert's gate (h) are replicated, the shared expert is split over tp, the routed experts
+    over ep and etp (default: tp, as vLLM splits them)."""
     h, d, f = arch.hidden_size, arch.head_dim, arch.ffn_hidden_size
     qkv_out = (arch.num_heads + 2 * arch.num_kv_heads) * d
-    n = h * qkv_out // tp + arch.num_heads * d * h // tp + 3 * h * f // tp + 2 * h
+    n = h * qkv_out // tp + arch.num_heads * d * h // tp + 2 * h
+    if arch.is_moe:
+        fs = arch.shared_expert_ffn_hidden_size
+        n += arch.num_experts * h + expert_layer_params(arch, ep=ep, etp=etp or tp) + (3 * h * fs // tp + h
+                                                                                          if fs else 0)
+    else:
+        n += 3 * h * f // tp
     if arch.qkv_bias:
         n += qkv_out // tp
     if arch.qk_norm:
@@ -209,12 +230,15 @@ def stage_params(arch: ModelArch, layout: Pool, stage: int, *, value_head: bool 
     else:
         # Tied embeddings: mcore keeps a synchronised copy of the embedding as the last stage's output layer.
         output = vocab_rows if last and (not arch.tie_word_embeddings or p > 1) else 0
-    per_layer = layer_params(arch, t)
+    ep, etp = layout.ep, layout.etp
+    per_layer = layer_params(arch, t, ep=ep, etp=etp)
     h, f = arch.hidden_size, arch.ffn_hidden_size
     qkv = h * (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim // t
-    largest = max(2 * f * h // t, qkv, embedding, output)
+    mlp = (arch.num_experts // ep * 2 * arch.moe_ffn_hidden_size * h // etp) if arch.is_moe else 2 * f * h // t
+    largest = max(mlp, qkv, embedding, output)
     return StageParams(layers=arch.num_layers // p, per_layer=per_layer, embedding=embedding, output=output,
-                       final_norm=arch.hidden_size if last else 0, largest=largest)
+                       final_norm=arch.hidden_size if last else 0, largest=largest,
+                       expert_per_layer=expert_layer_params(arch, ep=ep, etp=etp))
 
 
 def generation_params(arch: ModelArch, tg: int) -> int:
