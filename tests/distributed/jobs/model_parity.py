@@ -1,6 +1,7 @@
 """torchrun job: mcore logits (built from a tiny HF checkpoint, or a converted dist checkpoint) vs HF transformers.
 
 Args: --tp --pp [--cp] [--ep] [--sp] [--grads] --models qwen2,llama,qwen3 --workdir DIR [--mcore-ckpt DIR]
+[--save-ckpt DIR] (saves the loaded model again at this layout, as a dist checkpoint the converters read)
 
 Logits, log-probs and entropy go through the engine's forward (and, for log-probs, the actor's own path); with
 ``--grads`` one training step (lr 0) of a log-likelihood loss through the same path leaves the gradient in
@@ -26,6 +27,7 @@ def main() -> None:
     ap.add_argument("--models", default="qwen2,llama,qwen3")
     ap.add_argument("--workdir", required=True)
     ap.add_argument("--mcore-ckpt", default=None)
+    ap.add_argument("--save-ckpt", default=None)
     args = ap.parse_args()
 
     from megatron.core.optimizer import OptimizerConfig
@@ -58,6 +60,14 @@ def main() -> None:
             load_model_dist(chunks, args.mcore_ckpt, groups)
         else:
             load_hf_weights(chunks, HFCheckpointReader(path), arch, groups)
+        if args.save_ckpt:
+            from verl_mega.models.mcore_ckpt import META_FILE, save_model_dist
+
+            Path(args.save_ckpt).mkdir(parents=True, exist_ok=True)
+            save_model_dist(chunks, args.save_ckpt, groups)
+            if dist.get_rank() == 0:
+                meta = {"hf_config": load_hf_config(path), "dtype": "float32", "format": "mcore_dist"}
+                (Path(args.save_ckpt) / META_FILE).write_text(json.dumps(meta))
         optim = OptimizerConfig(optimizer="adam", lr=0.0, weight_decay=0.0, clip_grad=0.0,
                                 use_distributed_optimizer=False, params_dtype=torch.float32) if args.grads else None
         engine = MegatronEngine(chunks, cfg, groups, optimizer_config=optim)
