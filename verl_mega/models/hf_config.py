@@ -101,6 +101,31 @@ class ModelArch:
         shared = 3 * h * self.shared_expert_ffn_hidden_size + h if self.shared_expert_ffn_hidden_size else 0
         return self.num_experts * h + experts + shared + h
 
+    def replicated_layer_parameters(self) -> int:
+        """One layer's tensors every training and generation TP rank holds whole: the norms, and for MoE the
+        router (E·h) and the shared expert's gate."""
+        n = 2 * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
+        if self.is_moe:
+            n += self.num_experts * self.hidden_size + (self.hidden_size if self.shared_expert_ffn_hidden_size else 0)
+        return n
+
+    def hybrid_sync_bytes(self, pool, rank: int, element_size: int) -> float:
+        """Bytes ``rank`` of a training pool receives at the 3D-HybridEngine's train → generate switch: HybridFlow
+        Table 2, (t·p − tg)/(tg·t·p)·M, on the TP-sharded tensors; the replicated ones of the other pipeline
+        stages; and the routed experts' own count (:meth:`~verl_mega.parallel.placement.Pool.
+        expert_sync_bytes_per_rank`). Exact when Megatron's and vLLM's vocabulary paddings align (docs/moe.md)."""
+        h, L, p = self.hidden_size, self.num_layers, pool.pp
+        stage = pool.coords(rank)["pp"]
+        replicated = (L * self.replicated_layer_parameters() + h) * element_size
+        experts = L * self.num_experts * self.expert_parameters() * element_size
+        sharded = self.num_parameters() * element_size - replicated - experts
+        other_stages = ((L - L // p) * self.replicated_layer_parameters() + (h if stage != p - 1 else 0))
+        out = pool.sync_bytes_per_rank(sharded) + other_stages * element_size
+        if self.is_moe:
+            out += pool.expert_sync_bytes_per_rank(rank, num_layers=L, num_experts=self.num_experts,
+                                                   width=self.moe_ffn_hidden_size, row_bytes=h * element_size)
+        return out
+
     def _count(self, *, active: bool) -> int:
         h = self.hidden_size
         layer = self.attention_parameters() + self.mlp_parameters(active=active)
