@@ -63,19 +63,22 @@ def test_context_parallel_logits_and_gradients(models, layout):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [(1, 1, 1, False), (1, 1, 2, False), (2, 1, 1, True), (1, 2, 2, False)],
-                         ids=["tp1pp1ep1", "tp1pp1ep2", "tp2pp1ep1-sp", "tp1pp2ep2"])
+@pytest.mark.parametrize("layout", [(1, 1, 1, False, 1), (1, 1, 2, False, 1), (2, 1, 1, True, 1),
+                                    (1, 2, 2, False, 1), (1, 1, 2, False, 2)],
+                         ids=["tp1pp1ep1", "tp1pp1ep2", "tp2pp1ep1-sp", "tp1pp2ep2", "cp2ep2"])
 def test_moe_logits_and_gradients_match_hf(models, layout):
     """Qwen3-MoE, Mixtral and Qwen2-MoE (shared expert): logits, log-probs and every parameter's gradient (routed
-    experts on their EP rank, through Megatron's alltoall token dispatcher over gloo) equal HF's within 1e-5."""
-    tp, pp, ep, sp = layout
-    nproc = max(2, tp * pp * ep)
-    args = ["--tp", str(tp), "--pp", str(pp), "--ep", str(ep), "--grads", "--models", ",".join(MOE),
+    experts on their EP rank, through Megatron's alltoall token dispatcher over gloo) equal HF's within 1e-5; routing
+    replay records HF's routing and, replaying other experts, gives HF's logits with its routers forced to them."""
+    tp, pp, ep, sp, cp = layout
+    nproc = max(2, tp * pp * max(ep, cp))  # ep ranks come out of tp·cp·dp
+    args = ["--tp", str(tp), "--pp", str(pp), "--ep", str(ep), "--cp", str(cp), "--grads", "--replay", "--models", ",".join(MOE),
             "--workdir", str(models)] + (["--sp"] if sp else [])
     report = _parity(run_torchrun("model_parity.py", nproc, *args, timeout=600))
     assert report["ep"] == ep
     for mt in MOE:
         assert report[mt]["logits_max_abs"] < 1e-5 and report[mt]["grad_max_abs"] < 1e-5, (mt, report[mt])
+        assert report[mt]["replay_logits_max_abs"] < 1e-5, (mt, report[mt])
         print(mt, layout, report[mt])
 
 

@@ -72,3 +72,83 @@ def test_router_aux_and_z_loss_metrics_and_gradients(world, qwen3_moe):
     # the tracker is cleared after every step: a model without routers' losses logs none
     _, plain = _engine(qwen3_moe, world, moe_aux_loss_coeff=0.0)
     assert "moe_load_balancing_loss" not in plain.train_step([mb], lambda out, mb: (0.0 * out.float().sum(), {}))
+
+
+def _hf_routing_hooks(hf, forced=None):
+    """Capture every layer's routed experts from HF's routers ([tokens, k], tokens batch-major), or force them to
+    ``forced[layer]`` with HF's own weighting of the forced experts (softmax, renormalised when the model does)."""
+    captured = []
+    for i, layer in enumerate(hf.model.layers):
+        def hook(module, args, out, i=i):
+            logits, scores, indices = out
+            captured.append(indices.detach().clone())
+            if forced is None:
+                return out
+            idx = forced[i]
+            weights = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, idx)
+            if module.norm_topk_prob:
+                weights = weights / weights.sum(-1, keepdim=True)
+            return logits, weights.to(logits.dtype), idx
+
+        layer.mlp.gate.register_forward_hook(hook)
+    return captured
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_moe"])
+def test_routing_replay_records_and_replays(world, tmp_path, model_type):
+    """R2 on one rank: the recorded experts are HF's; replaying other experts gives HF's logits with its routers
+    forced to them (renormalised top-k for Qwen3-MoE, raw softmax weights for Qwen2-MoE); the router-agreement
+    metric equals the share of replayed experts the routers would have picked, counted over real tokens."""
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_hf_model(tmp_path / model_type, model_type=model_type, init_std=0.1,
+                              extra=moe_fields(model_type))
+    arch, engine = _engine(path, world, moe_aux_loss_coeff=0.0)
+    engine.enable_routing_replay()
+    ids = torch.randint(1, arch.vocab_size, (2, 16), generator=torch.Generator().manual_seed(5))
+    mb = {"input_ids": ids, "position_ids": torch.arange(16).expand(2, 16)}
+    (rec,) = engine.forward([dict(mb)], lambda out, mb: {"logits": out[..., :arch.vocab_size]}, record_routing=True)
+    routed = rec["routed_experts"]
+    assert routed.shape == (2, 16, arch.num_layers, arch.moe_topk) and routed.dtype == torch.int16
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    captured = _hf_routing_hooks(hf)
+    with torch.no_grad():
+        hf(ids)
+    for layer, want in enumerate(captured):
+        got = routed[:, :, layer].reshape(-1, arch.moe_topk).long()
+        assert torch.equal(got.sort(-1).values, want.sort(-1).values), layer
+
+    # replay other experts: each token's first expert moved to the next one not already chosen
+    forced = routed.long().clone()
+    shifted = (forced[..., 0] + 1) % arch.num_experts
+    while bool((shifted.unsqueeze(-1) == forced[..., 1:]).any()):
+        clash = (shifted.unsqueeze(-1) == forced[..., 1:]).any(-1)
+        shifted = torch.where(clash, (shifted + 1) % arch.num_experts, shifted)
+    forced[..., 0] = shifted
+    valid = torch.ones(2, 16, dtype=torch.bool)
+    valid[1, 10:] = False  # padding: not counted by the metric
+    seen = {}
+
+    def loss_fn(out, mb):
+        seen["logits"] = out[..., :arch.vocab_size].detach().clone()
+        return 0.0 * out.float().sum(), {}
+
+    metrics = engine.train_step([{**mb, "routed_experts": forced.to(torch.int16), "routing_valid": valid}], loss_fn)
+    hf_forced = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    own = _hf_routing_hooks(hf_forced, forced=[forced[:, :, i].reshape(-1, arch.moe_topk)
+                                               for i in range(arch.num_layers)])
+    with torch.no_grad():
+        ref = hf_forced(ids).logits
+        plain = hf(ids).logits
+    assert (seen["logits"] - ref).abs().max().item() < 1e-5 < (ref - plain).abs().max().item()
+    # what HF's routers pick themselves while the forced experts run (layer > 0 sees forced layers' outputs)
+    own = torch.stack([o.view(2, 16, arch.moe_topk) for o in own], 2)
+    same = (forced.unsqueeze(-1) == own.unsqueeze(-2)).any(-1).sum(-1).double()  # [b, s, layers]
+    want = float((same * valid[..., None]).sum() / (valid.sum() * arch.num_layers * arch.moe_topk))
+    assert metrics["router_agreement"] == pytest.approx(want, abs=1e-12) and want < 1.0
+    # replaying the recorded routing on unchanged weights: full agreement, no replay state left behind
+    again = engine.train_step([{**mb, "routed_experts": routed}], loss_fn)
+    assert again["router_agreement"] == 1.0
+    assert (seen["logits"] - plain).abs().max().item() < 1e-5
+    assert "router_agreement" not in engine.train_step([dict(mb)], loss_fn)

@@ -259,6 +259,9 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
     path = resolve_model_path(cfg)
     arch = model_arch(path)
     check_arch_layout(placement.pool_of("actor"), arch)
+    if cfg.actor.routing_replay != "none" and not arch.is_moe:
+        raise ConfigError(f"actor.routing_replay={cfg.actor.routing_replay} needs a Mixture-of-Experts model, but "
+                          f"model.path is a dense {arch.model_type}; set actor.routing_replay=none")
     for weights in {path, resolve_critic_path(cfg, path) if cfg.critic.enable else path,
                     *([Path(cfg.reward.reward_model_path)] if cfg.reward.reward_model_path else [])}:
         check_checkpoint_matches(HFCheckpointReader(weights), model_arch(weights))  # headers only
@@ -293,6 +296,8 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
     groups = build_groups(placement, timeout_s=cfg.trainer.collective_timeout_s)
     seed_everything(cfg.trainer.seed, groups)
     actor_m = build_role_engine(cfg, groups, path, role_cfg=cfg.actor, total_steps=total_steps)
+    if cfg.actor.routing_replay == "r2":
+        actor_m.engine.enable_routing_replay()
     actor = Actor(actor_m.engine, cfg.actor, vocab_size=arch.vocab_size, temperature=cfg.rollout.temperature)
     ref = critic = reward_model = None
     if cfg.ref.enable:

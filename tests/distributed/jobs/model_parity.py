@@ -2,6 +2,8 @@
 
 Args: --tp --pp [--cp] [--ep] [--sp] [--grads] --models qwen2,llama,qwen3 --workdir DIR [--mcore-ckpt DIR]
 [--save-ckpt DIR] (saves the loaded model again at this layout, as a dist checkpoint the converters read)
+[--replay] (MoE, with --grads: recorded routing equals HF's; replaying other experts gives HF's logits with its routers
+forced to them)
 
 Logits, log-probs and entropy go through the engine's forward (and, for log-probs, the actor's own path); with
 ``--grads`` one training step (lr 0) of a log-likelihood loss through the same path leaves the gradient in
@@ -28,6 +30,7 @@ def main() -> None:
     ap.add_argument("--workdir", required=True)
     ap.add_argument("--mcore-ckpt", default=None)
     ap.add_argument("--save-ckpt", default=None)
+    ap.add_argument("--replay", action="store_true")
     args = ap.parse_args()
 
     from megatron.core.optimizer import OptimizerConfig
@@ -71,6 +74,8 @@ def main() -> None:
         optim = OptimizerConfig(optimizer="adam", lr=0.0, weight_decay=0.0, clip_grad=0.0,
                                 use_distributed_optimizer=False, params_dtype=torch.float32) if args.grads else None
         engine = MegatronEngine(chunks, cfg, groups, optimizer_config=optim)
+        if args.replay and arch.is_moe:
+            engine.enable_routing_replay()
         g = torch.Generator().manual_seed(7)
         # same on every rank; without token 0, the pad token, whose embedding row HF freezes (padding_idx)
         ids = torch.randint(1, arch.vocab_size, (4, 24), generator=g)
@@ -109,11 +114,84 @@ def main() -> None:
         if args.grads:
             report[mt]["grad_max_abs"] = _check_grads(engine, role, hf, ids, pos, arch, groups, rule_for,
                                                       hf_to_mcore_shard, unwrap, path)
+            if args.replay and arch.is_moe:
+                report[mt]["replay_logits_max_abs"] = _check_replay(engine, arch, groups, path, ids, pos)
     if dist.get_rank() == 0:
         print("PARITY " + json.dumps({"tp": args.tp, "pp": args.pp, "cp": args.cp, "ep": args.ep, "sp": args.sp,
                                       **report}))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _route_hooks(hf, forced=None) -> list:
+    """HF's routed experts per layer ([tokens, k], batch-major), or HF's routers forced to ``forced[layer]`` with
+    HF's own weighting of those experts."""
+    captured = []
+    for i, layer in enumerate(hf.model.layers):
+        gate = layer.mlp.gate if hasattr(layer.mlp, "gate") else layer.block_sparse_moe.gate
+
+        def hook(module, args, out, i=i):
+            logits, scores, indices = out
+            captured.append(indices.detach().clone())
+            if forced is None:
+                return out
+            weights = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, forced[i])
+            if getattr(module, "norm_topk_prob", True):  # Mixtral always renormalises
+                weights = weights / weights.sum(-1, keepdim=True)
+            return logits, weights.to(logits.dtype), forced[i]
+
+        gate.register_forward_hook(hook)
+    return captured
+
+
+def _check_replay(engine, arch, groups, path, ids, pos) -> float:
+    """Routing replay across ranks (sequence-parallel token splits, pipeline stages, expert parallelism): the routing
+    recorded in a forward pass equals HF's on this rank's layers; a train step replaying other experts computes
+    HF's logits with its routers forced to those experts."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+    from transformers import AutoModelForCausalLM
+
+    from verl_mega.models.loader import unwrap
+
+    mbs = [{"input_ids": ids[i:i + 2], "position_ids": pos[i:i + 2]} for i in (0, 2)]
+    res = engine.forward([dict(mb) for mb in mbs], lambda out, mb: {}, record_routing=True)
+    routed = torch.cat([r["routed_experts"] for r in res]).long()  # [4, s, layers of this stage, k]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    captured = _route_hooks(hf)
+    with torch.no_grad():
+        hf(ids)
+    first = unwrap(engine.chunks[0]).stage_layout.layer_offset
+    for i in range(routed.shape[2]):
+        want = captured[first + i].view(ids.shape[0], ids.shape[1], -1)
+        assert torch.equal(routed[:, :, i].sort(-1).values, want.sort(-1).values), f"layer {first + i} routing"
+    # every layer, this stage's included, replays the next expert after each token's first choice
+    everyone = [None] * groups.size("pp")
+    torch.distributed.all_gather_object(everyone, routed, group=groups["pp"])
+    full = torch.cat(everyone, dim=2)
+    forced = full.clone()
+    shifted = (forced[..., 0] + 1) % arch.num_experts
+    while bool((shifted.unsqueeze(-1) == forced[..., 1:]).any()):
+        clash = (shifted.unsqueeze(-1) == forced[..., 1:]).any(-1)
+        shifted = torch.where(clash, (shifted + 1) % arch.num_experts, shifted)
+    forced[..., 0] = shifted
+    mine = forced[:, :, first:first + routed.shape[2]].to(torch.int16)
+    seen = []
+
+    def loss_fn(out, mb):
+        full_logits = engine.full_sequence(gather_from_tensor_model_parallel_region(out, group=groups["tp"]))
+        seen.append(full_logits[..., :arch.vocab_size].detach().clone())
+        return 0.0 * out.float().sum(), {}
+
+    engine.train_step([{**mb, "routed_experts": mine[i:i + 2]} for mb, i in zip(mbs, (0, 2))], loss_fn)
+    if not groups.last_stage:
+        return 0.0
+    hf_forced = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    _route_hooks(hf_forced, forced=[forced[:, :, i].reshape(-1, arch.moe_topk) for i in range(arch.num_layers)])
+    with torch.no_grad():
+        ref = hf_forced(ids).logits
+    err = (torch.cat(seen).double() - ref.double()).abs().max().item()
+    assert err < 1e-5, f"replayed logits differ from HF with forced routing by {err}"
+    return err
 
 
 def _checkpoint_names(hf, arch, value) -> dict:
