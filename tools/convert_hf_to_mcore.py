@@ -1,6 +1,10 @@
 """Convert an HF safetensors checkpoint into a Megatron dist checkpoint (one CPU process, no torchrun).
 
-    python tools/convert_hf_to_mcore.py --hf-path DIR --output DIR [--tp N] [--pp M] [--dtype bfloat16]
+    python tools/convert_hf_to_mcore.py --hf-path DIR --output DIR [--tp N] [--pp M] [--ep E] [--etp T]
+                                        [--dtype bfloat16]
+
+The checkpoint is layout-free: it loads at any tp/pp (and, for Mixture-of-Experts models, any ep/etp); the layout
+given here is only validated against the model.
 """
 
 from __future__ import annotations
@@ -15,21 +19,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", required=True, help="new directory for the Megatron dist checkpoint")
     parser.add_argument("--tp", type=int, default=1, help="training tensor-parallel size to validate against")
     parser.add_argument("--pp", type=int, default=1, help="training pipeline-parallel size to validate against")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size to validate against (MoE models)")
+    parser.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size to validate against "
+                                                              "(default: --tp)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                         help="parameter dtype (default: the checkpoint's)")
     args = parser.parse_args(argv)
-    if args.tp < 1 or args.pp < 1:
-        parser.error("--tp and --pp must be ≥ 1")
+    if min(args.tp, args.pp, args.ep, args.etp or 1) < 1:
+        parser.error("--tp, --pp, --ep and --etp must be ≥ 1")
     from verl_mega.models.hf_config import ModelConfigError
     from verl_mega.models.hf_io import CheckpointError
     from verl_mega.models.mcore_ckpt import convert_hf_to_mcore
 
     try:
-        out = convert_hf_to_mcore(args.hf_path, args.output, tp=args.tp, pp=args.pp, dtype=args.dtype)
+        out = convert_hf_to_mcore(args.hf_path, args.output, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp,
+                                  dtype=args.dtype)
     except (ModelConfigError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote Megatron dist checkpoint to {out} (loads at any tp/pp; validated for tp={args.tp}, pp={args.pp})")
+    print(f"wrote Megatron dist checkpoint to {out} (loads at any layout; validated for tp={args.tp}, pp={args.pp}, "
+          f"ep={args.ep})")
     return 0
 
 

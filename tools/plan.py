@@ -2,7 +2,8 @@
 
     python tools/plan.py --model CONFIG.json --gpus N --gpus-per-node G --gpu-mem-gb M [--topo F]
                          [--config RECIPE.yaml [--set key=value ...]]
-                         [--tp T --pp P --vpp V --gen-tp G] [--micro-batch B --seq-len S --recompute R]
+                         [--tp T --pp P --vpp V --gen-tp G --ep E --etp T] [--micro-batch B --seq-len S
+                         --recompute R]
                          [--global-batch N] [--offload params,grads,optimizer] [--explain] [--json]
                          [--dry-run [--rank R ...]]
 
@@ -63,8 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--reserve-gb", type=float, default=2.0, help="per-GPU memory kept free (CUDA context, NCCL, "
                                                                   "fragmentation), GiB")
     ap.add_argument("--topo", default=None, help="saved `nvidia-smi topo -m` of one node (NVLink islands)")
-    for name in ("tp", "pp", "gen-tp"):
-        ap.add_argument(f"--{name}", type=_positive(), default=None, help=f"pin {name} (default: enumerate)")
+    for name in ("tp", "pp", "gen-tp", "ep", "etp"):
+        ap.add_argument(f"--{name}", type=_positive(), default=None, help=f"pin {name} (default: enumerate; ep and "
+                                                                          f"etp for MoE models)")
     ap.add_argument("--vpp", type=_positive(), default=None, help="pin virtual pipeline stages (1 = no interleaving)")
     ap.add_argument("--micro-batch", type=_positive(), default=1, help="samples per micro-batch per GPU")
     ap.add_argument("--seq-len", type=_positive(), default=4096, help="prompt + response tokens")
@@ -121,19 +123,19 @@ def main(argv: list[str] | None = None) -> int:
         rollout = RolloutSpec(gpu_memory_utilization=args.gpu_memory_utilization,
                               kv_cache_bytes=args.kv_cache_gb * GiB if args.kv_cache_gb else None,
                               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
-        pins = Pins(tp=args.tp, pp=args.pp, vpp=args.vpp, gen_tp=args.gen_tp, recompute=args.recompute)
+        pins = Pins(tp=args.tp, pp=args.pp, vpp=args.vpp, gen_tp=args.gen_tp, recompute=args.recompute,
+                    ep=args.ep, etp=args.etp)
         global_batch, sequence_parallel = args.global_batch, not args.no_sequence_parallel
         placement = None
         if cfg is not None:
-            from verl_mega.models.hf_config import check_layout
+            from verl_mega.models.hf_config import check_arch_layout
             from verl_mega.parallel.placement import Placement
             from verl_mega.planning.plan import inputs_from_config
 
             # The recipe's own runtime checks for this world size (batch splits, layout vs model shape).
             placement = Placement.from_config(cfg, cluster.gpus)
             cfg.validate_runtime(placement, cuda_available=True)
-            check_layout(placement.pool_of("actor"), num_layers=arch.num_layers, num_heads=arch.num_heads,
-                         num_kv_heads=arch.num_kv_heads, ffn_hidden_size=arch.ffn_hidden_size)
+            check_arch_layout(placement.pool_of("actor"), arch)
             given = inputs_from_config(cfg, placement)
             if len(placement.pools) > 1:  # layouts are ranked for the actor's pool
                 cluster = Cluster(gpus=placement.pool_of("actor").size, gpus_per_node=args.gpus_per_node,
@@ -153,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             if placement is None or len(placement.pools) == 1:
                 best = plans[0].layout
                 placement = Placement.single(cluster.gpus, tp=best.tp, pp=best.pp, vpp=best.vpp, gen_tp=best.gen_tp,
-                                             sequence_parallel=best.sequence_parallel)
+                                             ep=best.ep, etp=best.etp, sequence_parallel=best.sequence_parallel)
             reports["dry_run"] = dry_run(arch, placement, ranks=args.rank, dtype=work.dtype)
             if cfg is not None:  # one step's rows as the recipe makes them, else the flags' global batch
                 rows, n = cfg.data.train_batch_size * cfg.rollout.n, cfg.rollout.n

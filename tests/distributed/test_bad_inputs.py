@@ -97,7 +97,8 @@ def assets(tmp_path_factory):
     (root / "nofield.jsonl").write_text(json.dumps({"question": "1+1=", "answer": "2"}) + "\n")
     (root / "wrongtype.jsonl").write_text(json.dumps({"prompt": 5, "answer": "2"}) + "\n")
     (root / "badjson.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": \n')
-    (root / "latin1.jsonl").write_bytes(b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "caf\xe9 1+2=", "answer": "3"}\n')
+    (root / "latin1.jsonl").write_bytes(b'{"prompt": "1+1=", "answer": "2"}\n'
+                                        b'{"prompt": "caf\xe9 1+2=", "answer": "3"}\n')
     (root / "nullanswer.jsonl").write_text(json.dumps({"prompt": "1+1=", "answer": None}) + "\n")
     (root / "reward_sig.py").write_text("def score():\n    return 1.0\n\n\ndef fixed(response, ground_truth):\n"
                                         "    return 1.0\n")

@@ -105,11 +105,13 @@ print("REPORTS " + json.dumps(out))
 """
 
 
-def run_dry_runs(ranks: list[int], placement: Placement, *, build_model: bool = True) -> list[dict]:
+def run_dry_runs(ranks: list[int], placement: Placement, *, build_model: bool = True, model: Path = MODEL
+                 ) -> list[dict]:
     """In this process when it has no torch.distributed state, else in a fresh one (the fake world needs that)."""
     pools = [{"name": p.name, "ranks": [p.ranks[0], p.ranks[-1] + 1], "tp": p.tp, "pp": p.pp, "vpp": p.vpp,
-              "gen_tp": p.gen_tp, "trains": p.trains} for p in placement.pools]
-    spec = {"model": str(MODEL), "ranks": ranks, "build_model": build_model, "world": placement.world_size,
+              "ep": p.ep, "etp": p.etp, "gen_tp": p.gen_tp, "trains": p.trains,
+              "sequence_parallel": p.sequence_parallel} for p in placement.pools]
+    spec = {"model": str(model), "ranks": ranks, "build_model": build_model, "world": placement.world_size,
             "pools": pools, "roles": dict(placement.roles)}
     if dist.is_initialized():
         proc = subprocess.run([sys.executable, "-c", _SUBPROCESS, json.dumps(spec)], capture_output=True, text=True,
@@ -121,7 +123,7 @@ def run_dry_runs(ranks: list[int], placement: Placement, *, build_model: bool = 
 
     from verl_mega.planning.dry_run import dry_run
 
-    arch = arch_from_hf(load_hf_config(MODEL))
+    arch = arch_from_hf(load_hf_config(model))
     out = []
     for rank in ranks:
         start = time.perf_counter()
@@ -175,6 +177,35 @@ def test_two_pool_placement_at_1024_ranks():
         else:  # a vLLM engine of 4 consecutive rollout ranks; no training model is built there
             assert rep["pool"] == "rollout" and groups["gen_tp"] == tuple(range(rank - rank % 4, rank - rank % 4 + 4))
             assert rep["params_on_rank"] is None
+
+
+def test_dry_run_moe_expert_parallel_1024_ranks():
+    """Qwen3-30B-A3B at 1024 ranks, tp=4 pp=4 with 128 experts over ep=16 (etp=1): every rank's expert groups are
+    Megatron's (checked inside the dry run against HyperCommGrid), EP groups are 16 consecutive ranks inside a
+    pipeline stage, and the stages' meta models add up to the HF model."""
+    arch = arch_from_hf(load_hf_config(MODEL.parent / "qwen3-30b-a3b.json"))
+    tp, pp, ep = 4, 4, 16
+    layout = Placement.single(WORLD, tp=tp, pp=pp, ep=ep, etp=1, gen_tp=4, sequence_parallel=True)
+    ranks = [0, 300, 517, 1023]
+    reports = run_dry_runs(ranks, layout, model=MODEL.parent / "qwen3-30b-a3b.json")
+    h, L, d = arch.hidden_size, arch.num_layers, arch.head_dim
+    stage_size = WORLD // pp
+    for rank, rep in zip(ranks, reports):
+        assert rep["wall_s"] < TIME_LIMIT_S and rep["params_on_rank"] == rep["predicted_params"]
+        groups = {k: tuple(v) for k, v in rep["groups"].items()}
+        first = rank - rank % ep
+        assert groups["ep"] == tuple(range(first, first + ep)) and groups["etp"] == (rank,)
+        assert groups["edp"] == tuple(range(rank % stage_size % ep + rank // stage_size * stage_size,
+                                            (rank // stage_size + 1) * stage_size, ep))
+        assert set(groups["tp"]) <= set(groups["ep"])  # a TP group never straddles two EP groups here
+    per_stage = {rep["pp_stage"]: rep["params_on_rank"] for rep in reports}
+    assert sorted(per_stage) == list(range(pp))
+    layers = L // pp
+    experts = layers * arch.num_experts // ep * 3 * h * arch.moe_ffn_hidden_size  # per rank, etp = 1
+    replicated = {s: layers * (2 * h + 2 * d + arch.num_experts * h) + (h if s == pp - 1 else 0) for s in range(pp)}
+    padded_vocab = math.ceil(arch.vocab_size / (128 * tp)) * 128 * tp
+    rebuilt = sum(tp * (per_stage[s] - replicated[s] - experts) + ep * experts + replicated[s] for s in range(pp))
+    assert rebuilt == arch.num_parameters() + 2 * (padded_vocab - arch.vocab_size) * h
 
 
 def test_dry_run_interleaved_chunks():

@@ -121,3 +121,76 @@ def test_vocab_rows_each_needed_row_once_from_its_owner(vocab, t, tg):
         for tr in plan:
             if tr.dst == dst:
                 assert tr.src * per <= tr.start < tr.end <= (tr.src + 1) * per  # from the shard that owns it
+
+
+@pytest.mark.parametrize("world,tp,pp,ep,etp,tg", [(8, 2, 1, 4, 1, 2), (8, 4, 1, 2, 2, 2), (4, 2, 1, 1, 2, 1),
+                                                   (8, 2, 2, 2, 1, 1), (8, 4, 1, 1, 1, 4), (6, 3, 1, 3, 1, 3)])
+def test_expert_plan_builds_vllm_expert_blocks(world, tp, pp, ep, etp, tg):
+    """Every rank's vLLM expert tensors (fused w13 [E, 2f/tg, h] = gate rows then up rows of block j, w2
+    [E, h, f/tg]), assembled from the plan's pieces out of the holders' Megatron shards, equal slices cut from the
+    full HF tensors; each needed row comes exactly once, from the rank's own stage and expert-data-parallel replica;
+    the rows a rank receives are the Pool's expert byte count."""
+    from verl_mega.hybrid.convert import expert_dest_views, expert_plan, expert_source_views
+    from verl_mega.models.weights import ExpertShard
+    from verl_mega.parallel.placement import Placement
+
+    E, h, f = 12, 5, 12
+    arch = ModelArch(model_type="qwen3_moe", num_layers=pp, hidden_size=h, ffn_hidden_size=8, num_heads=2,
+                     num_kv_heads=1, head_dim=4, vocab_size=50, max_position_embeddings=64, rope_theta=1e4,
+                     rms_norm_eps=1e-6, tie_word_embeddings=False, qkv_bias=False, qk_norm=True, num_experts=E,
+                     moe_topk=2, moe_ffn_hidden_size=f, moe_renormalize=True)
+    pool = Placement.single(world, tp=tp, pp=pp, ep=ep, etp=etp, gen_tp=tg).pool("main")
+    g = torch.Generator().manual_seed(1)
+    hf = {}
+    for e in range(E):
+        for proj, shape in (("gate_proj", (f, h)), ("up_proj", (f, h)), ("down_proj", (h, f))):
+            hf[f"model.layers.0.mlp.experts.{e}.{proj}.weight"] = torch.randn(shape, generator=g)
+    rules = [rule_for(f"decoder.layers.0.mlp.experts.weight{i}", arch) for i in (1, 2)]
+    shards = {}
+    for r in pool.ranks:
+        c = pool.coords(r)
+        which = ExpertShard(ep_rank=c["ep"], ep=ep, etp_rank=c["etp"], etp=etp)
+        shards[r] = [hf_to_mcore_shard(rule, _reader(hf), arch, c["tp"], tp, 0, which) for rule in rules]
+    fj = f // tg
+    for stage in range(pp):
+        plan = expert_plan(pool, stage, E, f)
+        for dst in (r for r in pool.ranks if pool.coords(r)["pp"] == stage):
+            c = pool.coords(dst)
+            j = c["gen_tp"]
+            w13, w2 = torch.full((E, 2 * fj, h), float("nan")), torch.full((E, h, fj), float("nan"))
+            rows = []
+            for piece in (q for q in plan if q.dst == dst):
+                hc = pool.coords(piece.src)
+                assert (hc["pp"], hc["edp"]) == (stage, c["edp"])
+                views = expert_source_views(piece, *shards[piece.src], ep_rank=hc["ep"], etp_rank=hc["etp"],
+                                            num_experts=E, ep=ep, etp=etp, width=f)
+                for to, frm in zip(expert_dest_views(piece, w13, w2, gen_rank=j, width=f, gen_tp=tg), views):
+                    to.copy_(frm)
+                rows += [(piece.expert, x, piece.src != dst) for x in range(piece.lo, piece.hi)]
+            want = [(e, x) for e in range(E) for x in range(j * fj, (j + 1) * fj)]
+            assert sorted((e, x) for e, x, _ in rows) == want
+            for e in range(E):
+                sl = slice(j * fj, (j + 1) * fj)
+                name = f"model.layers.0.mlp.experts.{e}."
+                gate_up = torch.cat([hf[name + "gate_proj.weight"][sl], hf[name + "up_proj.weight"][sl]])
+                assert torch.equal(w13[e], gate_up)
+                assert torch.equal(w2[e], hf[name + "down_proj.weight"][:, sl])
+            received = sum(moved for _, _, moved in rows) * 3 * h
+            # Pool's count for one layer per stage, unit row bytes h: only this stage's layer is in the plan
+            assert received == pool.expert_sync_bytes_per_rank(dst, num_layers=pp, num_experts=E, width=f,
+                                                               row_bytes=h) - (pp - 1) * E * 3 * fj * h
+
+
+def test_expert_vllm_names():
+    arch = ModelArch(model_type="mixtral", num_layers=4, hidden_size=8, ffn_hidden_size=8, num_heads=2,
+                     num_kv_heads=1, head_dim=4, vocab_size=50, max_position_embeddings=64, rope_theta=1e4,
+                     rms_norm_eps=1e-6, tie_word_embeddings=False, qkv_bias=False, qk_norm=False, num_experts=4,
+                     moe_topk=2, moe_ffn_hidden_size=8, moe_renormalize=True)
+    from verl_mega.hybrid.convert import canonical_name, routed_name
+
+    names = {vllm_name(rule_for(f"decoder.layers.1.mlp.{s}", arch, layer_offset=2))
+             for s in ("router.weight", "experts.weight1", "experts.weight2")}
+    block = "model.layers.3.block_sparse_moe"
+    assert names == {f"{block}.gate.weight", f"{block}.experts.w13_weight", f"{block}.experts.w2_weight"}
+    routed = "model.layers.3.block_sparse_moe.experts.routed_experts.w13_weight"
+    assert routed_name(canonical_name(routed)) == routed and canonical_name(routed) in names

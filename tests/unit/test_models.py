@@ -36,6 +36,57 @@ def test_param_count_matches_hf_on_meta(world, name):
     assert arch.num_parameters() == hf_count
 
 
+# Published totals: Qwen3-30B-A3B "30.5B total, 3.3B activated"; Mixtral-8x7B "46.7B total, 12.9B active".
+MOE_COUNTS = {"qwen3-30b-a3b": (30_532_122_624, 3_353_032_704), "mixtral-8x7b": (46_702_792_704, 12_879_925_248),
+              "qwen1.5-moe-a2.7b": (14_315_784_192, 2_689_173_504), "qwen3-235b-a22b": (235_093_634_560,
+                                                                                      22_190_763_520)}
+
+
+@pytest.mark.parametrize("name", sorted(MOE_COUNTS))
+def test_moe_param_counts_exact(world, name):
+    """Total and active parameters of real MoE configs: the exact totals of HF's own model (built on the meta
+    device) and of our mcore model; active = total less the experts a token does not visit, per HF's modules."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from verl_mega.models.build import count_parameters
+
+    hf_cfg = json.loads((FIXTURES / f"{name}.json").read_text())
+    arch = arch_from_hf(hf_cfg)
+    with torch.device("meta"):
+        hf_model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf_cfg))
+    hf_total = sum(p.numel() for p in hf_model.parameters())
+    experts = [m for n, m in hf_model.named_modules() if n.endswith(".experts")]
+    per_expert = sum(p[0].numel() for p in experts[0].parameters())  # fused [E, …] tensors: one expert's slice
+    hf_active = hf_total - len(experts) * (arch.num_experts - arch.moe_topk) * per_expert
+    total, active = MOE_COUNTS[name]
+    assert (arch.num_parameters(), arch.num_active_parameters()) == (hf_total, hf_active) == (total, active)
+    if name != "qwen3-235b-a22b":  # the largest takes long to lay out even on the meta device
+        assert count_parameters(arch, world) == total
+
+
+def test_moe_config_fields():
+    qwen = arch_from_hf(json.loads((FIXTURES / "qwen3-30b-a3b.json").read_text()))
+    assert (qwen.num_experts, qwen.moe_topk, qwen.moe_ffn_hidden_size, qwen.moe_renormalize, qwen.qk_norm) == \
+        (128, 8, 768, True, True)
+    mixtral = arch_from_hf(json.loads((FIXTURES / "mixtral-8x7b.json").read_text()))
+    assert (mixtral.num_experts, mixtral.moe_topk, mixtral.moe_ffn_hidden_size, mixtral.moe_renormalize) == \
+        (8, 2, 14336, True)
+    qwen2 = arch_from_hf(json.loads((FIXTURES / "qwen1.5-moe-a2.7b.json").read_text()))
+    assert (qwen2.moe_renormalize, qwen2.shared_expert_ffn_hidden_size, qwen2.qkv_bias) == (False, 5632, True)
+    cfg = transformer_config(qwen, ep=8, etp=1, tp=4, use_cpu_initialization=True, perform_initialization=False)
+    assert (cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_router_pre_softmax, cfg.expert_model_parallel_size,
+            cfg.expert_tensor_parallel_size, cfg.moe_aux_loss_coeff) == (128, 8, False, 8, 1, 0.001)
+    assert transformer_config(qwen2).moe_router_pre_softmax  # no renormalisation: softmax over all experts first
+    for bad, message in ((dict(ep=3), "parallel.ep=3 does not divide the model's 128 experts"),
+                         (dict(etp=5), "parallel.etp=5 does not divide the experts' FFN width 768")):
+        with pytest.raises(ModelConfigError, match=message):
+            transformer_config(qwen, **bad)
+    with pytest.raises(ModelConfigError, match="every layer must be MoE"):
+        arch_from_hf({**json.loads((FIXTURES / "qwen3-30b-a3b.json").read_text()), "mlp_only_layers": [3]})
+    with pytest.raises(ModelConfigError, match="needs a Mixture-of-Experts model"):
+        transformer_config(arch_from_hf(json.loads((FIXTURES / "qwen3-8b.json").read_text())), ep=2)
+
+
 @pytest.mark.parametrize("model_type,tied", [("qwen2", False), ("llama", True), ("qwen3", False), ("mistral", False)])
 def test_logits_match_hf_tp1(world, tmp_path, model_type, tied):
     from transformers import AutoModelForCausalLM

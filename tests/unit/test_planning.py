@@ -17,6 +17,7 @@ from verl_mega.planning.memory import (
     activation_terms,
     default_roles,
     generation_params,
+    gib,
     in_flight,
     layer_activation_bytes,
     layer_params,
@@ -297,3 +298,62 @@ def test_inputs_from_a_training_recipe(capsys):
     assert code == 0, err
     plans = json.loads(out)["plans"]
     assert {(p["tp"], p["gen_tp"], p["recompute"]) for p in plans} == {(4, 4, "selective")}
+
+
+# ---------------------------------------------------------------------------------------------------- experts
+# 8 experts of width 32, top-2, h=64: every count below is written out from the definitions.
+MOE = _small(model_type="qwen3_moe", qkv_bias=False, qk_norm=True, num_experts=8, moe_topk=2, moe_ffn_hidden_size=32,
+             moe_renormalize=True)
+
+
+def test_moe_params_state_and_comm_by_hand():
+    from verl_mega.planning.memory import moe_comm_terms
+
+    # attention 64·128·16/… at tp=2: QKV 64·8·16/2 + proj 64·64/2; norms 2·64 + q/k norms 2·16; router 8·64
+    attention = 64 * 8 * 16 // 2 + 64 * 64 // 2
+    experts = 8 // 4 * 3 * 64 * 32  # ep=4, etp=1: two whole experts
+    lay = training_pool(tp=2, pp=1, dp=4, gen_tp=2, ep=4, etp=1)
+    assert lay.edp == 2  # 8 ranks hold 4 expert shards: each twice
+    assert layer_params(MOE, 2, ep=4, etp=1) == attention + 128 + 32 + 512 + experts
+    sp = stage_params(MOE, lay, 0)
+    assert sp.experts == 4 * experts
+    # bf16 optimizer state: 12 B per param, dense ones over D=4, experts over D_e=2
+    opt = training_state_terms(sp.total, lay.dp, "bf16", experts=sp.experts, edp=lay.edp)[2]
+    assert opt.bytes == 12 * (sp.total - sp.experts) / 4 + 12 * sp.experts / 2
+    work = Workload(micro_batch=2, seq_len=64, num_microbatches=3)
+    a2a, grads = moe_comm_terms(MOE, lay, work)
+    # forward + backward, dispatch + combine: 4·k·(s·b/σ)·h·B·(ep−1)/ep per layer and micro-batch
+    assert a2a.bytes == 4 * 2 * (64 * 2 / 2) * 64 * 2 * 3 / 4 * 4 * 3
+    assert grads.bytes == 2 * (2 - 1) / 2 * 4 * sp.experts
+    assert moe_comm_terms(SMALL, training_pool(tp=2, pp=1, dp=4, gen_tp=2), work) == []
+
+
+def test_moe_reshard_bytes_is_the_worst_rank():
+    """The planner's reshard figure is the largest per-rank count over the whole pool (it evaluates a few ranks)."""
+    from verl_mega.planning.memory import reshard_bytes
+
+    for tp, pp, dp, ep, etp, tg in ((2, 2, 2, 2, 1, 2), (2, 1, 4, 4, 2, 1), (4, 2, 1, 2, 1, 2), (1, 2, 4, 4, 1, 1)):
+        lay = training_pool(tp=tp, pp=pp, dp=dp, gen_tp=tg, ep=ep, etp=etp)
+        worst = max(MOE.hybrid_sync_bytes(lay, r, 2) for r in lay.ranks)
+        assert reshard_bytes(MOE, lay) == worst, (tp, pp, dp, ep, etp, tg)
+
+
+def test_moe_plans_at_1024_gpus():
+    """Qwen3-235B-A22B on 1024 H200s (141 GiB) fits colocated with expert parallelism; a DeepSeek-V3-class model
+    (696 B) trains in the same budget but its vLLM-TP rollout weights (≥ 696 B·2/8 bytes per GPU) do not fit."""
+    cluster = Cluster(gpus=1024, gpus_per_node=8, gpu_mem_gib=141)
+    roles = default_roles(critic=False, offload=("params", "grads", "optimizer"), offload_ref=True)
+    rollout = RolloutSpec(gpu_memory_utilization=0.85)
+    work = Workload(micro_batch=1, seq_len=4096)
+    qwen = arch_from_hf(load_hf_config(CONFIGS / "qwen3-235b-a22b.json"))
+    plans, _ = plan_layouts(qwen, cluster, work, global_batch=1024, roles=roles, rollout=rollout,
+                            pins=Pins(tp=4, pp=1, gen_tp=4, recompute="none"))
+    best = plans[0]
+    assert best.fits and best.layout.ep > 1 and best.memory.moe_alltoall_bytes > 0
+    assert gib(best.memory.phases["rollout"].total) > 0.8 * 141 * 0.85  # vLLM holds 235 B·2/4 bytes of weights
+    deepseek = arch_from_hf(load_hf_config(CONFIGS / "deepseek-v3-class.json"))
+    plans, _ = plan_layouts(deepseek, cluster, work, global_batch=1024, roles=roles, rollout=rollout,
+                            pins=Pins(tp=8, pp=1, gen_tp=8, recompute="none", etp=8))
+    best = plans[0]
+    assert not best.fits and best.memory.phases["train"].total < cluster.budget_bytes
+    assert any(reason.startswith("reshard") for reason in best.over_budget)

@@ -35,6 +35,20 @@ class ModelConfig(ConfigSection):
         "auto", help="Use Transformer Engine layers: `auto` when `transformer_engine` imports, else our SDPA spec.",
         affects_results=False)
 
+    moe_aux_loss_coeff: float | None = option(
+        None, help="Mixture-of-Experts: weight of the routers' load-balancing loss (Switch-style; Megatron "
+                   "`moe_aux_loss_coeff`), logged as `actor/moe_load_balancing_loss`; null takes config.json's "
+                   "`router_aux_loss_coef`, 0 disables. Dense models ignore it.")
+    moe_z_loss_coeff: float = option(
+        0.0, help="Mixture-of-Experts: weight of the routers' z-loss (ST-MoE; Megatron `moe_z_loss_coeff`), logged "
+                  "as `actor/moe_z_loss`; 0 disables. Dense models ignore it.")
+    moe_token_dispatcher: Literal["alltoall", "allgather"] = option(
+        "alltoall", help="Mixture-of-Experts: Megatron's token dispatcher between expert-parallel ranks "
+                         "(`moe_token_dispatcher_type`).", affects_results=False)
+    tiny_arch: Literal["qwen2", "qwen3_moe", "mixtral"] = option(
+        "qwen2", help="With `path: tiny`: the bundled tiny model's family: a dense Qwen2, or a Mixture-of-Experts "
+                      "Qwen3-MoE / Mixtral (8 experts of width 64, top-2) for trying expert parallelism and routing "
+                      "replay on a laptop.")
     tiny_warmstart_steps: int = option(
         20, help="With `path: tiny`: supervised warm-start steps on the generated task before RL, so that the "
                  "policy sometimes samples a right answer (0 = start from random weights).")
@@ -45,3 +59,5 @@ class ModelConfig(ConfigSection):
             self._set("tokenizer_path", self.path)
         self._check_range("make_vocab_size_divisible_by", ge=1, example=128)
         self._check_range("tiny_warmstart_steps", ge=0, example=20)
+        self._check_range("moe_aux_loss_coeff", ge=0.0, example=0.001)
+        self._check_range("moe_z_loss_coeff", ge=0.0, example=0.001)

@@ -32,6 +32,11 @@ class ParallelConfig(ConfigSection):
     cp: int = option(1, help="Context-parallel size: every sequence is split over cp ranks in load-balanced chunks "
                              "(attention gathers keys and values over them), for long sequences.")
     dp: int | None = option(None, help="Data-parallel size; null derives it as world / (tp·pp·cp).")
+    ep: int = option(1, help="Expert-parallel size of Mixture-of-Experts models (Megatron "
+                             "`expert_model_parallel_size`): each rank holds 1/ep of every layer's experts; the ep "
+                             "ranks come out of tp·cp·dp (docs/moe.md).")
+    etp: int | None = option(None, help="Expert tensor-parallel size (Megatron `expert_tensor_parallel_size`): each "
+                                        "expert's FFN width is split over etp ranks; null uses tp.")
     sequence_parallel: bool = option(False, help="Megatron sequence parallelism on every training pool (shards "
                                                  "LayerNorm/dropout "
                                                  "activations over the TP group). Needs tp > 1.")
@@ -42,7 +47,7 @@ class ParallelConfig(ConfigSection):
                                                   "(docs/topology.md).")
 
     def validate(self) -> None:
-        for name in ("tp", "pp", "cp", "dp"):
+        for name in ("tp", "pp", "cp", "dp", "ep", "etp"):
             self._check_range(name, ge=1)
         self._require(self.vpp is None or self.vpp >= 2,
                       f"parallel.vpp must be >= 2 virtual stages, got {self.vpp}; set parallel.vpp=null to disable "

@@ -64,7 +64,8 @@ class TrainConfig(ConfigSection):
         self._check_batch_sizes()
         if self.placement.pools:
             p, defaults = self.parallel, ParallelConfig()
-            taken = [f"parallel.{k}" for k in ("tp", "pp", "vpp", "cp", "dp") if getattr(p, k) != getattr(defaults, k)]
+            taken = [f"parallel.{k}" for k in ("tp", "pp", "vpp", "cp", "dp", "ep", "etp")
+                     if getattr(p, k) != getattr(defaults, k)]
             taken += ["rollout.gen_tp"] * (self.rollout.gen_tp != p.tp)
             self._require(not taken, f"{', '.join(taken)} and placement.pools both set a layout; put it in "
                                      f"placement.pools.<pool> instead")
@@ -72,6 +73,10 @@ class TrainConfig(ConfigSection):
             self._require(not self.parallel.sequence_parallel or self.parallel.tp > 1,
                           "parallel.sequence_parallel=true needs tensor parallelism but parallel.tp=1; "
                           "set parallel.tp>1 or parallel.sequence_parallel=false")
+        self._require(self.actor.routing_replay == "none" or self.model.recompute == "none",
+                      f"actor.routing_replay={self.actor.routing_replay} replays each router once per forward, but "
+                      f"model.recompute={self.model.recompute} runs the routers again in the backward pass; set "
+                      f"model.recompute=none or actor.routing_replay=none")
         ob = self.reward.overlong_buffer
         self._require(not ob.enable or ob.len <= self.rollout.max_response_length,
                       f"reward.overlong_buffer.len={ob.len} exceeds rollout.max_response_length="

@@ -18,6 +18,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
+from verl_mega.engine import moe
 from verl_mega.models.loader import unwrap
 from verl_mega.parallel.cpu_mode import comm_device as _device
 from verl_mega.parallel.placement import context_chunks
@@ -99,11 +100,25 @@ class MegatronEngine:
             for c in chunks:
                 c.requires_grad_(False)
         self._offloaded = False
+        self.routing: moe.RoutingReplay | None = None
+
+    def enable_routing_replay(self) -> None:
+        """Let :meth:`forward` record the MoE routers' top-k experts and :meth:`train_step` replay them."""
+        if not self.is_moe:
+            raise ValueError("engine: routing replay needs a Mixture-of-Experts model")
+        if self.config.recompute_granularity is not None:
+            raise ValueError("engine: routing replay replays each router once per forward; recomputation would run "
+                             "the routers again in the backward pass. Set model.recompute=none")
+        self.routing = moe.RoutingReplay(self.modules, self.groups, sequence_parallel=self.config.sequence_parallel)
 
     # ------------------------------------------------------------------ helpers
     @property
     def modules(self) -> list[torch.nn.Module]:
         return [unwrap(c) for c in self.chunks]
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.config.num_moe_experts)
 
     @property
     def dp_size(self) -> int:
@@ -183,23 +198,45 @@ class MegatronEngine:
 
     # ------------------------------------------------------------------ public API
     @torch.no_grad()
-    def forward(self, micro_batches: list[MicroBatch], post_fn: PostFn) -> list[dict[str, torch.Tensor]]:
-        """Forward-only over micro-batches; returns post_fn's outputs per micro-batch on EVERY rank."""
+    def forward(self, micro_batches: list[MicroBatch], post_fn: PostFn, *, record_routing: bool = False
+                ) -> list[dict[str, torch.Tensor]]:
+        """Forward-only over micro-batches; returns post_fn's outputs per micro-batch on EVERY rank. With
+        ``record_routing`` (after :meth:`enable_routing_replay`) each output also has ``routed_experts``
+        [b, s, MoE layers of this rank, k], the experts every token was routed to."""
         for c in self.chunks:
             c.eval()
+        if record_routing and self.routing is None:
+            raise ValueError("engine: forward(record_routing=True) needs enable_routing_replay() first")
+        recorded: list[list[torch.Tensor]] = [[] for _ in self.chunks]
 
         def step(data_iterator, model):
             mb = next(data_iterator)
             out = self._model_forward(model, mb)
+            if record_routing:
+                chunk = self._chunk_index(model)
+                recorded[chunk].append(self.routing.collect(chunk, *mb["input_ids"].shape))
 
             def collect(output):
                 return torch.zeros((), device=output.device), post_fn(output, mb)
 
             return out, collect
 
-        results = self._run_schedule(micro_batches, step, forward_only=True)
+        if record_routing:
+            self.routing.set_action("record")
+        try:
+            results = self._run_schedule(micro_batches, step, forward_only=True)
+        finally:
+            if record_routing:
+                self.routing.set_action(None)
         results = self._broadcast_from_last_stage(results, len(micro_batches))
-        return [{k: v.cpu() for k, v in r.items()} for r in results]
+        results = [{k: v.cpu() for k, v in r.items()} for r in results]
+        if record_routing:
+            for i, r in enumerate(results):
+                r["routed_experts"] = torch.cat([per_chunk[i] for per_chunk in recorded], dim=2)
+        return results
+
+    def _chunk_index(self, model) -> int:
+        return next(i for i, c in enumerate(self.chunks) if c is model)
 
     def train_step(self, micro_batches: list[MicroBatch], loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step over the given micro-batches (gradient accumulation across them)."""
@@ -209,13 +246,27 @@ class MegatronEngine:
             c.train()
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
+        if self.is_moe:
+            moe.clear_aux_losses()
+
+        replay = self.routing is not None and "routed_experts" in micro_batches[0]
 
         def step(data_iterator, model):
             mb = next(data_iterator)
+            if replay:  # this micro-batch's recorded routing, for this chunk's routers
+                s = mb["input_ids"].shape[1]
+                valid = mb.get("routing_valid", torch.ones(mb["input_ids"].shape, dtype=torch.bool))
+                self.routing.set_targets(self._chunk_index(model), mb["routed_experts"], valid[:, :s].cpu())
             out = self._model_forward(model, mb)
             return out, partial(self._loss_wrapper, loss_fn, mb)
 
-        outputs = self._run_schedule(micro_batches, step, forward_only=False)
+        if replay:
+            self.routing.set_action("replay")
+        try:
+            outputs = self._run_schedule(micro_batches, step, forward_only=False)
+        finally:
+            if replay:
+                self.routing.set_action(None)
         if self._grads_finite():
             update_ok, grad_norm, _ = self.optimizer.step()
         else:  # bf16/fp32 optimizers have no loss scaler to catch this: skip the update on every rank
@@ -224,6 +275,11 @@ class MegatronEngine:
             self.scheduler.step(increment=1)
             self.version += 1
         metrics = self._reduce_metrics(outputs)
+        if self.is_moe:
+            metrics.update(moe.aux_loss_metrics(self.groups, self.config.num_layers, len(micro_batches)))
+        if replay:
+            hits, total = all_reduce(self.routing.agreement(), self.groups["pool"]).tolist()
+            metrics["router_agreement"] = hits / max(total, 1.0)
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["update_skipped"] = float(not update_ok)
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
@@ -231,7 +287,8 @@ class MegatronEngine:
 
     def _grads_finite(self) -> bool:
         """True when every gradient (after the DP reduction) is finite on every rank of the pool."""
-        local = all(bool(torch.isfinite(buf.grad_data).all()) for c in self.chunks for buf in c.buffers)
+        local = all(bool(torch.isfinite(buf.grad_data).all()) for c in self.chunks
+                    for buf in c.buffers + c.expert_parallel_buffers)
         return float(all_reduce(0.0 if local else 1.0, self.groups["pool"], "max")) == 0.0
 
     @staticmethod

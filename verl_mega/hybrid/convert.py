@@ -11,7 +11,11 @@ destination tensor (vLLM's own parameter on GPU), through strided views, so no f
 * norms (replicated) → copied;
 * vocab rows (embedding / LM head): vLLM pads the vocabulary its own way (multiple of 64, split by tg) while
   Megatron pads to ``make_vocab_size_divisible_by·t``; :func:`vocab_row_plan` says which rows each rank needs
-  from which training shard, so only the rows vLLM keeps are moved.
+  from which training shard, so only the rows vLLM keeps are moved;
+* routed experts: Megatron's (ep, etp) shards → vLLM's fused ``w13`` [E, 2f/tg, h] (gate rows then up rows of
+  width block j) and ``w2`` [E, h, f/tg] on generation rank j; :func:`expert_plan` says which expert rows each
+  rank needs from which rank of its own expert-data-parallel replica, :func:`expert_pieces` are the views to send
+  from and write into.
 """
 
 from __future__ import annotations
@@ -26,15 +30,37 @@ from verl_mega.models.weights import ParamRule
 
 # vLLM's fused modules, named after the first HF projection they absorb.
 _FUSED = {"q_proj": "qkv_proj", "gate_proj": "gate_up_proj"}
+# vLLM ≥ 0.30 keeps a MoE layer's expert weights in a ``routed_experts`` submodule of its ``experts`` module.
+_ROUTED = ".experts.routed_experts."
 
 
 def vllm_name(rule: ParamRule) -> str:
-    """vLLM parameter name for an mcore parameter mapped to HF tensors by ``rule`` (Llama/Qwen naming)."""
+    """vLLM parameter name for an mcore parameter mapped to HF tensors by ``rule`` (Llama/Qwen/Mixtral naming;
+    routed experts by their canonical name ``….experts.w13_weight`` / ``w2_weight``, see :func:`canonical_name`)."""
     name = rule.hf_names[0]
+    if rule.is_expert:
+        block = name[: name.index(".experts.")]
+        return f"{block}.experts.{'w13' if rule.kind == 'experts_fc1' else 'w2'}_weight"
     for hf_mod, fused in _FUSED.items():
         if f".{hf_mod}." in name:
             return name.replace(f".{hf_mod}.", f".{fused}.")
     return name
+
+
+def canonical_name(vllm_param: str) -> str:
+    """A vLLM parameter name with the ``routed_experts`` level some vLLM versions add removed."""
+    return vllm_param.replace(_ROUTED, ".experts.")
+
+
+def routed_name(name: str) -> str:
+    """The other spelling of a canonical expert name (with the ``routed_experts`` level)."""
+    return name.replace(".experts.", _ROUTED) if ".experts.w" in name else name
+
+
+def expert_block_shape(rule: ParamRule, arch: ModelArch, tg: int) -> tuple[int, ...]:
+    """vLLM's expert tensor on one of tg generation TP ranks: w13 [E, 2f/tg, h], w2 [E, h, f/tg]."""
+    f, h, e = arch.moe_ffn_hidden_size // tg, arch.hidden_size, arch.num_experts
+    return (e, 2 * f, h) if rule.kind == "experts_fc1" else (e, h, f)
 
 
 def block_shape(rule: ParamRule, shard_shape: Sequence[int], m: int) -> tuple[int, ...]:
@@ -137,3 +163,61 @@ def vocab_row_plan(padded_vocab: int, t: int, micro_dp: int, gen_rows: Sequence[
             if lo < hi:
                 plan.append(RowTransfer(src, dst, lo, hi))
     return plan
+
+
+@dataclass(frozen=True)
+class ExpertPiece:
+    """Rows ``[lo, hi)`` of expert ``expert``'s FFN width (its gate, up and down projections) go from pool rank
+    ``src`` to pool rank ``dst`` (src == dst: a local copy)."""
+
+    src: int
+    dst: int
+    expert: int
+    lo: int
+    hi: int
+
+
+def expert_plan(pool, stage: int, num_experts: int, width: int) -> list[ExpertPiece]:
+    """Every routed-expert piece moved inside pipeline stage ``stage`` of a training pool, in one canonical order.
+
+    Generation rank j of a vLLM engine needs rows ``[j·f/tg, (j+1)·f/tg)`` of every expert. Megatron's expert grid
+    (etp, ep, edp) lays one full copy of the experts over each expert-data-parallel replica (etp·ep ranks); a rank
+    takes each piece from the rank of its own replica that holds it (expert ``e`` lives on EP rank e·ep/E, rows on
+    the expert-TP ranks whose width slices overlap), so traffic stays inside that replica and every needed row comes
+    exactly once. Pure arithmetic over the pool's coordinates."""
+    local, fr, fj = num_experts // pool.ep, width // pool.etp, width // pool.gen_tp
+    ranks = [r for r in pool.ranks if pool.coords(r)["pp"] == stage]
+    holder = {}
+    for r in ranks:
+        c = pool.coords(r)
+        holder[c["etp"], c["ep"], c["edp"]] = r
+    pieces = []
+    for dst in ranks:
+        c = pool.coords(dst)
+        lo_j, hi_j = c["gen_tp"] * fj, (c["gen_tp"] + 1) * fj
+        for e in range(num_experts):
+            for r in range(pool.etp):
+                lo, hi = max(lo_j, r * fr), min(hi_j, (r + 1) * fr)
+                if lo < hi:
+                    pieces.append(ExpertPiece(holder[r, e // local, c["edp"]], dst, e, lo, hi))
+    return pieces
+
+
+def expert_source_views(piece: ExpertPiece, weight1: torch.Tensor, weight2: torch.Tensor, *, ep_rank: int,
+                        etp_rank: int, num_experts: int, ep: int, etp: int, width: int) -> list[torch.Tensor]:
+    """The piece's gate, up and down rows as [n, h] views of the holder's GroupedExperts weights (weight1 is
+    [E/ep, h, 2f/etp] in memory, per expert [gate_r | up_r] columns; weight2 is [E/ep, f/etp, h])."""
+    local, fr, h = num_experts // ep, width // etp, weight1.shape[0]
+    le = piece.expert - ep_rank * local
+    a, b = piece.lo - etp_rank * fr, piece.hi - etp_rank * fr
+    w1 = weight1.view(local, h, 2 * fr)[le]
+    return [w1[:, a:b].t(), w1[:, fr + a:fr + b].t(), weight2.view(local, fr, h)[le, a:b]]
+
+
+def expert_dest_views(piece: ExpertPiece, w13: torch.Tensor, w2: torch.Tensor, *, gen_rank: int, width: int,
+                      gen_tp: int) -> list[torch.Tensor]:
+    """Where the piece's gate, up and down rows land in vLLM's w13 [E, 2f/tg, h] and w2 [E, h, f/tg] of generation
+    rank ``gen_rank`` (down rows as a transposed [n, h] view of w2's columns)."""
+    fj = width // gen_tp
+    a, b = piece.lo - gen_rank * fj, piece.hi - gen_rank * fj
+    return [w13[piece.expert, a:b], w13[piece.expert, fj + a:fj + b], w2[piece.expert][:, a:b].t()]

@@ -10,6 +10,10 @@ Per rank and per transformer layer:
    so after L/p steps every rank holds block j of all layers;
 4. **write** into the buffers the transport gives out.
 
+Routed experts (MoE) skip step 1: Megatron's (ep, etp) shards are exchanged point-to-point inside each expert-data-
+parallel replica of the stage (:func:`~verl_mega.hybrid.convert.expert_plan`: each rank receives only the expert rows
+of its generation block it does not hold), written straight into vLLM's fused expert layout, then join step 3.
+
 Embedding and LM-head rows follow vLLM's vocabulary split, exchanged point-to-point inside the owning stage's
 training TP group (only rows a rank lacks), then broadcast along the pipeline group. Peak extra memory is one
 layer's buffers. ``mode="reference"`` is the baseline: every rank gathers full HF tensors (TP all-gather + PP
@@ -25,8 +29,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from verl_mega.hybrid.convert import (block_copies, block_shape, vllm_name, vllm_vocab_rows, vocab_row_plan,
-                                      write_block)
+from verl_mega.hybrid.convert import (block_copies, block_shape, canonical_name, expert_block_shape,
+                                      expert_dest_views, expert_plan, expert_source_views, vllm_name,
+                                      vllm_vocab_rows, vocab_row_plan, write_block)
 from verl_mega.hybrid.transport import InPlaceTransport, WeightSyncError
 from verl_mega.models.hf_config import ModelArch
 from verl_mega.models.loader import iter_hf_tensors, unwrap
@@ -56,6 +61,25 @@ class WeightProducer:
         self._stage_layers = self._all_stage_layers()
         self._top = self._local_top_params()
         self._direct: tuple[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+        self._experts = self._expert_exchange() if arch.is_moe else None
+
+    def _expert_exchange(self) -> dict[str, Any]:
+        """This rank's part of the stage's expert plan: pieces to send per peer, to receive per peer, to copy."""
+        me, arch = self.groups.rank, self.arch
+        plan = expert_plan(self.pool, self.groups.pp_rank, arch.num_experts, arch.moe_ffn_hidden_size)
+        sends: dict[int, list] = {}
+        recvs: dict[int, list] = {}
+        for piece in plan:
+            if piece.src == me and piece.dst != me:
+                sends.setdefault(piece.dst, []).append(piece)
+            elif piece.dst == me and piece.src != me:
+                recvs.setdefault(piece.src, []).append(piece)
+        local = [piece for piece in plan if piece.src == piece.dst == me]
+        c = self.groups.coords
+        return {"sends": sends, "recvs": recvs, "local": local,
+                "src": dict(ep_rank=c["ep"], etp_rank=c["etp"], num_experts=arch.num_experts, ep=self.pool.ep,
+                            etp=self.pool.etp, width=arch.moe_ffn_hidden_size),
+                "dst": dict(gen_rank=c["gen_tp"], width=arch.moe_ffn_hidden_size, gen_tp=self.pool.gen_tp)}
 
     # ---- setup -------------------------------------------------------------------------------------------
     def _local_layers(self) -> list[tuple[int, list[_Param]]]:
@@ -100,6 +124,7 @@ class WeightProducer:
         names |= {"model.embed_tokens.weight", "model.norm.weight"}
         if not self.arch.tie_word_embeddings:
             names.add("lm_head.weight")
+        vllm_names = {canonical_name(n) for n in vllm_names}
         if names != vllm_names:
             missing, extra = sorted(vllm_names - names), sorted(names - vllm_names)
             raise WeightSyncError(
@@ -110,12 +135,16 @@ class WeightProducer:
         """M: bytes of the model's HF tensors in the training dtype (embeddings once when tied)."""
         return self.arch.num_parameters() * self._layers[0][1][0].tensor.element_size()
 
+    def predicted_bytes(self) -> float:
+        """Bytes this rank should receive, by the planner's arithmetic (:meth:`ModelArch.hybrid_sync_bytes`)."""
+        return self.arch.hybrid_sync_bytes(self.pool, self.groups.rank, self._layers[0][1][0].tensor.element_size())
+
     # ---- produce -----------------------------------------------------------------------------------------
     @torch.no_grad()
     def produce(self, sink: InPlaceTransport) -> None:
         """Write this rank's vLLM slices of the current weights into ``sink``."""
         self._sync_vocab(sink, "embedding.word_embeddings.weight", "model.embed_tokens.weight", stage=0)
-        if self.pool.micro_dp == 1 and self.pool.pp == 1 and not sink.repacks:
+        if self.pool.micro_dp == 1 and self.pool.pp == 1 and not sink.repacks and not self.arch.is_moe:
             self._copy_layers_direct(sink)
         else:
             for step in range(len(self._layers)):
@@ -158,7 +187,7 @@ class WeightProducer:
     def _sync_layer(self, sink: InPlaceTransport, step: int) -> None:
         _, params = self._layers[step]
         m, p_size = self.pool.micro_dp, self.pool.pp
-        sharded = [p for p in params if p.rule.kind != "replicated"]
+        sharded = [p for p in params if p.rule.kind != "replicated" and not p.rule.is_expert]
         shards: dict[str, list[torch.Tensor]] = {p.suffix: [p.tensor.data] for p in params}
         live = 0
         if m > 1 and sharded:
@@ -171,19 +200,20 @@ class WeightProducer:
                 n = p.tensor.numel()
                 shards[p.suffix] = [gathered[i, offset:offset + n].view(p.tensor.shape) for i in range(m)]
                 offset += n
-        shapes = [(p, block_shape(p.rule, p.tensor.shape, m if p.rule.kind != "replicated" else 1)) for p in params]
+        shapes = [(p, self._block_shape(p, m)) for p in params]
         if p_size == 1:
-            for p, shape in shapes:
-                write_block(p.rule, sink.buffer(vllm_name(p.rule), shape), shards[p.suffix], self.arch)
+            views = {p.suffix: sink.buffer(vllm_name(p.rule), shape) for p, shape in shapes}
+            live += self._write_blocks(params, views, shards)
             self.peak = max(self.peak, live)
             return
         # pp > 1: convert into one staging buffer, all-gather it over the pipeline group, write every stage's part.
         sizes = [_numel(shape) for _, shape in shapes]
         stage_buf = torch.empty(sum(sizes), dtype=sink.dtype, device=params[0].tensor.device)
-        offset = 0
+        views, offset = {}, 0
         for (p, shape), n in zip(shapes, sizes):
-            write_block(p.rule, stage_buf[offset:offset + n].view(shape), shards[p.suffix], self.arch)
+            views[p.suffix] = stage_buf[offset:offset + n].view(shape)
             offset += n
+        live += self._write_blocks(params, views, shards)
         everyone = _all_gather(stage_buf, p_size, self.groups["pp"])
         self.received += (p_size - 1) * _nbytes(stage_buf)
         self.peak = max(self.peak, live + _nbytes(stage_buf) + _nbytes(everyone))
@@ -194,6 +224,57 @@ class WeightProducer:
                 name = vllm_name(rule_for(f"decoder.layers.0.{p.suffix}", self.arch, g))
                 sink.buffer(name, shape).copy_(everyone[stage, offset:offset + n].view(shape))
                 offset += n
+
+    def _block_shape(self, p: _Param, m: int) -> tuple[int, ...]:
+        if p.rule.is_expert:
+            return expert_block_shape(p.rule, self.arch, self.pool.gen_tp)
+        return block_shape(p.rule, p.tensor.shape, m if p.rule.kind != "replicated" else 1)
+
+    def _write_blocks(self, params: list[_Param], views: dict[str, torch.Tensor],
+                      shards: dict[str, list[torch.Tensor]]) -> int:
+        """Write every parameter of one layer into its destination view; returns the bytes of transient buffers."""
+        experts = {p.rule.kind: p for p in params if p.rule.is_expert}
+        for p in params:
+            if not p.rule.is_expert:
+                write_block(p.rule, views[p.suffix], shards[p.suffix], self.arch)
+        if not experts:
+            return 0
+        fc1, fc2 = experts["experts_fc1"], experts["experts_fc2"]
+        return self._exchange_experts(fc1.tensor.data, fc2.tensor.data, views[fc1.suffix], views[fc2.suffix])
+
+    def _exchange_experts(self, weight1: torch.Tensor, weight2: torch.Tensor, w13: torch.Tensor,
+                          w2: torch.Tensor) -> int:
+        """One layer's routed experts: point-to-point inside this rank's expert-data-parallel replica, each rank
+        receiving only the rows of its generation block that it does not hold (``expert_plan``)."""
+        x = self._experts
+        src = lambda piece: expert_source_views(piece, weight1, weight2, **x["src"])  # noqa: E731
+        dst = lambda piece: expert_dest_views(piece, w13, w2, **x["dst"])  # noqa: E731
+        for piece in x["local"]:
+            for to, frm in zip(dst(piece), src(piece)):
+                to.copy_(frm)
+        ops, inbox, live = [], [], 0
+        for peer, pieces in x["sends"].items():
+            out = torch.cat([v.reshape(-1) for piece in pieces for v in src(piece)])
+            ops.append(dist.P2POp(dist.isend, out, peer))
+            live += _nbytes(out)
+        for peer, pieces in x["recvs"].items():
+            buf = torch.empty(sum(3 * (q.hi - q.lo) for q in pieces) * weight1.shape[0], dtype=weight1.dtype,
+                              device=weight1.device)
+            ops.append(dist.P2POp(dist.irecv, buf, peer))
+            inbox.append((buf, pieces))
+            self.received += _nbytes(buf)
+            live += _nbytes(buf)
+        if ops:
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
+        for buf, pieces in inbox:
+            offset = 0
+            for piece in pieces:
+                for to in dst(piece):
+                    n = to.numel()
+                    to.copy_(buf[offset:offset + n].view(to.shape))
+                    offset += n
+        return live
 
     def _sync_replicated(self, sink: InPlaceTransport, mcore_name: str, vllm_param: str, stage: int) -> None:
         dst = sink.buffer(vllm_param, (self.arch.hidden_size,))
@@ -281,6 +362,8 @@ class WeightSync:
             model = self.rollout.model
             if self._transport is None or self._transport.model is not model:
                 self._transport = InPlaceTransport(model, repacks=self.rollout.is_cpu)
+            else:
+                self._transport.refresh()
             producer.produce(self._transport)
         else:
             self.rollout.load_full_weights(producer.full_tensors())
@@ -292,7 +375,7 @@ class WeightSync:
         return {
             "weight_sync/seconds": seconds,
             "weight_sync/bytes_received": float(producer.received),
-            "weight_sync/predicted_bytes": float(pool.sync_bytes_per_rank(model_bytes)),
+            "weight_sync/predicted_bytes": float(producer.predicted_bytes()),
             "weight_sync/peak_buffer_bytes": float(producer.peak),
             "weight_sync/generation_weight_bytes": float(pool.generation_weight_bytes(model_bytes)),
             "weight_sync/model_bytes": float(model_bytes),

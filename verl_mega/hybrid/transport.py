@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from verl_mega.hybrid.convert import routed_name
+from verl_mega.rollout.vllm_rollout import compat_finish_expert_reload
+
 
 class WeightSyncError(RuntimeError):
     """The training model and the vLLM model do not line up; the message names the parameter and the fix."""
@@ -38,10 +41,16 @@ class InPlaceTransport:
                 if param is not None:
                     self._owners.setdefault(id(param), []).append(mname)
 
+    def refresh(self) -> None:
+        """Re-read vLLM's parameters: its own reload (or post-load processing) may have replaced them since."""
+        self._index()
+
     def module(self, name: str) -> torch.nn.Module:
         return self.model.get_submodule(name)
 
     def buffer(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name not in self.params:
+            name = routed_name(name)  # vLLM versions that keep experts under experts.routed_experts
         param = self.params.get(name)
         if param is None:
             raise WeightSyncError(f"vLLM model has no parameter {name!r}; the model families differ")
@@ -65,6 +74,7 @@ class InPlaceTransport:
             quant_method = getattr(module, "quant_method", None)
             if quant_method is not None:
                 quant_method.process_weights_after_loading(module)
+                compat_finish_expert_reload(module)
         if self._fresh or self._touched:
             self._index()
         self._fresh.clear()

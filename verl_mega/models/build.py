@@ -59,7 +59,7 @@ def build_model_chunks(
 ) -> list[GPTModel]:
     """One GPTModel per virtual pipeline stage of this rank (a single one without VPP), on the groups of its pool."""
     vpp, pp_rank = groups.pool.vpp, groups.pp_rank
-    spec = layer_spec(qk_layernorm=arch.qk_norm, use_te=use_te)
+    spec = layer_spec(qk_layernorm=arch.qk_norm, use_te=use_te, num_experts=arch.num_experts)
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
@@ -112,7 +112,7 @@ def count_parameters(arch: ModelArch, groups: RankGroups, *, value_head: bool = 
     with torch.device("meta"):
         model = GPTModel(
             config=cfg,
-            transformer_layer_spec=layer_spec(qk_layernorm=arch.qk_norm, use_te="false"),
+            transformer_layer_spec=layer_spec(qk_layernorm=arch.qk_norm, use_te="false", num_experts=arch.num_experts),
             vocab_size=arch.vocab_size,
             max_sequence_length=arch.max_position_embeddings,
             share_embeddings_and_output_weights=arch.tie_word_embeddings and not value_head,

@@ -9,7 +9,8 @@ import torch.distributed as dist
 
 from verl_mega.models.hf_config import ModelArch
 from verl_mega.models.hf_io import CheckpointError, HFCheckpointReader
-from verl_mega.models.weights import expected_hf_names, hf_to_mcore_shard, mcore_shards_to_hf, rule_for
+from verl_mega.models.weights import (ExpertShard, experts_to_hf, expected_hf_names, hf_to_mcore_shard,
+                                      mcore_shards_to_hf, rule_for)
 from verl_mega.parallel.state import RankGroups
 
 
@@ -44,6 +45,7 @@ def load_hf_weights(chunks: list[torch.nn.Module], reader: HFCheckpointReader, a
     """Copy this rank's slices of an HF checkpoint into the mcore chunks. Returns the number of params loaded.
     Non-finite values (NaN/Inf) in any rank's slices are an error on every rank (collective when distributed)."""
     tp, tp_rank = groups.size("tp"), groups.tp_rank
+    expert = expert_shard(groups)
     loaded = 0
     nonfinite: str | None = None
     for chunk in chunks:
@@ -54,7 +56,7 @@ def load_hf_weights(chunks: list[torch.nn.Module], reader: HFCheckpointReader, a
             if skip_value_head and name.startswith("output_layer."):
                 continue  # value heads are not part of an HF causal-LM checkpoint
             rule = rule_for(name, arch, offset)
-            shard = hf_to_mcore_shard(rule, reader.get, arch, tp_rank, tp, padded_vocab)
+            shard = hf_to_mcore_shard(rule, reader.get, arch, tp_rank, tp, padded_vocab, expert)
             if tuple(shard.shape) != tuple(param.shape):
                 raise CheckpointError(
                     f"checkpoint: {rule.hf_names[0]} gives shape {tuple(shard.shape)} for {name} but the model "
@@ -76,13 +78,32 @@ def load_hf_weights(chunks: list[torch.nn.Module], reader: HFCheckpointReader, a
     return loaded
 
 
-def _tp_gather(t: torch.Tensor, groups: RankGroups) -> list[torch.Tensor]:
-    tp = groups.size("tp")
-    if tp == 1:
+def expert_shard(groups: RankGroups) -> ExpertShard:
+    """The routed experts this rank holds (its place on the expert grid)."""
+    c = groups.coords
+    return ExpertShard(ep_rank=c["ep"], ep=groups.pool.ep, etp_rank=c["etp"], etp=groups.pool.etp)
+
+
+def _gather(t: torch.Tensor, groups: RankGroups, kind: str) -> list[torch.Tensor]:
+    n = groups.size(kind)
+    if n == 1:
         return [t]
-    out = [torch.empty_like(t) for _ in range(tp)]
-    dist.all_gather(out, t.contiguous(), group=groups["tp"])
+    out = [torch.empty_like(t) for _ in range(n)]
+    dist.all_gather(out, t.contiguous(), group=groups[kind])
     return out
+
+
+def _tp_gather(t: torch.Tensor, groups: RankGroups) -> list[torch.Tensor]:
+    return _gather(t, groups, "tp")
+
+
+def _hf_tensors_of(rule, param: torch.Tensor, arch: ModelArch, groups: RankGroups):
+    """The full HF tensors of one local parameter: gathered over TP, or for routed experts over expert TP and EP."""
+    if not rule.is_expert:
+        return mcore_shards_to_hf(rule, _tp_gather(param, groups), arch)
+    by_etp = _gather(param, groups, "etp")
+    shards = [list(s.chunk(len(by_etp))) for s in _gather(torch.cat(by_etp), groups, "ep")]
+    return experts_to_hf(rule, shards, arch)
 
 
 @torch.no_grad()
@@ -115,13 +136,15 @@ def iter_hf_tensors(chunks: list[torch.nn.Module], arch: ModelArch, groups: Rank
         for idx, (name, offset, _) in enumerate(stage_meta):
             rule = rule_for(name, arch, offset)
             if stage == pp_rank:
-                for hf_name, tensor in mcore_shards_to_hf(rule, _tp_gather(local[idx][3].data, groups), arch):
+                for hf_name, tensor in _hf_tensors_of(rule, local[idx][3].data, arch, groups):
                     if pp > 1:
                         dist.broadcast_object_list([tuple(tensor.shape)], src=src, group=pp_group)
                         dist.broadcast(tensor.contiguous(), src=src, group=pp_group)
                     yield hf_name, tensor
             else:
-                for hf_name in rule.hf_names:
+                names = [n for e in range(arch.num_experts) for n in rule.expert_names(e)] if rule.is_expert \
+                    else rule.hf_names
+                for hf_name in names:
                     shape_box = [None]
                     dist.broadcast_object_list(shape_box, src=src, group=pp_group)
                     tensor = torch.empty(shape_box[0], dtype=dtype, device=device)

@@ -1,4 +1,4 @@
-"""Megatron dist checkpoints of model weights (layout-free: load at any tp/pp) and the HF⇄mcore converters."""
+"""Megatron dist checkpoints of model weights (layout-free: load at any tp/pp/ep) and the HF⇄mcore converters."""
 
 from __future__ import annotations
 
@@ -75,16 +75,18 @@ def _single_process_model(arch: ModelArch, dtype: str):
     return build_model_chunks(arch, cfg, groups, use_te="false"), groups
 
 
-def convert_hf_to_mcore(hf_path: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int = 1,
-                        dtype: str | None = None) -> Path:
-    """HF safetensors → Megatron dist checkpoint, in one CPU process. Validates that (tp, pp) is a legal layout
-    for the model; the checkpoint itself is layout-free and loads at any tp/pp."""
+def convert_hf_to_mcore(hf_path: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int = 1, ep: int = 1,
+                        etp: int | None = None, dtype: str | None = None) -> Path:
+    """HF safetensors → Megatron dist checkpoint, in one CPU process. Validates that (tp, pp, ep, etp) is a legal
+    layout for the model; the checkpoint itself is layout-free and loads at any tp/pp/ep/etp (Megatron reshards
+    routed experts on load)."""
     from verl_mega.models.loader import check_checkpoint_matches, load_hf_weights
 
     hf_path = Path(hf_path)
     hf_cfg = load_hf_config(hf_path)
     arch = arch_from_hf(hf_cfg)
-    transformer_config(arch, tp=tp, pp=pp)  # layout check up front (one-line error), before any allocation
+    transformer_config(arch, tp=tp, pp=pp, ep=ep, etp=etp)  # layout check up front (one-line error), before any
+    # allocation
     reader = HFCheckpointReader(hf_path)
     check_checkpoint_matches(reader, arch)
     dtype = dtype or _dtype_name(reader.dtype("model.embed_tokens.weight"))
@@ -92,7 +94,8 @@ def convert_hf_to_mcore(hf_path: str | Path, out_dir: str | Path, *, tp: int = 1
         chunks, groups = _single_process_model(arch, dtype)
         load_hf_weights(chunks, reader, arch, groups)
         save_model_dist(chunks, tmp, groups)
-        meta = {"hf_config": hf_cfg, "dtype": dtype, "layout_hint": {"tp": tp, "pp": pp}, "format": "mcore_dist"}
+        meta = {"hf_config": hf_cfg, "dtype": dtype, "layout_hint": {"tp": tp, "pp": pp, "ep": ep, "etp": etp or tp},
+                "format": "mcore_dist"}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
         _copy_tokenizer(hf_path, tmp)
     return Path(out_dir)

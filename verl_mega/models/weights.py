@@ -1,10 +1,15 @@
-"""HF ⇄ Megatron-Core weight mapping for Llama / Mistral / Qwen2 / Qwen3.
+"""HF ⇄ Megatron-Core weight mapping for Llama / Mistral / Qwen2 / Qwen3 and the MoE families (Qwen3-MoE, Mixtral,
+Qwen2-MoE).
 
 Megatron packs tensors differently from HF:
 * ``linear_qkv`` holds, per query group g, ``[q rows of the group's heads; k rows; v rows]`` (interleaved per
   group), and TP rank r owns a contiguous run of groups;
 * ``linear_fc1`` holds ``[gate_r; up_r]`` on TP rank r (gate and up slices of that rank stacked);
-* embedding / LM head rows are padded to a multiple of ``make_vocab_size_divisible_by · tp`` and split by rows.
+* embedding / LM head rows are padded to a multiple of ``make_vocab_size_divisible_by · tp`` and split by rows;
+* routed experts (:class:`~verl_mega.models.spec.GroupedExperts`): EP rank p holds experts ``p·E/ep … (p+1)·E/ep``,
+  stacked and transposed: ``weight1`` is [E/ep, h, 2f/etp] in memory (per expert ``[gate_r | up_r]`` columns of
+  expert-TP rank r), ``weight2`` [E/ep, f/etp, h] (down-projection rows of rank r). Their HF names carry ``{e}``,
+  the global expert index.
 
 Everything here works per tensor and per TP rank, so loading and exporting stream: a rank reads only its own
 rows/columns of each HF tensor (memory-mapped safetensors), and export produces one HF tensor at a time.
@@ -38,6 +43,28 @@ _LAYER_RULES: dict[str, tuple[str, tuple[str, ...]]] = {
                                           "model.layers.{i}.mlp.up_proj.weight")),
     "mlp.linear_fc2.weight": ("row", ("model.layers.{i}.mlp.down_proj.weight",)),
 }
+# MoE layers (every layer of a MoE model): the router, routed experts and Qwen2-MoE's shared expert.
+_MOE_BLOCK = {"mixtral": "block_sparse_moe"}
+_EXPERT_PROJ = {"mixtral": ("w1", "w3", "w2")}
+
+
+def _moe_rules(model_type: str) -> dict[str, tuple[str, tuple[str, ...]]]:
+    block = f"model.layers.{{i}}.{_MOE_BLOCK.get(model_type, 'mlp')}"
+    gate, up, down = _EXPERT_PROJ.get(model_type, ("gate_proj", "up_proj", "down_proj"))
+    expert = f"{block}.experts.{{{{e}}}}"
+    shared = f"{block}.shared_expert"
+    return {
+        "mlp.router.weight": ("replicated", (f"{block}.gate.weight",)),
+        "mlp.experts.weight1": ("experts_fc1", (f"{expert}.{gate}.weight", f"{expert}.{up}.weight")),
+        "mlp.experts.weight2": ("experts_fc2", (f"{expert}.{down}.weight",)),
+        "mlp.shared_experts.linear_fc1.weight": ("gate_up", (f"{shared}.gate_proj.weight",
+                                                             f"{shared}.up_proj.weight")),
+        "mlp.shared_experts.linear_fc2.weight": ("row", (f"{shared}.down_proj.weight",)),
+        "mlp.shared_experts.gate_weight": ("replicated", (f"{block}.shared_expert_gate.weight",)),
+    }
+
+
+EXPERT_KINDS = ("experts_fc1", "experts_fc2")
 _TOP_RULES: dict[str, tuple[str, tuple[str, ...]]] = {
     "embedding.word_embeddings.weight": ("vocab", ("model.embed_tokens.weight",)),
     "decoder.final_layernorm.weight": ("replicated", ("model.norm.weight",)),
@@ -50,8 +77,25 @@ _LAYER_RE = re.compile(r"^(?:module\.)*decoder\.layers\.(\d+)\.(.+)$")
 class ParamRule:
     """How one mcore parameter is made from HF tensors."""
 
-    kind: str  # replicated | qkv | gate_up | row | vocab | value_head
-    hf_names: tuple[str, ...]
+    kind: str  # replicated | qkv | gate_up | row | vocab | experts_fc1 | experts_fc2
+    hf_names: tuple[str, ...]  # expert rules: templates with {e}, the global expert index
+
+    @property
+    def is_expert(self) -> bool:
+        return self.kind in EXPERT_KINDS
+
+    def expert_names(self, e: int) -> tuple[str, ...]:
+        return tuple(n.format(e=e) for n in self.hf_names)
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """Which routed experts a rank holds: EP rank ``ep_rank`` of ``ep`` and expert-TP rank ``etp_rank`` of ``etp``."""
+
+    ep_rank: int = 0
+    ep: int = 1
+    etp_rank: int = 0
+    etp: int = 1
 
 
 def rule_for(mcore_name: str, arch: ModelArch, layer_offset: int = 0) -> ParamRule:
@@ -62,9 +106,10 @@ def rule_for(mcore_name: str, arch: ModelArch, layer_offset: int = 0) -> ParamRu
     m = _LAYER_RE.match(name)
     if m:
         suffix = m.group(2)
-        if suffix not in _LAYER_RULES:
+        rules = {**_LAYER_RULES, **_moe_rules(arch.model_type)} if arch.is_moe else _LAYER_RULES
+        if suffix not in rules:
             raise KeyError(f"no HF mapping for mcore parameter {mcore_name!r}")
-        kind, templates = _LAYER_RULES[suffix]
+        kind, templates = rules[suffix]
         i = layer_offset + int(m.group(1))
         return ParamRule(kind, tuple(t.format(i=i) for t in templates))
     if name == "output_layer.weight" and arch.tie_word_embeddings:
@@ -78,18 +123,30 @@ def rule_for(mcore_name: str, arch: ModelArch, layer_offset: int = 0) -> ParamRu
 Reader = Callable[..., torch.Tensor]  # reader(name, rows=(a, b) | None, cols=(a, b) | None)
 
 
-def hf_to_mcore_shard(rule: ParamRule, read: Reader, arch: ModelArch, tp_rank: int, tp: int,
-                      padded_vocab: int) -> torch.Tensor:
-    """Build TP rank `tp_rank`'s shard of an mcore parameter, reading only the HF rows/columns it needs."""
+def _ffn_width(rule: ParamRule, arch: ModelArch) -> int:
+    """Inner width of an MLP projection: the shared expert's, the attention output's input, or the dense MLP's."""
+    name = rule.hf_names[0]
+    if ".shared_expert." in name:
+        return arch.shared_expert_ffn_hidden_size
+    if "o_proj" in name:
+        return arch.num_heads * arch.head_dim
+    return arch.ffn_hidden_size
+
+
+def hf_to_mcore_shard(rule: ParamRule, read: Reader, arch: ModelArch, tp_rank: int, tp: int, padded_vocab: int,
+                      expert: ExpertShard = ExpertShard()) -> torch.Tensor:
+    """Build TP rank `tp_rank`'s shard of an mcore parameter (for routed experts: the shard of ``expert``), reading
+    only the HF rows/columns it needs."""
     kind = rule.kind
     if kind == "replicated":
         return read(rule.hf_names[0])
+    if rule.is_expert:
+        return _experts_shard(rule, read, arch, expert)
     if kind == "row":  # RowParallelLinear: split the input (column) dim
-        in_dim = arch.num_heads * arch.head_dim if "o_proj" in rule.hf_names[0] else arch.ffn_hidden_size
-        cols = _split(in_dim, tp, tp_rank)
+        cols = _split(_ffn_width(rule, arch), tp, tp_rank)
         return read(rule.hf_names[0], cols=cols)
     if kind == "gate_up":
-        rows = _split(arch.ffn_hidden_size, tp, tp_rank)
+        rows = _split(_ffn_width(rule, arch), tp, tp_rank)
         return torch.cat([read(rule.hf_names[0], rows=rows), read(rule.hf_names[1], rows=rows)], dim=0)
     if kind == "qkv":
         d, qpg = arch.head_dim, arch.q_per_group
@@ -113,10 +170,48 @@ def hf_to_mcore_shard(rule: ParamRule, read: Reader, arch: ModelArch, tp_rank: i
     raise ValueError(f"unknown mapping kind {kind!r}")
 
 
+def _experts_shard(rule: ParamRule, read: Reader, arch: ModelArch, expert: ExpertShard) -> torch.Tensor:
+    local = arch.num_experts // expert.ep
+    f0, f1 = _split(arch.moe_ffn_hidden_size, expert.etp, expert.etp_rank)
+    blocks = []
+    for e in range(expert.ep_rank * local, (expert.ep_rank + 1) * local):
+        names = rule.expert_names(e)
+        if rule.kind == "experts_fc1":  # [gate_r; up_r] rows, transposed: [h, 2f/etp]
+            blocks.append(torch.cat([read(names[0], rows=(f0, f1)), read(names[1], rows=(f0, f1))]).t())
+        else:  # down-projection columns of rank r, transposed: [f/etp, h]
+            blocks.append(read(names[0], cols=(f0, f1)).t())
+    stacked = torch.stack(blocks).contiguous()  # [E/ep, ·, ·]: the parameter's memory order
+    return stacked.view(arch.hidden_size, -1) if rule.kind == "experts_fc1" else stacked.view(-1, arch.hidden_size)
+
+
+def experts_to_hf(rule: ParamRule, shards: list[list[torch.Tensor]], arch: ModelArch
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every (EP rank, expert-TP rank) shard of one routed-experts parameter (``shards[ep_rank][etp_rank]``) → the
+    HF tensors of every expert, in expert order."""
+    ep, h = len(shards), arch.hidden_size
+    local = arch.num_experts // ep
+    for p, row in enumerate(shards):
+        if rule.kind == "experts_fc1":
+            per_rank = [s.view(local, h, -1) for s in row]
+            for e in range(local):
+                parts = [t[e].t() for t in per_rank]  # each [2f/etp, h] = [gate_r; up_r]
+                halves = [part.chunk(2, dim=0) for part in parts]
+                names = rule.expert_names(p * local + e)
+                yield names[0], torch.cat([g for g, _ in halves]).contiguous()
+                yield names[1], torch.cat([u for _, u in halves]).contiguous()
+        else:
+            per_rank = [s.view(local, -1, h) for s in row]
+            for e in range(local):
+                yield rule.expert_names(p * local + e)[0], torch.cat([t[e] for t in per_rank]).t().contiguous()
+
+
 def mcore_shards_to_hf(rule: ParamRule, shards: list[torch.Tensor],
                        arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
-    """Inverse of :func:`hf_to_mcore_shard`: all TP shards of one mcore parameter → its HF tensor(s)."""
+    """Inverse of :func:`hf_to_mcore_shard`: all TP shards of one mcore parameter → its HF tensor(s) (routed experts:
+    :func:`experts_to_hf`)."""
     kind = rule.kind
+    if rule.is_expert:
+        raise ValueError("mcore_shards_to_hf: routed experts are gathered over EP and expert TP; use experts_to_hf")
     if kind == "replicated":
         yield rule.hf_names[0], shards[0]
     elif kind == "row":
@@ -154,7 +249,15 @@ def expected_hf_names(arch: ModelArch) -> set[str]:
         p = f"model.layers.{i}."
         names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
         names |= {p + f"self_attn.{x}_proj.weight" for x in "qkvo"}
-        names |= {p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")}
+        if arch.is_moe:
+            for kind, templates in _moe_rules(arch.model_type).values():
+                if ".shared_expert" in templates[0] and not arch.shared_expert_ffn_hidden_size:
+                    continue
+                rule = ParamRule(kind, tuple(t.format(i=i) for t in templates))
+                names |= {n for e in range(arch.num_experts) for n in rule.expert_names(e)} if rule.is_expert \
+                    else set(rule.hf_names)
+        else:
+            names |= {p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")}
         if arch.qkv_bias:
             names |= {p + f"self_attn.{x}_proj.bias" for x in "qkv"}
         if arch.qk_norm:

@@ -5,10 +5,16 @@ Megatron-Core hard-codes CUDA in a handful of places (``device=torch.cuda.curren
 module installs a small, reversible shim *only when CUDA is absent*:
 
 * a :class:`torch.overrides.TorchFunctionMode` that rewrites any CUDA ``device`` argument to CPU and makes
-  ``Tensor.cuda()`` a no-op;
+  ``Tensor.cuda()`` a no-op; the autograd engine runs Python ``backward`` methods without the caller's function
+  modes, so custom autograd functions' backward (mcore's all-to-all allocates with ``device=current_device()``)
+  re-enter it;
 * ``Tensor.type()`` reports ``torch.cuda.*Tensor`` for CPU tensors, which mcore's dtype checks expect;
 * ``torch.cuda.current_device / get_rng_state / set_rng_state / manual_seed / synchronize`` and mcore's
-  ``_get/_set_cuda_rng_state`` act on the CPU generator.
+  ``_get/_set_cuda_rng_state`` act on the CPU generator;
+* ``torch.cuda.Stream / Event / stream / current_stream`` are host-synchronous stand-ins (CPU work is already
+  ordered), which mcore's MoE alltoall token dispatcher uses for its device-to-host copies; that dispatcher's
+  "device → host" step also turns split sizes into numpy arrays, which it skips for tensors already on the host, so
+  the shim does it for CPU tensors too (``all_to_all_single`` wants int sequences).
 
 Everything numerical still runs through the real mcore code paths; only device placement changes. The shim is
 process-global, idempotent, and a no-op when CUDA is available.
@@ -82,15 +88,72 @@ def enable_cpu_mode() -> bool:
         mode = _CudaToCpuMode()
         mode.__enter__()
         _STATE["mode"] = mode
+        _patch_backward()
         _patch_cuda_namespace()
         _patch_mcore_rng()
+        _patch_mcore_moe_dtoh()
         _STATE["enabled"] = True
         return True
 
 
+class _HostEvent:
+    """A CUDA event on the host: CPU work is synchronous, so it has always completed."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _HostStream:
+    """A CUDA stream on the host: work runs in program order, so waits and events are no-ops."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> _HostEvent:
+        return event or _HostEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _HostStream)
+
+    def __hash__(self) -> int:
+        return 0
+
+
 def _patch_cuda_namespace() -> None:
+    import contextlib
+
     cpu_gen = torch.random.default_generator
+    host_stream = _HostStream()
     patches = {
+        "Stream": _HostStream,
+        "Event": _HostEvent,
+        "current_stream": lambda device=None: host_stream,
+        "default_stream": lambda device=None: host_stream,
+        "stream": lambda stream=None: contextlib.nullcontext(),
         "current_device": lambda: 0,
         "device_count": lambda: 1,
         "get_rng_state": lambda device="cuda": cpu_gen.get_state(),
@@ -126,6 +189,33 @@ def _patch_mcore_rng() -> None:
     _STATE["saved_mcore"] = (mcore_random._get_cuda_rng_state, mcore_random._set_cuda_rng_state)
     mcore_random._get_cuda_rng_state = _get_state
     mcore_random._set_cuda_rng_state = _set_state
+
+
+def _patch_backward() -> None:
+    from torch.autograd import function
+
+    original = function.BackwardCFunction.apply
+
+    def apply(self, *args: Any) -> Any:
+        with _CudaToCpuMode():
+            return original(self, *args)
+
+    _STATE["saved_backward"] = original
+    function.BackwardCFunction.apply = apply
+
+
+def _patch_mcore_moe_dtoh() -> None:
+    from megatron.core.transformer.moe import token_dispatcher
+
+    original = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    _STATE["saved_moe_dtoh"] = original
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host
 
 
 def comm_device() -> torch.device:

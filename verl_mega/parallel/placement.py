@@ -257,6 +257,19 @@ class Pool:
         tp_total = self.tp * self.pp
         return model_bytes * (tp_total - self.gen_tp) / (self.gen_tp * tp_total)
 
+    def expert_sync_bytes_per_rank(self, rank: int, *, num_layers: int, num_experts: int, width: int,
+                                   row_bytes: float) -> float:
+        """Routed-expert bytes ``rank`` receives at the switch (docs/moe.md): generation rank j needs rows
+        [j·f/tg, (j+1)·f/tg) of the gate, up and down projections of all E experts of every layer (3·E·f/tg rows of
+        ``row_bytes`` = h·element size each), less the rows its own (ep, etp) shard holds of its own stage's layers."""
+        c = self.coords(rank)
+        fj, fr = width // self.gen_tp, width // self.etp
+        lo_j, lo_r = c["gen_tp"] * fj, c["etp"] * fr
+        overlap = max(0, min(lo_j + fj, lo_r + fr) - max(lo_j, lo_r))
+        need = num_layers * num_experts * 3 * fj * row_bytes
+        own = num_layers // self.pp * (num_experts // self.ep) * 3 * overlap * row_bytes
+        return need - own
+
     def generation_weight_bytes(self, model_bytes: float) -> float:
         """Generation weights one rank holds: M/tg."""
         return model_bytes / self.gen_tp
@@ -323,8 +336,8 @@ class Placement:
                 raise PlacementError(f"parallel: tp·pp·cp·dp = {p.tp}·{p.pp}·{p.cp}·{p.dp} = "
                                      f"{p.tp * p.pp * p.cp * p.dp} does not equal the world size {world_size}; set "
                                      f"parallel.dp=null to derive dp, or start {p.tp * p.pp * p.cp * p.dp} processes")
-            return cls.single(world_size, tp=p.tp, pp=p.pp, vpp=p.vpp, cp=p.cp, gen_tp=cfg.rollout.gen_tp,
-                              sequence_parallel=p.sequence_parallel)
+            return cls.single(world_size, tp=p.tp, pp=p.pp, vpp=p.vpp, cp=p.cp, ep=p.ep, etp=p.etp,
+                              gen_tp=cfg.rollout.gen_tp, sequence_parallel=p.sequence_parallel)
         pools, start = [], 0
         trained = {spec.roles.get(r, spec.roles.get("actor")) for r in TRAINING_ROLES}
         for name, dims in spec.pools.items():

@@ -130,6 +130,12 @@ def build_groups(placement: Placement, rank: int | None = None, timeout_s: float
         if members not in made:
             made[members] = dist.new_group(list(members), timeout=timeout, use_local_synchronization=True)
         groups[kind] = made[members]
+    # Megatron's sequence-parallel linears all-gather into its process-wide scratch buffer, which only
+    # parallel_state.initialize_model_parallel (never called here) would create; it holds no group
+    from megatron.core import parallel_state as mpu
+
+    if mpu._GLOBAL_MEMORY_BUFFER is None:
+        mpu._set_global_memory_buffer()
     # mcore's distributed optimizer gathers its state for a checkpoint over a gloo twin of the DP group
     nccl = "nccl" in str(dist.get_backend())
     groups["dp_cp_gloo"] = groups["dp_cp"] if not nccl else dist.new_group(

@@ -6,10 +6,11 @@ rank's groups exactly as a run does (:func:`verl_mega.parallel.state.build_group
 :class:`~verl_mega.parallel.placement.Placement`) and, for a rank of a training pool, build its pipeline stage of
 the model on the meta device (shapes only, no memory) with those groups. Then we check, for this rank:
 
-* its dense groups equal Megatron-Core's own enumeration of the pool (``HyperCommGrid`` with the pool's rank
-  offset: an implementation independent of ours), and every group the run created has the members the placement
-  names (whose generation groups ``Placement.check`` verified for every rank: inside the training TP group,
-  strided by tp/gen_tp, ascending, meeting the micro-DP group in one rank);
+* its dense groups (tp, cp, dp, pp) and expert groups (ep, etp, edp over Megatron's expert grid etp·ep·edp·pp)
+  equal Megatron-Core's own enumeration of the pool (``HyperCommGrid`` with the pool's rank offset: an
+  implementation independent of ours), and every group the run created has the members the placement names
+  (whose generation groups ``Placement.check`` verified for every rank: inside the training TP group, strided
+  by tp/gen_tp, ascending, meeting the micro-DP group in one rank);
 * the meta model holds exactly the parameters the memory model predicts for this stage, and the layer offsets of
   its (virtual) chunks are the ones Megatron assigns.
 
@@ -35,7 +36,7 @@ from verl_mega.parallel.placement import Placement, PlacementError
 from verl_mega.planning.memory import PlanningError, stage_params
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-CHECKED_KINDS = ("tp", "cp", "dp", "pp", "dp_cp", "mp", "ep", "gen_tp", "micro_dp")
+CHECKED_KINDS = ("tp", "cp", "dp", "pp", "dp_cp", "mp", "ep", "etp", "edp", "gen_tp", "micro_dp")
 
 
 class DryRunError(PlanningError):
@@ -165,7 +166,7 @@ def _dry_run_rank(arch: ModelArch, placement: Placement, rank: int, *, build_mod
                                   f"placement's {list(pool.group_of(kind, rank))[:16]}")
         _check_against_mcore(pool, rank, built)
         report.checks.append(f"{len(built)} group kinds built with the members the placement names; tp/cp/dp/pp "
-                             f"equal mcore's HyperCommGrid enumeration of pool {pool.name!r}")
+                             f"and ep/etp/edp equal mcore's HyperCommGrid enumeration of pool {pool.name!r}")
         if build_model and pool.trains:
             _build_meta_model(arch, groups, report, value_head=value_head, dtype=dtype)
     return report
@@ -177,8 +178,12 @@ def _check_against_mcore(pool, rank: int, built: dict[str, tuple[int, ...]]) -> 
     if not pool.trains or list(pool.ranks) != list(range(pool.ranks[0], pool.ranks[0] + pool.size)):
         return
     grid = HyperCommGrid([pool.tp, pool.cp, pool.dp, pool.pp], ["tp", "cp", "dp", "pp"], rank_offset=pool.ranks[0])
-    for kind in ("tp", "cp", "dp", "pp"):
-        mine = [tuple(g) for g in grid._gen_rank_enum([kind]) if rank in g]
+    # Megatron's expert grid: the same ranks as (etp, ep, edp, pp), tp fastest (its "tp" is expert TP)
+    experts = HyperCommGrid([pool.etp, pool.ep, pool.edp, pool.pp], ["tp", "ep", "dp", "pp"],
+                            rank_offset=pool.ranks[0])
+    for kind, on, dim in (("tp", grid, "tp"), ("cp", grid, "cp"), ("dp", grid, "dp"), ("pp", grid, "pp"),
+                          ("ep", experts, "ep"), ("etp", experts, "tp"), ("edp", experts, "dp")):
+        mine = [tuple(g) for g in on._gen_rank_enum([dim]) if rank in g]
         if mine != [built[kind]]:
             raise DryRunError(f"dry run: rank {rank}'s {kind} group {list(built[kind])[:16]} differs from mcore's "
                               f"{[list(g)[:16] for g in mine]}")
@@ -190,7 +195,7 @@ def _build_meta_model(arch: ModelArch, groups, report: DryRunReport, *, value_he
 
     pool, stage = groups.pool, report.stage
     start = time.perf_counter()
-    cfg = transformer_config(arch, tp=pool.tp, pp=pool.pp, vpp=pool.vpp, cp=pool.cp,
+    cfg = transformer_config(arch, tp=pool.tp, pp=pool.pp, vpp=pool.vpp, cp=pool.cp, ep=pool.ep, etp=pool.etp,
                              sequence_parallel=pool.sequence_parallel, dtype=_DTYPES[dtype],
                              use_cpu_initialization=True, perform_initialization=False)
     with torch.device("meta"):

@@ -7,7 +7,9 @@ is derived in docs/planning.md.
 
 Symbols: L layers, h hidden, a heads, k key/value heads, d head dim, f FFN hidden, V vocabulary padded for tp,
 s sequence length, b micro-batch, B bytes per activation element, t training TP, σ = t with sequence parallelism
-(else 1), p PP, v virtual stages, D data parallel, tg generation TP.
+(else 1), p PP, v virtual stages, D data parallel, tg generation TP. Mixture of experts: E experts of width f_e,
+top-k routing, f_s the shared expert's width, ep / etp expert parallel / expert TP, D_e = t·D/(ep·etp) expert data
+parallel (the ranks that hold the same experts).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from verl_mega.models.hf_config import ModelArch, ModelConfigError, check_layout
+from verl_mega.models.hf_config import ModelArch, ModelConfigError, check_arch_layout
 from verl_mega.parallel.placement import PlacementError, Pool
 
 GiB = 2**30
@@ -76,12 +78,12 @@ class Phase:
 
 
 def training_pool(*, tp: int, pp: int = 1, dp: int = 1, gen_tp: int | None = None, vpp: int | None = None,
-                  sequence_parallel: bool | None = None) -> Pool:
+                  sequence_parallel: bool | None = None, ep: int = 1, etp: int | None = None) -> Pool:
     """One training pool of tp·pp·dp ranks (cp = 1), the planner's unit; sequence parallelism on when tp > 1
-    unless told otherwise."""
+    unless told otherwise; for MoE, ep·etp of the tp·dp ranks of a stage split the experts."""
     try:
-        return Pool(name="train", ranks=tuple(range(tp * pp * dp)), tp=tp, pp=pp, vpp=vpp, gen_tp=gen_tp,
-                    sequence_parallel=tp > 1 if sequence_parallel is None else sequence_parallel)
+        return Pool(name="train", ranks=tuple(range(tp * pp * dp)), tp=tp, pp=pp, vpp=vpp, gen_tp=gen_tp, ep=ep,
+                    etp=etp, sequence_parallel=tp > 1 if sequence_parallel is None else sequence_parallel)
     except PlacementError as exc:
         raise PlanningError(str(exc)) from None
 
@@ -170,22 +172,41 @@ class StageParams:
     """Parameters held by one rank of pipeline stage `stage` (all its virtual chunks)."""
 
     layers: int  # transformer layers on this rank
-    per_layer: int
+    per_layer: int  # of which expert_per_layer are routed-expert weights
     embedding: int
     output: int
     final_norm: int
     largest: int  # the biggest single parameter tensor
+    expert_per_layer: int = 0
 
     @property
     def total(self) -> int:
         return self.layers * self.per_layer + self.embedding + self.output + self.final_norm
 
+    @property
+    def experts(self) -> int:
+        """Routed-expert parameters on this rank (reduced and optimizer-sharded over D_e, not D)."""
+        return self.layers * self.expert_per_layer
 
-def layer_params(arch: ModelArch, tp: int) -> int:
-    """Parameters of one transformer layer on one TP rank (norm weights replicated)."""
+
+def expert_layer_params(arch: ModelArch, *, ep: int = 1, etp: int = 1) -> int:
+    """Routed-expert parameters of one layer on one rank: E/ep experts of 3·h·f_e/etp."""
+    return arch.num_experts // ep * arch.expert_parameters() // etp if arch.is_moe else 0
+
+
+def layer_params(arch: ModelArch, tp: int, *, ep: int = 1, etp: int | None = None) -> int:
+    """Parameters of one transformer layer on one TP rank (norm weights replicated). MoE layers: the router
+    (E·h) and the shared expert's gate (h) are replicated, the shared expert is split over tp, the routed experts
+    over ep and etp (default: tp, as vLLM splits them)."""
     h, d, f = arch.hidden_size, arch.head_dim, arch.ffn_hidden_size
     qkv_out = (arch.num_heads + 2 * arch.num_kv_heads) * d
-    n = h * qkv_out // tp + arch.num_heads * d * h // tp + 3 * h * f // tp + 2 * h
+    n = h * qkv_out // tp + arch.num_heads * d * h // tp + 2 * h
+    if arch.is_moe:
+        fs = arch.shared_expert_ffn_hidden_size
+        n += arch.num_experts * h + expert_layer_params(arch, ep=ep, etp=etp or tp) + (3 * h * fs // tp + h
+                                                                                          if fs else 0)
+    else:
+        n += 3 * h * f // tp
     if arch.qkv_bias:
         n += qkv_out // tp
     if arch.qk_norm:
@@ -209,12 +230,15 @@ def stage_params(arch: ModelArch, layout: Pool, stage: int, *, value_head: bool 
     else:
         # Tied embeddings: mcore keeps a synchronised copy of the embedding as the last stage's output layer.
         output = vocab_rows if last and (not arch.tie_word_embeddings or p > 1) else 0
-    per_layer = layer_params(arch, t)
+    ep, etp = layout.ep, layout.etp
+    per_layer = layer_params(arch, t, ep=ep, etp=etp)
     h, f = arch.hidden_size, arch.ffn_hidden_size
     qkv = h * (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim // t
-    largest = max(2 * f * h // t, qkv, embedding, output)
+    mlp = (arch.num_experts // ep * 2 * arch.moe_ffn_hidden_size * h // etp) if arch.is_moe else 2 * f * h // t
+    largest = max(mlp, qkv, embedding, output)
     return StageParams(layers=arch.num_layers // p, per_layer=per_layer, embedding=embedding, output=output,
-                       final_norm=arch.hidden_size if last else 0, largest=largest)
+                       final_norm=arch.hidden_size if last else 0, largest=largest,
+                       expert_per_layer=expert_layer_params(arch, ep=ep, etp=etp))
 
 
 def generation_params(arch: ModelArch, tg: int) -> int:
@@ -225,16 +249,21 @@ def generation_params(arch: ModelArch, tg: int) -> int:
     return arch.num_layers * layer_params(arch, tg) + heads * vocab_rows + h
 
 
-def training_state_terms(params: int, dp: int, dtype: str) -> list[Term]:
-    """Params, fp32 main grads and distributed-optimizer state of a rank holding `params` parameters."""
+def training_state_terms(params: int, dp: int, dtype: str, *, experts: int = 0, edp: int = 1) -> list[Term]:
+    """Params, fp32 main grads and distributed-optimizer state of a rank holding `params` parameters, of which
+    `experts` are routed-expert weights (their optimizer state is sharded over the expert-data-parallel group D_e)."""
     pb = _DTYPE_BYTES[dtype]
     terms = [Term("params", pb * params, f"{pb} B × {params:,} params"),
              Term("grads (fp32 main grads)", 4 * params, f"4 B × {params:,}")]
-    if pb == 4:
-        terms.append(Term("optimizer (Adam m, v)", 8 * params / dp, f"(4 + 4) B × {params:,} / dp={dp}"))
+    per = 8 if pb == 4 else 12
+    what = "(4 + 4) B" if pb == 4 else "(4 master + 4 m + 4 v) B"
+    dense = params - experts
+    name = "optimizer (Adam m, v)" if pb == 4 else "optimizer (master, m, v)"
+    if not experts:
+        terms.append(Term(name, per * params / dp, f"{what} × {params:,} / dp={dp}"))
     else:
-        terms.append(Term("optimizer (master, m, v)", 12 * params / dp,
-                          f"(4 master + 4 m + 4 v) B × {params:,} / dp={dp}"))
+        terms.append(Term(name, per * dense / dp + per * experts / edp,
+                          f"{what} × ({dense:,} / dp={dp} + {experts:,} experts / D_e={edp})"))
     return terms
 
 
@@ -247,13 +276,12 @@ def layer_activation_bytes(arch: ModelArch, layout: Pool, work: Workload, *, rec
     """A_layer: bytes autograd keeps for one transformer layer and one micro-batch (module docstring)."""
     rec = work.recompute if recompute is None else recompute
     s, b, B = work.seq_len, work.micro_batch, work.act_bytes
-    h, a, k, d, f, t = (arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.ffn_hidden_size,
-                        layout.tp)
+    h, a, k, d, t = arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim, layout.tp
     sigma = t if layout.sequence_parallel else 1
     if rec == "full":
         return B * s * b * h / sigma
     v_kv = a if a > k else a + 2 * k
-    per_token = (2 * (4 + 2 * B) * h / sigma + B * (3 * a + v_kv) * d / t + 5 * B * f / t)
+    per_token = 2 * (4 + 2 * B) * h / sigma + B * (3 * a + v_kv) * d / t + _mlp_activation_per_token(arch, layout, B)
     if arch.qk_norm:
         # fp32: the norm's input is the tensor itself, and k is a view that keeps the fused QKV output alive.
         per_token += ((4 + B) * (a + k) + (4 * (a + k) if B == 4 else 0)) * d / t
@@ -261,6 +289,48 @@ def layer_activation_bytes(arch: ModelArch, layout: Pool, work: Workload, *, rec
     if rec == "none":
         total += s * b * 4 * a / t + 4 * B * s * d
     return total
+
+
+def _mlp_activation_per_token(arch: ModelArch, layout: Pool, B: int) -> float:
+    """MLP bytes autograd keeps per token of the micro-batch. Dense: fc1 output, activation and product, 5·B·f/t.
+    MoE (tokens split by σ, each routed to k experts): the same 5·B·f_e per routed copy (expert TP splits the width
+    of tokens it gathers, so etp cancels), the permuted and dispatched copies of the hidden state 2·B·h·etp, the
+    router's fp32 logits and scores 8·E, and the shared expert's 5·B·f_s/t."""
+    t = layout.tp
+    if not arch.is_moe:
+        return 5 * B * arch.ffn_hidden_size / t
+    sigma = t if layout.sequence_parallel else 1
+    k, etp = arch.moe_topk, layout.etp
+    routed = (k * (5 * B * arch.moe_ffn_hidden_size + 2 * B * arch.hidden_size * etp) + 8 * arch.num_experts) / sigma
+    return routed + 5 * B * arch.shared_expert_ffn_hidden_size / t
+
+
+def mlp_grad_bytes(arch: ModelArch, layout: Pool, work: Workload) -> float:
+    """The MLP backward's transient fc1-output gradient: 2·B·s·b·f/t (dense), 2·B·s·b·k·f_e/σ (MoE)."""
+    s, b, B, t = work.seq_len, work.micro_batch, work.act_bytes, layout.tp
+    if not arch.is_moe:
+        return 2 * B * s * b * arch.ffn_hidden_size / t
+    sigma = t if layout.sequence_parallel else 1
+    return 2 * B * s * b * arch.moe_topk * arch.moe_ffn_hidden_size / sigma
+
+
+def moe_comm_terms(arch: ModelArch, layout: Pool, work: Workload) -> list[Term]:
+    """Bytes one GPU sends per actor optimizer step for the experts (0 for dense models): the token dispatcher's
+    all-to-all, dispatch and combine in the forward pass and again in the backward, 4·k·(s·b/σ)·h·B·(ep−1)/ep per
+    MoE layer and micro-batch over its L/p layers and M micro-batches; and the expert gradients' reduction over
+    D_e, 2·(D_e−1)/D_e × 4 B × expert params (a ring reduce-scatter + all-gather, vs the dense params over D)."""
+    if not arch.is_moe:
+        return []
+    t, ep, edp = layout.tp, layout.ep, layout.edp
+    sigma = t if layout.sequence_parallel else 1
+    s, b, B, m = work.seq_len, work.micro_batch, work.act_bytes, work.num_microbatches or 1
+    layers = arch.num_layers // layout.pp
+    a2a = 4 * arch.moe_topk * s * b / sigma * arch.hidden_size * B * (ep - 1) / ep * layers * m
+    experts = stage_params(arch, layout, 0).experts
+    grads = 2 * (edp - 1) / edp * 4 * experts
+    return [Term("MoE all-to-all (dispatch + combine)", a2a,
+                 f"4·k·(s·b/σ)·h·B·(ep−1)/ep × {layers} layers × M={m} (k={arch.moe_topk}, ep={ep})"),
+            Term("expert grad reduction over D_e", grads, f"2·(D_e−1)/D_e × 4 B × {experts:,} (D_e={edp})")]
 
 
 def logits_bytes(arch: ModelArch, layout: Pool, work: Workload, *, value_head: bool = False) -> float:
@@ -307,8 +377,9 @@ def activation_terms(arch: ModelArch, layout: Pool, work: Workload, stage: int, 
     if p > 1:
         buf = 2 * B * s * b * arch.hidden_size / sigma
         terms.append(Term("pipeline send/recv", held * buf, f"{held} × 2 × {B} B × s·b·h/σ"))
-    mlp_grad = 2 * B * s * b * arch.ffn_hidden_size / t
-    layer_moment, layer_formula = mlp_grad, "MLP backward: fc1-output grad 2·B·s·b·f/t"
+    mlp_grad = mlp_grad_bytes(arch, layout, work)
+    layer_moment, layer_formula = mlp_grad, ("MLP backward: fc1-output grad " + (
+        "2·B·s·b·k·f_e/σ" if arch.is_moe else "2·B·s·b·f/t"))
     if rec == "full":
         layer_moment += layer_activation_bytes(arch, layout, work, recompute="none")
         layer_formula = "recomputed layer + " + layer_formula
@@ -355,6 +426,11 @@ class MemoryPrediction:
     reshard_extra_peak_bytes: float
     host_offload_bytes: float
     notes: tuple[str, ...] = field(default_factory=tuple)
+    comm: tuple[Term, ...] = field(default_factory=tuple)  # MoE traffic per GPU and actor step (moe_comm_terms)
+
+    @property
+    def moe_alltoall_bytes(self) -> float:
+        return sum(t.bytes for t in self.comm if "all-to-all" in t.name)
 
     def totals_gib(self) -> dict[str, float]:
         return {name: round(gib(ph.total), 3) for name, ph in self.phases.items()}
@@ -373,9 +449,14 @@ class MemoryPrediction:
         return lines
 
 
-def _resident_terms(role: RoleSpec, params: int, dp: int, dtype: str, *, keep_params: bool = False) -> list[Term]:
+def _state_terms(sp: StageParams, layout: Pool, dtype: str) -> list[Term]:
+    return training_state_terms(sp.total, layout.dp, dtype, experts=sp.experts, edp=layout.edp)
+
+
+def _resident_terms(role: RoleSpec, sp: StageParams, layout: Pool, dtype: str, *, keep_params: bool = False
+                    ) -> list[Term]:
     """What an idle role leaves on the GPU (its offload flags applied)."""
-    terms = training_state_terms(params, dp, dtype) if role.trainable else training_state_terms(params, dp, dtype)[:1]
+    terms = _state_terms(sp, layout, dtype) if role.trainable else _state_terms(sp, layout, dtype)[:1]
     kept = []
     for term in terms:
         kind = term.name.split(" ")[0]
@@ -386,8 +467,28 @@ def _resident_terms(role: RoleSpec, params: int, dp: int, dtype: str, *, keep_pa
     return kept
 
 
-def _stage_state(arch: ModelArch, layout: Pool, role: RoleSpec, stage: int) -> int:
-    return stage_params(arch, layout, stage, value_head=role.value_head).total
+def _stage_state(arch: ModelArch, layout: Pool, role: RoleSpec, stage: int) -> StageParams:
+    return stage_params(arch, layout, stage, value_head=role.value_head)
+
+
+def reshard_bytes(arch: ModelArch, layout: Pool, element_size: int = 2) -> float:
+    """Bytes the worst GPU receives at the train → generate switch. Dense: HybridFlow Table 2 on the whole model
+    (the paper's formula; it counts the few replicated norms as sharded). MoE: the exact per-rank arithmetic of
+    :meth:`ModelArch.hybrid_sync_bytes`, maximised over the ranks whose (tp, etp, generation) coordinates differ —
+    the first lcm(tp, etp) ranks of the first and last pipeline stages."""
+    if not arch.is_moe:
+        return layout.sync_bytes_per_rank(element_size * arch.num_parameters())
+    period = layout.tp * layout.etp // _gcd(layout.tp, layout.etp)
+    stage_size = layout.size // layout.pp
+    ranks = [layout.ranks[i] for i in range(min(period, stage_size))]
+    ranks += [layout.ranks[(layout.pp - 1) * stage_size + i] for i in range(min(period, stage_size))]
+    return max(arch.hybrid_sync_bytes(layout, r, element_size) for r in ranks)
+
+
+def _gcd(a: int, b: int) -> int:
+    while b:
+        a, b = b, a % b
+    return a
 
 
 def predict_memory(arch: ModelArch, layout: Pool, work: Workload, *, roles: tuple[RoleSpec, ...] | None = None,
@@ -400,8 +501,7 @@ def predict_memory(arch: ModelArch, layout: Pool, work: Workload, *, roles: tupl
     if arch.num_layers % layout.chunks:
         raise PlanningError(f"pp·vpp={layout.chunks} must divide num_layers={arch.num_layers}")
     try:
-        check_layout(layout, num_layers=arch.num_layers, num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads,
-                     ffn_hidden_size=arch.ffn_hidden_size)
+        check_arch_layout(layout, arch)
     except ModelConfigError as exc:
         raise PlanningError(str(exc)) from None
     dt = work.dtype
@@ -410,7 +510,10 @@ def predict_memory(arch: ModelArch, layout: Pool, work: Workload, *, roles: tupl
     vllm_weights = Term("vLLM weights", gen_bytes, f"2 B × {generation_params(arch, layout.gen_tp):,} params at tg="
                                                    f"{layout.gen_tp}")
     tokens = rollout.max_num_batched_tokens
-    h, f, d = arch.hidden_size, arch.ffn_hidden_size, arch.head_dim
+    h, d = arch.hidden_size, arch.head_dim
+    # vLLM's MLP intermediate per token: f (dense), or k routed experts' f_e plus the shared expert's
+    f = arch.moe_topk * arch.moe_ffn_hidden_size + arch.shared_expert_ffn_hidden_size if arch.is_moe \
+        else arch.ffn_hidden_size
     qkv = (arch.num_heads + 2 * arch.num_kv_heads) * d
     act_reserve = (2 * tokens * (qkv + 3 * f + 3 * h) / layout.gen_tp
                    + 2 * 4 * rollout.max_num_seqs * arch.vocab_size)
@@ -442,17 +545,16 @@ def predict_memory(arch: ModelArch, layout: Pool, work: Workload, *, roles: tupl
     def idle(others: list[RoleSpec], stage: int, *, keep: str | None = None) -> list[Term]:
         out: list[Term] = []
         for r in others:
-            out += _resident_terms(r, _stage_state(arch, layout, r, stage), layout.dp, dt, keep_params=r.name == keep)
+            out += _resident_terms(r, _stage_state(arch, layout, r, stage), layout, dt, keep_params=r.name == keep)
         return out
 
     # Training: each trainable role in turn, the others idle, vLLM asleep.
     train_candidates = []
     for role in (r for r in roles if r.trainable):
         for stage in stages:
-            params = _stage_state(arch, layout, role, stage)
-            sp = stage_params(arch, layout, stage, value_head=role.value_head)
-            state = [Term(f"{role.name} {t.name}", t.bytes, t.formula)
-                     for t in training_state_terms(params, layout.dp, dt)]
+            sp = _stage_state(arch, layout, role, stage)
+            params = sp.total
+            state = [Term(f"{role.name} {t.name}", t.bytes, t.formula) for t in _state_terms(sp, layout, dt)]
             acts = [Term(f"{role.name} {t.name}", t.bytes, t.formula)
                     for t in activation_terms(arch, layout, work, stage, value_head=role.value_head)]
             step_tmp = 4 * (params if work.backend == "nccl" else sp.largest) / layout.dp
@@ -476,7 +578,7 @@ def predict_memory(arch: ModelArch, layout: Pool, work: Workload, *, roles: tupl
     score_candidates = []
     for role in roles:
         for stage in stages:
-            own = _resident_terms(role, _stage_state(arch, layout, role, stage), layout.dp, dt, keep_params=True)
+            own = _resident_terms(role, _stage_state(arch, layout, role, stage), layout, dt, keep_params=True)
             fwd = forward_only_terms(arch, layout, work, value_head=role.value_head)
             if stage != layout.pp - 1:
                 fwd = fwd[:1]
@@ -504,20 +606,28 @@ def predict_memory(arch: ModelArch, layout: Pool, work: Workload, *, roles: tupl
 
     host = 0.0
     for role in roles:
-        params = max(_stage_state(arch, layout, role, s) for s in stages)
-        for term in training_state_terms(params, layout.dp, dt)[: 3 if role.trainable else 1]:
+        sp = max((_stage_state(arch, layout, role, s) for s in stages), key=lambda x: x.total)
+        for term in _state_terms(sp, layout, dt)[: 3 if role.trainable else 1]:
             kind = term.name.split(" ")[0]
             if getattr(role, f"offload_{kind}", False):
                 host += term.bytes
-    notes = [f"3D-HybridEngine: {layout.dims()}, {layout.num_engines} vLLM engines, micro-DP {layout.micro_dp}",
-             f"reshard bytes per GPU = (t·p − tg)/(tg·t·p)·M = ({layout.tp}·{layout.pp} − {layout.gen_tp})/"
-             f"({layout.gen_tp}·{layout.tp}·{layout.pp}) × {_fmt_bytes(model_bytes)} = "
-             f"{_fmt_bytes(layout.sync_bytes_per_rank(model_bytes))}; extra peak M/tg = "
-             f"{_fmt_bytes(layout.generation_weight_bytes(model_bytes))}"]
+    resharded = reshard_bytes(arch, layout)
+    notes = [f"3D-HybridEngine: {layout.dims()}, {layout.num_engines} vLLM engines, micro-DP {layout.micro_dp}"]
+    if arch.is_moe:
+        notes.append(f"reshard bytes per GPU (worst rank) = Table 2 on the non-expert tensors + replicated tensors of "
+                     f"other stages + expert rows of the rank's generation block it lacks = {_fmt_bytes(resharded)}; "
+                     f"extra peak M/tg = {_fmt_bytes(layout.generation_weight_bytes(model_bytes))}")
+    else:
+        notes.append(f"reshard bytes per GPU = (t·p − tg)/(tg·t·p)·M = ({layout.tp}·{layout.pp} − {layout.gen_tp})/"
+                     f"({layout.gen_tp}·{layout.tp}·{layout.pp}) × {_fmt_bytes(model_bytes)} = "
+                     f"{_fmt_bytes(resharded)}; extra peak M/tg = "
+                     f"{_fmt_bytes(layout.generation_weight_bytes(model_bytes))}")
+    comm = moe_comm_terms(arch, layout, work)
+    notes += [f"communication per actor step: {t.line()}" for t in comm]
     if kv < kv_per_token * work.seq_len:
         notes.append(f"vLLM KV cache {_fmt_bytes(kv)} cannot hold one {work.seq_len}-token sequence")
     return MemoryPrediction(layout=layout, phases=phases, worst_stage=worst, kv_cache_bytes=kv,
                             kv_bytes_per_token=kv_per_token,
-                            reshard_bytes_per_gpu=layout.sync_bytes_per_rank(model_bytes),
+                            reshard_bytes_per_gpu=resharded,
                             reshard_extra_peak_bytes=layout.generation_weight_bytes(model_bytes),
-                            host_offload_bytes=host, notes=tuple(notes))
+                            host_offload_bytes=host, notes=tuple(notes), comm=tuple(comm))

@@ -1,5 +1,6 @@
-"""Layout planner: enumerate feasible training layouts (tp, pp, vpp, dp) and generation tg for a cluster, predict
-per-GPU memory of every phase (:mod:`verl_mega.planning.memory`) and rank them.
+"""Layout planner: enumerate feasible training layouts (tp, pp, vpp, dp; for Mixture-of-Experts models ep and etp)
+and generation tg for a cluster, predict per-GPU memory of every phase (:mod:`verl_mega.planning.memory`) and rank
+them.
 
 All roles (actor, critic, reference) are colocated on every GPU and share one training layout (the config has one
 ``parallel`` section); the critic differs by its value head, the reference by being frozen.
@@ -19,8 +20,12 @@ splits into dp × micro-batch × M; with sequence parallelism tp divides the seq
 3. compute time factor (1 + bubble) × recompute, with the 1F1B bubble (p − 1)/(v·M) (Narayanan et al. 2021) and
    4/3 for full recompute (one extra forward per forward + backward), compared at 1% granularity;
 4. 3D-HybridEngine bytes received per GPU at the train→generate switch;
-5. smaller model-parallel size tp·pp (less TP/PP communication per layer), then fewer virtual stages (fewer
+5. MoE: the token dispatcher's all-to-all bytes per GPU and step (0 for dense models), at 0.1 GiB granularity;
+6. smaller model-parallel size tp·pp (less TP/PP communication per layer), then fewer virtual stages (fewer
    pipeline messages), then more memory headroom.
+
+MoE layouts enumerate ep among the divisors of the expert count that divide tp·dp, with etp ∈ {1, tp}; ep·etp must
+divide tp·dp, etp and tg the experts' width, and tp > 1 needs sequence parallelism.
 """
 
 from __future__ import annotations
@@ -90,6 +95,8 @@ class Pins:
     vpp: int | None = None
     gen_tp: int | None = None
     recompute: str | None = None
+    ep: int | None = None
+    etp: int | None = None
 
 
 @dataclass(frozen=True)
@@ -127,13 +134,15 @@ class Plan:
         # Time at 1% granularity: a negligible bubble must not outweigh gigabytes of reshard traffic.
         return (0 if self.fits else 1, round(gib(over), 2), self.tp_off_island + self.gen_off_island,
                 round(self.time_factor, 2), round(self.memory.reshard_bytes_per_gpu / 2**20),
+                round(gib(self.memory.moe_alltoall_bytes), 1),
                 self.layout.tp * self.layout.pp, self.layout.vpp or 1, -round(gib(self.headroom_bytes), 2))
 
     def to_json(self, rank: int) -> dict:
         lay, mem = self.layout, self.memory
         totals = mem.totals_gib()
         return {
-            "rank": rank, "tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "dp": lay.dp, "gen_tp": lay.gen_tp,
+            "rank": rank, "tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "dp": lay.dp, "ep": lay.ep, "etp": lay.etp,
+            "gen_tp": lay.gen_tp,
             "sequence_parallel": lay.sequence_parallel, "recompute": self.recompute,
             "num_microbatches": self.num_microbatches, "fits": self.fits, "over_budget": list(self.over_budget),
             "memory_gb": {name: totals[name] for name in PHASES},
@@ -145,6 +154,7 @@ class Plan:
             "reshard_bytes_per_gpu": int(round(mem.reshard_bytes_per_gpu)),
             "reshard_extra_peak_bytes": int(round(mem.reshard_extra_peak_bytes)),
             "host_offload_gb": round(gib(mem.host_offload_bytes), 3),
+            "moe_comm_gb_per_step": {t.name: round(gib(t.bytes), 3) for t in mem.comm},
             "pipeline_bubble": round(self.bubble, 4), "time_factor": round(self.time_factor, 4),
             "tp_groups_off_nvlink": self.tp_off_island, "gen_tp_groups_off_nvlink": self.gen_off_island,
             "cost": list(self.cost),
@@ -168,7 +178,8 @@ class Plan:
                  f"{self.time_factor:.4f}",
                  f"  TP groups off NVLink islands per node: training {self.tp_off_island}, generation "
                  f"{self.gen_off_island}",
-                 f"  cost key (fits, GiB over, off-island, time, reshard MiB, tp·pp, vpp, −headroom) = {self.cost}"]
+                 f"  cost key (fits, GiB over, off-island, time, reshard MiB, all-to-all GiB, tp·pp, vpp, "
+                 f"−headroom) = {self.cost}"]
         lines += ["  " + line for line in self.memory.explain()]
         return lines
 
@@ -194,13 +205,26 @@ def _island_report(topology: NodeTopology | None, tp: int, gen_tp: int, cache: d
 
 
 def _structural_reason(arch: ModelArch, cluster: Cluster, tp: int, pp: int, vpp: int | None, gen_tp: int,
-                       work: Workload, global_batch: int, sequence_parallel: bool) -> str | None:
+                       work: Workload, global_batch: int, sequence_parallel: bool, ep: int = 1, etp: int = 1
+                       ) -> str | None:
     node = cluster.node_gpus
     if node % tp:
         return f"tp={tp} does not divide the {node} GPUs of a node (TP groups would cross nodes)"
-    for name, value in (("heads", arch.num_heads), ("kv heads", arch.num_kv_heads), ("ffn", arch.ffn_hidden_size)):
+    widths = [("heads", arch.num_heads), ("kv heads", arch.num_kv_heads)]
+    widths += [("shared expert ffn", arch.shared_expert_ffn_hidden_size)] if arch.is_moe else \
+        [("ffn", arch.ffn_hidden_size)]
+    for name, value in widths:
         if value % tp:
             return f"tp={tp} does not divide {name}={value}"
+    if arch.is_moe:
+        stage = cluster.gpus // pp
+        if arch.num_experts % ep or stage % (ep * etp) or arch.moe_ffn_hidden_size % etp:
+            return (f"ep={ep}, etp={etp}: ep must divide the {arch.num_experts} experts, ep·etp the {stage} GPUs of "
+                    f"a stage and etp the expert width {arch.moe_ffn_hidden_size}")
+        if arch.moe_ffn_hidden_size % gen_tp:
+            return f"gen_tp={gen_tp} does not divide the expert width {arch.moe_ffn_hidden_size}"
+        if tp > 1 and not sequence_parallel:
+            return f"tp={tp} with experts needs sequence parallelism"
     if arch.num_layers % pp:
         return f"pp={pp} does not divide layers={arch.num_layers}"
     if cluster.gpus % (tp * pp):
@@ -250,14 +274,15 @@ def plan_layouts(arch: ModelArch, cluster: Cluster, work: Workload, *, global_ba
             vpps = [None] + ([v for v in _divisors(arch.num_layers // pp) if v > 1] if pp > 1 and
                              arch.num_layers % pp == 0 else [])
         gen_tps = [pins.gen_tp] if pins.gen_tp else _divisors(tp)
-        for vpp, gen_tp in product(vpps, gen_tps):
-            reason = _structural_reason(arch, cluster, tp, pp, vpp, gen_tp, work, global_batch, sequence_parallel)
+        for vpp, gen_tp, (ep, etp) in product(vpps, gen_tps, _expert_layouts(arch, cluster, tp, pp, pins)):
+            reason = _structural_reason(arch, cluster, tp, pp, vpp, gen_tp, work, global_batch, sequence_parallel,
+                                        ep, etp)
             if reason:
                 rejected.append(Rejected(tp, pp, vpp, gen_tp, reason))
                 continue
             dp = cluster.gpus // (tp * pp)
             m = global_batch // (dp * work.micro_batch)
-            layout = training_pool(tp=tp, pp=pp, dp=dp, gen_tp=gen_tp, vpp=vpp,
+            layout = training_pool(tp=tp, pp=pp, dp=dp, gen_tp=gen_tp, vpp=vpp, ep=ep, etp=etp,
                                    sequence_parallel=sequence_parallel and tp > 1)
             tp_off, gen_off = _island_report(cluster.topology, tp, gen_tp, island_cache)
             for rec in recomputes:
@@ -265,6 +290,17 @@ def plan_layouts(arch: ModelArch, cluster: Cluster, work: Workload, *, global_ba
                 plans.append(_evaluate(arch, cluster, layout, w, roles, rollout, tp_off, gen_off))
     plans.sort(key=lambda p: p.cost)
     return plans, rejected
+
+
+def _expert_layouts(arch: ModelArch, cluster: Cluster, tp: int, pp: int, pins: Pins) -> list[tuple[int, int]]:
+    """(ep, etp) pairs to try: (1, tp) for a dense model; for MoE the pinned values, else ep among the divisors of
+    the expert count that divide the GPUs of a stage, etp ∈ {1, tp}."""
+    if not arch.is_moe:
+        return [(1, tp)]
+    stage = cluster.gpus // pp if cluster.gpus % pp == 0 else 1
+    eps = [pins.ep] if pins.ep else [e for e in _divisors(arch.num_experts) if stage % e == 0]
+    etps = [pins.etp] if pins.etp else sorted({1, tp})
+    return [(e, t) for e in eps for t in etps]
 
 
 def _evaluate(arch: ModelArch, cluster: Cluster, layout: Pool, work: Workload, roles: tuple[RoleSpec, ...],
@@ -318,6 +354,7 @@ def inputs_from_config(cfg, placement: Placement) -> ConfigInputs:
                        max_num_seqs=rollout.max_num_seqs or defaults.max_num_seqs,
                        max_num_batched_tokens=rollout.max_num_batched_tokens or defaults.max_num_batched_tokens)
     pool = placement.pool_of("actor")
-    pins = Pins(tp=pool.tp, pp=pool.pp, vpp=pool.vpp or 1, gen_tp=pool.gen_tp, recompute=cfg.model.recompute)
+    pins = Pins(tp=pool.tp, pp=pool.pp, vpp=pool.vpp or 1, gen_tp=pool.gen_tp, recompute=cfg.model.recompute,
+                ep=pool.ep, etp=pool.etp)
     return ConfigInputs(pins=pins, workload=work, roles=tuple(roles), rollout=spec,
                         global_batch=actor.ppo_mini_batch_size * rollout.n, sequence_parallel=p.sequence_parallel)

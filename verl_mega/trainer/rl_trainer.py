@@ -306,6 +306,8 @@ class RLTrainer:
     def _old_logprob(self, ctx) -> torch.Tensor:
         out = self.actor.compute_logprobs(self.batch, with_entropy=True)
         self.batch["old_logprobs"] = out["logprobs"]
+        if "routed_experts" in out:  # actor.routing_replay=r2: the update replays this routing
+            self.batch["routed_experts"] = out["routed_experts"]
         self.batch["entropy"] = out["entropy"]
         mask = self.batch["response_mask"]
         diff = (out["logprobs"] - self.batch["rollout_logprobs"]).abs() * mask

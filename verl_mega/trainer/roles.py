@@ -107,8 +107,14 @@ class PolicyRole:
             lp, ent = self._logprobs(output, mb, with_entropy)
             return {"logprobs": lp} | ({"entropy": ent} if ent is not None else {})
 
-        res = self.engine.forward(mbs, post)
-        return {k: torch.cat([r[k] for r in res])[:n] for k in res[0]}
+        record = self.engine.routing is not None  # R2: the update replays this pass's expert routing
+        res = self.engine.forward(mbs, post, record_routing=record)
+        out = {k: torch.cat([r[k] for r in res])[:n] for k in res[0] if k != "routed_experts"}
+        if record:  # micro-batches may be cut to different widths: pad to the batch's
+            width = batch["input_ids"].shape[1]
+            out["routed_experts"] = torch.cat([torch.nn.functional.pad(r["routed_experts"], (
+                0, 0, 0, 0, 0, width - r["routed_experts"].shape[1])) for r in res])[:n]
+        return out
 
 
 _METRIC_PREFIX = "metric:"  # micro-batch entries that are metrics computed before the step, not model inputs
@@ -141,6 +147,8 @@ class Actor(PolicyRole):
         keys = ("input_ids", "prompt_len", "response_mask", "old_logprobs", "advantages", "ref_logprobs")
         if cfg.rollout_is is not None:
             keys += ("rollout_logprobs",)
+        if "routed_experts" in batch:  # R2: replay the old-log-prob pass's routing
+            keys += ("routed_experts", "response_len")
         history: list[dict[str, float]] = []
         for _ in range(cfg.ppo_epochs):
             order = torch.randperm(len(batch)) if cfg.shuffle else torch.arange(len(batch))
@@ -151,6 +159,12 @@ class Actor(PolicyRole):
                 if cfg.rollout_is is not None:
                     for mb in mbs:
                         self._rollout_is(mb)
+                for mb in mbs:
+                    if "routed_experts" in mb:  # the router-agreement metric counts real tokens only
+                        s = mb["input_ids"].shape[1]
+                        length = mb["prompt_len"] + mb.pop("response_len")
+                        real_row = mb["response_mask"].any(1)  # rows padding the last micro-batch do not count
+                        mb["routing_valid"] = (torch.arange(s) < length[:, None]) & real_row[:, None]
                 normalizer = self.engine.dp_all_reduce(
                     sum(algos.agg_loss_normalizer(mb["response_mask"], cfg.loss_agg_mode) for mb in mbs))
                 scale = self.engine.dp_size * len(mbs)

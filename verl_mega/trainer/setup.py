@@ -19,7 +19,7 @@ import torch.distributed as dist
 from verl_mega.config import ConfigError, TrainConfig
 from verl_mega.engine.megatron_engine import MegatronEngine, ScheduleSpec
 from verl_mega.models.build import build_model_chunks
-from verl_mega.models.hf_config import (ModelArch, arch_from_hf, check_layout, check_rollout_architecture,
+from verl_mega.models.hf_config import (ModelArch, arch_from_hf, check_arch_layout, check_rollout_architecture,
                                         load_hf_config, transformer_config)
 from verl_mega.models.hf_io import HFCheckpointReader
 from verl_mega.models.loader import check_checkpoint_matches, load_hf_weights
@@ -29,6 +29,16 @@ log = logging.getLogger("verl_mega")
 
 TINY_SIZES = dict(model_type="qwen2", hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
                   num_kv_heads=2, tie_word_embeddings=True)
+
+
+def tiny_sizes(arch: str) -> dict[str, Any]:
+    """make_tiny_hf_model arguments of `model.tiny_arch`: the dense tiny model, or an MoE of the same shape whose
+    8 experts of width 64 (top-2) vLLM-CPU's fused-MoE kernel accepts (widths multiples of 32)."""
+    if arch == "qwen2":
+        return dict(TINY_SIZES)
+    from verl_mega.models.tiny import moe_fields
+
+    return {**TINY_SIZES, "model_type": arch, "extra": moe_fields(arch)}
 
 
 def resolve_model_path(cfg: TrainConfig) -> Path:
@@ -42,13 +52,14 @@ def resolve_model_path(cfg: TrainConfig) -> Path:
     seed = cfg.trainer.seed
     root = Path(os.environ.get("VERL_MEGA_CACHE", Path.home() / ".cache" / "verl_mega"))
     steps = cfg.model.tiny_warmstart_steps
-    target = root / f"tiny-{entry.split(':')[-1]}-s{seed}-w{steps}"
+    arch = "" if cfg.model.tiny_arch == "qwen2" else f"-{cfg.model.tiny_arch}"
+    target = root / f"tiny{arch}-{entry.split(':')[-1]}-s{seed}-w{steps}"
     root.mkdir(parents=True, exist_ok=True)
     with open(root / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # every local rank waits while one builds
         if not (target / "warmstart.json").exists():
             tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-            make_tiny_hf_model(tmp, seed=seed, **TINY_SIZES)
+            make_tiny_hf_model(tmp, seed=seed, **tiny_sizes(cfg.model.tiny_arch))
             records = generated_task(entry).generate(1024, seed=seed)
             stats = warm_start(tmp, records, steps=steps, seed=seed)
             (tmp / "warmstart.json").write_text(json.dumps(stats))
@@ -78,9 +89,10 @@ def build_role_engine(cfg: TrainConfig, groups: RankGroups, path: Path, *, role_
     reader = HFCheckpointReader(path)
     check_checkpoint_matches(reader, arch)
     pool = groups.pool
-    tcfg = transformer_config(arch, tp=pool.tp, pp=pool.pp, vpp=pool.vpp, cp=pool.cp,
+    tcfg = transformer_config(arch, tp=pool.tp, pp=pool.pp, vpp=pool.vpp, cp=pool.cp, ep=pool.ep, etp=pool.etp,
                               sequence_parallel=pool.sequence_parallel, dtype=cfg.model.dtype,
-                              recompute=cfg.model.recompute, use_cpu_initialization=not torch.cuda.is_available())
+                              recompute=cfg.model.recompute, use_cpu_initialization=not torch.cuda.is_available(),
+                              **moe_options(cfg, arch))
     use_te = {True: "true", False: "false"}.get(cfg.model.use_te, cfg.model.use_te)
     chunks = build_model_chunks(arch, tcfg, groups, value_head=value_head, use_te=use_te,
                                 make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
@@ -99,6 +111,16 @@ def build_role_engine(cfg: TrainConfig, groups: RankGroups, path: Path, *, role_
         schedule = ScheduleSpec(warmup_steps=role_cfg.lr_warmup_steps,
                                 total_steps=role_cfg.lr_decay_steps or total_steps, decay_style=role_cfg.lr_decay_style)
     return RoleModel(arch, tcfg, MegatronEngine(chunks, tcfg, groups, optimizer_config=optim, schedule=schedule))
+
+
+def moe_options(cfg: TrainConfig, arch: ModelArch) -> dict[str, Any]:
+    """The `model.moe_*` keys as Megatron's own TransformerConfig fields (none for a dense model)."""
+    if not arch.is_moe:
+        return {}
+    aux = cfg.model.moe_aux_loss_coeff
+    return dict(moe_aux_loss_coeff=arch.router_aux_loss_coef if aux is None else aux,
+                moe_z_loss_coeff=cfg.model.moe_z_loss_coeff or None,
+                moe_token_dispatcher_type=cfg.model.moe_token_dispatcher)
 
 
 def build_rollout(cfg: TrainConfig, groups: RankGroups, path: Path, actor: RoleModel, *, offload=None,
@@ -259,8 +281,10 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
     path = resolve_model_path(cfg)
     arch = model_arch(path)
     check_rollout_architecture(load_hf_config(path), path)
-    check_layout(placement.pool_of("actor"), num_layers=arch.num_layers, num_heads=arch.num_heads,
-                 num_kv_heads=arch.num_kv_heads, ffn_hidden_size=arch.ffn_hidden_size)
+    check_arch_layout(placement.pool_of("actor"), arch)
+    if cfg.actor.routing_replay != "none" and not arch.is_moe:
+        raise ConfigError(f"actor.routing_replay={cfg.actor.routing_replay} needs a Mixture-of-Experts model, but "
+                          f"model.path is a dense {arch.model_type}; set actor.routing_replay=none")
     for weights in {path, resolve_critic_path(cfg, path) if cfg.critic.enable else path,
                     *([Path(cfg.reward.reward_model_path)] if cfg.reward.reward_model_path else [])}:
         check_checkpoint_matches(HFCheckpointReader(weights), model_arch(weights))  # headers only
@@ -301,6 +325,8 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
     groups = build_groups(placement, timeout_s=cfg.trainer.collective_timeout_s)
     seed_everything(cfg.trainer.seed, groups)
     actor_m = build_role_engine(cfg, groups, path, role_cfg=cfg.actor, total_steps=total_steps)
+    if cfg.actor.routing_replay == "r2":
+        actor_m.engine.enable_routing_replay()
     actor = Actor(actor_m.engine, cfg.actor, vocab_size=arch.vocab_size, temperature=cfg.rollout.temperature)
     ref = critic = reward_model = None
     if cfg.ref.enable:

