@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU measurements (2×H200). Results go to $OUT (≤ 8 files).
-#   bash benchmarks/gpu_session.sh models|sync|rl|grpo|checks
+#   bash benchmarks/gpu_session.sh models|sync|rl|grpo|checks|tier|sample
 set -uo pipefail
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
 LOG=$OUT/session.log
@@ -38,5 +38,19 @@ case "${1:-models}" in
     run timeout 200 python3 -m pytest -q -x tests/gpu/test_hybrid_gpu.py -p no:warnings
     run timeout 200 torchrun --nproc-per-node 2 benchmarks/measure_memory_gpu.py --model qwen2.5-1.5b --pp 2 \
         --micro-batch 2 --seq-len 2048 --json "$OUT/memory_pp2.json"
+    ;;
+  tier)
+    # the whole GPU tier: hybrid-engine parity and every launcher (torchrun, mpirun, Ray) on 2 GPUs
+    nvidia-smi topo -m >> "$LOG" 2>&1
+    python3 -c "import torch, vllm, megatron.core, transformers, ray; print('torch', torch.__version__, 'vllm', vllm.__version__, 'mcore', megatron.core.__version__, 'transformers', transformers.__version__, 'ray', ray.__version__)" >> "$LOG" 2>&1
+    run timeout 520 python3 -m pytest -q -rs tests/gpu -p no:warnings
+    ;;
+  sample)
+    # GRPO config C (1.5B-class, tp=2, two tg=1 engines, 16 prompts × 8 × 1024 tokens) with the step profile on:
+    # the rollout's postprocess is the sample path (table all-reduce, all_to_all of rows, packing)
+    run timeout ${GRPO_TIMEOUT:-520} torchrun --nproc-per-node 2 benchmarks/bench_grpo_gpu.py --gen-tp 1 \
+        --response-length 1024 --prompts 16 --baseline-steps 1 --out "$OUT/grpo_C_profile.json" \
+        actor.use_dynamic_bsz=true actor.max_tokens_per_gpu=12288 actor.log_prob_micro_batch_size_per_gpu=8 \
+        trainer.profile=true
     ;;
 esac
