@@ -148,7 +148,8 @@ def make_model(path: Path, tiny: bool) -> None:
             tmp.mkdir(parents=True)
             make_qwen(tmp)
             torch.cuda.empty_cache()  # vLLM's memory profiling must not see this memory being released later
-            build_char_tokenizer(tmp)
+            # reserved tokens fill the tokenizer up to the model's vocabulary, as a real model's would
+            build_char_tokenizer(tmp, fill_to=json.loads((tmp / "config.json").read_text())["vocab_size"])
         os.replace(tmp, path)
 
 
@@ -200,7 +201,7 @@ def main() -> None:
     from verl_mega.config import load_config
     from verl_mega.trainer.setup import build_job
 
-    default = "/tmp/verl_mega_bench/" + ("tiny-random" if args.tiny else "qwen2.5-1.5b-random")
+    default = "/tmp/verl_mega_bench/" + ("tiny-random" if args.tiny else "qwen2.5-1.5b-random-v2")
     model_dir = Path(args.model_dir or default)
     make_model(model_dir, args.tiny)
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -16,13 +16,17 @@ _CHARS = list("0123456789+-*=?# ") + list("abcdefghijklmnopqrstuvwxyz") + list("
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 
 
-def build_char_tokenizer(out_dir: str | Path) -> Path:
-    """A character-level `tokenizers` tokenizer saved as an HF fast tokenizer (tokenizer.json + config)."""
+def build_char_tokenizer(out_dir: str | Path, *, fill_to: int | None = None) -> Path:
+    """A character-level `tokenizers` tokenizer saved as an HF fast tokenizer (tokenizer.json + config). ``fill_to``
+    pads the vocabulary with reserved tokens (never produced from text) up to that size, for a random model of a
+    real vocabulary."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     out_dir = Path(out_dir)
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + _CHARS)}
+    tokens = SPECIAL_TOKENS + _CHARS
+    tokens += [f"<|reserved_{i}|>" for i in range(max(0, (fill_to or 0) - len(tokens)))]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
     tok.decoder = decoders.Fuse()
