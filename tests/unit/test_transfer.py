@@ -91,7 +91,8 @@ def test_wire_format_round_trip():
     table = RowTable(torch.tensor([0, 0, 1]), torch.tensor([3, 1, 6]), torch.zeros(3, dtype=torch.long),
                      torch.zeros(3, dtype=torch.long), masked=True)
     route = plan_routes(table, torch.zeros(3, dtype=torch.long), ranks=[0], replica_of=[0], engines=[(0,)], rank=0)
-    got = exchange(samples, table, route, group=None)
+    got = {row: Sample(s.prompt, s.ids.tolist(), s.logprobs.tolist(), s.mask.tolist())  # tensors on arrival
+           for row, s in exchange(samples, table, route, group=None).items()}
     assert got[0] == Sample(0, [5, 6, 7], [-0.5, -1.25, torch.tensor(-3.0e-8).item()], [1, 0, 1])
     assert got[1] == Sample(0, [9], [-2.0], [1])  # a row without a mask travels with an all-ones mask
     assert got[2].ids == list(range(6)) and got[2].logprobs == [torch.tensor(-i / 7).item() for i in range(6)]

@@ -82,11 +82,12 @@ def pack_sequences(prompts: Sequence[Sequence[int]], responses: Sequence[Sequenc
     width = -(-width // multiple_of) * multiple_of
     ids = torch.full((b, width), pad_id, dtype=torch.long)
     resp = torch.full((b, max_response_length), pad_id, dtype=torch.long)
-    for i, (p, r) in enumerate(zip(prompts, responses)):
-        ids[i, : len(p)] = torch.tensor(list(p), dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompts, responses)):  # lists or tensors (rows received as tensor views)
+        ids[i, : len(p)] = torch.as_tensor(p, dtype=torch.long)
         if len(r):
-            ids[i, len(p): len(p) + len(r)] = torch.tensor(list(r), dtype=torch.long)
-            resp[i, : len(r)] = torch.tensor(list(r), dtype=torch.long)
+            r = torch.as_tensor(r, dtype=torch.long)
+            ids[i, len(p): len(p) + len(r)] = r
+            resp[i, : len(r)] = r
     response_mask = (torch.arange(max_response_length)[None, :] < r_len[:, None]).float()
     return {"input_ids": ids, "prompt_len": p_len, "response_len": r_len, "responses": resp,
             "response_mask": response_mask}

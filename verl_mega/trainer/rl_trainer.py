@@ -146,9 +146,9 @@ class RLTrainer:
         # vLLM's own log-probs of the sampled tokens: a live check that rollout and training agree
         packed["rollout_logprobs"] = torch.zeros_like(packed["response_mask"])
         for i, s in enumerate(samples):  # the EOS token is kept in the response: the policy must learn to stop
-            packed["rollout_logprobs"][i, : len(s.logprobs)] = torch.tensor(s.logprobs)
+            packed["rollout_logprobs"][i, : len(s.logprobs)] = torch.as_tensor(s.logprobs, dtype=torch.float32)
             if s.mask is not None:  # a multi-turn episode: tools' answers are context, not actions
-                packed["response_mask"][i, : len(s.mask)] *= torch.tensor(s.mask, dtype=torch.float32)
+                packed["response_mask"][i, : len(s.mask)] *= torch.as_tensor(s.mask, dtype=torch.float32)
         self.batch = Batch(packed, {"row": mine, "group": [s.prompt for s in samples]})
         self.items, self.table, self.rows = items, table, rows
         tokens = table.length
@@ -233,9 +233,9 @@ class RLTrainer:
             scores = scores + algos.overlong_buffer_penalty(torch.as_tensor(lengths), limit, ob.len, ob.penalty_factor)
         return scores
 
-    def _text(self, ids: list[int]) -> str:
+    def _text(self, ids: list[int] | torch.Tensor) -> str:
         eos = self.tokenizer.eos_token_id
-        return self.tokenizer.decode([t for t in ids if t != eos])
+        return self.tokenizer.decode([t for t in (ids.tolist() if torch.is_tensor(ids) else ids) if t != eos])
 
     def _sampling(self, prompt_batch, *, validation: bool = False) -> SamplingSpec:
         """Training samples rollout.n answers per prompt; validation one, at rollout.val_temperature (0: greedy).

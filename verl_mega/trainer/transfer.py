@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -200,20 +201,27 @@ def exchange(local: dict[int, Sample], table: RowTable, route: Route, *, group: 
     return {row: got[row] for row in route.mine}
 
 
+def _words(values: Any, n: int, dtype: Any) -> torch.Tensor:
+    """The first ``n`` values as a tensor (numpy converts a Python list ~3× faster than torch.tensor)."""
+    if torch.is_tensor(values):
+        return values[:n].to(torch.float32 if dtype is np.float32 else torch.int32)
+    return torch.from_numpy(np.asarray(values[:n], dtype=dtype))
+
+
 def _encode(samples: Sequence[Sample], lengths: Sequence[Any], masked: bool) -> torch.Tensor:
     parts = []
     for s, n in zip(samples, lengths):
         n = int(n)
-        parts.append(torch.tensor(s.ids[:n], dtype=torch.int32))
-        parts.append(torch.tensor(s.logprobs[:n], dtype=torch.float32).view(torch.int32))
+        parts.append(_words(s.ids, n, np.int32))
+        parts.append(_words(s.logprobs, n, np.float32).view(torch.int32))
         if masked:
-            parts.append(torch.tensor((s.mask or [1] * n)[:n], dtype=torch.int32))
+            parts.append(_words(s.mask if s.mask is not None else [1] * n, n, np.int32))
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int32)
 
 
 def _decode(words: torch.Tensor, n: int, prompt: int, masked: bool) -> Sample:
-    ids, lps = words[:n].tolist(), words[n:2 * n].view(torch.float32).tolist()
-    return Sample(prompt, ids, lps, words[2 * n:3 * n].tolist() if masked else None)
+    """A received row as tensor views of the receive buffer (packing reads them without Python lists)."""
+    return Sample(prompt, words[:n], words[n:2 * n].view(torch.float32), words[2 * n:3 * n] if masked else None)
 
 
 class SamplePath:
