@@ -123,6 +123,20 @@ def _time_fwd_bwd(use_te: str, spec: str, arch, args, groups) -> float:
     return seconds
 
 
+def matmul_peak_flops(n: int = 8192, iters: int = 10, device: str = "cuda", dtype=torch.bfloat16) -> float:
+    """Measured dense matmul FLOP/s of this device: ``iters`` n×n @ n×n products after 3 warm-up ones."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ a
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        a @ a
+    sync()
+    return 2 * n**3 * iters / (time.perf_counter() - t0)
+
+
 def throughput(args) -> dict:
     from verl_mega.models.hf_config import arch_from_hf
     from verl_mega.parallel.state import init_distributed
@@ -130,16 +144,7 @@ def throughput(args) -> dict:
 
     groups = init_distributed(tp=1, pp=1)
     arch = arch_from_hf(QWEN25_1_5B)
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ a
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(10):
-        a @ a
-    torch.cuda.synchronize()
-    peak = 2 * 8192**3 * 10 / (time.perf_counter() - t0)
-    del a
+    peak = matmul_peak_flops()
     flops_tok = transformer_flops_per_token(arch.num_layers, arch.hidden_size, arch.ffn_hidden_size, arch.num_heads,
                                             arch.num_kv_heads, arch.head_dim, arch.vocab_size, args.seq_len, True)
     tokens = args.micro_batch * args.seq_len

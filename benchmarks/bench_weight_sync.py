@@ -43,10 +43,12 @@ def write_config(directory: Path, layers: int | None) -> Path:
 
 
 def cuda_time(fn) -> tuple[float, object]:
-    torch.cuda.synchronize()
+    """Milliseconds of ``fn()`` between device syncs (plain wall time on a CPU-only machine), and its result."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
     start = time.perf_counter()
     out = fn()
-    torch.cuda.synchronize()
+    sync()
     return (time.perf_counter() - start) * 1e3, out
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU measurements (2×H200). Results go to $OUT (≤ 8 files).
-#   bash benchmarks/gpu_session.sh models|sync|rl|grpo|checks|tier|sample
+#   bash benchmarks/gpu_session.sh models|sync|rl|grpo|checks|tier|sample|moe
 set -uo pipefail
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
 LOG=$OUT/session.log
@@ -33,6 +33,13 @@ case "${1:-models}" in
     nvidia-smi --query-gpu=name,memory.total --format=csv >> "$LOG" 2>&1
     run timeout ${GRPO_TIMEOUT:-450} torchrun --nproc-per-node 2 benchmarks/bench_grpo_gpu.py ${GRPO_ARGS:-} \
         --out "$OUT/grpo_1.5b.json"
+    ;;
+  moe)
+    # Qwen3-30B-A3B architecture (8 of 48 layers), tp=1 dp=2 ep=2: fwd+bwd TFLOP/s on active params vs matmul peak,
+    # 3D-HybridEngine expert sync into vLLM (bytes vs prediction), vLLM vs HF generate tokens/s
+    nvidia-smi --query-gpu=name,memory.total --format=csv >> "$LOG" 2>&1
+    run timeout ${MOE_TIMEOUT:-540} torchrun --nproc-per-node 2 benchmarks/bench_moe_gpu.py ${MOE_ARGS:-} \
+        --out "$OUT/moe.json"
     ;;
   checks)
     run timeout 200 python3 -m pytest -q -x tests/gpu/test_hybrid_gpu.py -p no:warnings

@@ -70,12 +70,16 @@ class MegatronEngine:
                 for i, c in enumerate(chunks)
             ]
             # mcore refuses gloo groups next to a pg_collection, but its memory-efficient checkpoint gather of the
-            # distributed optimizer's state needs the gloo twin of the DP group: hand it over afterwards
+            # distributed optimizer's state needs the gloo twin of each optimizer's DP group (the dense params' dp·cp,
+            # the routed experts' expert-DP): hand it over afterwards
             self.optimizer = get_megatron_optimizer(optimizer_config, self.chunks, use_gloo_process_groups=False,
                                                     pg_collection=pgs)
+            twins = {tuple(dist.get_process_group_ranks(groups[k])): groups[f"{k}_gloo"] for k in ("dp_cp", "edp")
+                     if groups[k] is not None}
             for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
                 if hasattr(opt, "data_parallel_group_gloo"):
-                    opt.data_parallel_group_gloo = groups["dp_cp_gloo"]
+                    dp_group = getattr(opt, "data_parallel_group", None) or groups["dp_cp"]
+                    opt.data_parallel_group_gloo = twins[tuple(dist.get_process_group_ranks(dp_group))]
             sched = schedule or ScheduleSpec()
             lr, min_lr = optimizer_config.lr, optimizer_config.min_lr or 0.0
             self.scheduler = OptimizerParamScheduler(

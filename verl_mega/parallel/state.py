@@ -136,10 +136,18 @@ def build_groups(placement: Placement, rank: int | None = None, timeout_s: float
 
     if mpu._GLOBAL_MEMORY_BUFFER is None:
         mpu._set_global_memory_buffer()
-    # mcore's distributed optimizer gathers its state for a checkpoint over a gloo twin of the DP group
+    # mcore's distributed optimizer gathers its state for a checkpoint over a gloo twin of its DP group: the dense
+    # optimizer's (dp·cp) and, for Mixture-of-Experts models, the expert optimizer's (expert data parallel)
     nccl = "nccl" in str(dist.get_backend())
-    groups["dp_cp_gloo"] = groups["dp_cp"] if not nccl else dist.new_group(
-        list(pool.group_of("dp_cp", rank)), timeout=timeout, backend="gloo", use_local_synchronization=True)
+    for kind in ("dp_cp", "edp"):
+        members = pool.group_of(kind, rank)
+        if members is None or not nccl:
+            groups[f"{kind}_gloo"] = groups[kind]
+            continue
+        if ("gloo", *members) not in made:
+            made["gloo", *members] = dist.new_group(list(members), timeout=timeout, backend="gloo",
+                                                    use_local_synchronization=True)
+        groups[f"{kind}_gloo"] = made["gloo", *members]
     return RankGroups(placement, rank, groups)
 
 
