@@ -180,8 +180,10 @@ class Actor(PolicyRole):
         corrected = cfg.rollout_is is not None or cfg.policy_loss == "decoupled_ppo"
         if "rollout_logprobs" not in batch:
             if corrected:
-                raise ValueError(f"actor.{'rollout_is' if cfg.rollout_is is not None else 'policy_loss'} needs the "
-                                 f"rollout engine's log-probs of the sampled tokens (batch key rollout_logprobs)")
+                key, off = (("actor.rollout_is", "actor.rollout_is=null") if cfg.rollout_is is not None else
+                            ("actor.policy_loss=decoupled_ppo", "actor.policy_loss=vanilla"))
+                raise ValueError(f"{key} needs the rollout engine's log-probs of the sampled tokens (batch key "
+                                 f"rollout_logprobs); set {off}")
             return batch, {}
         old, rollout, mask = batch["old_logprobs"], batch["rollout_logprobs"], batch["response_mask"]
         correction = None
