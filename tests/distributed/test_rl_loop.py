@@ -47,6 +47,27 @@ def test_rl_steps_data_parallel(tmp_path):
     assert same_results(tmp_path / "scatter", tmp_path / "gather")
 
 
+def test_masked_rollout_is_data_parallel(tmp_path):
+    """dp=2 with token-level masked IS at bounds 1 ± 2e-7, tight enough that vLLM/Megatron's numeric gap drops some
+    tokens: the update still trains, and rollout/is_mask_frac is a share of the whole batch's response tokens (summed
+    over both ranks, not a mean of per-rank shares), so times the batch's token count it is a whole number."""
+    out = tmp_path / "run"
+    run_torchrun("rl_steps.py", 2, str(ROOT / "configs" / "quickstart_cpu.yaml"), str(out), "parallel.tp=1",
+                 "parallel.pp=1", "rollout.gen_tp=1", "actor.rollout_is=token", "actor.rollout_is_mode=mask",
+                 "actor.rollout_is_threshold=1.0000002", "actor.rollout_is_threshold_lower=0.9999998", *SMALL,
+                 env={"VERL_MEGA_CACHE": os.environ.get("VERL_MEGA_CACHE", str(tmp_path / "cache"))}, timeout=600)
+    check(str(out), 3, critic=False)
+    import json
+
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert any(r["rollout/is_mask_frac"] > 0 for r in rows)
+    for r in rows:
+        assert 0.0 <= r["rollout/is_mask_frac"] < 1.0 and r["rollout/is_clip_frac"] == 0.0
+        assert abs(r["rollout/is_weight_mean"] - 1.0) < 1e-6
+        masked = r["rollout/is_mask_frac"] * r["rollout/response_length"] * 8 * 8  # 8 prompts x rollout.n=8 rows
+        assert abs(masked - round(masked)) < 1e-6, masked
+
+
 def same_results(a: Path, b: Path) -> bool:
     """Every metric of every step equal, except timings."""
     import json

@@ -1,6 +1,7 @@
-"""The actor's update reads actor.policy_loss and actor.rollout_is*: on-policy values of each loss, and the rollout IS
-correction (truncated weights scale the loss; masked tokens leave the loss and its normaliser). The learning rate is
-0, so every update sees the same parameters and pg_loss is the loss of the old policy on the batch."""
+"""The actor's update reads actor.policy_loss and actor.rollout_is*: on-policy values of each loss, the rollout IS
+correction (truncated weights scale the loss; masked tokens leave the loss and its normaliser), decoupled PPO and the
+rollout/* off-policy metrics. The learning rate is 0, so every update sees the same parameters and pg_loss is the loss
+of the old policy on the batch."""
 
 import dataclasses
 import math
@@ -61,6 +62,7 @@ def test_each_policy_loss_on_policy(setup):
         "gspo": -float(((adv * mask).sum(-1) / mask.sum(-1)).mean()),  # seq-mean-token-mean of -A s, s = 1
         "cispo": -_token_mean(adv * lp, mask),  # weight 1: -A log pi
         "kl_cov": -_token_mean(adv, mask),  # |log ratio| = 0: the penalty vanishes
+        "decoupled_ppo": -_token_mean(adv, mask),  # rollout == old: behaviour weight 1, ratio 1
     }
     for name in POLICY_LOSSES:
         changes = {"policy_loss": name}
@@ -87,11 +89,13 @@ def test_rollout_is_truncated_weights_scale_the_loss(setup):
     shifted["rollout_logprobs"] = batch["old_logprobs"] - math.log(1.5)  # every token: pi_train / pi_rollout = 1.5
     metrics = _update(actor, shifted, rollout_is="token")
     assert metrics["actor/pg_loss"] == pytest.approx(-1.5 * _token_mean(adv, mask), abs=1e-5)
-    assert metrics["actor/rollout_is_weight_mean"] == pytest.approx(1.5)
-    assert metrics["actor/rollout_is_clipped_frac"] == 0.0
+    assert metrics["rollout/is_weight_mean"] == pytest.approx(1.5)
+    assert metrics["rollout/is_clip_frac"] == 0.0 and metrics["rollout/is_mask_frac"] == 0.0
+    assert metrics["rollout/behaviour_kl"] == pytest.approx(-math.log(1.5), abs=1e-6)
     metrics = _update(actor, shifted, rollout_is="token", rollout_is_threshold=1.2)
     assert metrics["actor/pg_loss"] == pytest.approx(-1.2 * _token_mean(adv, mask), abs=1e-5)
-    assert metrics["actor/rollout_is_clipped_frac"] == pytest.approx(1.0)
+    assert metrics["rollout/is_weight_mean"] == pytest.approx(1.2)
+    assert metrics["rollout/is_clip_frac"] == pytest.approx(1.0)
 
 
 def test_rollout_is_mask_drops_tokens_from_the_loss_and_its_normaliser(setup):
@@ -104,9 +108,9 @@ def test_rollout_is_mask_drops_tokens_from_the_loss_and_its_normaliser(setup):
     metrics = _update(actor, shifted, rollout_is="token", rollout_is_mode="mask")
     kept = mask * (1 - rejected)
     assert metrics["actor/pg_loss"] == pytest.approx(-_token_mean(adv, kept), abs=1e-5)
-    # per-micro-batch shares of rejected tokens (rows 0-3 and 4-7), averaged over the two micro-batches
-    share = float((mask[:4] * rejected[:4]).sum() / mask[:4].sum())
-    assert metrics["actor/rollout_is_masked_frac"] == pytest.approx(share / 2)
+    # the share of the batch's response tokens rejected (a token mean over the whole batch, not per micro-batch)
+    assert metrics["rollout/is_mask_frac"] == pytest.approx(float((mask * rejected).sum() / mask.sum()))
+    assert metrics["rollout/is_weight_mean"] == pytest.approx(1.0)
     # the same rows dropped at sequence level give the same loss
     metrics = _update(actor, shifted, rollout_is="sequence", rollout_is_mode="mask")
     assert metrics["actor/pg_loss"] == pytest.approx(-_token_mean(adv, kept), abs=1e-5)
@@ -117,3 +121,32 @@ def test_rollout_is_needs_rollout_logprobs(setup):
     without = Batch({k: v for k, v in batch.tensors.items() if k != "rollout_logprobs"}, {})
     with pytest.raises(ValueError, match="rollout_logprobs"):
         _update(actor, without, rollout_is="token")
+    with pytest.raises(ValueError, match="rollout_logprobs"):
+        _update(actor, without, policy_loss="decoupled_ppo")
+    assert "rollout/behaviour_kl" not in _update(actor, without)
+
+
+def test_decoupled_ppo_weights_the_loss_by_proximal_over_behaviour(setup):
+    actor, batch = setup
+    mask, adv = batch["response_mask"], batch["advantages"]
+    same = _update(actor, batch, policy_loss="decoupled_ppo")  # rollout == old: exactly vanilla
+    assert same["actor/pg_loss"] == _update(actor, batch)["actor/pg_loss"]
+    assert same["rollout/is_weight_mean"] == 1.0 and same["rollout/behaviour_kl"] == 0.0
+    shifted = Batch(dict(batch.tensors), {})
+    shifted["rollout_logprobs"] = batch["old_logprobs"] - math.log(1.5) * mask  # pi_prox / pi_behav = 1.5
+    metrics = _update(actor, shifted, policy_loss="decoupled_ppo")
+    assert metrics["actor/pg_loss"] == pytest.approx(-1.5 * _token_mean(adv, mask), abs=1e-5)
+    assert metrics["rollout/is_weight_mean"] == pytest.approx(1.5) and metrics["rollout/is_clip_frac"] == 0.0
+    metrics = _update(actor, shifted, policy_loss="decoupled_ppo", behaviour_weight_cap=1.25)
+    assert metrics["actor/pg_loss"] == pytest.approx(-1.25 * _token_mean(adv, mask), abs=1e-5)
+    assert metrics["rollout/is_clip_frac"] == pytest.approx(1.0)
+    k3 = 1.5 - 1 - math.log(1.5)
+    assert metrics["rollout/behaviour_kl_k3"] == pytest.approx(k3, abs=1e-6)
+    assert all(math.isfinite(v) for v in metrics.values())
+
+
+def test_off_policy_metrics_without_a_correction(setup):
+    actor, batch = setup
+    metrics = _update(actor, batch)
+    assert metrics["rollout/behaviour_kl"] == 0.0 and metrics["rollout/behaviour_kl_k3"] == 0.0
+    assert "rollout/is_weight_mean" not in metrics  # no correction configured: no IS metrics

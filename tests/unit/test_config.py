@@ -257,7 +257,7 @@ def test_policy_loss_option_ranges():
                                       "actor.gspo_clip_ratio_low=1.5"]).startswith(
         "actor.gspo_clip_ratio_low must be < 1.0, got 1.5")
     assert _error(load_config, None, ["actor.policy_loss=ppo"]) == (
-        "actor.policy_loss must be one of vanilla | gspo | cispo | clip_cov | kl_cov, got 'ppo'")
+        "actor.policy_loss must be one of vanilla | gspo | cispo | clip_cov | kl_cov | decoupled_ppo, got 'ppo'")
     assert _error(load_config, None, ["actor.loss_agg_mode=token_sum"]).endswith(
         "got 'token_sum'; did you mean 'token-sum'?")
 
@@ -319,6 +319,25 @@ def test_rollout_is_resolves_and_round_trips(tmp_path):
     saved = tmp_path / "config.yaml"
     saved.write_text(to_yaml(cfg))
     assert load_config(str(saved)) == cfg
+
+
+def test_decoupled_ppo_keys():
+    cfg = load_config(QUICKSTART, ["actor.policy_loss=decoupled_ppo"])
+    assert (cfg.actor.policy_loss, cfg.actor.behaviour_weight_cap) == ("decoupled_ppo", None)  # null: untruncated
+    assert load_config(QUICKSTART, ["actor.policy_loss=decoupled_ppo", "actor.behaviour_weight_cap=5"]
+                       ).actor.behaviour_weight_cap == 5.0
+    assert _error(load_config, None, ["actor.behaviour_weight_cap=5"]) == (
+        "actor.behaviour_weight_cap=5.0 is only read by actor.policy_loss=decoupled_ppo, but "
+        "actor.policy_loss=vanilla; set actor.policy_loss=decoupled_ppo or actor.behaviour_weight_cap=null")
+    assert _error(load_config, None, ["actor.policy_loss=decoupled_ppo", "actor.behaviour_weight_cap=1"]) == (
+        "actor.behaviour_weight_cap must be > 1.0, got 1.0; set actor.behaviour_weight_cap to a value > 1.0, e.g. "
+        "actor.behaviour_weight_cap=5.0")
+    assert _error(load_config, None, ["actor.policy_loss=decoupled_ppo", "actor.rollout_is=sequence"]) == (
+        "actor.policy_loss=decoupled_ppo already weights every token by π_old/π_rollout, actor.rollout_is=sequence "
+        "would correct the same gap twice; set actor.rollout_is=null")
+    assert _error(load_config, QUICKSTART, ["actor.policy_loss=decoupled_ppo", "rollout.temperature=0.7"]) == (
+        "actor.policy_loss=decoupled_ppo compares vLLM's log-probs, taken before temperature scaling, with the "
+        "actor's at rollout.temperature=0.7; set rollout.temperature=1.0 or actor.policy_loss=vanilla")
 
 
 def test_override_without_equals():

@@ -164,7 +164,7 @@ def test_cov_losses_accept_an_empty_mask():
 
 
 def test_policy_loss_registry_and_rollout_is_weights():
-    assert POLICY_LOSSES == ("vanilla", "gspo", "cispo", "clip_cov", "kl_cov")
+    assert POLICY_LOSSES == ("vanilla", "gspo", "cispo", "clip_cov", "kl_cov", "decoupled_ppo")
     assert get_policy_loss_fn("vanilla") is compute_policy_loss
     with pytest.raises(ValueError, match="unknown actor.policy_loss 'ppo'"):
         get_policy_loss_fn("ppo")
@@ -172,9 +172,10 @@ def test_policy_loss_registry_and_rollout_is_weights():
     new, old, adv, mask = _gspo_case()
     for name in POLICY_LOSSES:
         fn = get_policy_loss_fn(name)
-        base, _ = fn(log_prob=new, old_log_prob=old, advantages=adv, response_mask=mask)
+        extra = {"rollout_log_prob": old - 0.1} if name == "decoupled_ppo" else {}
+        base, _ = fn(log_prob=new, old_log_prob=old, advantages=adv, response_mask=mask, **extra)
         doubled, _ = fn(log_prob=new, old_log_prob=old, advantages=adv, response_mask=mask,
-                        rollout_is_weights=torch.full_like(mask, 2.0))
+                        rollout_is_weights=torch.full_like(mask, 2.0), **extra)
         assert doubled.item() == pytest.approx(2 * base.item()), name
 
 

@@ -1,5 +1,5 @@
-"""RL algorithms as pure tensor functions: advantage estimators, policy losses, loss aggregation, rollout importance
-sampling, KL and controllers, DAPO's reward shaping and group filter."""
+"""RL algorithms as pure tensor functions: advantage estimators, policy losses, loss aggregation, off-policy
+corrections (rollout importance sampling, decoupled PPO), KL and controllers, DAPO's reward shaping and group filter."""
 
 from verl_mega.algos.advantages import (
     AdvantageEstimator,
@@ -32,12 +32,19 @@ from verl_mega.algos.losses import (
     entropy_from_logits,
 )
 from verl_mega.algos.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from verl_mega.algos.off_policy import (
+    OffPolicyWeights,
+    off_policy_metrics,
+    off_policy_sums,
+    rollout_is_weights,
+)
 from verl_mega.algos.policy_losses import (
     POLICY_LOSSES,
     ROLLOUT_IS_LEVELS,
     ROLLOUT_IS_MODES,
     compute_policy_loss_cispo,
     compute_policy_loss_clip_cov,
+    compute_policy_loss_decoupled_ppo,
     compute_policy_loss_gspo,
     compute_policy_loss_kl_cov,
     compute_rollout_is_weights,
@@ -77,10 +84,15 @@ __all__ = [
     "ROLLOUT_IS_MODES",
     "compute_policy_loss_cispo",
     "compute_policy_loss_clip_cov",
+    "compute_policy_loss_decoupled_ppo",
     "compute_policy_loss_gspo",
     "compute_policy_loss_kl_cov",
     "compute_rollout_is_weights",
     "get_policy_loss_fn",
+    "OffPolicyWeights",
+    "off_policy_metrics",
+    "off_policy_sums",
+    "rollout_is_weights",
     "DynamicSamplingKeep",
     "dynamic_sampling_keep",
     "overlong_buffer_penalty",

@@ -1,4 +1,4 @@
-"""Policy losses beside PPO's clipped surrogate, and the rollout-vs-training importance-sampling (IS) correction.
+"""Policy losses beside PPO's clipped surrogate (the rollout IS weights live in :mod:`verl_mega.algos.off_policy`).
 
 Every loss takes the inputs of :func:`~verl_mega.algos.losses.compute_policy_loss` (``vanilla``): ``log_prob``,
 ``old_log_prob``, ``advantages``, ``response_mask`` ([B, T]), ``loss_agg_mode``, ``normalizer``,
@@ -19,6 +19,8 @@ Notation: ρ_t = exp(clamp(log π_t − log π_old,t, −20, 20)), A_t the advan
                max(1, ⌊ratio · N⌋) chosen uniformly at random (N = masked tokens) lose their loss and gradient.
 * ``kl_cov``   (Cui et al. 2025): L_t = −A_t ρ_t, plus coef · |log ρ_t| on the max(1, ⌊ratio · N⌋) tokens of
                largest c_t; no clipping.
+* ``decoupled_ppo`` (AReaL, Fu et al. 2025): vanilla's clip against the proximal policy (``old_log_prob``), times
+               sg(min(π_old,t / π_rollout,t, cap)), the behaviour correction towards the policy that sampled.
 
 Covariance means are taken over the micro-batch's masked tokens (as in the reference implementation).
 """
@@ -31,6 +33,12 @@ import torch
 
 from verl_mega.algos.losses import agg_loss, compute_policy_loss
 from verl_mega.algos.masked import masked_mean
+from verl_mega.algos.off_policy import (
+    ROLLOUT_IS_LEVELS,
+    ROLLOUT_IS_MODES,
+    compute_rollout_is_weights,
+    rollout_is_weights as rollout_is_weights_fn,
+)
 
 __all__ = [
     "POLICY_LOSSES",
@@ -39,14 +47,13 @@ __all__ = [
     "compute_policy_loss_gspo",
     "compute_policy_loss_cispo",
     "compute_policy_loss_clip_cov",
+    "compute_policy_loss_decoupled_ppo",
     "compute_policy_loss_kl_cov",
     "compute_rollout_is_weights",
     "get_policy_loss_fn",
 ]
 
-POLICY_LOSSES = ("vanilla", "gspo", "cispo", "clip_cov", "kl_cov")
-ROLLOUT_IS_LEVELS = ("token", "sequence")
-ROLLOUT_IS_MODES = ("tis", "mask")
+POLICY_LOSSES = ("vanilla", "gspo", "cispo", "clip_cov", "kl_cov", "decoupled_ppo")
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
@@ -237,12 +244,48 @@ def compute_policy_loss_kl_cov(
     return loss, metrics
 
 
+def compute_policy_loss_decoupled_ppo(
+    *,
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float | None = 3.0,
+    behaviour_weight_cap: float | None = None,
+    loss_agg_mode: str = "token-mean",
+    normalizer: torch.Tensor | float | None = None,
+    loss_scale_factor: float | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Decoupled PPO (AReaL; Fu et al. 2025, arXiv:2505.24298): the PPO clip is taken against the proximal policy
+    π_prox (``old_log_prob``, the training engine's recomputed log-probs) and the behaviour policy π_behav that
+    sampled the tokens (``rollout_log_prob``) is corrected by the token weight w_t = π_prox,t / π_behav,t:
+
+    L_t = sg(w_t) · max(−A_t u_t, −A_t clip(u_t, 1 − ε_low, 1 + ε_high)), u_t = π_θ,t / π_prox,t, with vanilla's
+    dual-clip for A_t < 0 (``clip_ratio_c``). ``behaviour_weight_cap`` truncates w at that value (null: no truncation).
+    When π_prox = π_behav every w_t is exactly 1 and the loss is :func:`compute_policy_loss` bit for bit. Further
+    ``rollout_is_weights`` multiply on top. Metrics: vanilla's.
+    """
+    weights = rollout_is_weights_fn(old_log_prob, rollout_log_prob, response_mask, level="token", mode="tis",
+                                    upper=behaviour_weight_cap).weights
+    if rollout_is_weights is not None:
+        weights = weights * rollout_is_weights.detach()
+    return compute_policy_loss(log_prob=log_prob, old_log_prob=old_log_prob, advantages=advantages,
+                               response_mask=response_mask, clip_ratio_low=clip_ratio_low,
+                               clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c, loss_agg_mode=loss_agg_mode,
+                               normalizer=normalizer, loss_scale_factor=loss_scale_factor, rollout_is_weights=weights)
+
+
 _POLICY_LOSS_FNS: dict[str, PolicyLossFn] = {
     "vanilla": compute_policy_loss,
     "gspo": compute_policy_loss_gspo,
     "cispo": compute_policy_loss_cispo,
     "clip_cov": compute_policy_loss_clip_cov,
     "kl_cov": compute_policy_loss_kl_cov,
+    "decoupled_ppo": compute_policy_loss_decoupled_ppo,
 }
 
 
@@ -252,58 +295,3 @@ def get_policy_loss_fn(name: str) -> PolicyLossFn:
         return _POLICY_LOSS_FNS[name]
     except KeyError:
         raise ValueError(f"unknown actor.policy_loss '{name}'; choose one of: {', '.join(POLICY_LOSSES)}") from None
-
-
-def compute_rollout_is_weights(
-    old_log_prob: torch.Tensor,
-    rollout_log_prob: torch.Tensor,
-    response_mask: torch.Tensor,
-    *,
-    level: str = "token",
-    mode: str = "tis",
-    threshold: float = 2.0,
-    threshold_lower: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """Importance weights π_train / π_rollout of the sampled tokens, correcting for the rollout engine's sampling
-    distribution differing from the training engine's (precision, kernels).
-
-    The ratio is exp(old − rollout) per token (``level="token"``) or the product over the row's masked tokens,
-    exp(Σ_t m (old − rollout)), broadcast to its tokens (``level="sequence"``); log-ratios are clamped to
-    [−20, 20]. Modes:
-
-    * ``tis``  (truncated IS): w = min(ratio, threshold); the mask is returned unchanged.
-    * ``mask`` (masked IS): tokens (token level) or whole rows (sequence level) whose ratio is outside
-      [threshold_lower, threshold] are dropped from the returned mask, so they leave the loss and its normaliser;
-      the rest keep w = ratio. ``threshold_lower`` None means 1 / threshold.
-
-    Returns ``(weights, mask, metrics)``: detached weights (0 outside the returned mask) that multiply the per-token
-    policy loss, the mask to aggregate with, and ``rollout_is_weight_mean`` (mean weight over the returned mask)
-    with ``rollout_is_clipped_frac`` (tis: share of response tokens whose weight was truncated) or
-    ``rollout_is_masked_frac`` (mask: share of response tokens dropped).
-    """
-    if level not in ROLLOUT_IS_LEVELS:
-        raise ValueError(f"unknown actor.rollout_is '{level}'; choose one of: {', '.join(ROLLOUT_IS_LEVELS)}")
-    if mode not in ROLLOUT_IS_MODES:
-        raise ValueError(f"unknown actor.rollout_is_mode '{mode}'; choose one of: {', '.join(ROLLOUT_IS_MODES)}")
-    lower = 1.0 / threshold if threshold_lower is None else threshold_lower
-    if not 0.0 < lower < threshold:
-        raise ValueError(f"rollout IS thresholds need 0 < lower < upper, got lower={lower}, upper={threshold}")
-    with torch.no_grad():
-        valid = response_mask.bool()
-        log_ratio = torch.where(valid, old_log_prob.float() - rollout_log_prob.float(), torch.zeros_like(
-            old_log_prob, dtype=torch.float32))
-        if level == "sequence":
-            log_ratio = log_ratio.sum(dim=-1, keepdim=True).expand_as(log_ratio)
-        ratio = torch.exp(torch.clamp(log_ratio, min=-20.0, max=20.0))
-        if mode == "tis":
-            keep = valid
-            weights = torch.clamp(ratio, max=threshold)
-            frac_name, frac = "rollout_is_clipped_frac", masked_mean((ratio > threshold).float(), response_mask)
-        else:
-            keep = valid & (ratio >= lower) & (ratio <= threshold)
-            weights = ratio
-            frac_name, frac = "rollout_is_masked_frac", masked_mean((~keep).float(), response_mask)
-        new_mask = response_mask * keep.to(response_mask.dtype)
-        weights = torch.where(keep, weights, torch.zeros_like(weights)).to(old_log_prob.dtype)
-        metrics = {"rollout_is_weight_mean": masked_mean(weights.float(), new_mask), frac_name: frac}
-    return weights, new_mask, metrics

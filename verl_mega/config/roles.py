@@ -16,7 +16,7 @@ from verl_mega.config.base import ConfigError, ConfigSection, FrozenDict, fmt, o
 KLEstimator = Literal["kl", "abs", "mse", "low_var_kl", "k1", "k2", "k3"]
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm",
                       "token-sum"]
-PolicyLoss = Literal["vanilla", "gspo", "cispo", "clip_cov", "kl_cov"]
+PolicyLoss = Literal["vanilla", "gspo", "cispo", "clip_cov", "kl_cov", "decoupled_ppo"]
 # Keys read by one policy loss only, and the value their null takes when that loss is selected (the papers' values).
 POLICY_LOSS_OPTIONS: dict[str, dict[str, float]] = {
     "gspo": {"gspo_clip_ratio_low": 3e-4, "gspo_clip_ratio_high": 4e-4},
@@ -75,9 +75,9 @@ class TrainableRoleConfig(ConfigSection):
 
 @dataclass(frozen=True, kw_only=True)
 class ActorConfig(TrainableRoleConfig):
-    """The policy: its loss (`policy_loss`: PPO clip with dual-clip, GSPO, CISPO, Clip-Cov or KL-Cov), entropy bonus,
-    optional KL loss against the reference, optional rollout-vs-training importance-sampling correction. Formulas:
-    docs/algorithms.md."""
+    """The policy: its loss (`policy_loss`: PPO clip with dual-clip, GSPO, CISPO, Clip-Cov, KL-Cov or decoupled PPO),
+    entropy bonus, optional KL loss against the reference, optional off-policy correction between the rollout
+    (behaviour) policy and the training engine's old (proximal) policy. Formulas: docs/algorithms.md."""
 
     SECTION: ClassVar[str] = "actor"
 
@@ -87,12 +87,16 @@ class ActorConfig(TrainableRoleConfig):
     policy_loss: PolicyLoss = option(
         "vanilla", help="Policy loss: vanilla (PPO clip + dual-clip), gspo (sequence-level ratio), cispo (clipped, "
                         "detached IS weight × log-prob), clip_cov / kl_cov (covariance-selected tokens lose their "
-                        "gradient / get a KL penalty). verl calls it actor.policy_loss.loss_mode.")
+                        "gradient / get a KL penalty), decoupled_ppo (AReaL: vanilla's clip against the training "
+                        "engine's old log-probs, times the weight π_old/π_rollout per token, for stale or mismatched "
+                        "rollouts). verl calls it actor.policy_loss.loss_mode.")
     clip_ratio_low: float = option(0.2, help="PPO ratio clip below 1: ratio >= 1 - clip_ratio_low (vanilla, "
-                                             "clip_cov; the IS-weight clip of cispo).")
+                                             "decoupled_ppo, clip_cov; the IS-weight clip of cispo).")
     clip_ratio_high: float = option(0.2, help="PPO ratio clip above 1: ratio <= 1 + clip_ratio_high "
-                                              "(raise it for DAPO-style clip-higher; vanilla, clip_cov, cispo).")
-    clip_ratio_c: float = option(3.0, help="Dual-clip bound for negative advantages (> 1); vanilla only.")
+                                              "(raise it for DAPO-style clip-higher; vanilla, decoupled_ppo, "
+                                              "clip_cov, cispo).")
+    clip_ratio_c: float = option(3.0, help="Dual-clip bound for negative advantages (> 1); vanilla and "
+                                           "decoupled_ppo.")
     gspo_clip_ratio_low: float | None = option(
         None, help="GSPO: sequence-ratio clip below 1; only with policy_loss=gspo, where null uses 3e-4 (the GSPO "
                    "paper's value).")
@@ -113,6 +117,10 @@ class ActorConfig(TrainableRoleConfig):
     ppo_kl_coef: float | None = option(
         None, help="KL-Cov: coefficient of the |log ratio| penalty; only with policy_loss=kl_cov, where null uses "
                    "1.0.")
+    behaviour_weight_cap: float | None = option(
+        None, help="Decoupled PPO: truncate the behaviour weight π_old/π_rollout of each token at this value (> 1; "
+                   "AReaL's behav_imp_weight_cap); only with policy_loss=decoupled_ppo, where null leaves it "
+                   "untruncated.")
     rollout_is: Literal["token", "sequence"] | None = option(
         None, help="Correct the policy loss for the rollout engine sampling from slightly different probabilities "
                    "than training computes: importance weights π_train/π_rollout per token, or their product per "
@@ -154,6 +162,7 @@ class ActorConfig(TrainableRoleConfig):
         self._check_range("kl_loss_coef", ge=0.0, example=0.001)
         self._validate_policy_loss()
         self._validate_rollout_is()
+        self._validate_decoupled_ppo()
 
     def _validate_policy_loss(self) -> None:
         for loss, options in POLICY_LOSS_OPTIONS.items():
@@ -180,6 +189,18 @@ class ActorConfig(TrainableRoleConfig):
                           f"actor.policy_loss=gspo clips a per-sequence ratio and needs "
                           f"actor.loss_agg_mode=seq-mean-token-mean, got {fmt(self.loss_agg_mode)}; set "
                           f"actor.loss_agg_mode=seq-mean-token-mean")
+
+    def _validate_decoupled_ppo(self) -> None:
+        cap = self.behaviour_weight_cap
+        if self.policy_loss != "decoupled_ppo":
+            self._require(cap is None, f"actor.behaviour_weight_cap={fmt(cap)} is only read by "
+                                       f"actor.policy_loss=decoupled_ppo, but actor.policy_loss={self.policy_loss}; "
+                                       f"set actor.policy_loss=decoupled_ppo or actor.behaviour_weight_cap=null")
+            return
+        self._check_range("behaviour_weight_cap", gt=1.0, example=5.0)
+        self._require(self.rollout_is is None,
+                      f"actor.policy_loss=decoupled_ppo already weights every token by π_old/π_rollout, "
+                      f"actor.rollout_is={self.rollout_is} would correct the same gap twice; set actor.rollout_is=null")
 
     def _validate_rollout_is(self) -> None:
         names = ("rollout_is_mode", "rollout_is_threshold", "rollout_is_threshold_lower")

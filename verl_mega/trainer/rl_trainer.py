@@ -157,6 +157,10 @@ class RLTrainer:
         self.profiler.add_counter("prompt_tokens", float(prompt_len.sum()))
         if self.arch is not None:
             self.profiler.add_counter("flops", self._step_flops(prompt_len, tokens))
+        # how many weight versions each sample lags the policy being trained (0 in synchronous training)
+        current = getattr(self.rollout, "weight_version", None)
+        if current is not None:
+            metrics = {**metrics, "rollout/staleness_mean": float((current - table.version).double().mean())}
         return {**metrics, "rollout/response_length": float(tokens.sum()) / len(table),
                 "rollout/weight_version": float(table.version.max()),
                 "rollout/truncated_frac": float((tokens >= limit).float().mean()),

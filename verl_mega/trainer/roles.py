@@ -117,9 +117,6 @@ class PolicyRole:
         return out
 
 
-_METRIC_PREFIX = "metric:"  # micro-batch entries that are metrics computed before the step, not model inputs
-
-
 def _policy_loss_options(cfg) -> dict[str, object]:
     """The actor keys the selected policy loss reads, beside the inputs every loss shares."""
     if cfg.policy_loss == "gspo":
@@ -129,6 +126,8 @@ def _policy_loss_options(cfg) -> dict[str, object]:
     options = {"clip_ratio_low": cfg.clip_ratio_low, "clip_ratio_high": cfg.clip_ratio_high}
     if cfg.policy_loss == "vanilla":
         options["clip_ratio_c"] = cfg.clip_ratio_c
+    elif cfg.policy_loss == "decoupled_ppo":
+        options.update(clip_ratio_c=cfg.clip_ratio_c, behaviour_weight_cap=cfg.behaviour_weight_cap)
     elif cfg.policy_loss == "clip_cov":
         options.update(clip_cov_ratio=cfg.clip_cov_ratio, clip_cov_lb=cfg.clip_cov_lb, clip_cov_ub=cfg.clip_cov_ub)
     return options
@@ -146,9 +145,12 @@ class Actor(PolicyRole):
         cfg = self.cfg
         keys = ("input_ids", "prompt_len", "response_mask", "old_logprobs", "advantages", "ref_logprobs")
         if cfg.rollout_is is not None:
+            keys += ("rollout_is_weights",)
+        if cfg.policy_loss == "decoupled_ppo":
             keys += ("rollout_logprobs",)
         if "routed_experts" in batch:  # R2: replay the old-log-prob pass's routing
             keys += ("routed_experts", "response_len")
+        batch, off_policy = self._off_policy(batch)
         history: list[dict[str, float]] = []
         for _ in range(cfg.ppo_epochs):
             order = torch.randperm(len(batch)) if cfg.shuffle else torch.arange(len(batch))
@@ -156,9 +158,6 @@ class Actor(PolicyRole):
                 mini = batch.select(order[start:start + mini_batch_rows])
                 mbs, _ = micro_batches(mini, self.micro_batch_size, keys, token_budget=self._token_budget(),
                                        multiple=self.engine.seq_multiple)
-                if cfg.rollout_is is not None:
-                    for mb in mbs:
-                        self._rollout_is(mb)
                 for mb in mbs:
                     if "routed_experts" in mb:  # the router-agreement metric counts real tokens only
                         s = mb["input_ids"].shape[1]
@@ -169,21 +168,36 @@ class Actor(PolicyRole):
                     sum(algos.agg_loss_normalizer(mb["response_mask"], cfg.loss_agg_mode) for mb in mbs))
                 scale = self.engine.dp_size * len(mbs)
                 history.append(self.engine.train_step(mbs, self._loss_fn(normalizer, scale)))
-        return {f"actor/{k}": sum(h[k] for h in history) / len(history) for k in history[0]}
+        return {f"actor/{k}": sum(h[k] for h in history) / len(history) for k in history[0]} | off_policy
 
-    def _rollout_is(self, mb: dict[str, torch.Tensor]) -> None:
-        """Rollout-vs-training importance weights of one micro-batch, set before the loss normaliser is summed: in
-        mask mode the rejected tokens leave the response mask, hence every loss term and the normaliser."""
+    def _off_policy(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
+        """The behaviour (rollout) vs proximal (old) policy correction of the whole local batch, once per update (the
+        old log-probs do not change over epochs), and the step's ``rollout/*`` metrics, summed over data-parallel
+        ranks. With actor.rollout_is the batch returned carries the weights and, in mask mode, the response mask
+        without the rejected tokens: they leave every loss term and the normaliser. Decoupled PPO computes the same
+        token weights inside its loss; here only their metrics."""
         cfg = self.cfg
-        if "rollout_logprobs" not in mb:
-            raise ValueError("actor.rollout_is needs the rollout engine's log-probs of the sampled tokens "
-                             "(batch key rollout_logprobs); set actor.rollout_is=null")
-        weights, mask, metrics = algos.compute_rollout_is_weights(
-            mb["old_logprobs"], mb["rollout_logprobs"], mb["response_mask"], level=cfg.rollout_is,
-            mode=cfg.rollout_is_mode, threshold=cfg.rollout_is_threshold,
-            threshold_lower=cfg.rollout_is_threshold_lower)
-        mb["response_mask"], mb["rollout_is_weights"] = mask, weights
-        mb.update({_METRIC_PREFIX + k: v for k, v in metrics.items()})  # reported by the loss function
+        corrected = cfg.rollout_is is not None or cfg.policy_loss == "decoupled_ppo"
+        if "rollout_logprobs" not in batch:
+            if corrected:
+                key, off = (("actor.rollout_is", "actor.rollout_is=null") if cfg.rollout_is is not None else
+                            ("actor.policy_loss=decoupled_ppo", "actor.policy_loss=vanilla"))
+                raise ValueError(f"{key} needs the rollout engine's log-probs of the sampled tokens (batch key "
+                                 f"rollout_logprobs); set {off}")
+            return batch, {}
+        old, rollout, mask = batch["old_logprobs"], batch["rollout_logprobs"], batch["response_mask"]
+        correction = None
+        if cfg.rollout_is is not None:
+            correction = algos.rollout_is_weights(old, rollout, mask, level=cfg.rollout_is, mode=cfg.rollout_is_mode,
+                                                  upper=cfg.rollout_is_threshold,
+                                                  lower=cfg.rollout_is_threshold_lower)
+            batch = Batch({**batch.tensors, "response_mask": correction.mask,
+                           "rollout_is_weights": correction.weights}, batch.meta)
+        elif cfg.policy_loss == "decoupled_ppo":
+            correction = algos.rollout_is_weights(old, rollout, mask, level="token", mode="tis",
+                                                  upper=cfg.behaviour_weight_cap)
+        sums = self.engine.dp_all_reduce(algos.off_policy_sums(old, rollout, mask, correction))
+        return batch, algos.off_policy_metrics(sums, corrected=corrected)
 
     def _loss_fn(self, normalizer: torch.Tensor, scale: int):
         cfg = self.cfg
@@ -194,6 +208,7 @@ class Actor(PolicyRole):
             options["generator"] = torch.Generator().manual_seed(self.engine.version)
 
         def loss_fn(output, mb):
+            behaviour = {"rollout_log_prob": mb["rollout_logprobs"]} if cfg.policy_loss == "decoupled_ppo" else {}
             need_entropy = True
             lp, ent = self._logprobs(output, mb, need_entropy)
             mask = mb["response_mask"]
@@ -201,8 +216,7 @@ class Actor(PolicyRole):
             pg_loss, metrics = policy_loss(
                 log_prob=lp, old_log_prob=mb["old_logprobs"], advantages=mb["advantages"], response_mask=mask,
                 loss_agg_mode=cfg.loss_agg_mode, normalizer=norm, rollout_is_weights=mb.get("rollout_is_weights"),
-                **options)
-            metrics.update({k[len(_METRIC_PREFIX):]: v for k, v in mb.items() if k.startswith(_METRIC_PREFIX)})
+                **options, **behaviour)
             entropy = algos.agg_loss(ent, mask, cfg.loss_agg_mode, normalizer=norm)
             loss = pg_loss - cfg.entropy_coeff * entropy
             if cfg.use_kl_loss:

@@ -29,6 +29,9 @@ def check(out: str, steps: int, *, critic: bool) -> dict:
         assert r["actor/version"] == r["step"] * r.get("updates_per_step", 1) or r["actor/version"] >= r["step"]
         # ... and vLLM's log-probs of its own samples equal the training model's (same weights)
         assert r["rollout/logprob_diff_max"] < 1e-4, r["rollout/logprob_diff_max"]
+        # synchronous training: every sample comes from the current weights, behaviour and proximal policy agree
+        assert r["rollout/staleness_mean"] == 0.0, r
+        assert abs(r["rollout/behaviour_kl"]) < 1e-4 and 0.0 <= r["rollout/behaviour_kl_k3"] < 1e-4, r
     assert rows[-1]["actor/grad_norm"] > 0
     return rows[-1]
 
