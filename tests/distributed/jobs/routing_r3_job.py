@@ -2,7 +2,7 @@
 
 Args: --workdir DIR (holding ``qwen3_moe``: the model Megatron trains, and ``qwen3_moe_rollout``: the same model
 with perturbed router weights, which vLLM generates with, so that rollout and training route some tokens
-differently) [--tp N] [--sp] [--ep N]
+differently) [--tp N] [--sp] [--pp N] [--cp N] [--ep N]
 
 Every rank generates with its own vLLM engine (returning routed experts); rank 0's samples are the batch, packed as
 the trainer packs them (the routing too), and the actor's old-log-prob pass runs twice: replaying vLLM's routing
@@ -22,6 +22,8 @@ def main() -> None:
     ap.add_argument("--workdir", required=True)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--cp", type=int, default=1)
     ap.add_argument("--sp", action="store_true")
     args = ap.parse_args()
 
@@ -37,11 +39,11 @@ def main() -> None:
     from verl_mega.trainer.rl_trainer import _rollout_routing
     from verl_mega.trainer.roles import PolicyRole
 
-    groups = init_distributed(tp=args.tp, ep=args.ep, sequence_parallel=args.sp, seed=1)
+    groups = init_distributed(tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, sequence_parallel=args.sp, seed=1)
     work = Path(args.workdir)
     arch = arch_from_hf(load_hf_config(work / "qwen3_moe"))
-    cfg = transformer_config(arch, tp=args.tp, ep=args.ep, sequence_parallel=args.sp, use_cpu_initialization=True,
-                             moe_aux_loss_coeff=0.0)
+    cfg = transformer_config(arch, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, sequence_parallel=args.sp,
+                             use_cpu_initialization=True, moe_aux_loss_coeff=0.0)
     chunks = build_model_chunks(arch, cfg, groups, use_te="false")
     load_hf_weights(chunks, HFCheckpointReader(work / "qwen3_moe"), arch, groups)
     engine = MegatronEngine(chunks, cfg, groups)
@@ -101,9 +103,13 @@ def main() -> None:
     same = (used.sort(-1).values == want.sort(-1).values).all(-1).all(-1)
     mismatched = int((~same & ran).sum())
 
-    def agreement(choice):
+    def agreement(choice):  # over every layer: pipeline stages hold different ones
         hits = (choice.unsqueeze(-1) == want.unsqueeze(-2)).any(-1).sum(-1).sum(-1).double()
-        return float((hits * ran).sum()) / float(ran.sum() * len(layers) * arch.moe_topk)
+        counts = torch.tensor([float((hits * ran).sum()), float(ran.sum() * len(layers) * arch.moe_topk)],
+                              dtype=torch.float64)
+        if args.pp > 1:
+            dist.all_reduce(counts, group=groups["pp"])  # (collect() gathers the sequence: no cp/tp sum)
+        return float(counts[0] / counts[1])
 
     mask = packed["response_mask"]
     rollout_lp = torch.zeros_like(mask)
@@ -111,7 +117,11 @@ def main() -> None:
         rollout_lp[i, :len(s.logprobs)] = torch.tensor(s.logprobs)
     gap_replayed = float(((replayed["logprobs"] - rollout_lp).abs() * mask).sum() / mask.sum())
     gap_own = float(((own["logprobs"] - rollout_lp).abs() * mask).sum() / mask.sum())
-    report = {"tp": args.tp, "ep": args.ep, "sp": args.sp, "rows": len(samples), "tokens_routed": int(ran.sum()),
+    mismatched_t = torch.tensor([mismatched])
+    dist.all_reduce(mismatched_t)  # every rank's layers
+    mismatched = int(mismatched_t)
+    report = {"tp": args.tp, "pp": args.pp, "cp": args.cp, "ep": args.ep, "sp": args.sp, "rows": len(samples),
+              "tokens_routed": int(ran.sum()),
               "mismatched_tokens": mismatched, "router_agreement": float(replayed["router_agreement"]),
               "own_agreement": agreement(own_on_replay), "unreplayed_agreement": agreement(mine),
               "logprob_gap_replayed": gap_replayed, "logprob_gap_own": gap_own,
