@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchrun_util import run_in_session, run_torchrun
+from torchrun_util import free_port, run_in_session, run_torchrun
 from verl_mega.models.tiny import make_tiny_hf_model, moe_fields
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,13 +55,16 @@ def test_r3_old_logprob_pass_replays_vllm_routing(models):
 
 @pytest.mark.slow
 def test_r3_grpo_quickstart_moe_runs(tmp_path):
-    """configs/quickstart_moe_cpu.yaml with actor.routing_replay=r3 for 3 steps: vLLM's routing reaches the ranks
-    that train it, Megatron's routers replay it (same weights: full agreement, vLLM's log-probs reproduced)."""
+    """configs/quickstart_moe_cpu.yaml with actor.routing_replay=r3 for 3 steps on 2 ranks (two vLLM engines,
+    experts over ep=2): vLLM's routing travels to the ranks that train each row, Megatron's routers replay it (same
+    weights: full agreement, vLLM's log-probs reproduced)."""
     out = tmp_path / "out"
     env = {**os.environ, "VERL_MEGA_CACHE": os.environ.get("VERL_MEGA_CACHE", str(tmp_path / "cache")),
-           "OMP_NUM_THREADS": "1", "VLLM_CPU_CI_ENV": "1"}
-    cmd = [sys.executable, "-m", "verl_mega.train", "--config", str(ROOT / "configs" / "quickstart_moe_cpu.yaml"),
-           f"trainer.output_dir={out}", "logging.progress_bar=false", "trainer.save_every=0", "logging.plot=false",
+           "OMP_NUM_THREADS": "1", "VLLM_CPU_CI_ENV": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
+           "--master-addr=127.0.0.1", "-m", "verl_mega.train", "--config",
+           str(ROOT / "configs" / "quickstart_moe_cpu.yaml"), "parallel.ep=2", f"trainer.output_dir={out}",
+           "logging.progress_bar=false", "trainer.save_every=0", "logging.plot=false",
            "logging.tensorboard=false", "trainer.total_steps=3", "actor.routing_replay=r3"]
     log = tmp_path / "train.log"
     rc = run_in_session(cmd, env=env, log=log, timeout=400, cwd=ROOT)
