@@ -184,6 +184,7 @@ def cases(a: Path) -> list[Case]:
         Case(["reward.num_workers=0"], "reward.num_workers=0: reward functions run in worker processes"),
         Case(["reward.max_error_frac=2"], "reward.max_error_frac=2"),
         Case(["trainer.time_limit_s=-5"], "trainer.time_limit_s"),
+        Case(["actor.routing_replay=r3"], "actor.routing_replay=r3 needs a Mixture-of-Experts model"),
         # --- output directory
         Case([f"trainer.output_dir={a / 'a_file'}"], "a_file' is a file, not a directory"),
         Case([f"trainer.output_dir={a / 'a_file' / 'out'}"], "a_file is a file, not a directory"),

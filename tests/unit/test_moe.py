@@ -152,3 +152,38 @@ def test_routing_replay_records_and_replays(world, tmp_path, model_type):
     assert again["router_agreement"] == 1.0
     assert (seen["logits"] - plain).abs().max().item() < 1e-5
     assert "router_agreement" not in engine.train_step([dict(mb)], loss_fn)
+
+
+def test_forward_replays_rollout_routing(world, qwen3_moe):
+    """R3 on one rank: forward() replays given routing (every model layer → this rank's routers' layers), a -1
+    (a token the rollout never ran) lets the router choose, and the agreement metric counts the known tokens."""
+    arch, engine = _engine(qwen3_moe, world, moe_aux_loss_coeff=0.0)
+    engine.enable_routing_replay()
+    assert engine.routing.layers.tolist() == list(range(arch.num_layers))
+    ids = torch.randint(1, arch.vocab_size, (2, 16), generator=torch.Generator().manual_seed(6))
+    mb = {"input_ids": ids, "position_ids": torch.arange(16).expand(2, 16)}
+
+    def logits(out, mb):
+        return {"logits": out[..., :arch.vocab_size]}
+
+    (rec,) = engine.forward([dict(mb)], logits, record_routing=True)
+    own = rec["routed_experts"]
+    assert engine.routing.local_layers(own).shape == own.shape
+    # replaying the routers' own routing, with the last token of each row unknown: same logits, full agreement
+    known = own.clone()
+    known[:, -1] = -1
+    (same,) = engine.forward([{**mb, "routed_experts": known}], logits)
+    assert torch.equal(same["logits"], rec["logits"]) and engine.last_router_agreement == 1.0
+    # other experts for the first 8 tokens of row 0 (layer 0 only), every other token unknown
+    forced = torch.full_like(own, -1)
+    forced[0, :8, 0] = (own[0, :8, 0] + 1) % arch.num_experts
+    forced[0, :8, 0, 1] = torch.where(forced[0, :8, 0, 1] == forced[0, :8, 0, 0],
+                                      (forced[0, :8, 0, 1] + 1) % arch.num_experts, forced[0, :8, 0, 1])
+    (moved,) = engine.forward([{**mb, "routed_experts": forced}], logits)
+    assert not torch.allclose(moved["logits"][0, :8], rec["logits"][0, :8])
+    # row 1 routed itself everywhere (its experts' GEMMs group other tokens: equal up to rounding)
+    assert (moved["logits"][1] - rec["logits"][1]).abs().max().item() < 1e-5
+    hits = (forced[0, :8, 0].long().unsqueeze(-1) == own[0, :8, 0].long().unsqueeze(-2)).any(-1).sum()
+    assert engine.last_router_agreement == pytest.approx(float(hits) / (8 * arch.moe_topk), abs=1e-12)
+    with pytest.raises(ValueError, match="records or replays"):
+        engine.forward([{**mb, "routed_experts": own}], logits, record_routing=True)

@@ -134,3 +134,10 @@ def test_every_kind_is_known():
     assert pool.groups("embd") == ((0, 4), (1, 5), (2, 6), (3, 7))
     with pytest.raises(PlacementError, match="unknown group kind"):
         pool.groups("zz")
+
+
+def test_generation_expert_parallelism_is_refused_with_one_line():
+    from verl_mega.parallel.placement import Pool
+
+    with pytest.raises(PlacementError, match=r"gen_ep=2: expert parallelism inside vLLM is not supported.*set"):
+        Pool(name="gen", ranks=tuple(range(4)), gen_tp=2, gen_ep=2, trains=False)

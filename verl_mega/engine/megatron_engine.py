@@ -105,6 +105,7 @@ class MegatronEngine:
                 c.requires_grad_(False)
         self._offloaded = False
         self.routing: moe.RoutingReplay | None = None
+        self.last_router_agreement: float | None = None  # of the last forward that replayed a routing
 
     def enable_routing_replay(self) -> None:
         """Let :meth:`forward` record the MoE routers' top-k experts and :meth:`train_step` replay them."""
@@ -206,15 +207,22 @@ class MegatronEngine:
                 ) -> list[dict[str, torch.Tensor]]:
         """Forward-only over micro-batches; returns post_fn's outputs per micro-batch on EVERY rank. With
         ``record_routing`` (after :meth:`enable_routing_replay`) each output also has ``routed_experts``
-        [b, s, MoE layers of this rank, k], the experts every token was routed to."""
+        [b, s, MoE layers of this rank, k], the experts every token was routed to. Micro-batches that carry
+        ``routed_experts`` (and optionally ``routing_valid``) replay that routing instead, as :meth:`train_step`
+        does; :attr:`last_router_agreement` then holds the share of replayed experts the routers would have chosen."""
         for c in self.chunks:
             c.eval()
         if record_routing and self.routing is None:
             raise ValueError("engine: forward(record_routing=True) needs enable_routing_replay() first")
+        replay = self.routing is not None and "routed_experts" in micro_batches[0]
+        if replay and record_routing:
+            raise ValueError("engine: forward either records or replays the routing, not both")
         recorded: list[list[torch.Tensor]] = [[] for _ in self.chunks]
 
         def step(data_iterator, model):
             mb = next(data_iterator)
+            if replay:
+                self._set_replay_targets(model, mb)
             out = self._model_forward(model, mb)
             if record_routing:
                 chunk = self._chunk_index(model)
@@ -225,19 +233,28 @@ class MegatronEngine:
 
             return out, collect
 
-        if record_routing:
-            self.routing.set_action("record")
+        if record_routing or replay:
+            self.routing.set_action("record" if record_routing else "replay")
         try:
             results = self._run_schedule(micro_batches, step, forward_only=True)
         finally:
-            if record_routing:
+            if record_routing or replay:
                 self.routing.set_action(None)
+        if replay:
+            hits, total = all_reduce(self.routing.agreement(), self.groups["pool"]).tolist()
+            self.last_router_agreement = hits / max(total, 1.0)
         results = self._broadcast_from_last_stage(results, len(micro_batches))
         results = [{k: v.cpu() for k, v in r.items()} for r in results]
         if record_routing:
             for i, r in enumerate(results):
                 r["routed_experts"] = torch.cat([per_chunk[i] for per_chunk in recorded], dim=2)
         return results
+
+    def _set_replay_targets(self, model, mb: MicroBatch) -> None:
+        """This micro-batch's routing to replay (``routed_experts``, this rank's layers), for this chunk's routers."""
+        s = mb["input_ids"].shape[1]
+        valid = mb.get("routing_valid", torch.ones(mb["input_ids"].shape, dtype=torch.bool))
+        self.routing.set_targets(self._chunk_index(model), mb["routed_experts"], valid[:, :s].cpu())
 
     def _chunk_index(self, model) -> int:
         return next(i for i, c in enumerate(self.chunks) if c is model)
@@ -257,10 +274,8 @@ class MegatronEngine:
 
         def step(data_iterator, model):
             mb = next(data_iterator)
-            if replay:  # this micro-batch's recorded routing, for this chunk's routers
-                s = mb["input_ids"].shape[1]
-                valid = mb.get("routing_valid", torch.ones(mb["input_ids"].shape, dtype=torch.bool))
-                self.routing.set_targets(self._chunk_index(model), mb["routed_experts"], valid[:, :s].cpu())
+            if replay:
+                self._set_replay_targets(model, mb)
             out = self._model_forward(model, mb)
             return out, partial(self._loss_wrapper, loss_fn, mb)
 

@@ -73,16 +73,21 @@ class _MeasuredReplay:
             with torch.no_grad():
                 _, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
                 hits = (own.unsqueeze(-1) == target.unsqueeze(-2)).any(-1).sum(-1).double()
-                valid = self.valid.to(hits.device).double()
+                known = (target >= 0).all(-1)  # R3: -1 marks a token the rollout never ran; it routes itself
+                valid = (self.valid.to(hits.device) & known).double()
                 self.hits += float((hits * valid).sum())
                 self.total += float(valid.sum()) * topk
+                if not bool(known.all()):
+                    target = torch.where(known.unsqueeze(-1), target, own)
             return scores.gather(1, target), target
         return default_compute_topk(scores, topk, num_groups, group_topk)
 
 
 class RoutingReplay:
     """Records each MoE router's top-k experts during a forward pass and replays them in a later one (R2: the
-    old-log-prob pass's routing in the policy update), for the routers of one engine's model chunks.
+    old-log-prob pass's routing in the policy update; R3: the rollout's routing in the old-log-prob pass and the
+    update), for the routers of one engine's model chunks. A replayed expert of -1 (a token the rollout never ran)
+    lets the router choose for that token.
 
     Routing travels with the samples as ``[batch, seq, layers of this rank, k]`` (int16): recorded indices are
     gathered back to whole sequences over the tensor-parallel group (sequence parallelism splits tokens there) and
@@ -99,6 +104,13 @@ class RoutingReplay:
             router.router_replay = _MeasuredReplay()
         self.topk = self.routers[0][0].topk
         self.offsets = [sum(len(rs) for rs in self.routers[:i]) for i in range(len(self.routers))]
+        #: the model layer (0-based, counting dense layers too) of each of this rank's routers, in their order
+        self.layers = torch.tensor([r.layer_number - 1 for rs in self.routers for r in rs], dtype=torch.long)
+
+    def local_layers(self, routing: torch.Tensor) -> torch.Tensor:
+        """Routing over every layer of the model [b, s, model layers, k] (R3: the rollout's, from vLLM) → the layers
+        of this rank's routers [b, s, layers of this rank, k], the layout :meth:`set_targets` replays."""
+        return routing.index_select(2, self.layers)
 
     @property
     def num_layers(self) -> int:

@@ -130,6 +130,9 @@ class Pool:
         if self.trains and self.tp % self.gen_tp:
             raise PlacementError(f"{k('gen_tp')}={self.gen_tp} must divide {k('tp')}={self.tp} (generation TP groups "
                                  f"are carved out of each training TP group); choose among {_divisors(self.tp)}")
+        if self.gen_ep != 1:  # vLLM shards every expert over its TP group; the hybrid sync writes that layout
+            raise PlacementError(f"{k('gen_ep')}={self.gen_ep}: expert parallelism inside vLLM is not supported (each "
+                                 f"generation rank holds 1/gen_tp of every expert); set {k('gen_ep')}=1")
         if self.size % (self.gen_tp * self.gen_ep):
             raise PlacementError(f"{self._where}: gen_tp·gen_ep = {self.gen_tp}·{self.gen_ep} must divide its "
                                  f"{self.size} ranks; choose {k('gen_tp')} among {_divisors(self.size)}")

@@ -33,6 +33,9 @@ class Sample(NamedTuple):
     ids: list[int]  # the response: generated tokens and, in multi-turn episodes, the tools' answers
     logprobs: list[float]  # of the sampled tokens (0 for a tool's tokens)
     mask: list[int] | None = None  # multi-turn: 1 where the policy wrote the token, 0 for a tool's answer
+    #: routing replay R3: the experts each prompt and response token was routed to in the rollout,
+    #: ``[tokens, model layers, top-k]`` int16 (-1: unknown, e.g. the last token, which vLLM never runs)
+    routing: torch.Tensor | None = None
 
 
 @dataclass
@@ -147,8 +150,9 @@ class ColocatedRollout:
                 prof.record("prefill", gen.phases["start"], gen.phases["first_tokens"], parent="rollout")
                 prof.record("decode", gen.phases["first_tokens"], gen.phases["end"], parent="rollout")
                 prof.add_counter("decode_steps", gen.phases["decode_steps"])
-            local.append([Sample(mine[p], ids, lps) for p, ids, lps in zip(gen.prompt_index, gen.token_ids,
-                                                                             gen.logprobs)])
+            routing = gen.routed_experts if gen.routed_experts is not None else [None] * len(gen.token_ids)
+            local.append([Sample(mine[p], ids, lps, None, r) for p, ids, lps, r in zip(
+                gen.prompt_index, gen.token_ids, gen.logprobs, routing)])
             counts.append({})
         handoff_from = prof.now()
         if self.free_cache:

@@ -149,6 +149,8 @@ class RLTrainer:
             packed["rollout_logprobs"][i, : len(s.logprobs)] = torch.as_tensor(s.logprobs, dtype=torch.float32)
             if s.mask is not None:  # a multi-turn episode: tools' answers are context, not actions
                 packed["response_mask"][i, : len(s.mask)] *= torch.as_tensor(s.mask, dtype=torch.float32)
+        if self.path.routing is not None:  # R3: the experts vLLM routed each token to, replayed in training
+            packed["rollout_routing"] = _rollout_routing(samples, packed["input_ids"].shape[1], self.path.routing)
         self.batch = Batch(packed, {"row": mine, "group": [s.prompt for s in samples]})
         self.items, self.table, self.rows = items, table, rows
         tokens = table.length
@@ -278,9 +280,11 @@ class RLTrainer:
         from verl_mega.trainer.profiler import transformer_flops_per_token
 
         a = self.arch
+        # a token passes through its k routed experts (and the shared one): the MLP width it is computed at
+        ffn = a.moe_topk * a.moe_ffn_hidden_size + a.shared_expert_ffn_hidden_size if a.is_moe else a.ffn_hidden_size
 
         def per_token(training: bool, context: float) -> float:
-            return transformer_flops_per_token(a.num_layers, a.hidden_size, a.ffn_hidden_size, a.num_heads,
+            return transformer_flops_per_token(a.num_layers, a.hidden_size, ffn, a.num_heads,
                                                a.num_kv_heads, a.head_dim, a.vocab_size, int(context), training)
 
         lengths = (prompt_len + response_len).float()
@@ -310,7 +314,7 @@ class RLTrainer:
     def _old_logprob(self, ctx) -> torch.Tensor:
         out = self.actor.compute_logprobs(self.batch, with_entropy=True)
         self.batch["old_logprobs"] = out["logprobs"]
-        if "routed_experts" in out:  # actor.routing_replay=r2: the update replays this routing
+        if "routed_experts" in out:  # actor.routing_replay=r2/r3: the update replays this routing
             self.batch["routed_experts"] = out["routed_experts"]
         self.batch["entropy"] = out["entropy"]
         mask = self.batch["response_mask"]
@@ -318,6 +322,8 @@ class RLTrainer:
         worst = diff.max() if mask.any() else diff.sum()
         self.logprob_gap = {"rollout/logprob_diff_max": self._dp_reduce(worst, "max"),
                             "rollout/logprob_diff_mean": self._dp_reduce(algos.masked_mean(diff, mask), "mean")}
+        if "router_agreement" in out:  # R3: Megatron's routers vs vLLM's routing, same weights (pool-wide already)
+            self.logprob_gap["rollout/router_agreement"] = float(out["router_agreement"])
         return out["logprobs"]
 
     def _ref_logprob(self, ctx) -> torch.Tensor:
@@ -393,6 +399,16 @@ class RLTrainer:
         if self.dp == 1:
             return value
         return self.actor.engine.dp_all_reduce(value).to(value.dtype)
+
+
+def _rollout_routing(samples, width: int, shape: tuple[int, int]) -> torch.Tensor:
+    """The samples' routed experts in the packed layout [rows, width, model layers, k] (int16, -1: unknown)."""
+    out = torch.full((len(samples), width, *shape), -1, dtype=torch.int16)
+    for i, s in enumerate(samples):
+        if s.routing is not None:
+            m = min(width, s.routing.shape[0])
+            out[i, :m] = s.routing[:m]
+    return out
 
 
 def _episode_metrics(counts: dict[str, float]) -> dict[str, float]:

@@ -100,21 +100,47 @@ class PolicyRole:
 
     @torch.no_grad()
     def compute_logprobs(self, batch: Batch, *, with_entropy: bool = False) -> dict[str, torch.Tensor]:
-        mbs, n = micro_batches(batch, self.micro_batch_size, ("input_ids", "prompt_len", "response_mask"),
+        """Log-probs (and entropy) of the responses. With routing replay the output also has ``routed_experts``
+        (this rank's layers), for the update to replay: R2 records this pass's routing; R3 replays the rollout's
+        (``rollout_routing``, every model layer) here too, and ``router_agreement`` is the share of its experts
+        the routers would have chosen."""
+        routing = self.engine.routing
+        replay = routing is not None and "rollout_routing" in batch  # R3
+        keys = ("input_ids", "prompt_len", "response_mask") + (("rollout_routing", "response_len") if replay else ())
+        mbs, n = micro_batches(batch, self.micro_batch_size, keys,
                                token_budget=self._token_budget(), multiple=self.engine.seq_multiple)
+        if replay:
+            for mb in mbs:
+                mb["routed_experts"] = routing.local_layers(mb.pop("rollout_routing"))
+                _routing_valid(mb)
 
         def post(output, mb):
             lp, ent = self._logprobs(output, mb, with_entropy)
             return {"logprobs": lp} | ({"entropy": ent} if ent is not None else {})
 
-        record = self.engine.routing is not None  # R2: the update replays this pass's expert routing
+        record = routing is not None and not replay  # R2: the update replays this pass's expert routing
         res = self.engine.forward(mbs, post, record_routing=record)
         out = {k: torch.cat([r[k] for r in res])[:n] for k in res[0] if k != "routed_experts"}
         if record:  # micro-batches may be cut to different widths: pad to the batch's
             width = batch["input_ids"].shape[1]
             out["routed_experts"] = torch.cat([torch.nn.functional.pad(r["routed_experts"], (
                 0, 0, 0, 0, 0, width - r["routed_experts"].shape[1])) for r in res])[:n]
+        if replay:
+            out["routed_experts"] = routing.local_layers(batch["rollout_routing"])
+            out["router_agreement"] = torch.tensor(self.engine.last_router_agreement, dtype=torch.float64)
         return out
+
+
+def _routing_valid(mb: dict[str, torch.Tensor]) -> None:
+    """The tokens the router-agreement metric counts: real tokens of real rows (not the copies of row 0 that pad
+    the last micro-batch)."""
+    s = mb["input_ids"].shape[1]
+    length = mb["prompt_len"] + mb.pop("response_len")
+    real_row = mb["response_mask"].any(1)
+    mb["routing_valid"] = (torch.arange(s) < length[:, None]) & real_row[:, None]
+
+
+_METRIC_PREFIX = "metric:"  # micro-batch entries that are metrics computed before the step, not model inputs
 
 
 def _policy_loss_options(cfg) -> dict[str, object]:
@@ -148,7 +174,7 @@ class Actor(PolicyRole):
             keys += ("rollout_is_weights",)
         if cfg.policy_loss == "decoupled_ppo":
             keys += ("rollout_logprobs",)
-        if "routed_experts" in batch:  # R2: replay the old-log-prob pass's routing
+        if "routed_experts" in batch:  # R2: the old-log-prob pass's routing; R3: the rollout's
             keys += ("routed_experts", "response_len")
         batch, off_policy = self._off_policy(batch)
         history: list[dict[str, float]] = []
@@ -160,10 +186,7 @@ class Actor(PolicyRole):
                                        multiple=self.engine.seq_multiple)
                 for mb in mbs:
                     if "routed_experts" in mb:  # the router-agreement metric counts real tokens only
-                        s = mb["input_ids"].shape[1]
-                        length = mb["prompt_len"] + mb.pop("response_len")
-                        real_row = mb["response_mask"].any(1)  # rows padding the last micro-batch do not count
-                        mb["routing_valid"] = (torch.arange(s) < length[:, None]) & real_row[:, None]
+                        _routing_valid(mb)
                 normalizer = self.engine.dp_all_reduce(
                     sum(algos.agg_loss_normalizer(mb["response_mask"], cfg.loss_agg_mode) for mb in mbs))
                 scale = self.engine.dp_size * len(mbs)

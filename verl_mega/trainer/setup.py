@@ -123,6 +123,16 @@ def moe_options(cfg: TrainConfig, arch: ModelArch) -> dict[str, Any]:
                 moe_token_dispatcher_type=cfg.model.moe_token_dispatcher)
 
 
+def check_routed_experts_support() -> None:
+    """actor.routing_replay=r3 needs a vLLM that returns the experts it routed every token to: fail before anything
+    heavy is built otherwise."""
+    from verl_mega.rollout.vllm_rollout import routed_experts_support
+
+    mode, reason = routed_experts_support()
+    if mode is None:
+        raise ConfigError(f"actor.routing_replay=r3 replays vLLM's routing, but {reason}")
+
+
 def build_rollout(cfg: TrainConfig, groups: RankGroups, path: Path, actor: RoleModel, *, offload=None,
                   profiler=None, tokenizer=None):
     """vLLM engines on the actor's pool, fed by the 3D-HybridEngine's in-place weight sync; with
@@ -139,7 +149,7 @@ def build_rollout(cfg: TrainConfig, groups: RankGroups, path: Path, actor: RoleM
         max_num_seqs=rcfg.max_num_seqs or 256, gpu_memory_utilization=rcfg.gpu_memory_utilization,
         kv_cache_memory_bytes=rcfg.kv_cache_memory_bytes, enforce_eager=rcfg.enforce_eager,
         seed=rcfg.seed, trust_remote_code=cfg.model.trust_remote_code, request_stats=cfg.trainer.profile,
-        engine_kwargs=extra)
+        return_routed_experts=cfg.actor.routing_replay == "r3", engine_kwargs=extra)
     engine = VLLMRollout(vcfg, rank_order=pool.vllm_rank_order(), engine_index=groups.coords["engine"])
     sync = WeightSync(WeightProducer(groups=groups, arch=actor.arch, chunks=actor.engine.chunks), engine,
                       mode=rcfg.weight_sync)
@@ -285,6 +295,8 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
     if cfg.actor.routing_replay != "none" and not arch.is_moe:
         raise ConfigError(f"actor.routing_replay={cfg.actor.routing_replay} needs a Mixture-of-Experts model, but "
                           f"model.path is a dense {arch.model_type}; set actor.routing_replay=none")
+    if cfg.actor.routing_replay == "r3":
+        check_routed_experts_support()
     for weights in {path, resolve_critic_path(cfg, path) if cfg.critic.enable else path,
                     *([Path(cfg.reward.reward_model_path)] if cfg.reward.reward_model_path else [])}:
         check_checkpoint_matches(HFCheckpointReader(weights), model_arch(weights))  # headers only
@@ -325,7 +337,7 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
     groups = build_groups(placement, timeout_s=cfg.trainer.collective_timeout_s)
     seed_everything(cfg.trainer.seed, groups)
     actor_m = build_role_engine(cfg, groups, path, role_cfg=cfg.actor, total_steps=total_steps)
-    if cfg.actor.routing_replay == "r2":
+    if cfg.actor.routing_replay in ("r2", "r3"):
         actor_m.engine.enable_routing_replay()
     actor = Actor(actor_m.engine, cfg.actor, vocab_size=arch.vocab_size, temperature=cfg.rollout.temperature)
     ref = critic = reward_model = None
@@ -355,7 +367,8 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
     kc = cfg.algorithm.kl_ctrl
     kl_ctrl = algos.make_kl_controller(kc.type, kc.kl_coef, kc.target_kl or 0.1, kc.horizon)
     path = SamplePath(groups.pool, groups.rank, group=groups["pool"], max_length=cfg.rollout.max_response_length,
-                      balance=cfg.trainer.balance_batch, transport=cfg.trainer.sample_transport)
+                      balance=cfg.trainer.balance_batch, transport=cfg.trainer.sample_transport,
+                      routing=(arch.num_layers, arch.moe_topk) if cfg.actor.routing_replay == "r3" else None)
     trainer = (trainer_cls or RLTrainer)(
         cfg, actor=actor, ref=ref, critic=critic, reward_model=reward_model, rollout=rollout, reward_pool=reward_pool,
         tokenizer=tokenizer, profiler=profiler, kl_ctrl=kl_ctrl, sample_path=path, arch=arch,

@@ -6,7 +6,8 @@ Every engine holds the samples of its share of the prompts. One step moves them 
    and the engine that holds it) and one per engine (its weight version): 8 bytes per sample, no tokens.
 2. **Rows, to their owners only** (:func:`exchange`): every rank computes the same assignment of rows to
    data-parallel replicas (:func:`assign_rows`); one ``all_to_all`` then sends each row's token ids, log-probs and
-   loss mask, as flat int32 words, from one rank of the engine that holds it to each rank of the replica that trains
+   loss mask (and, with routing replay R3, the experts every token of prompt and response was routed to, two int16
+   per word), as flat int32 words, from one rank of the engine that holds it to each rank of the replica that trains
    on it, and nowhere else. A rank's traffic is its own rows: it does not grow with the world size.
 
 ``transport="gather"`` sends every row to every rank (then each keeps its own): the gather-everything baseline
@@ -15,7 +16,7 @@ this path replaced, kept to check the scatter against and to measure it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -35,13 +36,24 @@ class RowTable:
     version: torch.Tensor  # [R] weight version that generated it
     engine: torch.Tensor  # [R] engine holding it
     masked: bool  # rows carry a loss mask (multi-turn episodes)
+    routing: tuple[int, int] | None = None  # (model layers, top-k): rows carry each token's routed experts (R3)
+    prompt_len: torch.Tensor | None = None  # [R] prompt tokens of each row (with ``routing``)
 
     def __len__(self) -> int:
         return int(self.prompt.numel())
 
     def words(self) -> torch.Tensor:
-        """int32 words each row takes on the wire: ids and log-probs, and a mask in multi-turn."""
-        return self.length * (3 if self.masked else 2)
+        """int32 words each row takes on the wire: ids and log-probs, a mask in multi-turn, and with ``routing`` the
+        routed experts of its prompt and response tokens."""
+        words = self.length * (3 if self.masked else 2)
+        if self.routing is not None:
+            words = words + routing_words(self.prompt_len + self.length, *self.routing)
+        return words
+
+
+def routing_words(tokens: torch.Tensor, layers: int, topk: int) -> torch.Tensor:
+    """int32 words of ``tokens`` tokens' routed experts: ``layers × topk`` int16 each, two to a word."""
+    return (tokens * layers * topk + 1) // 2
 
 
 _ENGINE_BITS = 24  # a table entry is (length << 24) | (engine + 1): one int64 per row
@@ -179,7 +191,8 @@ def exchange(local: dict[int, Sample], table: RowTable, route: Route, *, group: 
     """Move the rows along ``route``: returns this rank's rows (``route.mine``) by row index. ``local``: the
     samples this rank's engine holds, by row index (a row this rank keeps for itself is not sent)."""
     words = table.words().tolist()
-    me_sends = [_encode([local[row] for row in rows], [table.length[row] for row in rows], table.masked)
+    me_sends = [_encode([local[row] for row in rows], [table.length[row] for row in rows], table.masked,
+                        table.routing, [table.prompt_len[row] for row in rows] if table.routing else None)
                 for rows in route.send]
     out_splits = [sum(words[row] for row in rows) for rows in route.recv]
     send = torch.cat(me_sends) if me_sends else torch.zeros(0, dtype=torch.int32)
@@ -196,7 +209,9 @@ def exchange(local: dict[int, Sample], table: RowTable, route: Route, *, group: 
     for rows in route.recv:
         for row in rows:
             n = int(table.length[row])
-            got[row] = _decode(recv[offset:offset + words[row]], n, int(table.prompt[row]), table.masked)
+            tokens = n + int(table.prompt_len[row]) if table.routing else 0
+            got[row] = _decode(recv[offset:offset + words[row]], n, int(table.prompt[row]), table.masked,
+                               table.routing, tokens)
             offset += words[row]
     return {row: got[row] for row in route.mine}
 
@@ -208,20 +223,49 @@ def _words(values: Any, n: int, dtype: Any) -> torch.Tensor:
     return torch.from_numpy(np.asarray(values[:n], dtype=dtype))
 
 
-def _encode(samples: Sequence[Sample], lengths: Sequence[Any], masked: bool) -> torch.Tensor:
+def _encode(samples: Sequence[Sample], lengths: Sequence[Any], masked: bool,
+            routing: tuple[int, int] | None = None, prompt_lens: Sequence[Any] | None = None) -> torch.Tensor:
     parts = []
-    for s, n in zip(samples, lengths):
+    for i, (s, n) in enumerate(zip(samples, lengths)):
         n = int(n)
         parts.append(_words(s.ids, n, np.int32))
         parts.append(_words(s.logprobs, n, np.float32).view(torch.int32))
         if masked:
             parts.append(_words(s.mask if s.mask is not None else [1] * n, n, np.int32))
+        if routing is not None:
+            parts.append(pack_routing(s.routing, int(prompt_lens[i]) + n, *routing))
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int32)
 
 
-def _decode(words: torch.Tensor, n: int, prompt: int, masked: bool) -> Sample:
+def _decode(words: torch.Tensor, n: int, prompt: int, masked: bool, routing: tuple[int, int] | None = None,
+            tokens: int = 0) -> Sample:
     """A received row as tensor views of the receive buffer (packing reads them without Python lists)."""
-    return Sample(prompt, words[:n], words[n:2 * n].view(torch.float32), words[2 * n:3 * n] if masked else None)
+    at = 3 * n if masked else 2 * n
+    experts = unpack_routing(words[at:], tokens, *routing) if routing is not None else None
+    return Sample(prompt, words[:n], words[n:2 * n].view(torch.float32), words[2 * n:3 * n] if masked else None,
+                  experts)
+
+
+def pack_routing(experts: torch.Tensor | None, tokens: int, layers: int, topk: int) -> torch.Tensor:
+    """A sample's routed experts ``[≤ tokens, layers, topk]`` (int16, -1: unknown) as :func:`routing_words` int32
+    words: the first ``tokens`` rows, missing rows -1, two int16 to a word."""
+    flat = torch.full((tokens, layers, topk), -1, dtype=torch.int16)
+    if experts is not None:
+        if tuple(experts.shape[1:]) != (layers, topk):
+            raise ValueError(f"routed experts of shape {tuple(experts.shape)}; the rows carry [tokens, {layers}, "
+                             f"{topk}]")
+        m = min(tokens, experts.shape[0])
+        flat[:m] = experts[:m]
+    flat = flat.flatten()
+    if flat.numel() % 2:
+        flat = torch.cat([flat, torch.full((1,), -1, dtype=torch.int16)])
+    return flat.view(torch.int32)
+
+
+def unpack_routing(words: torch.Tensor, tokens: int, layers: int, topk: int) -> torch.Tensor:
+    """Inverse of :func:`pack_routing`: ``[tokens, layers, topk]`` int16."""
+    n = tokens * layers * topk
+    return words[:(n + 1) // 2].contiguous().view(torch.int16)[:n].view(tokens, layers, topk).clone()
 
 
 class SamplePath:
@@ -229,13 +273,15 @@ class SamplePath:
     which rows this rank scores (each row is scored once in the pool, by one rank that holds it)."""
 
     def __init__(self, pool: Any, rank: int, *, group: Any, max_length: int, balance: bool = True,
-                 transport: str = "scatter", engines: Sequence[Sequence[int]] | None = None) -> None:
+                 transport: str = "scatter", engines: Sequence[Sequence[int]] | None = None,
+                 routing: tuple[int, int] | None = None) -> None:
         self.ranks = list(pool.ranks)
         self.replica_of = [pool.coords(r)["dp"] for r in self.ranks]
         # the ranks of each engine (default: the pool's vLLM engines, its generation-TP groups)
         self.engines = [tuple(g) for g in (engines if engines is not None else pool.groups("gen_tp"))]
         self.rank, self.group, self.max_length = rank, group, max_length
         self.balance, self.gather = balance, transport == "gather"
+        self.routing = routing  # (model layers, top-k): samples carry their routed experts (R3)
         self.dp = pool.dp
         me = self.replica_of[self.ranks.index(rank)]
         self.replica = [r for r, d in zip(self.ranks, self.replica_of) if d == me]  # ranks holding my rows
@@ -255,6 +301,8 @@ class SamplePath:
                 prompt_tokens: torch.Tensor) -> tuple[dict[int, Sample], torch.Tensor]:
         """This rank's rows (by row index) and every row's replica. ``prompt_tokens``: each row's prompt length,
         counted with its response for the balance."""
+        if self.routing is not None:
+            table = replace(table, routing=self.routing, prompt_len=torch.as_tensor(prompt_tokens, dtype=torch.long))
         owner = assign_rows(table.prompt, prompt_tokens + table.length, self.dp, balance=self.balance)
         route = plan_routes(table, owner, ranks=self.ranks, replica_of=self.replica_of, engines=self.engines,
                             rank=self.rank, gather=self.gather)
