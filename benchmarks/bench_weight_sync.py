@@ -77,6 +77,9 @@ def main() -> None:
     ap.add_argument("--throughput-repeats", type=int, default=2)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.45)
     ap.add_argument("--skip-throughput", action="store_true")
+    ap.add_argument("--resident", action="store_true",
+                    help="also time the switch with vLLM resident (rollout.free_cache_engine=auto when it fits): "
+                         "no sleep or wake, the switch is the weight sync alone")
     ap.add_argument("--out", default="bench_weight_sync.json")
     args = ap.parse_args()
 
@@ -124,6 +127,17 @@ def main() -> None:
             rows[mode].append({"wake_weights_ms": wake_w, "sync_ms": sync_ms, "wake_kv_ms": wake_kv,
                                "switch_ms": wake_w + sync_ms + wake_kv, "peak_extra_bytes": peak_extra,
                                "bytes_received": metrics["weight_sync/bytes_received"]})
+
+    if args.resident:  # vLLM never sleeps: its weights and KV cache stay mapped beside the training state
+        rollout.wake_up()
+        for mode, sync in syncs.items():
+            rows[f"{mode}_resident"] = []
+            for _ in range(args.repeats):
+                dist.barrier()
+                sync_ms, metrics = cuda_time(sync.sync)
+                rows[f"{mode}_resident"].append({"wake_weights_ms": 0.0, "sync_ms": sync_ms, "wake_kv_ms": 0.0,
+                                                 "switch_ms": sync_ms, "peak_extra_bytes": 0,
+                                                 "bytes_received": metrics["weight_sync/bytes_received"]})
 
     throughput = {}
     if not args.skip_throughput:

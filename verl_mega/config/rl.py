@@ -80,8 +80,14 @@ class RolloutConfig(ConfigSection):
                                                            "default.", affects_results=False)
     enforce_eager: bool = option(False, help="Disable CUDA graphs in vLLM (slower decode, faster start-up).",
                                  affects_results=False)
-    free_cache_engine: bool = option(True, help="Free the KV cache (vLLM sleep) during training; re-allocate it for "
-                                                "the next rollout.", affects_results=False)
+    free_cache_engine: bool | Literal["auto"] = option(
+        "auto", help="Release vLLM's memory (sleep at rollout.sleep_level) while the roles train, and re-map it for "
+                     "the next rollout. `auto`: keep vLLM resident (no sleep or wake at the switch) when the memory "
+                     "model predicts that the training state, vLLM's weights and its KV cache fit on a GPU together, "
+                     "sleep otherwise; on CPU sleeping is a no-op.", affects_results=False)
+    sleep_level: Literal[1, 2] = option(
+        2, help="vLLM sleep level when it sleeps: 1 keeps its weights in host memory, 2 discards them (the weight "
+                "sync rewrites them anyway; least host memory).", affects_results=False)
     weight_sync: Literal["inplace", "reference"] = option(
         "inplace", help="`inplace`: write each rank's Megatron shard straight into vLLM's parameter slices; "
                         "`reference`: gather full tensors and let vLLM slice them (baseline).", affects_results=False)

@@ -31,7 +31,7 @@ divide tp·dp, etp and tg the experts' width, and tp > 1 needs sequence parallel
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import product
 
 from verl_mega.models.hf_config import ModelArch
@@ -331,6 +331,18 @@ class ConfigInputs:
     sequence_parallel: bool
 
 
+def rollout_fits_resident(cfg, placement: Placement, arch: ModelArch, gpu_mem_bytes: float, *,
+                          reserve_bytes: float = 2 * GiB) -> tuple[bool, float]:
+    """``rollout.free_cache_engine=auto``: whether the actor pool's GPUs hold the training roles' peak with vLLM's
+    weights, activations reserve and KV cache resident beside them (the memory model's peak over every phase, plus
+    ``reserve_bytes`` for the CUDA context and NCCL). Returns the answer and that predicted peak."""
+    given = inputs_from_config(cfg, placement)
+    resident = replace(given.rollout, free_cache_engine=False)
+    pred = predict_memory(arch, placement.pool_of("actor"), given.workload, roles=given.roles, rollout=resident,
+                          gpu_mem_bytes=gpu_mem_bytes)
+    return pred.peak + reserve_bytes <= gpu_mem_bytes, pred.peak
+
+
 def inputs_from_config(cfg, placement: Placement) -> ConfigInputs:
     """Planner inputs of a validated :class:`~verl_mega.config.TrainConfig`: the actor pool's layout is pinned, the
     micro-batch
@@ -350,7 +362,8 @@ def inputs_from_config(cfg, placement: Placement) -> ConfigInputs:
         roles.append(RoleSpec(name="ref", trainable=False, offload_params=ref.offload_params))
     defaults = RolloutSpec()
     spec = RolloutSpec(gpu_memory_utilization=rollout.gpu_memory_utilization,
-                       kv_cache_bytes=rollout.kv_cache_memory_bytes, free_cache_engine=rollout.free_cache_engine,
+                       kv_cache_bytes=rollout.kv_cache_memory_bytes,
+                       free_cache_engine=rollout.free_cache_engine is not False,  # auto: plan as asleep
                        max_num_seqs=rollout.max_num_seqs or defaults.max_num_seqs,
                        max_num_batched_tokens=rollout.max_num_batched_tokens or defaults.max_num_batched_tokens)
     pool = placement.pool_of("actor")

