@@ -21,7 +21,7 @@ case "${1:-models}" in
   rl)
     # the GRPO loop on GPUs with the tiny model: engine on CUDA, vLLM on CUDA, in-place weight sync over NCCL
     run timeout 200 torchrun --nproc-per-node 2 -m verl_mega.train --config configs/quickstart_cpu.yaml \
-        parallel.tp=2 rollout.tg=2 model.dtype=bfloat16 trainer.total_steps=20 trainer.output_dir=$OUT/rl \
+        parallel.tp=2 rollout.gen_tp=2 model.dtype=bfloat16 trainer.total_steps=20 trainer.output_dir=$OUT/rl \
         logging.progress_bar=false logging.tensorboard=false trainer.save_every=10 rollout.kv_cache_memory_bytes=null \
         rollout.gpu_memory_utilization=0.2 trainer.profile=true
     cp $OUT/rl/metrics.jsonl $OUT/rl_metrics.jsonl 2>/dev/null; rm -rf $OUT/rl
