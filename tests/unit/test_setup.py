@@ -69,6 +69,20 @@ def test_tokenizer_must_fit_the_model_vocabulary(tmp_path):
         load_tokenizer(path, model_vocab_size=size)
 
 
+def test_output_dir_probes_of_concurrent_ranks_do_not_collide(tmp_path):
+    """Every rank probes the same missing trainer.output_dir at once: each one's probe succeeds although another
+    removes the directory it made, and nothing is left behind."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from verl_mega.trainer import preflight
+
+    for trial in range(20):
+        target = tmp_path / f"run{trial}" / "out"
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(preflight.probe_output_dir, [str(target)] * 8))
+        assert not (tmp_path / f"run{trial}").exists()
+
+
 def test_output_dir_probe(tmp_path, monkeypatch):
     import errno
     import os

@@ -14,22 +14,24 @@ _PROBE_BYTES = 1 << 20  # a full disk fails on a write of this size even when a 
 
 
 def probe_output_dir(output_dir: str) -> None:
-    """trainer.output_dir can be created and written (a 1 MiB probe, removed again, as are directories it made)."""
+    """trainer.output_dir can be created and written: a 1 MiB probe, in the directory or, while it does not exist
+    yet, in a fresh directory beside where it would be made; every rank probes in its own unique files, and the
+    probe leaves nothing behind."""
     path = Path(output_dir)
     if path.exists() and not path.is_dir():
         raise ValueError(f"trainer.output_dir={output_dir!r} is a file, not a directory; point trainer.output_dir at "
                          f"a directory (it is created if missing)")
-    missing = []
     parent = path
     while not parent.exists():
-        missing.append(parent)
         parent = parent.parent
     if not parent.is_dir():
         raise ValueError(f"trainer.output_dir={output_dir!r}: {parent} is a file, not a directory; choose another "
                          f"trainer.output_dir")
+    scratch = None
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-probe-") as f:
+        if parent != path:  # making the missing directories is what the run will do: try it, privately
+            scratch = Path(tempfile.mkdtemp(dir=parent, prefix=".write-probe-"))
+        with tempfile.NamedTemporaryFile(dir=scratch or path, prefix=".write-probe-") as f:
             f.write(b"\0" * _PROBE_BYTES)
             f.flush()
             os.fsync(f.fileno())
@@ -37,8 +39,8 @@ def probe_output_dir(output_dir: str) -> None:
         raise ValueError(f"trainer.output_dir={output_dir!r} is not writable: {describe_os_error(exc)}; free space "
                          f"there or choose another trainer.output_dir") from None
     finally:
-        for made in missing:  # leave no partial output behind: only what existed before remains
-            shutil.rmtree(made, ignore_errors=True)
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
 def describe_os_error(exc: OSError) -> str:
