@@ -13,6 +13,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs CUDA GPUs; skipped without them")
     config.addinivalue_line("markers", "slow: multi-process or whole-run CPU test (every test under tests/distributed "
                                        "is one); the fast tier is -m 'not slow'")
+    if config.option.durations is None:  # the slowest tests, listed at the end of every run: what to trim next
+        config.option.durations = 15
 
 
 def pytest_collection_modifyitems(config, items):
