@@ -140,9 +140,6 @@ def _routing_valid(mb: dict[str, torch.Tensor]) -> None:
     mb["routing_valid"] = (torch.arange(s) < length[:, None]) & real_row[:, None]
 
 
-_METRIC_PREFIX = "metric:"  # micro-batch entries that are metrics computed before the step, not model inputs
-
-
 def _policy_loss_options(cfg) -> dict[str, object]:
     """The actor keys the selected policy loss reads, beside the inputs every loss shares."""
     if cfg.policy_loss == "gspo":
