@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from torchrun_util import run_torchrun
+from torchrun_util import run_torchrun, tagged_report
 from verl_mega.models.tiny import make_tiny_hf_model, moe_fields
 
 # (pp, tp, gen_tp, ranks, model, vocab, tied, (hidden, heads, kv heads)). vocab 300 misaligns Megatron's and
@@ -41,9 +41,7 @@ def test_hybrid_sync(case, tmp_path):
                                    num_layers=layers, tie_word_embeddings=tied, init_std=0.1, with_tokenizer=False)
     out = run_torchrun("hybrid_sync_job.py", nproc, "--pp", str(pp), "--tp", str(tp), "--gen-tp", str(tg),
                        "--model-dir", str(model_dir), timeout=540)
-    lines = [line for line in out.splitlines() if line.startswith("HYBRID ")]
-    assert lines, out[-3000:]
-    report = json.loads(lines[-1][len("HYBRID "):])
+    report = tagged_report(out, "HYBRID")
     ranks = report["ranks"]
     assert len(ranks) == nproc and all(r["checked"] > 0 for r in ranks)
 
@@ -94,7 +92,7 @@ def test_hybrid_sync_moe(case, tmp_path):
                                    extra=moe_fields(model_type))
     out = run_torchrun("hybrid_sync_job.py", nproc, "--pp", str(pp), "--tp", str(tp), "--ep", str(ep), "--etp",
                        str(etp), "--gen-tp", str(tg), "--model-dir", str(model_dir), timeout=540)
-    report = json.loads(next(x for x in out.splitlines() if x.startswith("HYBRID "))[len("HYBRID "):])
+    report = tagged_report(out, "HYBRID")
     ranks = report["ranks"]
     assert len(ranks) == nproc and all(r["checked"] > 0 and r["lp_diff"] < 1e-4 for r in ranks)
     assert all(r["bytes"] == r["predicted"] for r in ranks), ranks  # exact: vocab 512 aligns both paddings

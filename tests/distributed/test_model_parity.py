@@ -3,7 +3,6 @@ parallelism (cp=2) with its gradients, Mixture-of-Experts models at (tp,pp,ep) �
 with their gradients, and the HF → mcore dist checkpoint (converted for tp=2,pp=2) → HF round trip, reloaded at
 other layouts."""
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchrun_util import run_torchrun
+from torchrun_util import run_torchrun, tagged_report
 from verl_mega.models.hf_io import HFCheckpointReader
 from verl_mega.models.tiny import make_tiny_hf_model, moe_fields
 
@@ -30,9 +29,7 @@ def models(tmp_path_factory):
 
 
 def _parity(out: str) -> dict:
-    lines = [line for line in out.splitlines() if line.startswith("PARITY ")]
-    assert lines, out[-3000:]
-    return json.loads(lines[-1][len("PARITY "):])
+    return tagged_report(out, "PARITY")
 
 
 @pytest.mark.parametrize("layout", [("1", "1", False), ("2", "1", False), ("2", "1", True), ("1", "2", False)],

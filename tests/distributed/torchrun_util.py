@@ -48,3 +48,14 @@ def run_in_session(cmd: list[str], *, env: dict, log: Path, timeout: float, cwd:
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def tagged_report(out: str, tag: str) -> dict:
+    """The last ``<TAG> {json}`` report a job printed. The ranks share one pipe, so another rank's progress bar may
+    precede the report on its line, or follow it."""
+    import json
+
+    marker = f"{tag} {{"
+    found = [line[line.index(marker) + len(tag) + 1:] for line in out.splitlines() if marker in line]
+    assert found, out[-3000:]
+    return json.JSONDecoder().raw_decode(found[-1])[0]
