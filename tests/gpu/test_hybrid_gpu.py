@@ -12,7 +12,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "distributed"))
 
-from torchrun_util import free_port, run_torchrun  # noqa: E402
+from torchrun_util import free_port, run_torchrun, tagged_report  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -31,8 +31,7 @@ def test_sync_parity_on_gpu(gen_tp, tmp_path):
     # (measured on 2×H200: 1.9e-3 at gen_tp=2); greedy tokens must still match HF exactly.
     out = run_torchrun("hybrid_sync_job.py", 2, "--pp", "1", "--tp", "2", "--gen-tp", str(gen_tp),
                        "--model-dir", str(model_dir), "--lp-tol", "5e-3", timeout=800)
-    line = [x for x in out.splitlines() if x.startswith("HYBRID ")][-1]
-    report = json.loads(line[len("HYBRID "):])
+    report = tagged_report(out, "HYBRID")
     print(json.dumps(report["ranks"]))
     assert all(r["lp_diff"] < 5e-3 for r in report["ranks"])
 
