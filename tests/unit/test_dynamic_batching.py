@@ -45,9 +45,10 @@ def test_token_budget_matches_fixed_micro_batches(world, tmp_path):
     batch["old_logprobs"] = lp_fixed
     batch["ref_logprobs"] = lp_fixed
     batch["advantages"] = torch.randn(8, 6, generator=g) * mask
-    from verl_mega.trainer.roles import _token_budget_batches
+    from verl_mega.trainer.micro_batching import make_micro_batches
 
-    assert len(_token_budget_batches(batch, 40, ("input_ids", "prompt_len", "response_len"), 8)) > 2  # really regrouped
+    regrouped = make_micro_batches(batch, ("input_ids", "prompt_len"), rows_per_micro_batch=4, token_budget=40)
+    assert len(regrouped) > 2  # really regrouped
     m1 = fixed.update(batch, mini_batch_rows=8)
     m2 = dynamic.update(batch, mini_batch_rows=8)
     assert abs(m1["actor/pg_loss"] - m2["actor/pg_loss"]) < 1e-5

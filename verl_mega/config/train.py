@@ -82,6 +82,10 @@ class TrainConfig(ConfigSection):
                       "actor.routing_replay=r3 replays the routing of one vLLM generation per sample, but "
                       "rollout.multi_turn.enable=true builds each sample from several (with tool answers vLLM never "
                       "routed); set actor.routing_replay=r2 or rollout.multi_turn.enable=false")
+        self._require(self.actor.routing_replay == "none" or not self.model.use_remove_padding,
+                      f"actor.routing_replay={self.actor.routing_replay} replays routings recorded per padded row, "
+                      f"but model.use_remove_padding=true packs rows; set model.use_remove_padding=false or "
+                      f"actor.routing_replay=none")
         ob = self.reward.overlong_buffer
         self._require(not ob.enable or ob.len <= self.rollout.max_response_length,
                       f"reward.overlong_buffer.len={ob.len} exceeds rollout.max_response_length="
@@ -197,15 +201,19 @@ class TrainConfig(ConfigSection):
                       f"data.train_batch_size={prompts} prompts do not split into whole groups over {dp} data-parallel "
                       f"ranks (algorithm.adv_estimator={est} keeps each prompt's rollout.n samples on one rank); set "
                       f"data.train_batch_size to a multiple of {dp}")
+        self._require(parallel_dims.cp == 1 or not self.model.use_remove_padding,
+                      f"model.use_remove_padding=true packs sequences, which context parallelism (cp="
+                      f"{parallel_dims.cp}) does not split yet; set model.use_remove_padding=false or cp=1")
         for role in self._trained_roles():
             mini, mini_key = role.ppo_mini_batch_size, role.key("ppo_mini_batch_size")
             samples = mini * n
             self._require(samples % dp == 0,
                           f"{mini_key}·rollout.n = {mini}·{n} = {samples} samples do not split over {dp} "
                           f"data-parallel ranks; make {mini_key}·rollout.n a multiple of {dp}")
-            self._require(not role.use_dynamic_bsz or parallel_dims.pp == 1,
-                          f"{role.key('use_dynamic_bsz')}=true needs parallel.pp=1 (pipeline stages exchange "
-                          f"fixed-shape micro-batches); set it to false or use pp=1")
+            self._require(not role.use_dynamic_bsz or parallel_dims.pp == 1 or self.model.use_remove_padding,
+                          f"{role.key('use_dynamic_bsz')}=true with padded rows needs parallel.pp=1 (pipeline stages "
+                          f"exchange fixed-shape micro-batches); set model.use_remove_padding=true (packed "
+                          f"micro-batches of one token budget), {role.key('use_dynamic_bsz')}=false or pp=1")
             per_rank, micro = samples // dp, role.micro_batch_size_per_gpu
             self._require(role.use_dynamic_bsz or per_rank % micro == 0,
                           f"the {role.SECTION} mini-batch has {per_rank} samples per data-parallel rank "

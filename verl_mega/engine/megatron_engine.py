@@ -15,6 +15,7 @@ import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
@@ -193,9 +194,17 @@ class MegatronEngine:
     def _model_forward(self, model, mb: MicroBatch) -> torch.Tensor:
         device = _device()
         for k, v in mb.items():  # roles build batches on the host; the model and loss run on the device
-            if v.device != device:
+            if v.device != device and k != "max_seqlen":
                 mb[k] = v.to(device, non_blocking=True)
         ids, pos = mb["input_ids"], mb["position_ids"]
+        if "cu_seqlens" in mb:  # packed (THD): one row of back-to-back sequences
+            if self.cp > 1:
+                raise ValueError("engine: packed sequences with context parallelism are not supported; set "
+                                 "model.use_remove_padding=false or parallel.cp=1")
+            longest = int(mb["max_seqlen"])
+            packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=mb["cu_seqlens"], cu_seqlens_kv=mb["cu_seqlens"],
+                                     max_seqlen_q=longest, max_seqlen_kv=longest)
+            return model(ids, pos, None, packed_seq_params=packed)
         if self.cp > 1:  # the model sees this rank's chunks; the loss keeps the whole micro-batch
             local = self.cp_positions(ids.shape[1]).to(device)
             ids, pos = ids[:, local], pos[:, local]

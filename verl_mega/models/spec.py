@@ -19,6 +19,7 @@ layers keep :class:`GroupedExperts`, so the expert weight layout (and every conv
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import math
 
 import torch
@@ -71,8 +72,12 @@ class SDPAttention(MegatronModule):
         attention_bias: torch.Tensor | None = None,
         packed_seq_params=None,
     ) -> torch.Tensor:
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("SDPAttention does not support packed sequences or attention bias; use the TE spec")
+        if attention_bias is not None:
+            raise ValueError("SDPAttention does not support an attention bias; use the TE spec")
+        if packed_seq_params is not None:
+            if self.cp_group is not None:
+                raise ValueError("SDPAttention: packed sequences with context parallelism are not supported")
+            return self._packed(query, key, value, packed_seq_params)
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         if self.cp_group is not None:
             attention_mask = self._context_parallel_mask(query.size(0), query.device)
@@ -95,6 +100,30 @@ class SDPAttention(MegatronModule):
         s, b = out.size(2), out.size(0)
         return out.permute(2, 0, 1, 3).reshape(s, b, self.hidden_size_per_partition)
 
+    def _packed(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params) -> torch.Tensor:
+        """Causal attention inside each sequence of a THD pack ([t, heads, d]; ``cu_seqlens`` marks the sequences):
+        varlen flash attention on CUDA, a block-diagonal causal mask elsewhere."""
+        cu = params.cu_seqlens_q
+        p = self.config.attention_dropout if self.training else 0.0
+        t = query.size(0)
+        if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and p == 0.0 and _VARLEN_CAUSAL:
+            if query.size(1) != key.size(1) and "enable_gqa" not in _VARLEN_CAUSAL:
+                rep = query.size(1) // key.size(1)
+                key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+            gqa = {"enable_gqa": True} if query.size(1) != key.size(1) else {}
+            out = _varlen_attn(query, key, value, cu, cu, params.max_seqlen_q, params.max_seqlen_kv,
+                               scale=self.softmax_scale, **_VARLEN_CAUSAL["causal"], **gqa)
+            return out.reshape(t, self.hidden_size_per_partition)
+        segment = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=cu.device), (cu[1:] - cu[:-1]).long())
+        pos = torch.arange(t, device=query.device)
+        allow = (segment[:, None] == segment[None, :]) & (pos[None, :] <= pos[:, None])
+        q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))  # -> [1, heads, t, d]
+        if q.size(1) != k.size(1):
+            rep = q.size(1) // k.size(1)
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allow, dropout_p=p, scale=self.softmax_scale)
+        return out[0].transpose(0, 1).reshape(t, self.hidden_size_per_partition)
+
     def _context_parallel_mask(self, local_len: int, device: torch.device) -> torch.Tensor:
         """mcore's convention (True = masked out): query i may see key j when j's global position ≤ i's; keys come
         gathered rank by rank."""
@@ -105,6 +134,23 @@ class SDPAttention(MegatronModule):
         keys = torch.tensor([p for r in range(cp) for p in context_chunks(seq, cp, r)], device=device)
         queries = torch.tensor(context_chunks(seq, cp, rank), device=device)
         return keys[None, :] > queries[:, None]
+
+
+def _varlen_causal() -> dict:
+    """How this torch's ``varlen_attn`` is asked for a causal mask (``is_causal`` in some releases, a (-1, 0) window in
+    others), and whether it takes ``enable_gqa``; empty when torch has no varlen attention."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return {}
+    params = inspect.signature(varlen_attn).parameters
+    causal = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    return {"causal": causal, **({"enable_gqa": True} if "enable_gqa" in params else {})}
+
+
+_VARLEN_CAUSAL = _varlen_causal()
+if _VARLEN_CAUSAL:
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
 
 
 class _GatherSequence(torch.autograd.Function):

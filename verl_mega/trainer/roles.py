@@ -11,92 +11,53 @@ import torch
 from verl_mega import algos
 from verl_mega.engine.logprobs import vocab_parallel_logprobs_entropy
 from verl_mega.engine.megatron_engine import MegatronEngine
-from verl_mega.trainer.batch import Batch, response_positions
+from verl_mega.trainer.batch import Batch
+from verl_mega.trainer.micro_batching import MicroBatches, last_token, make_micro_batches, next_tokens, \
+    response_frame
 
 
-def micro_batches(batch: Batch, size: int, keys: tuple[str, ...], *, token_budget: int | None = None,
-                  multiple: int = 8) -> tuple[list[dict[str, torch.Tensor]], int]:
-    """Split into equal-shape micro-batches (the pipeline schedule needs one shape); the last one is padded with
-    copies of row 0 whose masks are zeroed. Returns the micro-batches and the number of real rows.
-
-    With `token_budget` (dynamic batching, pp=1 only) consecutive rows are packed while rows × longest row stays
-    within the budget, and each micro-batch is cut to its own longest row (rounded up to ``multiple``, the engine's
-    sequence multiple): short responses cost less compute.
-    """
-    if token_budget is not None:
-        return _token_budget_batches(batch, token_budget, keys, multiple), len(batch)
-    n = len(batch)
-    pad = (-n) % size
-    rows = list(range(n)) + [0] * pad
-    out = []
-    for start in range(0, len(rows), size):
-        idx = torch.tensor(rows[start:start + size])
-        mb = {k: batch[k][idx] for k in keys if k in batch.tensors}
-        real = torch.tensor([start + i < n for i in range(size)], dtype=torch.float32)
-        if "response_mask" in mb:
-            mb["response_mask"] = mb["response_mask"] * real[:, None]
-        s = mb["input_ids"].shape[1]
-        mb["position_ids"] = torch.arange(s).expand(size, s)
-        out.append(mb)
-    return out, n
-
-
-def _token_budget_batches(batch: Batch, budget: int, keys: tuple[str, ...], multiple: int
-                          ) -> list[dict[str, torch.Tensor]]:
-    lengths = (batch["prompt_len"] + batch["response_len"]).tolist()
-    groups, current, longest = [], [], 0
-    for i, length in enumerate(lengths):
-        if current and (len(current) + 1) * max(longest, length) > budget:
-            groups.append(current)
-            current, longest = [], 0
-        current.append(i)
-        longest = max(longest, length)
-    if current:
-        groups.append(current)
-    out = []
-    for rows in groups:
-        idx = torch.tensor(rows)
-        width = int(max(lengths[i] for i in rows))
-        width = min(batch["input_ids"].shape[1], -(-width // multiple) * multiple)
-        mb = {k: batch[k][idx] for k in keys if k in batch.tensors}
-        mb["input_ids"] = mb["input_ids"][:, :width]
-        mb["position_ids"] = torch.arange(width).expand(len(rows), width)
-        out.append(mb)
-    return out
-
-
-def _response_frame(full: torch.Tensor, mb: dict[str, torch.Tensor], width: int) -> torch.Tensor:
-    """Per-position values over the sequence ([b, s-1]) → the response frame [b, width]."""
-    idx = response_positions(mb["prompt_len"], width).clamp(max=full.shape[1] - 1)
-    return full.gather(1, idx)
+def split(engine: MegatronEngine, batch: Batch, keys: tuple[str, ...], *, rows: int, token_budget: int | None,
+          packed: bool) -> MicroBatches:
+    """The engine's micro-batches of ``batch``: one shape per call with pipeline stages; with a token budget on a
+    Mixture-of-Experts model, as many micro-batches on every data-parallel rank (each one's token dispatch is an
+    expert-parallel collective)."""
+    agree = None
+    if token_budget is not None and engine.is_moe and engine.dp_size > 1:
+        def agree(n: int) -> int:
+            return int(engine.dp_all_reduce(float(n), "max"))
+    return make_micro_batches(batch, keys, rows_per_micro_batch=rows, token_budget=token_budget,
+                              multiple=engine.seq_multiple, packed=packed, same_shape=engine.groups.size("pp") > 1,
+                              agree_count=agree)
 
 
 class PolicyRole:
     """Log-probs of responses under a (vocab-parallel) LM head: shared by actor and reference."""
 
     def __init__(self, engine: MegatronEngine, *, vocab_size: int, micro_batch_size: int, temperature: float,
-                 max_tokens_per_micro_batch: int | None = None) -> None:
+                 max_tokens_per_micro_batch: int | None = None, packed: bool = False) -> None:
         self.engine = engine
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
         self.vocab_size = vocab_size
         self.micro_batch_size = micro_batch_size
         self.temperature = temperature
+        self.packed = packed
 
-    def _token_budget(self) -> int | None:
-        return self.max_tokens_per_micro_batch
+    def _split(self, batch: Batch, keys: tuple[str, ...], rows: int | None = None) -> MicroBatches:
+        return split(self.engine, batch, keys, rows=rows or self.micro_batch_size,
+                     token_budget=self.max_tokens_per_micro_batch, packed=self.packed)
 
     def _logprobs(self, output: torch.Tensor, mb: dict[str, torch.Tensor], with_entropy: bool):
         ids, engine = mb["input_ids"], self.engine
         kw = dict(vocab_size=self.vocab_size, tp_group=engine.groups["tp"], temperature=self.temperature,
                   with_entropy=with_entropy)
         if engine.cp == 1:
-            lp, ent = vocab_parallel_logprobs_entropy(output[:, :-1], ids[:, 1:], **kw)
+            lp, ent = vocab_parallel_logprobs_entropy(output, next_tokens(ids), **kw)
         else:  # this rank's chunks predict the tokens after their global positions; then the whole sequence
             nxt = (engine.cp_positions(ids.shape[1]).to(ids.device) + 1).clamp(max=ids.shape[1] - 1)
             lp, ent = vocab_parallel_logprobs_entropy(output, ids[:, nxt], **kw)
-            lp, ent = (engine.full_sequence(t)[:, :-1] if t is not None else None for t in (lp, ent))
+            lp, ent = (engine.full_sequence(t) if t is not None else None for t in (lp, ent))
         width = mb["response_mask"].shape[1]
-        return _response_frame(lp, mb, width), (_response_frame(ent, mb, width) if ent is not None else None)
+        return response_frame(lp, mb, width), (response_frame(ent, mb, width) if ent is not None else None)
 
     @torch.no_grad()
     def compute_logprobs(self, batch: Batch, *, with_entropy: bool = False) -> dict[str, torch.Tensor]:
@@ -107,8 +68,7 @@ class PolicyRole:
         routing = self.engine.routing
         replay = routing is not None and "rollout_routing" in batch  # R3
         keys = ("input_ids", "prompt_len", "response_mask") + (("rollout_routing", "response_len") if replay else ())
-        mbs, n = micro_batches(batch, self.micro_batch_size, keys,
-                               token_budget=self._token_budget(), multiple=self.engine.seq_multiple)
+        mbs = self._split(batch, keys)
         if replay:
             for mb in mbs:
                 mb["routed_experts"] = routing.local_layers(mb.pop("rollout_routing"))
@@ -119,12 +79,12 @@ class PolicyRole:
             return {"logprobs": lp} | ({"entropy": ent} if ent is not None else {})
 
         record = routing is not None and not replay  # R2: the update replays this pass's expert routing
-        res = self.engine.forward(mbs, post, record_routing=record)
-        out = {k: torch.cat([r[k] for r in res])[:n] for k in res[0] if k != "routed_experts"}
+        res = self.engine.forward(mbs.batches, post, record_routing=record)
+        out = {k: mbs.restore([r[k] for r in res]) for k in res[0]}
         if record:  # micro-batches may be cut to different widths: pad to the batch's
             width = batch["input_ids"].shape[1]
-            out["routed_experts"] = torch.cat([torch.nn.functional.pad(r["routed_experts"], (
-                0, 0, 0, 0, 0, width - r["routed_experts"].shape[1])) for r in res])[:n]
+            out["routed_experts"] = torch.nn.functional.pad(out["routed_experts"], (
+                0, 0, 0, 0, 0, width - out["routed_experts"].shape[1]))
         if replay:
             out["routed_experts"] = routing.local_layers(batch["rollout_routing"])
             out["router_agreement"] = torch.tensor(self.engine.last_router_agreement, dtype=torch.float64)
@@ -157,9 +117,10 @@ def _policy_loss_options(cfg) -> dict[str, object]:
 
 
 class Actor(PolicyRole):
-    def __init__(self, engine: MegatronEngine, cfg, *, vocab_size: int, temperature: float) -> None:
+    def __init__(self, engine: MegatronEngine, cfg, *, vocab_size: int, temperature: float,
+                 packed: bool = False) -> None:
         super().__init__(engine, vocab_size=vocab_size, micro_batch_size=cfg.micro_batch_size_per_gpu,
-                         temperature=temperature,
+                         temperature=temperature, packed=packed,
                          max_tokens_per_micro_batch=cfg.max_tokens_per_gpu if cfg.use_dynamic_bsz else None)
         self.cfg = cfg
 
@@ -179,8 +140,7 @@ class Actor(PolicyRole):
             order = torch.randperm(len(batch)) if cfg.shuffle else torch.arange(len(batch))
             for start in range(0, len(batch), mini_batch_rows):
                 mini = batch.select(order[start:start + mini_batch_rows])
-                mbs, _ = micro_batches(mini, self.micro_batch_size, keys, token_budget=self._token_budget(),
-                                       multiple=self.engine.seq_multiple)
+                mbs = self._split(mini, keys).batches
                 for mb in mbs:
                     if "routed_experts" in mb:  # the router-agreement metric counts real tokens only
                         _routing_valid(mb)
@@ -253,19 +213,25 @@ class Actor(PolicyRole):
 
 
 class Critic:
-    def __init__(self, engine: MegatronEngine, cfg) -> None:
+    def __init__(self, engine: MegatronEngine, cfg, *, packed: bool = False) -> None:
         self.engine = engine
         self.cfg = cfg
+        self.packed = packed
+
+    def _split(self, batch: Batch, keys: tuple[str, ...]) -> MicroBatches:
+        cfg = self.cfg
+        return split(self.engine, batch, keys, rows=cfg.micro_batch_size_per_gpu,
+                     token_budget=cfg.max_tokens_per_gpu if cfg.use_dynamic_bsz else None, packed=self.packed)
 
     def _values(self, output: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
-        full = self.engine.full_sequence(output[..., 0].float())[:, :-1]
-        return _response_frame(full, mb, mb["response_mask"].shape[1])
+        full = self.engine.full_sequence(output[..., 0].float())
+        return response_frame(full, mb, mb["response_mask"].shape[1])
 
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> torch.Tensor:
-        mbs, n = micro_batches(batch, self.cfg.micro_batch_size_per_gpu, ("input_ids", "prompt_len", "response_mask"))
-        res = self.engine.forward(mbs, lambda out, mb: {"values": self._values(out, mb) * mb["response_mask"]})
-        return torch.cat([r["values"] for r in res])[:n]
+        mbs = self._split(batch, ("input_ids", "prompt_len", "response_mask"))
+        res = self.engine.forward(mbs.batches, lambda out, mb: {"values": self._values(out, mb) * mb["response_mask"]})
+        return mbs.restore([r["values"] for r in res])
 
     def update(self, batch: Batch, *, mini_batch_rows: int) -> dict[str, float]:
         cfg = self.cfg
@@ -274,7 +240,7 @@ class Critic:
         for _ in range(cfg.ppo_epochs):
             for start in range(0, len(batch), mini_batch_rows):
                 mini = batch.select(range(start, min(start + mini_batch_rows, len(batch))))
-                mbs, _ = micro_batches(mini, cfg.micro_batch_size_per_gpu, keys)
+                mbs = self._split(mini, keys).batches
                 normalizer = self.engine.dp_all_reduce(sum(algos.agg_loss_normalizer(mb["response_mask"])
                                                            for mb in mbs))
                 scale = self.engine.dp_size * len(mbs)
@@ -295,20 +261,19 @@ class Critic:
 class RewardModel:
     """A value-head model whose output at the last response token is the sequence reward."""
 
-    def __init__(self, engine: MegatronEngine, *, micro_batch_size: int) -> None:
+    def __init__(self, engine: MegatronEngine, *, micro_batch_size: int, packed: bool = False) -> None:
         self.engine = engine
         self.micro_batch_size = micro_batch_size
+        self.packed = packed
 
     @torch.no_grad()
     def score(self, batch: Batch) -> torch.Tensor:
-        mbs, n = micro_batches(batch, self.micro_batch_size, ("input_ids", "prompt_len", "response_len",
-                                                              "response_mask"))
+        mbs = split(self.engine, batch, ("input_ids", "prompt_len", "response_len", "response_mask"),
+                    rows=self.micro_batch_size, token_budget=None, packed=self.packed)
 
         def post(output, mb):
-            last = (mb["prompt_len"] + mb["response_len"] - 1).clamp_min(0)
-            values = self.engine.full_sequence(output[..., 0].float())
-            return {"score": values.gather(1, last[:, None])[:, 0]}
+            return {"score": last_token(self.engine.full_sequence(output[..., 0].float()), mb)}
 
-        res = self.engine.forward(mbs, post)
-        return torch.cat([r["score"] for r in res])[:n]
+        res = self.engine.forward(mbs.batches, post)
+        return mbs.restore([r["score"] for r in res])
 

@@ -360,18 +360,22 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
     actor_m = build_role_engine(cfg, groups, path, role_cfg=cfg.actor, total_steps=total_steps)
     if cfg.actor.routing_replay in ("r2", "r3"):
         actor_m.engine.enable_routing_replay()
-    actor = Actor(actor_m.engine, cfg.actor, vocab_size=arch.vocab_size, temperature=cfg.rollout.temperature)
+    packed = cfg.model.use_remove_padding
+    actor = Actor(actor_m.engine, cfg.actor, vocab_size=arch.vocab_size, temperature=cfg.rollout.temperature,
+                  packed=packed)
     ref = critic = reward_model = None
     if cfg.ref.enable:
         ref = PolicyRole(build_role_engine(cfg, groups, path).engine, vocab_size=arch.vocab_size,
-                         micro_batch_size=cfg.ref.micro_batch_size_per_gpu, temperature=cfg.rollout.temperature)
+                         micro_batch_size=cfg.ref.micro_batch_size_per_gpu, temperature=cfg.rollout.temperature,
+                         packed=packed)
     if cfg.critic.enable:
         critic = Critic(build_role_engine(cfg, groups, resolve_critic_path(cfg, path), role_cfg=cfg.critic,
-                                          value_head=True, total_steps=total_steps).engine, cfg.critic)
+                                          value_head=True, total_steps=total_steps).engine, cfg.critic,
+                        packed=packed)
     if cfg.reward.reward_model_path:
         reward_model = RewardModel(build_role_engine(cfg, groups, Path(cfg.reward.reward_model_path),
                                                      value_head=True).engine,
-                                   micro_batch_size=cfg.actor.micro_batch_size_per_gpu)
+                                   micro_batch_size=cfg.actor.micro_batch_size_per_gpu, packed=packed)
     # the tokens/flops counters are global (all ranks' samples), so per-device rates divide by the world size
     cuda = torch.cuda.is_available()
     peak = cfg.trainer.peak_tflops * 1e12 if cfg.trainer.peak_tflops else \
