@@ -18,11 +18,15 @@ from __future__ import annotations
 import argparse
 import fcntl
 import json
+import math
 import os
 import statistics
 import sys
 import time
+import zlib
+from dataclasses import dataclass
 from pathlib import Path
+from statistics import NormalDist
 
 import torch
 import torch.distributed as dist
@@ -34,6 +38,44 @@ from verl_mega.trainer.rl_trainer import RLTrainer  # noqa: E402
 from verl_mega.trainer.transfer import SamplePath  # noqa: E402
 
 STAGES = ("rollout", "reward", "old_logprob", "ref_logprob", "advantage", "actor_update", "weight_sync")
+
+
+@dataclass(frozen=True)
+class LengthDist:
+    """Long-tailed response lengths: each prompt's samples stop after a lognormal number of tokens (median, log-std
+    sigma, clipped to [low, high]), drawn from a hash of the prompt, so both loops see the same lengths. Generation
+    ignores EOS and stops there, as if the model had emitted EOS: the straggler problem of real RL."""
+
+    median: int
+    sigma: float
+    low: int
+    high: int
+
+    def of(self, prompt) -> int:
+        u = (zlib.crc32(",".join(map(str, prompt)).encode()) + 0.5) / 2**32
+        return int(min(self.high, max(self.low, round(self.median * math.exp(self.sigma * NormalDist().inv_cdf(u))))))
+
+
+LENGTHS: LengthDist | None = None  # set by --lengths lognormal
+
+
+def _long_tailed_vllm() -> None:
+    """Give every prompt of a vLLM call its own max_tokens from :data:`LENGTHS`."""
+    from dataclasses import replace
+
+    from verl_mega.rollout.vllm_rollout import SamplingSpec, VLLMRollout
+
+    plain = VLLMRollout.generate
+
+    def generate(self, prompt_token_ids, sampling):
+        if LENGTHS is None or not isinstance(sampling, SamplingSpec):
+            return plain(self, prompt_token_ids, sampling)
+        specs = [replace(sampling, max_tokens=LENGTHS.of(p), min_tokens=0,
+                         seed=None if sampling.seed is None else sampling.seed + i)
+                 for i, p in enumerate(prompt_token_ids)]
+        return plain(self, prompt_token_ids, specs)
+
+    VLLMRollout.generate = generate
 
 
 class _SampledLogprobs:
@@ -84,10 +126,13 @@ class HFGenerateRollout:
             attn[row, width - len(p):] = 1
         recorder = _SampledLogprobs()
         torch.manual_seed(spec.seed + (mine[0] if mine else 0))
+        # with long-tailed lengths the batch runs until its longest sample stops, as HF generate does with EOS
+        stop = [LENGTHS.of(prompt_ids[i]) if LENGTHS else spec.max_tokens for i in mine]
+        longest = max(stop, default=spec.max_tokens)
         out = self.hf_model.generate(
             input_ids=ids.to(device), attention_mask=attn.to(device), do_sample=True, temperature=spec.temperature,
-            top_p=spec.top_p, top_k=spec.top_k, num_return_sequences=spec.n, max_new_tokens=spec.max_tokens,
-            min_new_tokens=spec.max_tokens if spec.ignore_eos else 0,
+            top_p=spec.top_p, top_k=spec.top_k, num_return_sequences=spec.n, max_new_tokens=longest,
+            min_new_tokens=longest if spec.ignore_eos else 0,
             eos_token_id=None if spec.ignore_eos else self.tokenizer.eos_token_id, pad_token_id=pad,
             logits_processor=[recorder])
         new = out[:, width:]
@@ -96,6 +141,7 @@ class HFGenerateRollout:
         local = []
         eos = self.tokenizer.eos_token_id
         for row, tokens in enumerate(new.cpu().tolist()):
+            tokens = tokens[:stop[row // spec.n]]
             if not spec.ignore_eos and eos in tokens:
                 tokens = tokens[: tokens.index(eos) + 1]  # keep EOS, drop the padding after it
             local.append(Sample(mine[row // spec.n], tokens, lps[row, : len(tokens)].tolist()))
@@ -160,7 +206,7 @@ def run_steps(trainer, job, steps: int) -> list[dict[str, float]]:
     return out
 
 
-def summarise(steps: list[dict[str, float]], world: int) -> dict[str, float]:
+def summarise(steps: list[dict[str, float]], world: int, arch=None, samples: int = 0) -> dict[str, float]:
     def mean(key: str) -> float:
         vals = [s[key] for s in steps if key in s]
         return statistics.fmean(vals) if vals else 0.0
@@ -179,6 +225,18 @@ def summarise(steps: list[dict[str, float]], world: int) -> dict[str, float]:
     res["rollout_prefill_s"] = mean("timing/rollout/prefill_s")
     res["rollout_decode_s"] = mean("timing/rollout/decode_s")
     res["decode_step_ms"] = mean("timing/decode_step_ms")
+    if arch is not None and samples:
+        # model FLOPs (6N + 12·L·H·s per token, s = the mean sequence length) of the stages over the batch's tokens
+        from verl_mega.trainer.profiler import transformer_flops_per_token
+
+        tokens, context = gen + prompt, (gen + prompt) / samples
+        for stage, training in (("actor_update", True), ("old_logprob", False), ("ref_logprob", False)):
+            per_token = transformer_flops_per_token(arch.num_layers, arch.hidden_size, arch.ffn_hidden_size,
+                                                    arch.num_heads, arch.num_kv_heads, arch.head_dim,
+                                                    arch.vocab_size, int(context), training)
+            seconds = res[f"{stage}_s"]
+            res[f"{stage}_tflops_per_gpu"] = per_token * tokens / seconds / world / 1e12 if seconds else 0.0
+        res["mean_sequence_length"] = context
     return res
 
 
@@ -193,6 +251,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="timed steps of the hybrid engine")
     ap.add_argument("--baseline-steps", type=int, default=2, help="timed steps of the baseline")
     ap.add_argument("--gen-tp", type=int, default=None, help="vLLM tensor parallel size (default: the world size)")
+    ap.add_argument("--lengths", choices=["fixed", "lognormal"], default="fixed",
+                    help="fixed: every sample --response-length tokens; lognormal: per-prompt lengths with median "
+                         "--response-length/4, log-std 1.0, clipped to [16, --response-length]")
     ap.add_argument("--out", required=True)
     ap.add_argument("overrides", nargs="*",
                     help="extra config overrides for both runs, e.g. actor.use_dynamic_bsz=true")
@@ -201,6 +262,10 @@ def main() -> None:
     from verl_mega.config import load_config
     from verl_mega.trainer.setup import build_job
 
+    global LENGTHS
+    if args.lengths == "lognormal":
+        LENGTHS = LengthDist(median=args.response_length // 4, sigma=1.0, low=16, high=args.response_length)
+        _long_tailed_vllm()
     default = "/tmp/verl_mega_bench/" + ("tiny-random" if args.tiny else "qwen2.5-1.5b-random-v2")
     model_dir = Path(args.model_dir or default)
     make_model(model_dir, args.tiny)
@@ -243,9 +308,11 @@ def main() -> None:
     baseline = run_steps(baseline_trainer, job, args.warmup + args.baseline_steps)[args.warmup:]
 
     if rank == 0:
-        h, b = summarise(hybrid, world), summarise(baseline, world)
+        samples = args.prompts * args.group_size
+        h, b = summarise(hybrid, world, job.arch, samples), summarise(baseline, world, job.arch, samples)
         result = {"world": world, "device": torch.cuda.get_device_name() if not cpu else "cpu",
-                  "prompts": args.prompts, "n": args.group_size, "response_length": args.response_length,
+                  "lengths": args.lengths, "overrides": list(args.overrides), "prompts": args.prompts,
+                  "n": args.group_size, "response_length": args.response_length,
                   "model_dir": str(model_dir), "hybrid": h, "baseline": b,
                   "speedup_step": b["step_s"] / h["step_s"], "hybrid_steps": hybrid, "baseline_steps": baseline}
         Path(args.out).write_text(json.dumps(result, indent=1))
@@ -253,7 +320,8 @@ def main() -> None:
         for key in [f"{s}_s" for s in STAGES] + ["step_s", "tokens_per_s_per_gpu", "generated_tokens_per_s_per_gpu",
                                                   "rollout_tokens_per_s", "logprob_diff_mean", "overlap_efficiency",
                                                   "tflops_per_gpu", "mfu", "rollout_prefill_s", "rollout_decode_s",
-                                                  "decode_step_ms"]:
+                                                  "decode_step_ms", "actor_update_tflops_per_gpu",
+                                                  "old_logprob_tflops_per_gpu", "mean_sequence_length"]:
             print(f"{key:<34}{h[key]:>12.3f}{b[key]:>14.3f}")
         print(f"speed-up (step time): {result['speedup_step']:.2f}x")
     job.close()

@@ -2,7 +2,8 @@
 
     # parity at tp=2 (2 GPUs) — mcore (our SDPA spec, bf16) vs HF transformers (bf16) logits:
     torchrun --nproc-per-node 2 benchmarks/bench_model_gpu.py parity --out parity.json
-    # fwd+bwd throughput on 1 GPU, our SDPA spec vs mcore's local spec, 8×1024 tokens:
+    # fwd+bwd throughput on 1 GPU: our spec (padded, fused log-probs, packed) vs mcore's local spec vs HF + SDPA at
+    # 8×1024 tokens, then long-tailed lengths padded vs packed:
     python benchmarks/bench_model_gpu.py throughput --out throughput.json
 
 The model is a Qwen2.5-1.5B-architecture model with random weights (no download).
@@ -85,7 +86,39 @@ def parity(args) -> dict:
     return out
 
 
-def _time_fwd_bwd(use_te: str, spec: str, arch, args, groups) -> float:
+def _timed(step, iters: int) -> float:
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / iters
+
+
+def _fused_loss(logits: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    from verl_mega.engine.logprobs import vocab_parallel_logprobs_entropy
+    from verl_mega.trainer.micro_batching import next_tokens
+
+    lp, _ = vocab_parallel_logprobs_entropy(logits, next_tokens(ids), vocab_size=vocab, tp_group=None)
+    return -lp.mean()
+
+
+def _packed_params(lengths: list[int]):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths),
+                           max_seqlen_kv=max(lengths))
+
+
+def _time_fwd_bwd(variant: str, arch, args, groups, batches: list[list[int]]) -> float:
+    """Seconds for forward + backward over ``batches`` (each a list of sequence lengths = one micro-batch).
+
+    ``ours``: our spec with fp32 cross-entropy over the logits (the earlier measurement); ``ours_fused``: the
+    chunked log-prob kernel instead; ``ours_packed``: the micro-batch's sequences packed (THD, varlen attention)
+    with the fused loss; ``local``: mcore's local spec; ``hf``: HF transformers with SDPA and its own loss."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -93,31 +126,49 @@ def _time_fwd_bwd(use_te: str, spec: str, arch, args, groups) -> float:
     from verl_mega.models.hf_config import transformer_config
 
     cfg = transformer_config(arch, dtype="bfloat16")
-    if spec == "ours":
-        model = build_model_chunks(arch, cfg, groups, use_te=use_te)[0].cuda()
-    else:
+    if variant == "hf":
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        hf_cfg = AutoConfig.for_model(**QWEN25_1_5B)
+        hf_cfg._attn_implementation = "sdpa"
+        model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16).cuda().train()
+    elif variant == "local":
         model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
                          vocab_size=arch.padded_vocab_size(1), max_sequence_length=4096,
                          share_embeddings_and_output_weights=arch.tie_word_embeddings, position_embedding_type="rope",
                          rotary_base=int(arch.rope_theta), pg_collection=groups.pg_collection).cuda()
-    b, s = args.micro_batch, args.seq_len
-    ids = torch.randint(0, arch.vocab_size, (b, s), device="cuda")
-    pos = torch.arange(s, device="cuda").expand(b, s)
-    causal = None if spec == "ours" else torch.triu(torch.ones(s, s, dtype=torch.bool, device="cuda"), 1)[None, None]
+    else:
+        model = build_model_chunks(arch, cfg, groups, use_te="false")[0].cuda()
+    inputs = []
+    g = torch.Generator().manual_seed(0)
+    for lengths in batches:
+        if variant == "ours_packed":
+            ids = torch.randint(0, arch.vocab_size, (1, sum(lengths)), generator=g).cuda()
+            pos = torch.cat([torch.arange(n) for n in lengths])[None].cuda()
+            inputs.append((ids, pos, _packed_params(lengths)))
+        else:  # padded to the micro-batch's longest row
+            s = max(lengths)
+            ids = torch.randint(0, arch.vocab_size, (len(lengths), s), generator=g).cuda()
+            inputs.append((ids, torch.arange(s, device="cuda").expand(len(lengths), s), s))
 
     def step():
-        logits = model(ids, pos, causal)
-        loss = torch.nn.functional.cross_entropy(logits.float().view(-1, logits.shape[-1]), ids.view(-1))
-        loss.backward()
+        for ids, pos, extra in inputs:
+            if variant == "hf":
+                loss = model(input_ids=ids, labels=ids).loss
+            elif variant == "ours_packed":
+                loss = _fused_loss(model(ids, pos, None, packed_seq_params=extra), ids, arch.vocab_size)
+            elif variant == "local":
+                causal = torch.triu(torch.ones(extra, extra, dtype=torch.bool, device="cuda"), 1)[None, None]
+                logits = model(ids, pos, causal)
+                loss = torch.nn.functional.cross_entropy(logits.float().view(-1, logits.shape[-1]), ids.view(-1))
+            elif variant == "ours_fused":
+                loss = _fused_loss(model(ids, pos, None), ids, arch.vocab_size)
+            else:
+                logits = model(ids, pos, None)
+                loss = torch.nn.functional.cross_entropy(logits.float().view(-1, logits.shape[-1]), ids.view(-1))
+            loss.backward()
 
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(args.iters):
-        step()
-    torch.cuda.synchronize()
-    seconds = (time.perf_counter() - start) / args.iters
+    seconds = _timed(step, args.iters)
     model = None  # frees the weights (step() holds the name) before the next model is built
     torch.cuda.empty_cache()
     return seconds
@@ -137,26 +188,51 @@ def matmul_peak_flops(n: int = 8192, iters: int = 10, device: str = "cuda", dtyp
     return 2 * n**3 * iters / (time.perf_counter() - t0)
 
 
+def long_tailed_lengths(n: int, *, median: int, sigma: float, low: int, high: int, seed: int = 0) -> list[int]:
+    """``n`` lognormal sequence lengths (median ``median``, log-std ``sigma``) clipped to [low, high]."""
+    g = torch.Generator().manual_seed(seed)
+    return (median * (sigma * torch.randn(n, generator=g)).exp()).clamp(low, high).long().tolist()
+
+
 def throughput(args) -> dict:
+    """Forward + backward FLOP/s on one GPU, side by side in one run: fixed 8×1024 micro-batches (our spec with fp32
+    cross-entropy, with the fused log-prob kernel, packed; mcore's local spec; HF + SDPA), then long-tailed lengths
+    (lognormal) padded per micro-batch of 8 rows vs packed to a token budget (FLOPs of the real tokens only)."""
     from verl_mega.models.hf_config import arch_from_hf
     from verl_mega.parallel.state import init_distributed
+    from verl_mega.trainer.micro_batching import first_fit_decreasing
     from verl_mega.trainer.profiler import transformer_flops_per_token
 
     groups = init_distributed(tp=1, pp=1)
     arch = arch_from_hf(QWEN25_1_5B)
     peak = matmul_peak_flops()
-    flops_tok = transformer_flops_per_token(arch.num_layers, arch.hidden_size, arch.ffn_hidden_size, arch.num_heads,
-                                            arch.num_kv_heads, arch.head_dim, arch.vocab_size, args.seq_len, True)
-    tokens = args.micro_batch * args.seq_len
+
+    def flops(lengths: list[int]) -> float:  # model FLOPs of these sequences, each at its own length
+        return sum(n * transformer_flops_per_token(arch.num_layers, arch.hidden_size, arch.ffn_hidden_size,
+                                                   arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.vocab_size,
+                                                   n, True) for n in lengths)
+
     rows = {}
-    for name, spec in (("ours_sdpa", "ours"), ("mcore_local", "local")):
-        sec = _time_fwd_bwd("false", spec, arch, args, groups)
-        tflops = flops_tok * tokens / sec / 1e12
+
+    def measure(name: str, variant: str, batches: list[list[int]]) -> None:
+        sec = _time_fwd_bwd(variant, arch, args, groups, batches)
+        tokens = sum(map(sum, batches))
+        tflops = sum(flops(b) for b in batches) / sec / 1e12
         rows[name] = {"s_per_iter": sec, "tokens_per_s": tokens / sec, "tflops_per_gpu": tflops,
-                      "fraction_of_peak": tflops * 1e12 / peak}
-    out = {"model": "Qwen2.5-1.5B architecture (random weights)", "tokens_per_iter": tokens,
-           "measured_bf16_peak_tflops": peak / 1e12, "flops_per_token": flops_tok, **rows}
-    print(json.dumps(out, indent=1))
+                      "fraction_of_peak": tflops * 1e12 / peak, "micro_batches": len(batches)}
+        print(name, json.dumps(rows[name]), flush=True)
+
+    fixed = [[args.seq_len] * args.micro_batch]
+    for name, variant in (("ours_sdpa", "ours"), ("ours_fused_logprob", "ours_fused"),
+                          ("ours_packed_fused", "ours_packed"), ("mcore_local", "local"), ("hf_sdpa", "hf")):
+        measure(name, variant, fixed)
+    lengths = long_tailed_lengths(64, median=args.seq_len // 3, sigma=0.9, low=32, high=2 * args.seq_len)
+    padded = [lengths[i:i + args.micro_batch] for i in range(0, len(lengths), args.micro_batch)]
+    packed = [[lengths[i] for i in b] for b in first_fit_decreasing(lengths, args.micro_batch * args.seq_len)]
+    measure("longtail_padded_ours_fused", "ours_fused", padded)
+    measure("longtail_packed_ours_fused", "ours_packed", packed)
+    out = {"model": "Qwen2.5-1.5B architecture (random weights)", "measured_bf16_peak_tflops": peak / 1e12,
+           "fixed_tokens_per_micro_batch": args.micro_batch * args.seq_len, "longtail_lengths": lengths, **rows}
     return out
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU measurements (2×H200). Results go to $OUT (≤ 8 files).
-#   bash benchmarks/gpu_session.sh models|sync|rl|grpo|checks|tier|sample|moe
+#   bash benchmarks/gpu_session.sh models|sync|rl|grpo|checks|tier|sample|moe|fwdbwd|packedA|packedC
 set -uo pipefail
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
 LOG=$OUT/session.log
@@ -51,6 +51,21 @@ case "${1:-models}" in
     nvidia-smi topo -m >> "$LOG" 2>&1
     python3 -c "import torch, vllm, megatron.core, transformers, ray; print('torch', torch.__version__, 'vllm', vllm.__version__, 'mcore', megatron.core.__version__, 'transformers', transformers.__version__, 'ray', ray.__version__)" >> "$LOG" 2>&1
     run timeout 520 python3 -m pytest -q -rs tests/gpu -p no:warnings
+    ;;
+  fwdbwd)
+    # 1.5B fwd+bwd on one GPU, side by side: our spec padded (fp32 CE / fused log-probs) and packed, mcore local,
+    # HF + SDPA; then long-tailed lengths padded vs packed
+    python3 -c "import torch, vllm, megatron.core, transformers; print('torch', torch.__version__, 'vllm', vllm.__version__, 'mcore', megatron.core.__version__, 'transformers', transformers.__version__)" >> "$LOG" 2>&1
+    run timeout 240 python3 benchmarks/bench_model_gpu.py throughput --out "$OUT/fwdbwd_1.5b.json"
+    ;;
+  packedA|packedC)
+    # GRPO A (32 prompts × 8, ≤512 tokens) or C (16 × 8, ≤1024 tokens, two tg=1 engines), long-tailed lengths,
+    # training at tp=1 with dp=2 on packed sequences under a token budget; the HF-generate baseline in the same run
+    if [ "$1" = packedA ]; then SHAPE="--response-length 512 --prompts 32"; else SHAPE="--response-length 1024 --prompts 16"; fi
+    run timeout ${GRPO_TIMEOUT:-540} torchrun --nproc-per-node 2 benchmarks/bench_grpo_gpu.py --gen-tp 1 $SHAPE \
+        --lengths lognormal --baseline-steps 1 --out "$OUT/grpo_$1.json" parallel.tp=1 model.use_remove_padding=true \
+        actor.use_dynamic_bsz=true actor.max_tokens_per_gpu=16384 actor.micro_batch_size_per_gpu=16 \
+        actor.log_prob_micro_batch_size_per_gpu=16 ${GRPO_EXTRA:-}
     ;;
   sample)
     # GRPO config C (1.5B-class, tp=2, two tg=1 engines, 16 prompts × 8 × 1024 tokens) with the step profile on:

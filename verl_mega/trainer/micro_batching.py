@@ -65,7 +65,7 @@ def make_micro_batches(batch: Batch, keys: tuple[str, ...], *, rows_per_micro_ba
     lengths = (batch["prompt_len"] + batch["response_len"]).tolist() if "response_len" in batch \
         else [batch["input_ids"].shape[1]] * len(batch)
     if token_budget is not None and packed:
-        groups = _first_fit_decreasing(lengths, token_budget)
+        groups = first_fit_decreasing(lengths, token_budget)
     elif token_budget is not None:
         groups = _consecutive_within_budget(lengths, token_budget)
     else:
@@ -107,7 +107,7 @@ def _consecutive_within_budget(lengths: list[int], budget: int) -> list[list[int
     return groups + ([current] if current else [])
 
 
-def _first_fit_decreasing(lengths: list[int], budget: int) -> list[list[int]]:
+def first_fit_decreasing(lengths: list[int], budget: int) -> list[list[int]]:
     """Rows into as few micro-batches of at most ``budget`` tokens as first-fit-decreasing finds; a row longer than the
     budget gets a micro-batch of its own. Rows keep their batch order inside a micro-batch."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
