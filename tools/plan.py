@@ -1,15 +1,17 @@
-"""Plan a job before the cluster exists: rank training/generation layouts by predicted per-GPU memory and cost.
+"""Plan a job before the cluster exists: rank training/generation layouts by predicted per-GPU memory and step time.
 
     python tools/plan.py --model CONFIG.json --gpus N --gpus-per-node G --gpu-mem-gb M [--topo F]
                          [--config RECIPE.yaml [--set key=value ...]]
                          [--tp T --pp P --vpp V --gen-tp G --ep E --etp T] [--micro-batch B --seq-len S
                          --recompute R]
-                         [--global-batch N] [--offload params,grads,optimizer] [--explain] [--json]
-                         [--dry-run [--rank R ...]]
+                         [--global-batch N] [--step-samples N --response-len R --n N]
+                         [--offload params,grads,optimizer] [--explain] [--json] [--dry-run [--rank R ...]]
 
-Memory is in GiB (2^30 bytes) per GPU. --json prints one JSON object whose ``plans`` list is ranked best first;
-each plan has ``tp``, ``pp``, ``vpp``, ``dp``, ``gen_tp``, ``memory_gb`` per phase (``train``, ``rollout``,
-``reshard``, ``score``), ``reshard_bytes_per_gpu`` and the breakdown. --dry-run checks the group arithmetic of every
+Memory is in GiB (2^30 bytes) per GPU, times in seconds per RL step. --json prints one JSON object whose ``plans``
+list is ranked best first; each plan has ``tp``, ``pp``, ``vpp``, ``dp``, ``gen_tp``, ``memory_gb`` and
+``time_s`` per phase (``train``, ``rollout``, ``reshard``, ``score``), ``step_time_s``, ``reshard_bytes_per_gpu``
+and the breakdown. A recipe with ``parallel.layout: auto`` is planned unpinned, and ``auto_choice`` (the JSON) or
+the last line (text) names the layout a run of it would take. --dry-run checks the group arithmetic of every
 rank of the placement (the recipe's ``placement:`` pools, or the best plan as one pool), then builds the process
 groups and the meta-device model of ranks R (default: one rank of every pipeline stage of every pool) in this one
 process.
@@ -30,6 +32,7 @@ warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
 from verl_mega.models.hf_config import arch_from_hf, load_hf_config  # noqa: E402
 from verl_mega.planning.memory import GiB, PlanningError, RolloutSpec, Workload, default_roles  # noqa: E402
 from verl_mega.planning.plan import Cluster, Pins, plan_layouts  # noqa: E402
+from verl_mega.planning.timing import StepShape  # noqa: E402
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -71,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--micro-batch", type=_positive(), default=1, help="samples per micro-batch per GPU")
     ap.add_argument("--seq-len", type=_positive(), default=4096, help="prompt + response tokens")
     ap.add_argument("--global-batch", type=_positive(), default=1024, help="samples per optimizer step")
+    ap.add_argument("--step-samples", type=_positive(), default=None, help="samples per RL step (default: "
+                                                                           "--global-batch)")
+    ap.add_argument("--response-len", type=_positive(), default=None, help="generated tokens per sample, out of "
+                                                                           "--seq-len (default: half of it)")
+    ap.add_argument("--n", type=_positive(), default=1, help="samples per prompt (prefilled once)")
     ap.add_argument("--recompute", choices=("none", "selective", "full"), default=None,
                     help="pin activation recompute (default: try none and full)")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
@@ -126,24 +134,39 @@ def main(argv: list[str] | None = None) -> int:
         pins = Pins(tp=args.tp, pp=args.pp, vpp=args.vpp, gen_tp=args.gen_tp, recompute=args.recompute,
                     ep=args.ep, etp=args.etp)
         global_batch, sequence_parallel = args.global_batch, not args.no_sequence_parallel
-        placement = None
+        response = args.response_len or max(1, work.seq_len - work.seq_len // 2)
+        if response >= work.seq_len:
+            raise PlanningError(f"--response-len={response} must be below --seq-len={work.seq_len}")
+        step = StepShape(samples=args.step_samples or global_batch, prompt_len=work.seq_len - response,
+                         response_len=response, n=args.n)
+        placement, auto = None, None
         if cfg is not None:
             from verl_mega.models.hf_config import check_arch_layout
             from verl_mega.parallel.placement import Placement
             from verl_mega.planning.plan import inputs_from_config
 
-            # The recipe's own runtime checks for this world size (batch splits, layout vs model shape).
-            placement = Placement.from_config(cfg, cluster.gpus)
-            cfg.validate_runtime(placement, cuda_available=True)
-            check_arch_layout(placement.pool_of("actor"), arch)
-            given = inputs_from_config(cfg, placement)
+            if cfg.parallel.layout == "auto":  # what a run would choose: the same planner, unpinned
+                from verl_mega.planning.auto import choose_layout
+
+                auto = choose_layout(cfg, arch, cluster)
+                placement = Placement.from_config(auto.cfg, cluster.gpus)
+                given = inputs_from_config(cfg, None)
+            else:  # the recipe's own runtime checks for this world size (batch splits, layout vs model shape)
+                placement = Placement.from_config(cfg, cluster.gpus)
+                cfg.validate_runtime(placement, cuda_available=True)
+                check_arch_layout(placement.pool_of("actor"), arch)
+                given = inputs_from_config(cfg, placement)
             if len(placement.pools) > 1:  # layouts are ranked for the actor's pool
                 cluster = Cluster(gpus=placement.pool_of("actor").size, gpus_per_node=args.gpus_per_node,
                                   gpu_mem_gib=args.gpu_mem_gb, reserve_gib=args.reserve_gb, topology=topology)
             pins, work, roles, rollout = given.pins, given.workload, given.roles, given.rollout
-            global_batch, sequence_parallel = given.global_batch, given.sequence_parallel
-        plans, rejected = plan_layouts(arch, cluster, work, global_batch=global_batch, roles=roles,
-                                       rollout=rollout, pins=pins, sequence_parallel=sequence_parallel)
+            global_batch, sequence_parallel, step = given.global_batch, given.sequence_parallel, given.step
+        if auto is not None:
+            plans, rejected = auto.plans, auto.rejected
+        else:
+            plans, rejected = plan_layouts(arch, cluster, work, global_batch=global_batch, roles=roles,
+                                           rollout=rollout, pins=pins, sequence_parallel=sequence_parallel,
+                                           step=step)
         if not plans:
             reason = rejected[0].reason if rejected else "no tp/pp combination divides the cluster"
             raise PlanningError(f"no feasible layout (first reason: {reason}); relax the pinned flags")
@@ -152,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             from verl_mega.parallel.placement import Placement
             from verl_mega.planning.dry_run import dry_run, sample_path_report
 
-            if placement is None or len(placement.pools) == 1:
+            if auto is None and (placement is None or len(placement.pools) == 1):
                 best = plans[0].layout
                 placement = Placement.single(cluster.gpus, tp=best.tp, pp=best.pp, vpp=best.vpp, gen_tp=best.gen_tp,
                                              ep=best.ep, etp=best.etp, sequence_parallel=best.sequence_parallel)
@@ -180,10 +203,15 @@ def main(argv: list[str] | None = None) -> int:
                "cluster": {"gpus": cluster.gpus, "gpus_per_node": cluster.gpus_per_node,
                            "gpu_mem_gb": cluster.gpu_mem_gib, "reserve_gb": cluster.reserve_gib},
                "workload": {"micro_batch": work.micro_batch, "seq_len": work.seq_len, "dtype": work.dtype,
-                            "global_batch": global_batch, "roles": [r.name for r in roles]},
-               "units": "memory in GiB (2^30 bytes) per GPU; bytes are bytes",
+                            "global_batch": global_batch, "roles": [r.name for r in roles],
+                            "step_samples": step.samples, "prompt_len": step.prompt_len,
+                            "response_len": step.response_len, "n": step.n, "ppo_epochs": step.ppo_epochs},
+               "hardware": dict(cluster.hardware.__dict__),
+               "units": "memory in GiB (2^30 bytes) per GPU; times in seconds per RL step; bytes are bytes",
                "plans": [p.to_json(i + 1) for i, p in enumerate(plans)],
                "rejected": [r.to_json() for r in rejected]}
+        if auto is not None:
+            out["auto_choice"] = auto.plan.to_json(plans.index(auto.plan) + 1)
         out.update({key: [rep.to_json() for rep in reps] for key, reps in reports.items()})
         if reports:
             out["sample_path"] = sample_path
@@ -194,10 +222,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{name}: {arch.num_parameters() / 1e9:.2f} B params, {arch.num_layers} layers, h={arch.hidden_size}, "
           f"heads {arch.num_heads}/{arch.num_kv_heads} kv; {cluster.gpus} GPUs ({cluster.gpus_per_node}/node, "
           f"{cluster.gpu_mem_gib:g} GiB); micro-batch {work.micro_batch} × {work.seq_len} tokens, global batch "
-          f"{global_batch}, roles {'+'.join(r.name for r in roles)}")
-    print(f"{len(plans)} layouts evaluated, {fitting} fit; {len(rejected)} rejected. Best first:")
+          f"{global_batch}, roles {'+'.join(r.name for r in roles)}; RL step {step.samples} samples of "
+          f"{step.prompt_len} + {step.response_len} tokens; step-time constants: {cluster.hardware.name}")
+    print(f"{len(plans)} layouts evaluated (each with its best gen_tp), {fitting} fit; {len(rejected)} rejected. "
+          f"Best first:")
     for i, plan in enumerate(plans[: args.top]):
         print(f"{i + 1:>3}. {plan.headline()}")
+    if auto is not None:
+        print(f"parallel.layout=auto takes #{plans.index(auto.plan) + 1}: {auto.plan.layout.dims()} "
+              f"recompute={auto.plan.recompute}")
     if args.explain:
         print("\nArithmetic of the best plan:")
         print("\n".join(plans[0].explain(cluster)))

@@ -607,9 +607,13 @@ def test_check_cli(capsys):
     from verl_mega.config.__main__ import main
 
     qwen = str(CONFIGS / "grpo_qwen2.5_7b.yaml")
-    assert main([qwen, "--world-size", "1024", "--model-shape", "28,28,4", "--no-check-paths"]) == 0
+    assert main([qwen, "--world-size", "8", "--model-shape", "28,28,4", "--no-check-paths"]) == 0
     out = capsys.readouterr()
-    assert "adv_estimator: grpo" in out.out and "layout OK: main: 1024 ranks, tp=2 pp=2 dp=256 gen_tp=2 sp" in out.err
+    assert "adv_estimator: grpo" in out.out and "layout OK: main: 8 ranks, tp=1 pp=1 dp=8 gen_tp=1" in out.err
+    assert main([qwen, "parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true", "rollout.gen_tp=2",
+                 "actor.micro_batch_size_per_gpu=5",
+                 "--world-size", "1024", "--model-shape", "28,28,4", "--no-check-paths"]) == 0
+    assert "layout OK: main: 1024 ranks, tp=2 pp=2 dp=256 gen_tp=2 sp" in capsys.readouterr().err
     assert main([qwen, "parallel.tp=8", "--world-size", "1024", "--model-shape", "28,28,4", "--no-check-paths"]) == 2
     assert capsys.readouterr().err == ("error: parallel.tp=8 does not divide the model's 28 attention heads; set "
                                        "parallel.tp to one of 1, 2, 4, 7, 14, 28\n")

@@ -61,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
             cfg.validate_runtime(placement, cuda_available=not args.cpu)
             check_layout(placement.pool_of("actor"), num_layers=layers, num_heads=heads, num_kv_heads=kv)
             print(f"# layout OK: {placement.describe()}", file=sys.stderr)
+            if cfg.parallel.layout == "auto":
+                print("# parallel.layout=auto: a run replaces this layout with the planner's best for its GPUs; "
+                      "python tools/plan.py --config RECIPE --model CONFIG.json --gpus N shows the ranking",
+                      file=sys.stderr)
     except (ConfigError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

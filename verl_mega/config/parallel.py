@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
-from verl_mega.config.base import ConfigSection, FrozenDict, option
+from verl_mega.config.base import ConfigSection, FrozenDict, fmt, option
 
 POOL_KEYS = ("size", "tp", "pp", "vpp", "cp", "ep", "etp", "gen_tp", "gen_ep")
 ROLE_NAMES = ("actor", "critic", "ref", "reward_model", "rollout")
@@ -24,7 +24,14 @@ class ParallelConfig(ConfigSection):
     SECTION: ClassVar[str] = "parallel"
     # A layout change reshards the checkpoint on load; it does not change what is computed.
     AFFECTS_RESULTS: ClassVar[bool] = False
+    PLANNED: ClassVar[tuple[str, ...]] = ("tp", "pp", "vpp", "cp", "dp", "ep", "etp", "sequence_parallel")
 
+    layout: Literal["manual", "auto"] = option(
+        "manual", help="`manual`: the layout below (and `rollout.gen_tp`). `auto`: at launch, before anything is "
+                       "built, the planner (docs/planning.md) ranks every layout of the world size for this model "
+                       "and workload by predicted memory and step time and the run takes the best that fits: tp, pp, "
+                       "vpp, ep, etp, sequence parallelism (on when tp > 1) and `rollout.gen_tp` are chosen, so leave "
+                       "them unset; the choice and its predicted time are logged. Not with `placement.pools`.")
     tp: int = option(1, help="Tensor-parallel size (Megatron `tensor_model_parallel_size`).")
     pp: int = option(1, help="Pipeline-parallel size (Megatron `pipeline_model_parallel_size`).")
     vpp: int | None = option(None, help="Virtual pipeline stages per pipeline rank (interleaved 1F1B); "
@@ -49,6 +56,12 @@ class ParallelConfig(ConfigSection):
     def validate(self) -> None:
         for name in ("tp", "pp", "cp", "dp", "ep", "etp"):
             self._check_range(name, ge=1)
+        if self.layout == "auto":
+            defaults = ParallelConfig()
+            taken = [f"parallel.{k}={fmt(getattr(self, k))}" for k in self.PLANNED
+                     if getattr(self, k) != getattr(defaults, k)]
+            self._require(not taken, f"parallel.layout=auto chooses the layout, but {', '.join(taken)} is set; unset "
+                                     f"it or set parallel.layout=manual")
         self._require(self.vpp is None or self.vpp >= 2,
                       f"parallel.vpp must be >= 2 virtual stages, got {self.vpp}; set parallel.vpp=null to disable "
                       f"interleaving")

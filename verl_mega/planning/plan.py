@@ -1,6 +1,6 @@
 """Layout planner: enumerate feasible training layouts (tp, pp, vpp, dp; for Mixture-of-Experts models ep and etp)
-and generation tg for a cluster, predict per-GPU memory of every phase (:mod:`verl_mega.planning.memory`) and rank
-them.
+and generation tg for a cluster, predict per-GPU memory of every phase (:mod:`verl_mega.planning.memory`) and the
+time of one RL step (:mod:`verl_mega.planning.timing`), and rank them.
 
 All roles (actor, critic, reference) are colocated on every GPU and share one training layout (the config has one
 ``parallel`` section); the critic differs by its value head, the reference by being frozen.
@@ -8,8 +8,12 @@ All roles (actor, critic, reference) are colocated on every GPU and share one tr
 **Feasibility** (a layout breaking one is listed as rejected, with the reason):
 tp divides the GPUs of a node (TP groups never cross nodes) and the model's heads, key/value heads and FFN width;
 pp divides the layers and tp·pp divides the GPU count; vpp needs pp > 1, pp·vpp dividing the layers and a number of
-micro-batches M divisible by pp (Megatron's interleaved schedule); tg divides tp (3D-HybridEngine); the global batch
-splits into dp × micro-batch × M; with sequence parallelism tp divides the sequence length.
+micro-batches M divisible by pp (Megatron's interleaved schedule); tg divides tp (the 3D-HybridEngine carves each
+generation TP group out of a training TP group, ``Pool`` enforces it: tp=1 training generates at tg=1); the global
+batch splits into dp × micro-batch × M; with sequence parallelism tp divides the sequence length.
+
+**Generation TP** is chosen per training layout: of the tg dividing tp, the one with the smallest cost key below
+(so each training layout is listed once, with its best tg).
 
 **Cost model** (lexicographic, smaller first):
 
@@ -17,8 +21,8 @@ splits into dp × micro-batch × M; with sequence parallelism tp divides the seq
    fit follow, least over budget first);
 2. TP groups (training and generation) that leave an NVLink island (from ``--topo``; 0 without a topology, since
    TP groups never span nodes);
-3. compute time factor (1 + bubble) × recompute, with the 1F1B bubble (p − 1)/(v·M) (Narayanan et al. 2021) and
-   4/3 for full recompute (one extra forward per forward + backward), compared at 1% granularity;
+3. predicted seconds per RL step (rollout + reshard + score + train, :func:`~verl_mega.planning.timing.predict_time`),
+   compared at 2 % granularity (a difference the model cannot resolve falls through to the tie-breakers);
 4. 3D-HybridEngine bytes received per GPU at the train→generate switch;
 5. MoE: the token dispatcher's all-to-all bytes per GPU and step (0 for dense models), at 0.1 GiB granularity;
 6. smaller model-parallel size tp·pp (less TP/PP communication per layer), then fewer virtual stages (fewer
@@ -49,6 +53,7 @@ from verl_mega.planning.memory import (
     training_pool,
 )
 from verl_mega.parallel.placement import Placement, Pool
+from verl_mega.planning.timing import H200, Hardware, StepShape, TimePrediction, predict_time, time_bucket
 
 PHASES = ("train", "rollout", "reshard", "score")
 
@@ -62,6 +67,7 @@ class Cluster:
     gpu_mem_gib: float
     reserve_gib: float = 2.0  # CUDA context, NCCL buffers, allocator fragmentation
     topology: NodeTopology | None = None
+    hardware: Hardware = H200  # constants of the step-time model
 
     def __post_init__(self) -> None:
         if self.gpus < 1 or self.gpus_per_node < 1:
@@ -123,17 +129,22 @@ class Plan:
     tp_off_island: int
     gen_off_island: int
     headroom_bytes: float
+    time: TimePrediction
+    time_bucket: int = 0  # 2 % steps above the fastest plan of its (fits, GiB over, off-island) group: see _ranked
 
     @property
     def fits(self) -> bool:
         return not self.over_budget
 
     @property
-    def cost(self) -> tuple:
+    def _group(self) -> tuple:
         over = max(0.0, -self.headroom_bytes)
-        # Time at 1% granularity: a negligible bubble must not outweigh gigabytes of reshard traffic.
-        return (0 if self.fits else 1, round(gib(over), 2), self.tp_off_island + self.gen_off_island,
-                round(self.time_factor, 2), round(self.memory.reshard_bytes_per_gpu / 2**20),
+        return 0 if self.fits else 1, round(gib(over), 2), self.tp_off_island + self.gen_off_island
+
+    @property
+    def cost(self) -> tuple:
+        # Time at 2 % granularity: what the model cannot resolve falls through to reshard bytes and smaller tp·pp.
+        return (*self._group, self.time_bucket, round(self.memory.reshard_bytes_per_gpu / 2**20),
                 round(gib(self.memory.moe_alltoall_bytes), 1),
                 self.layout.tp * self.layout.pp, self.layout.vpp or 1, -round(gib(self.headroom_bytes), 2))
 
@@ -157,6 +168,8 @@ class Plan:
             "moe_comm_gb_per_step": {t.name: round(gib(t.bytes), 3) for t in mem.comm},
             "pipeline_bubble": round(self.bubble, 4), "time_factor": round(self.time_factor, 4),
             "tp_groups_off_nvlink": self.tp_off_island, "gen_tp_groups_off_nvlink": self.gen_off_island,
+            "step_time_s": round(self.time.total, 4),
+            "time_s": {name: round(sec, 4) for name, sec in self.time.phases.items()},
             "cost": list(self.cost),
         }
 
@@ -164,8 +177,9 @@ class Plan:
         totals = self.memory.totals_gib()
         mem = " ".join(f"{p}={totals[p]:.1f}" for p in PHASES)
         fit = "fits" if self.fits else "DOES NOT FIT (" + "; ".join(self.over_budget) + ")"
-        return (f"{self.layout.dims()} recompute={self.recompute} M={self.num_microbatches}: {fit}; GiB/GPU "
-                f"{mem}; bubble {self.bubble:.3f}; reshard {self.memory.reshard_bytes_per_gpu / GiB:.2f} GiB/GPU")
+        return (f"{self.layout.dims()} recompute={self.recompute} M={self.num_microbatches}: {fit}; "
+                f"{self.time.summary()}; GiB/GPU {mem}; bubble {self.bubble:.3f}; reshard "
+                f"{self.memory.reshard_bytes_per_gpu / GiB:.2f} GiB/GPU")
 
     def explain(self, cluster: Cluster) -> list[str]:
         lay = self.layout
@@ -178,8 +192,9 @@ class Plan:
                  f"{self.time_factor:.4f}",
                  f"  TP groups off NVLink islands per node: training {self.tp_off_island}, generation "
                  f"{self.gen_off_island}",
-                 f"  cost key (fits, GiB over, off-island, time, reshard MiB, all-to-all GiB, tp·pp, vpp, "
-                 f"−headroom) = {self.cost}"]
+                 f"  cost key (fits, GiB over, off-island, step-time bucket (2 %), reshard MiB, all-to-all GiB, "
+                 f"tp·pp, vpp, −headroom) = {self.cost}"]
+        lines += ["  " + line for line in self.time.explain()]
         lines += ["  " + line for line in self.memory.explain()]
         return lines
 
@@ -249,13 +264,17 @@ def _structural_reason(arch: ModelArch, cluster: Cluster, tp: int, pp: int, vpp:
 
 def plan_layouts(arch: ModelArch, cluster: Cluster, work: Workload, *, global_batch: int,
                  roles: tuple[RoleSpec, ...] | None = None, rollout: RolloutSpec | None = None,
-                 pins: Pins | None = None, sequence_parallel: bool = True) -> tuple[list[Plan], list[Rejected]]:
-    """Every layout allowed by `pins`, ranked by the cost model (best first), and the rejected ones with reasons."""
+                 pins: Pins | None = None, sequence_parallel: bool = True, step: StepShape | None = None
+                 ) -> tuple[list[Plan], list[Rejected]]:
+    """Every training layout allowed by `pins`, each with its best generation tg, ranked by the cost model (best
+    first), and the rejected ones with reasons. `step` is what one RL step processes (default: `global_batch`
+    samples of the workload's length, half prompt and half response)."""
     pins = pins or Pins()
     roles = roles or default_roles()
     rollout = rollout or RolloutSpec()
     if global_batch < 1:
         raise PlanningError(f"--global-batch={global_batch} must be >= 1")
+    step = step or StepShape.for_workload(work, global_batch)
     node = cluster.node_gpus
     tps = [pins.tp] if pins.tp else _divisors(node)
     if pins.tp and pins.tp > node:
@@ -274,22 +293,39 @@ def plan_layouts(arch: ModelArch, cluster: Cluster, work: Workload, *, global_ba
             vpps = [None] + ([v for v in _divisors(arch.num_layers // pp) if v > 1] if pp > 1 and
                              arch.num_layers % pp == 0 else [])
         gen_tps = [pins.gen_tp] if pins.gen_tp else _divisors(tp)
-        for vpp, gen_tp, (ep, etp) in product(vpps, gen_tps, _expert_layouts(arch, cluster, tp, pp, pins)):
-            reason = _structural_reason(arch, cluster, tp, pp, vpp, gen_tp, work, global_batch, sequence_parallel,
-                                        ep, etp)
-            if reason:
-                rejected.append(Rejected(tp, pp, vpp, gen_tp, reason))
+        for vpp, (ep, etp) in product(vpps, _expert_layouts(arch, cluster, tp, pp, pins)):
+            allowed = []
+            for gen_tp in gen_tps:
+                reason = _structural_reason(arch, cluster, tp, pp, vpp, gen_tp, work, global_batch,
+                                            sequence_parallel, ep, etp)
+                if reason:
+                    rejected.append(Rejected(tp, pp, vpp, gen_tp, reason))
+                else:
+                    allowed.append(gen_tp)
+            if not allowed:
                 continue
             dp = cluster.gpus // (tp * pp)
             m = global_batch // (dp * work.micro_batch)
-            layout = training_pool(tp=tp, pp=pp, dp=dp, gen_tp=gen_tp, vpp=vpp, ep=ep, etp=etp,
-                                   sequence_parallel=sequence_parallel and tp > 1)
-            tp_off, gen_off = _island_report(cluster.topology, tp, gen_tp, island_cache)
             for rec in recomputes:
                 w = Workload(**{**work.__dict__, "recompute": rec, "num_microbatches": m})
-                plans.append(_evaluate(arch, cluster, layout, w, roles, rollout, tp_off, gen_off))
-    plans.sort(key=lambda p: p.cost)
-    return plans, rejected
+                candidates = []
+                for gen_tp in allowed:  # generation TP chosen apart from training TP: the best for this layout
+                    layout = training_pool(tp=tp, pp=pp, dp=dp, gen_tp=gen_tp, vpp=vpp, ep=ep, etp=etp,
+                                           sequence_parallel=sequence_parallel and tp > 1)
+                    tp_off, gen_off = _island_report(cluster.topology, tp, gen_tp, island_cache)
+                    candidates.append(_evaluate(arch, cluster, layout, w, roles, rollout, tp_off, gen_off, step))
+                plans.append(_ranked(candidates)[0])
+    return _ranked(plans), rejected
+
+
+def _ranked(plans: list[Plan]) -> list[Plan]:
+    """`plans` sorted by cost, each time bucket counted from the fastest plan of its group: plans within 2 % of it
+    tie on time (bucket 0) and the next criteria decide, then the next 2 %, and so on."""
+    best: dict[tuple, float] = {}
+    for plan in plans:
+        best[plan._group] = min(best.get(plan._group, plan.time.total), plan.time.total)
+    ranked = [replace(p, time_bucket=time_bucket(p.time.total / best[p._group])) for p in plans]
+    return sorted(ranked, key=lambda p: p.cost)
 
 
 def _expert_layouts(arch: ModelArch, cluster: Cluster, tp: int, pp: int, pins: Pins) -> list[tuple[int, int]]:
@@ -304,7 +340,7 @@ def _expert_layouts(arch: ModelArch, cluster: Cluster, tp: int, pp: int, pins: P
 
 
 def _evaluate(arch: ModelArch, cluster: Cluster, layout: Pool, work: Workload, roles: tuple[RoleSpec, ...],
-              rollout: RolloutSpec, tp_off: int, gen_off: int) -> Plan:
+              rollout: RolloutSpec, tp_off: int, gen_off: int, step: StepShape) -> Plan:
     mem = predict_memory(arch, layout, work, roles=roles, rollout=rollout, gpu_mem_bytes=cluster.gpu_mem_gib * GiB)
     budget = cluster.budget_bytes
     over = [f"{name} {gib(ph.total):.1f} > {gib(budget):.1f} GiB" for name, ph in mem.phases.items()
@@ -314,9 +350,11 @@ def _evaluate(arch: ModelArch, cluster: Cluster, layout: Pool, work: Workload, r
     m, v = work.num_microbatches or 1, layout.vpp or 1
     bubble = (layout.pp - 1) / (v * m)
     time_factor = (1 + bubble) * (4 / 3 if work.recompute == "full" else 1.0)
+    timing = predict_time(arch, layout, work, step, mem, roles=roles, rollout=rollout, hardware=cluster.hardware,
+                          node_gpus=cluster.node_gpus)
     return Plan(layout=layout, recompute=work.recompute, num_microbatches=m, memory=mem, over_budget=tuple(over),
                 bubble=bubble, time_factor=time_factor, tp_off_island=tp_off, gen_off_island=gen_off,
-                headroom_bytes=budget - mem.peak)
+                headroom_bytes=budget - mem.peak, time=timing)
 
 
 @dataclass(frozen=True)
@@ -329,6 +367,7 @@ class ConfigInputs:
     rollout: RolloutSpec
     global_batch: int
     sequence_parallel: bool
+    step: StepShape
 
 
 def rollout_fits_resident(cfg, placement: Placement, arch: ModelArch, gpu_mem_bytes: float, *,
@@ -343,11 +382,12 @@ def rollout_fits_resident(cfg, placement: Placement, arch: ModelArch, gpu_mem_by
     return pred.peak + reserve_bytes <= gpu_mem_bytes, pred.peak
 
 
-def inputs_from_config(cfg, placement: Placement) -> ConfigInputs:
-    """Planner inputs of a validated :class:`~verl_mega.config.TrainConfig`: the actor pool's layout is pinned, the
-    micro-batch
-    is the actor's, a sample is max_prompt_length + max_response_length tokens, an optimizer step takes
-    ppo_mini_batch_size · rollout.n samples, and the roles carry their own offload flags."""
+def inputs_from_config(cfg, placement: Placement | None) -> ConfigInputs:
+    """Planner inputs of a validated :class:`~verl_mega.config.TrainConfig`: the actor pool's layout is pinned (with
+    ``placement=None``, as for ``parallel.layout=auto``, only the recompute mode is, and sequence parallelism is on
+    wherever tp > 1), the micro-batch is the actor's, a sample is max_prompt_length + max_response_length tokens, an
+    optimizer step takes ppo_mini_batch_size · rollout.n samples, an RL step data.train_batch_size · rollout.n
+    samples over actor.ppo_epochs, and the roles carry their own offload flags."""
     actor, critic, ref, rollout, p = cfg.actor, cfg.critic, cfg.ref, cfg.rollout, cfg.parallel
     dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[cfg.model.dtype]
     work = Workload(micro_batch=actor.micro_batch_size_per_gpu, dtype=dtype, recompute=cfg.model.recompute,
@@ -366,8 +406,14 @@ def inputs_from_config(cfg, placement: Placement) -> ConfigInputs:
                        free_cache_engine=rollout.free_cache_engine is not False,  # auto: plan as asleep
                        max_num_seqs=rollout.max_num_seqs or defaults.max_num_seqs,
                        max_num_batched_tokens=rollout.max_num_batched_tokens or defaults.max_num_batched_tokens)
+    step = StepShape(samples=cfg.data.train_batch_size * rollout.n, prompt_len=cfg.data.max_prompt_length,
+                     response_len=rollout.max_response_length, n=rollout.n, ppo_epochs=actor.ppo_epochs)
+    if placement is None:
+        return ConfigInputs(pins=Pins(recompute=cfg.model.recompute), workload=work, roles=tuple(roles), rollout=spec,
+                            global_batch=actor.ppo_mini_batch_size * rollout.n, sequence_parallel=True, step=step)
     pool = placement.pool_of("actor")
     pins = Pins(tp=pool.tp, pp=pool.pp, vpp=pool.vpp or 1, gen_tp=pool.gen_tp, recompute=cfg.model.recompute,
                 ep=pool.ep, etp=pool.etp)
     return ConfigInputs(pins=pins, workload=work, roles=tuple(roles), rollout=spec,
-                        global_batch=actor.ppo_mini_batch_size * rollout.n, sequence_parallel=p.sequence_parallel)
+                        global_batch=actor.ppo_mini_batch_size * rollout.n, sequence_parallel=p.sequence_parallel,
+                        step=step)

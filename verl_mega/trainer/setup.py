@@ -300,6 +300,11 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
     # --- validate everything that can be validated before any heavy allocation
     env = launch_env.discover()
     env.export_to_os_environ()
+    if cfg.parallel.layout == "auto":  # the planner's best layout for this model, world and workload
+        from verl_mega.planning.auto import resolve_auto_layout
+
+        cfg = resolve_auto_layout(cfg, model_arch(resolve_model_path(cfg)), world_size=env.world_size,
+                                  gpus_per_node=env.local_world_size, rank=env.rank)
     placement = Placement.from_config(cfg, env.world_size)
     actor_pool = placement.pool_of("actor")
     if any(placement.pool_of(r) is not actor_pool for r in ("critic", "ref", "reward_model", "rollout")):

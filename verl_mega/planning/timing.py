@@ -1,0 +1,391 @@
+"""Step-time model of one RL step: predicted seconds per phase for a training layout and a generation TP size.
+
+Pure arithmetic over a :class:`~verl_mega.models.hf_config.ModelArch`, a training
+:class:`~verl_mega.parallel.placement.Pool` (with its ``gen_tp``), the planner's
+:class:`~verl_mega.planning.memory.Workload`, the step's shape (:class:`StepShape`) and a few hardware constants
+(:class:`Hardware`). Every addend is a :class:`TimeTerm` with the formula that produced it, so
+``tools/plan.py --explain`` prints the arithmetic. The model is derived in docs/planning.md ("The time model").
+
+Phases (the memory model's names):
+
+* **rollout** — vLLM generation. Decoding is memory-bandwidth bound: every decode step reads the GPU's share of the
+  weights (M/tg) and the KV cache of the sequences in flight, unless its FLOPs take longer (a roofline: the larger
+  of the two), plus a fixed per-step cost (scheduler, sampling, launches) and, for tg > 1, two all-reduces per layer.
+  Each of the world/tg engines decodes its share of the samples, as many at once as ``max_num_seqs`` and its KV
+  cache allow (waves of that size), for ``response_len`` steps; prefill is compute-bound.
+* **reshard** — the 3D-HybridEngine's train → generate switch (bytes received per GPU over the in-place path's
+  measured rate, plus rewriting the GPU's own generation weights in HBM), and offloaded state moved to the host and
+  back over PCIe.
+* **score** — forward passes: old log-probs (always), reference log-probs, critic values.
+* **train** — actor (and critic) updates: forward + backward, the data-parallel gradient reduce-scatter and
+  parameter all-gather of the distributed optimizer, and the Adam step itself.
+
+Training compute is model FLOPs over the GPUs at an achieved fraction of the bf16 matmul peak that falls as a GPU's
+GEMMs narrow (:meth:`Hardware.efficiency`), times (1 + pipeline bubble); tensor-parallel collectives, pipeline
+sends and data-parallel reductions are added serially (our layer spec does not overlap them with compute).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from verl_mega.models.hf_config import ModelArch
+from verl_mega.parallel.placement import Pool
+from verl_mega.planning.memory import (MemoryPrediction, PlanningError, RoleSpec, RolloutSpec, Workload,
+                                       generation_params, stage_params)
+
+GB = 1e9
+PHASES = ("rollout", "reshard", "score", "train")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hardware:
+    """Per-GPU and link constants of the step-time model; the defaults describe an H200 (SXM, NVLink 4, one 400 Gb/s
+    NIC per GPU). "Measured" figures are BENCHMARKS.md's, on the lent 2×H200 machine (NV18 between the GPUs)."""
+
+    name: str = "H200"
+    # 8192³ bf16 matmul, measured 787.6 and 784.8 TFLOP/s (BENCHMARKS.md "Step-time model calibration"; 786.5 in the
+    # MoE run). The datasheet says 989; achieved fractions below are of this measured peak.
+    peak_tflops: float = 786.0
+    # Achieved fraction η of that peak for a whole forward + backward pass of our layer spec (norms, attention, LM
+    # head and fp32 cross-entropy included), as a function of G, the matmul FLOPs of one layer on one GPU for one
+    # micro-batch: η(G) = eta_max · min(1, G/knee)^exponent. Smaller per-GPU shards (tp) or micro-batches mean
+    # smaller G: the GEMMs fill fewer waves of the 132 SMs and the memory-bound element-wise work weighs more.
+    # Fitted to four measurements (BENCHMARKS.md "Step-time model calibration": Qwen2.5-1.5B and -7B, tp=1 and tp=2,
+    # 8 × 1024 tokens; TP collective time subtracted): η = 0.442, 0.310, 0.617, 0.603 at G = 767, 383, 3818, 1909
+    # GFLOP, reproduced within 1.2 %.
+    eta_max: float = 0.61
+    knee_gflop: float = 1400.0
+    exponent: float = 0.52
+    # Routed experts (grouped GEMM with token permutation): the Qwen3-30B-A3B forward + backward runs in BENCHMARKS.md
+    # ("Mixture-of-Experts on GPUs": 28.6 % and 25.7 % of peak overall, tp=1, ep=2, 2048 and 1024 tokens per local
+    # expert) need 0.20 and 0.24 for the expert FLOPs once the dense part and the all-to-all are taken out; the one
+    # constant 0.22 predicts both runs within 5 %. Measured at etp=1 only: narrower expert shards are not charged.
+    expert_eta: float = 0.22
+    # HBM: measured 4.26 TB/s for a 4 GiB device-to-device copy (bytes read + written); datasheet 4.8 TB/s.
+    hbm_gbps: float = 4260.0
+    # NVLink, as NCCL's all-gather / reduce-scatter achieve it between two H200s (NV18): t = α + bytes/β, measured
+    # 74 µs for 12.6 MB and 146 µs for 29.4 MB received per GPU → β = 233 GB/s, α = 20 µs (datasheet: 450 GB/s each
+    # way; NVLink multicast off).
+    nvlink_gbps: float = 233.0
+    collective_latency_s: float = 20e-6
+    # Between nodes: one 400 Gb/s (50 GB/s) InfiniBand NIC per GPU, about 80 % of it for NCCL rings. Not measured.
+    inter_node_gbps: float = 40.0
+    # Host ↔ GPU for offloaded state: PCIe Gen5 ×16 is 64 GB/s each way; pinned copies reach about 50. Not measured.
+    pcie_gbps: float = 50.0
+    # vLLM's fixed cost per decode step (scheduling, sampling, CUDA-graph launch) beyond moving bytes: BENCHMARKS.md
+    # GRPO config C (1.5B, tg=1, 64 sequences per engine, 1024 tokens) decoded at "avg 4.80 ms/step"; this model's
+    # bandwidth term for it is 0.95 ms (3.09 GB of weights + 0.95 GB of KV cache at 4.26 TB/s), leaving 3.85 ms.
+    decode_step_overhead_s: float = 3.85e-3
+    # The in-place weight sync's rate for bytes a GPU must receive, conversion included (BENCHMARKS.md, 3D-HybridEngine
+    # switch, t=2 → tg=1 on Llama-2-7B: 6.74 GB in 45 ms, "≈150 GB/s over NV18 including conversion").
+    reshard_gbps: float = 150.0
+
+    def __post_init__(self) -> None:
+        for name in ("peak_tflops", "eta_max", "knee_gflop", "exponent", "expert_eta", "hbm_gbps", "nvlink_gbps",
+                     "inter_node_gbps", "pcie_gbps", "reshard_gbps"):
+            if getattr(self, name) <= 0:
+                raise PlanningError(f"hardware: {name}={getattr(self, name)} must be > 0")
+        if self.eta_max > 1 or self.expert_eta > 1:
+            raise PlanningError(f"hardware: eta_max={self.eta_max} and expert_eta={self.expert_eta} are fractions of "
+                                f"the peak; they must be <= 1")
+        if self.collective_latency_s < 0 or self.decode_step_overhead_s < 0:
+            raise PlanningError("hardware: collective_latency_s and decode_step_overhead_s must be >= 0")
+
+    @property
+    def peak_flops(self) -> float:
+        return self.peak_tflops * 1e12
+
+    def efficiency(self, layer_flops: float) -> float:
+        """Achieved fraction of the matmul peak when one layer's matmuls on one GPU for one micro-batch take
+        `layer_flops`: eta_max · min(1, G/knee)^exponent."""
+        return self.eta_max * min(1.0, max(layer_flops, 1.0) / (self.knee_gflop * 1e9)) ** self.exponent
+
+
+H200 = Hardware()
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepShape:
+    """What one RL step processes: `samples` sequences (data.train_batch_size × rollout.n) of `prompt_len` +
+    `response_len` tokens (every response is taken at its maximum length: an upper bound), `n` samples per prompt
+    (vLLM's prefix cache prefills a prompt once for its n samples), `ppo_epochs` passes over them."""
+
+    samples: int
+    prompt_len: int
+    response_len: int
+    n: int = 1
+    ppo_epochs: int = 1
+
+    def __post_init__(self) -> None:
+        for key in ("samples", "prompt_len", "response_len", "n", "ppo_epochs"):
+            if getattr(self, key) < 1:
+                raise PlanningError(f"step: {key}={getattr(self, key)} must be >= 1")
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_len + self.response_len
+
+    @classmethod
+    def for_workload(cls, work: Workload, samples: int) -> "StepShape":
+        """`samples` sequences of the workload's length, half prompt and half response (the CLI's default)."""
+        prompt = max(1, work.seq_len // 2)
+        return cls(samples=samples, prompt_len=prompt, response_len=max(1, work.seq_len - prompt))
+
+
+@dataclass(frozen=True)
+class TimeTerm:
+    """One addend of a phase's predicted time, with the arithmetic that produced it."""
+
+    phase: str
+    name: str
+    seconds: float
+    formula: str
+
+    def line(self) -> str:
+        return f"{self.name:<36} {self.seconds:>10.3f} s  = {self.formula}"
+
+
+@dataclass(frozen=True)
+class TimePrediction:
+    """Predicted seconds of one RL step, phase by phase (every GPU runs every phase: the roles are colocated)."""
+
+    terms: tuple[TimeTerm, ...]
+    notes: tuple[str, ...] = ()
+
+    @property
+    def phases(self) -> dict[str, float]:
+        return {p: sum(t.seconds for t in self.terms if t.phase == p) for p in PHASES}
+
+    @property
+    def total(self) -> float:
+        return sum(t.seconds for t in self.terms)
+
+    def summary(self) -> str:
+        ph = self.phases
+        return f"step {self.total:.2f} s (" + " + ".join(f"{p} {ph[p]:.2f}" for p in PHASES) + ")"
+
+    def explain(self) -> list[str]:
+        lines = [f"predicted time per RL step: {self.summary()}"]
+        for phase in PHASES:
+            lines += [f"  [{phase}] {self.phases[phase]:.3f} s"] + ["    " + t.line() for t in self.terms
+                                                                    if t.phase == phase]
+        return lines + ["  " + n for n in self.notes]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# FLOPs
+# ------------------------------------------------------------------------------------------------------------
+
+
+def matmul_weights(arch: ModelArch, *, value_head: bool = False) -> tuple[int, int]:
+    """(dense, routed-expert) weights one token multiplies by: per layer Q, K, V and the attention output, the MLP
+    (SwiGLU: 3·h·f; MoE: router E·h, shared expert 3·h·f_s, and the top-k routed experts k·3·h·f_e); then the LM
+    head V·h (a value head: h). The input embedding is a lookup and costs no FLOPs."""
+    h, d, a, k = arch.hidden_size, arch.head_dim, arch.num_heads, arch.num_kv_heads
+    attn = h * (a + 2 * k) * d + a * d * h
+    if arch.is_moe:
+        mlp = arch.num_experts * h + 3 * h * arch.shared_expert_ffn_hidden_size
+        experts = arch.moe_topk * 3 * h * arch.moe_ffn_hidden_size
+    else:
+        mlp, experts = 3 * h * arch.ffn_hidden_size, 0
+    head = h if value_head else arch.vocab_size * h
+    return arch.num_layers * (attn + mlp) + head, arch.num_layers * experts
+
+
+def attention_flops(arch: ModelArch, context: float) -> float:
+    """Forward FLOPs per token of QKᵀ and A·V against `context` earlier tokens: 2 · 2·L·a·d·context (one
+    multiply-add = 2 FLOPs). Training over causal sequences of length s averages context s/2: 2·L·a·d·s."""
+    return 4.0 * arch.num_layers * arch.num_heads * arch.head_dim * context
+
+
+def layer_gemm_flops(arch: ModelArch, tokens: float, tp: int = 1) -> float:
+    """G of :meth:`Hardware.efficiency`: the dense matmul FLOPs of one layer on one GPU for `tokens` tokens (the
+    micro-batch, which sequence parallelism gathers back before each GEMM), 2·(attention + dense MLP weights)/t·tokens;
+    for MoE layers the attention, the shared expert and the router (routed experts: ``Hardware.expert_eta``)."""
+    h, d, a, k = arch.hidden_size, arch.head_dim, arch.num_heads, arch.num_kv_heads
+    attn = h * (a + 2 * k) * d + a * d * h
+    if not arch.is_moe:
+        return 2 * (attn + 3 * h * arch.ffn_hidden_size) / tp * tokens
+    return 2 * (attn + 3 * h * arch.shared_expert_ffn_hidden_size) / tp * tokens + 2 * arch.num_experts * h * tokens
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The model
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _link(hw: Hardware, span: int, node_gpus: int) -> tuple[float, str]:
+    """Bandwidth (bytes/s) of a group of consecutive-rank span `span`: NVLink inside a node, else the NIC's."""
+    if span <= node_gpus:
+        return hw.nvlink_gbps * GB, "NVLink"
+    return hw.inter_node_gbps * GB, "inter-node"
+
+
+def predict_time(arch: ModelArch, layout: Pool, work: Workload, step: StepShape, memory: MemoryPrediction, *,
+                 roles: tuple[RoleSpec, ...], rollout: RolloutSpec, hardware: Hardware = H200,
+                 node_gpus: int = 8) -> TimePrediction:
+    """Seconds per RL step by phase for `layout` (its gen_tp included). `memory` is the memory model's prediction
+    for the same layout (KV cache size, reshard bytes, offloaded bytes, MoE all-to-all bytes)."""
+    hw = hardware
+    t, p, v, dp = layout.tp, layout.pp, layout.vpp or 1, layout.dp
+    world, tg = layout.size, layout.gen_tp
+    L, h, B = arch.num_layers, arch.hidden_size, work.act_bytes
+    s, b = work.seq_len, work.micro_batch
+    if s != step.seq_len:
+        raise PlanningError(f"step: prompt_len + response_len = {step.seq_len} differs from the workload's "
+                            f"seq_len={s}")
+    terms: list[TimeTerm] = []
+    notes: list[str] = []
+    alpha = hw.collective_latency_s
+    peak = hw.peak_flops
+
+    # ---- shapes of the step
+    m_opt = work.num_microbatches or 1  # micro-batches per DP rank and optimizer step
+    global_batch = dp * b * m_opt
+    opt_steps = math.ceil(step.samples / global_batch) * step.ppo_epochs
+    micro = math.ceil(step.samples / (dp * b))  # micro-batches per DP rank per pass over the step's samples
+    tokens = step.samples * s
+    bubble = (p - 1) / (v * m_opt)
+    eta_d, eta_e = hw.efficiency(layer_gemm_flops(arch, s * b, t)), hw.expert_eta
+    attn = attention_flops(arch, s / 2)  # causal: the mean context of a training token is s/2
+    sigma = t if layout.sequence_parallel else 1
+    critic = any(r.value_head for r in roles)
+    ref = any(r.name == "ref" for r in roles)
+
+    def compute(flops_dense: float, flops_expert: float) -> float:
+        return (flops_dense / eta_d + flops_expert / eta_e) / (world * peak) * (1 + bubble)
+
+    # ---- tensor-parallel collectives per layer and micro-batch (forward; the backward repeats them)
+    moe_layers = arch.is_moe
+    coll = (2 if moe_layers else 4) if layout.sequence_parallel else (1 if moe_layers else 2)
+    tp_bytes = (2 if moe_layers else 4) * (t - 1) / t * s * b * h * B  # AG + RS (or AR = RS + AG) per layer
+    tp_fwd = 0.0 if t == 1 else micro * (L // p) * (coll * alpha + tp_bytes / (hw.nvlink_gbps * GB))
+    pp_bw, pp_link = _link(hw, t * dp * p, node_gpus)
+    pp_fwd = 0.0 if p == 1 else micro * v * (alpha + s * b * h * B / sigma / pp_bw)
+    ep_bw, ep_link = _link(hw, layout.etp * layout.ep, node_gpus)
+    a2a_fwd = memory.moe_alltoall_bytes / 2 * (micro / m_opt) / ep_bw  # the memory model counts fwd + bwd per step
+
+    def passes(role: str, value_head: bool, kind: str) -> None:
+        dense, experts = matmul_weights(arch, value_head=value_head)
+        mult = 1 if kind == "forward" else 3
+        extra_dense = extra_attn = 0.0
+        if kind == "update" and work.recompute == "full":
+            extra_dense, extra_attn = 2 * dense, attn  # one more forward of every layer
+        elif kind == "update" and work.recompute == "selective":
+            extra_attn = attn  # core attention recomputed
+        per_token = mult * (2 * dense + attn) + extra_dense + extra_attn
+        flops_d = tokens * per_token * (step.ppo_epochs if kind == "update" else 1)
+        flops_e = tokens * (mult * 2 * experts + (2 * experts if extra_dense else 0)) * \
+            (step.ppo_epochs if kind == "update" else 1)
+        phase = "score" if kind == "forward" else "train"
+        what = "forward" if kind == "forward" else "forward + backward" + (
+            f", {work.recompute} recompute" if work.recompute != "none" else "")
+        epochs = step.ppo_epochs if kind == "update" else 1
+        expert_txt = f" + {flops_e:.3g} expert FLOPs at η={eta_e:.3f}" if flops_e else ""
+        terms.append(TimeTerm(phase, f"{role} compute", compute(flops_d, flops_e),
+                              f"{flops_d:.3g} FLOPs ({what}: {tokens:,} tokens × {per_token:.3g}){expert_txt} / "
+                              f"({world} GPUs × η={eta_d:.3f} × {hw.peak_tflops:g} TFLOP/s) × (1 + bubble "
+                              f"{bubble:.4f})"))
+        comm_mult = (1 if kind == "forward" else 2 + (work.recompute == "full")) * epochs
+        if t > 1:
+            terms.append(TimeTerm(phase, f"{role} TP collectives", tp_fwd * comm_mult,
+                                  f"{comm_mult} × {micro} micro-batches × {L // p} layers × ({coll} × α + "
+                                  f"{tp_bytes / 2**20:.1f} MiB / {hw.nvlink_gbps:g} GB/s)"))
+        if p > 1:
+            sends = 1 if kind == "forward" else 2
+            terms.append(TimeTerm(phase, f"{role} PP send/recv", pp_fwd * sends * epochs,
+                                  f"{sends * epochs} × {micro} micro-batches × {v} chunk(s) × (α + s·b·h·B/σ over "
+                                  f"{pp_link})"))
+        if a2a_fwd:
+            terms.append(TimeTerm(phase, f"{role} MoE all-to-all", a2a_fwd * comm_mult,
+                                  f"{comm_mult} × {memory.moe_alltoall_bytes / 2 / 2**30 * micro / m_opt:.2f} GiB "
+                                  f"over {ep_link}"))
+
+    # ---- score: frozen forward passes
+    passes("old log-prob", False, "forward")
+    if ref:
+        passes("ref log-prob", False, "forward")
+    if critic:
+        passes("critic values", True, "forward")
+
+    # ---- train: updates, then per optimizer step the DP reduction and the Adam step
+    dp_bw, dp_link = _link(hw, t * dp, node_gpus)
+    for role, value_head in (("actor", False), ("critic", True)) if critic else (("actor", False),):
+        passes(f"{role} update", value_head, "update")
+        sp = max((stage_params(arch, layout, st, value_head=value_head) for st in {0, p - 1}), key=lambda x: x.total)
+        dense_params = sp.total - sp.experts
+        pb = 4 if work.dtype == "fp32" else 2
+        dp_bytes = (dp - 1) / dp * (4 + pb) * dense_params
+        expert_bytes = sum(term.bytes for term in memory.comm if "grad reduction" in term.name)
+        if dp > 1 or expert_bytes:
+            terms.append(TimeTerm("train", f"{role} DP grad/param sync", opt_steps * (
+                2 * alpha + dp_bytes / dp_bw + expert_bytes / dp_bw),
+                f"{opt_steps} optimizer step(s) × (dp−1)/dp × (4 B grads + {pb} B params) × {dense_params:,} "
+                f"params" + (" + expert grads over D_e" if expert_bytes else "") + f" over {dp_link}"))
+        adam = 30 * sp.total / dp + 4 * sp.total
+        terms.append(TimeTerm("train", f"{role} optimizer step", opt_steps * adam / (hw.hbm_gbps * GB),
+                              f"{opt_steps} × (30 B × P/dp (fp32 grad, master, m, v read; master, m, v, param "
+                              f"written) + 4 B × P grad zeroing) over HBM, P={sp.total:,}"))
+
+    # ---- reshard: the 3D-HybridEngine switch and offload traffic
+    gen_bytes = 2 * generation_params(arch, tg)
+    rs_bw = min(hw.reshard_gbps, hw.inter_node_gbps if t * dp * p > node_gpus and p > 1 else math.inf) * GB
+    terms.append(TimeTerm("reshard", "weight sync", memory.reshard_bytes_per_gpu / rs_bw
+                          + 2 * gen_bytes / (hw.hbm_gbps * GB),
+                          f"{memory.reshard_bytes_per_gpu / 2**30:.2f} GiB received / {rs_bw / GB:g} GB/s + 2 × "
+                          f"{gen_bytes / 2**30:.2f} GiB generation weights rewritten / {hw.hbm_gbps:g} GB/s"))
+    if memory.host_offload_bytes:
+        terms.append(TimeTerm("reshard", "offload to host and back", 2 * memory.host_offload_bytes /
+                              (hw.pcie_gbps * GB), f"2 × {memory.host_offload_bytes / 2**30:.2f} GiB / "
+                                                   f"{hw.pcie_gbps:g} GB/s"))
+
+    # ---- rollout
+    engines = world // tg
+    per_engine = math.ceil(step.samples / engines)
+    kv_tok = 2 * L * math.ceil(arch.num_kv_heads / tg) * arch.head_dim * 2  # K and V, bf16, per GPU
+    fit = int(max(memory.kv_cache_bytes, 0) // (kv_tok * s))
+    conc = max(1, min(rollout.max_num_seqs, per_engine, fit))
+    if fit < 1:
+        notes.append("the KV cache holds no whole sequence: the rollout time assumes one at a time")
+    full, last = divmod(per_engine, conc)  # waves of `conc` sequences, then the rest
+    ctx = step.prompt_len + step.response_len / 2
+    dense, experts = matmul_weights(arch)
+
+    def decode_step(c: int) -> tuple[float, float, float, float]:
+        """(seconds, bytes read, FLOPs, all-reduce seconds) of one decode step of `c` sequences on one GPU."""
+        weights = gen_bytes
+        if arch.is_moe:  # a step reads only the experts its c tokens route to: E·(1 − (1 − k/E)^c) expected
+            all_experts = 2 * L * arch.num_experts * 3 * h * arch.moe_ffn_hidden_size / tg
+            weights -= all_experts * (1 - arch.moe_topk / arch.num_experts) ** c
+        read = weights + c * ctx * kv_tok
+        flops = c * (2 * (dense + experts) + attention_flops(arch, ctx)) / tg
+        ar = 0.0 if tg == 1 else 2 * L * (alpha + 2 * (tg - 1) / tg * c * h * 2 / (hw.nvlink_gbps * GB))
+        # small-batch GEMMs are bandwidth-bound unless the compute roof (at the wide-GEMM rate) is the higher one
+        return max(read / (hw.hbm_gbps * GB), flops / (hw.eta_max * peak)) + ar + hw.decode_step_overhead_s, \
+            read, flops, ar
+
+    t_step, read, flops, t_ar = decode_step(conc)
+    bound = "bandwidth" if read / (hw.hbm_gbps * GB) >= flops / (hw.eta_max * peak) else "compute"
+    decode = step.response_len * (full * t_step + (decode_step(last)[0] if last else 0.0))
+    waves = f"{full} wave(s) of {conc}" + (f" + one of {last}" if last else "")
+    terms.append(TimeTerm("rollout", "decode", decode,
+                          f"{waves} sequences × {step.response_len} steps × {t_step * 1e3:.2f} ms ({bound}-bound: "
+                          f"max({read / 2**30:.2f} GiB / {hw.hbm_gbps:g} GB/s, {flops:.3g} FLOPs) + "
+                          f"{t_ar * 1e3:.2f} ms TP all-reduces + {hw.decode_step_overhead_s * 1e3:.2f} ms per step); "
+                          f"{engines} engine(s) of tg={tg}, {per_engine} sequences each"))
+    prompts = math.ceil(per_engine / step.n)
+    prefill = prompts * step.prompt_len * (2 * (dense + experts) + attention_flops(arch, step.prompt_len / 2))
+    chunk = min(rollout.max_num_batched_tokens, prompts * step.prompt_len)  # tokens of one prefill batch
+    eta_p = hw.efficiency(layer_gemm_flops(arch, chunk, tg))  # vLLM shards every matmul over tg
+    terms.append(TimeTerm("rollout", "prefill", prefill / tg / (eta_p * peak),
+                          f"{prompts} prompts × {step.prompt_len} tokens × (2·N + attention) / (tg={tg} × "
+                          f"η={eta_p:.3f} × peak)"))
+    return TimePrediction(tuple(terms), tuple(notes))
+
+
+def time_bucket(ratio: float, granularity: float = 0.02) -> int:
+    """Rank key of a time `ratio` ≥ 1 to the fastest comparable plan: 0 within `granularity` (relative) of it, then
+    1, 2, ... per further step, so a difference the model cannot resolve falls through to the tie-breakers."""
+    return math.floor(math.log(max(ratio, 1.0)) / math.log1p(granularity) + 1e-9)
