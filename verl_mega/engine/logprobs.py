@@ -33,7 +33,7 @@ def vocab_parallel_logprobs_entropy(
     tp = dist.get_world_size(tp_group) if tp_group is not None and dist.is_initialized() else 1
     v0 = dist.get_group_rank(tp_group, dist.get_rank()) * logits.shape[-1] if tp > 1 else 0
     logprobs, entropy = _LogProbEntropy.apply(flat, targets.reshape(-1), v0, vocab_size, tp_group if tp > 1 else None,
-                                              float(temperature))
+                                              float(temperature), with_entropy)
     return logprobs.view(lead), (entropy.view(lead) if with_entropy else None)
 
 
@@ -53,14 +53,14 @@ def _scaled(chunk: torch.Tensor, temperature: float, pad: torch.Tensor | None) -
 
 class _LogProbEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, v0: int, vocab_size: int, group, temperature: float):
+    def forward(ctx, logits, targets, v0: int, vocab_size: int, group, temperature: float, with_entropy: bool):
         n, width = logits.shape
         v1 = v0 + width
         pad = torch.arange(v0, v1, device=logits.device) >= vocab_size if v1 > vocab_size else None
         in_range = (targets >= v0) & (targets < v1)
         local_idx = (targets - v0).clamp(0, width - 1)
         # per token: local max m, Σexp(z−m), Σexp(z−m)·z, and the target's logit (0 on the ranks without it)
-        stats = torch.empty(4, n, dtype=torch.float32, device=logits.device)
+        stats = torch.zeros(4, n, dtype=torch.float32, device=logits.device)
         step = _chunk_rows(width)
         for a in range(0, n, step):
             z = _scaled(logits[a:a + step], temperature, pad)
@@ -69,7 +69,8 @@ class _LogProbEntropy(torch.autograd.Function):
             e = (z - m[:, None]).exp()
             stats[0, a:a + step] = m
             stats[1, a:a + step] = e.sum(-1)
-            stats[2, a:a + step] = (e * torch.where(e > 0, z, torch.zeros_like(z))).sum(-1)
+            if with_entropy:
+                stats[2, a:a + step] = (e * torch.where(e > 0, z, torch.zeros_like(z))).sum(-1)
             picked = z.gather(-1, local_idx[a:a + step, None]).squeeze(-1)
             stats[3, a:a + step] = torch.where(in_range[a:a + step], picked, torch.zeros_like(picked))
         if group is not None:  # rescale every rank's sums to the global max, then sum them
@@ -82,15 +83,18 @@ class _LogProbEntropy(torch.autograd.Function):
             dist.all_reduce(stats[1:], group=group)
         lse = stats[0] + stats[1].log()
         logprobs = stats[3] - lse
-        entropy = lse - stats[2] / stats[1]
+        entropy = lse - stats[2] / stats[1] if with_entropy else torch.zeros_like(lse)
         ctx.save_for_backward(logits, local_idx, in_range, lse, entropy)
         ctx.meta = (v0, vocab_size, temperature, step)
+        ctx.with_entropy = with_entropy
+        ctx.set_materialize_grads(False)  # an output the loss does not use (entropy) gets no backward work
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
         logits, local_idx, in_range, lse, entropy = ctx.saved_tensors
         v0, vocab_size, temperature, step = ctx.meta
+        with_entropy = ctx.with_entropy
         n, width = logits.shape
         v1 = v0 + width
         pad = torch.arange(v0, v1, device=logits.device) >= vocab_size if v1 > vocab_size else None
@@ -104,10 +108,10 @@ class _LogProbEntropy(torch.autograd.Function):
                 g_lp = grad_logprobs[a:a + step].float()
                 g -= p * g_lp[:, None]
                 g.scatter_add_(-1, local_idx[a:a + step, None], (g_lp * in_range[a:a + step])[:, None])
-            if grad_entropy is not None:  # dH/dz_j = −p_j (log p_j + H)
+            if grad_entropy is not None and with_entropy:  # dH/dz_j = −p_j (log p_j + H)
                 term = torch.where(p > 0, p * (logp + entropy[a:a + step, None]), torch.zeros_like(p))
                 g -= term * grad_entropy[a:a + step].float()[:, None]
             if temperature != 1.0:
                 g = g / temperature
             grad[a:a + step] = g.to(grad.dtype)
-        return grad, None, None, None, None, None
+        return grad, None, None, None, None, None, None

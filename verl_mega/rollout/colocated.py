@@ -130,6 +130,8 @@ class ColocatedRollout:
         engine, prof = self._ready(), self.profiler
         t0 = prof.now()
         self._offload(True)  # free the accelerator for the KV cache while vLLM generates
+        if torch.cuda.is_available():  # training's cached blocks go back to the device before vLLM maps its memory
+            torch.cuda.empty_cache()
         engine.wake_up()
         prof.record("wake_up", t0, prof.now(), parent="rollout")  # vLLM re-maps weights and KV cache
         mine = engine.engine_share(list(range(len(prompt_ids))))

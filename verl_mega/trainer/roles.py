@@ -197,8 +197,10 @@ class Actor(PolicyRole):
                 log_prob=lp, old_log_prob=mb["old_logprobs"], advantages=mb["advantages"], response_mask=mask,
                 loss_agg_mode=cfg.loss_agg_mode, normalizer=norm, rollout_is_weights=mb.get("rollout_is_weights"),
                 **options, **behaviour)
-            entropy = algos.agg_loss(ent, mask, cfg.loss_agg_mode, normalizer=norm)
-            loss = pg_loss - cfg.entropy_coeff * entropy
+            # without an entropy bonus the entropy is a metric only: no gradient work for it
+            entropy = algos.agg_loss(ent if cfg.entropy_coeff else ent.detach(), mask, cfg.loss_agg_mode,
+                                     normalizer=norm)
+            loss = pg_loss - cfg.entropy_coeff * entropy if cfg.entropy_coeff else pg_loss
             if cfg.use_kl_loss:
                 kl = algos.compute_kl_loss(lp, mb["ref_logprobs"], mask, kind=cfg.kl_loss_type,
                                            loss_agg_mode=cfg.loss_agg_mode, normalizer=norm)
