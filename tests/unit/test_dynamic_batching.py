@@ -58,3 +58,31 @@ def test_token_budget_matches_fixed_micro_batches(world, tmp_path):
     g2 = torch.cat([b.grad_data for c in dynamic.engine.chunks for b in c.buffers])
     assert g1.abs().max() > 1e-3
     assert torch.allclose(g1, g2, atol=1e-6, rtol=1e-4)
+
+
+def test_log_prob_pass_uses_its_own_micro_batch_size(world, tmp_path):
+    """actor.log_prob_micro_batch_size_per_gpu sizes the actor's forward-only log-prob pass; the update keeps
+    actor.micro_batch_size_per_gpu. The grouping does not change the log-probs."""
+    path = make_tiny_hf_model(tmp_path / "m", model_type="qwen2")
+    base = ["model.dtype=float32", f"model.path={path}", "data.max_prompt_length=16", "rollout.max_response_length=6",
+            "actor.micro_batch_size_per_gpu=2"]
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, 40, (int(n),), generator=g).tolist() for n in torch.randint(2, 9, (8,), generator=g)]
+    responses = [torch.randint(5, 40, (int(n),), generator=g).tolist() for n in torch.randint(1, 7, (8,), generator=g)]
+    batch = Batch(dict(pack_sequences(prompts, responses, pad_id=0, max_response_length=6)), {})
+    results = {}
+    for rows in (2, 4):
+        actor = _actor(load_config("configs/quickstart_cpu.yaml",
+                                   base + [f"actor.log_prob_micro_batch_size_per_gpu={rows}"]), path, world)
+        calls = []
+        forward = actor.engine.forward
+
+        def counting(mbs, post, calls=calls, forward=forward, **kw):
+            calls.append([mb["input_ids"].shape[0] for mb in mbs])
+            return forward(mbs, post, **kw)
+
+        actor.engine.forward = counting
+        results[rows] = actor.compute_logprobs(batch)["logprobs"]
+        assert calls == [[rows] * (8 // rows)]
+    mask = batch["response_mask"]
+    assert torch.allclose(results[2] * mask, results[4] * mask, atol=1e-6)

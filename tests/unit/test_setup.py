@@ -1,6 +1,7 @@
 """Job assembly checks that run before anything heavy: tokenizers (trust_remote_code, missing files)."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -170,3 +171,44 @@ def test_r3_refuses_multi_turn():
     with pytest.raises(ConfigError, match="actor.routing_replay=r3 replays the routing of one vLLM generation"):
         load_config(str(ROOT / "configs" / "quickstart_moe_cpu.yaml"),
                     ["actor.routing_replay=r3", "rollout.multi_turn.enable=true"])
+
+
+def test_trainer_deterministic_turns_on_deterministic_kernels(monkeypatch):
+    """trainer.deterministic reaches torch before anything is placed or built (cuBLAS reads its workspace setting
+    when it starts), and a run without it gets torch's defaults back."""
+    import torch
+
+    from verl_mega.config import load_config
+    from verl_mega.parallel import launch_env
+    from verl_mega.parallel.placement import Placement
+    from verl_mega.trainer import setup
+
+    class Stop(Exception):
+        pass
+
+    class Env:
+        world_size, local_world_size, rank = 1, 1, 0
+
+        def export_to_os_environ(self):
+            pass
+
+    seen = []
+
+    def placement(cfg, world):
+        seen.append((torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic))
+        raise Stop
+
+    monkeypatch.setattr(launch_env, "discover", lambda: Env())
+    monkeypatch.setattr(Placement, "from_config", placement)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    try:
+        for flag in ("true", "false"):
+            with pytest.raises(Stop):
+                setup.build_job(load_config("configs/quickstart_cpu.yaml", [f"trainer.deterministic={flag}"]))
+            if flag == "true":
+                assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.backends.cudnn.deterministic = False
+        monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    assert seen == [(True, True), (False, False)]

@@ -24,8 +24,10 @@ class TrainerConfig(ConfigSection):
     output_dir: str = option("outputs/run", help="Directory for metrics.jsonl, TensorBoard logs, plots and "
                                                  "checkpoints/.", affects_results=False)
     seed: int = option(42, help="Global seed (model init, sampling and shuffling unless they set their own).")
-    deterministic: bool = option(False, help="Deterministic kernels and reductions (bitwise-reproducible on CPU; "
-                                             "slower on GPU).")
+    deterministic: bool = option(False, help="Deterministic training kernels: torch.use_deterministic_algorithms "
+                                             "(warning where an op has none), cuBLAS's fixed workspace, cuDNN "
+                                             "without autotuning. Repeatable GPU training, slower; CPU runs repeat "
+                                             "either way.")
     save_every: int = option(0, help="Save a checkpoint every N steps; 0 disables periodic saves.",
                              affects_results=False)
     time_limit_s: float | None = option(

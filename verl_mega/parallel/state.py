@@ -175,6 +175,18 @@ def seed_everything(seed: int, groups: RankGroups | None = None) -> None:
         tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=c["tp"], ep_rank=c["ep"], etp_rank=c["etp"])
 
 
+def set_deterministic(enabled: bool) -> None:
+    """Deterministic training kernels (``torch.use_deterministic_algorithms``, warning where an op has no
+    deterministic version; cuBLAS's fixed workspace; cuDNN without autotuning), or torch's defaults back. Call before
+    the first CUDA kernel: cuBLAS reads its workspace setting when it starts."""
+    if enabled:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(enabled, warn_only=True)
+    torch.backends.cudnn.deterministic = enabled
+    if enabled:
+        torch.backends.cudnn.benchmark = False
+
+
 def destroy_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -34,11 +34,14 @@ class PolicyRole:
     """Log-probs of responses under a (vocab-parallel) LM head: shared by actor and reference."""
 
     def __init__(self, engine: MegatronEngine, *, vocab_size: int, micro_batch_size: int, temperature: float,
-                 max_tokens_per_micro_batch: int | None = None, packed: bool = False) -> None:
+                 max_tokens_per_micro_batch: int | None = None, packed: bool = False,
+                 logprob_micro_batch_size: int | None = None) -> None:
         self.engine = engine
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
         self.vocab_size = vocab_size
         self.micro_batch_size = micro_batch_size
+        # rows per forward-only pass (no activations kept for a backward: may exceed the update's micro-batch)
+        self.logprob_micro_batch_size = logprob_micro_batch_size or micro_batch_size
         self.temperature = temperature
         self.packed = packed
 
@@ -68,7 +71,7 @@ class PolicyRole:
         routing = self.engine.routing
         replay = routing is not None and "rollout_routing" in batch  # R3
         keys = ("input_ids", "prompt_len", "response_mask") + (("rollout_routing", "response_len") if replay else ())
-        mbs = self._split(batch, keys)
+        mbs = self._split(batch, keys, rows=self.logprob_micro_batch_size)
         if replay:
             for mb in mbs:
                 mb["routed_experts"] = routing.local_layers(mb.pop("rollout_routing"))
@@ -121,7 +124,8 @@ class Actor(PolicyRole):
                  packed: bool = False) -> None:
         super().__init__(engine, vocab_size=vocab_size, micro_batch_size=cfg.micro_batch_size_per_gpu,
                          temperature=temperature, packed=packed,
-                         max_tokens_per_micro_batch=cfg.max_tokens_per_gpu if cfg.use_dynamic_bsz else None)
+                         max_tokens_per_micro_batch=cfg.max_tokens_per_gpu if cfg.use_dynamic_bsz else None,
+                         logprob_micro_batch_size=cfg.log_prob_micro_batch_size_per_gpu)
         self.cfg = cfg
 
     def update(self, batch: Batch, *, mini_batch_rows: int) -> dict[str, float]:

@@ -286,7 +286,7 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
     from verl_mega.parallel import launch_env
     from verl_mega.parallel.placement import Placement
     from verl_mega.parallel.scheduler import assign_device, write_placement_json
-    from verl_mega.parallel.state import build_groups, init_world, seed_everything
+    from verl_mega.parallel.state import build_groups, init_world, seed_everything, set_deterministic
     from verl_mega.rewards.loader import load_reward_fn
     from verl_mega.rewards.pool import RewardPool
     from verl_mega.trainer.checkpoint import CheckpointManager, find_checkpoint, verify_checkpoint
@@ -300,6 +300,7 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
     # --- validate everything that can be validated before any heavy allocation
     env = launch_env.discover()
     env.export_to_os_environ()
+    set_deterministic(cfg.trainer.deterministic)  # before any CUDA kernel
     if cfg.parallel.layout == "auto":  # the planner's best layout for this model, world and workload
         from verl_mega.planning.auto import resolve_auto_layout
 
