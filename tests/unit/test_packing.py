@@ -80,7 +80,13 @@ def _roles(cfg, path, world, packed):
 
 
 @pytest.mark.parametrize("budget", [None, 48], ids=["fixed-rows", "token-budget"])
-def test_packed_matches_padded(world, tmp_path, budget):
+def test_packed_matches_padded(world, tmp_path, budget, monkeypatch):
+    from megatron.core.models.common.embeddings import rope_utils
+
+    def no_thd(*args, **kwargs):  # our spec takes rotary embeddings per token, not sequence by sequence
+        raise AssertionError("Megatron's THD rotary path ran")
+
+    monkeypatch.setattr(rope_utils, "_apply_rotary_pos_emb_thd", no_thd)
     path = make_tiny_hf_model(tmp_path / "m", model_type="qwen2")
     keys = ["actor.lr=1e-3", "actor.use_kl_loss=true", "model.dtype=float32", "actor.micro_batch_size_per_gpu=3",
             "critic.micro_batch_size_per_gpu=3", f"model.path={path}", "data.max_prompt_length=16",

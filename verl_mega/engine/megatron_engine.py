@@ -202,9 +202,19 @@ class MegatronEngine:
                 raise ValueError("engine: packed sequences with context parallelism are not supported; set "
                                  "model.use_remove_padding=false or parallel.cp=1")
             longest = int(mb["max_seqlen"])
-            packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=mb["cu_seqlens"], cu_seqlens_kv=mb["cu_seqlens"],
-                                     max_seqlen_q=longest, max_seqlen_kv=longest)
-            return model(ids, pos, None, packed_seq_params=packed)
+            # our spec's rotary module takes per-token positions (models.build.enable_packed_positions); then the
+            # layers see an ordinary [T, 1] sequence and only the core attention reads cu_seqlens
+            rope = getattr(unwrap(model), "rotary_pos_emb", None)
+            per_token = rope is not None and hasattr(rope, "packed_positions")
+            packed = PackedSeqParams(qkv_format="sbhd" if per_token else "thd", cu_seqlens_q=mb["cu_seqlens"],
+                                     cu_seqlens_kv=mb["cu_seqlens"], max_seqlen_q=longest, max_seqlen_kv=longest)
+            if per_token:
+                rope.packed_positions = pos[0]
+            try:
+                return model(ids, pos, None, packed_seq_params=packed)
+            finally:
+                if per_token:
+                    rope.packed_positions = None
         if self.cp > 1:  # the model sees this rank's chunks; the loss keeps the whole micro-batch
             local = self.cp_positions(ids.shape[1]).to(device)
             ids, pos = ids[:, local], pos[:, local]

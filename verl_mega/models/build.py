@@ -88,6 +88,8 @@ def build_model_chunks(
         if arch.rope_scaling is not None:
             rope = model.rotary_pos_emb
             rope.inv_freq = llama3_scaled_inv_freq(rope.inv_freq.double(), arch.rope_scaling).to(rope.inv_freq.dtype)
+        if block_spec is not spec:
+            enable_packed_positions(model.rotary_pos_emb)
         if value_head and post:
             model.output_layer = ValueHead(config, arch.hidden_size, groups["tp"])
         model.stage_layout = StageLayout(  # type: ignore[attr-defined]
@@ -98,6 +100,21 @@ def build_model_chunks(
         )
         chunks.append(model)
     return chunks
+
+
+def enable_packed_positions(rope: torch.nn.Module) -> None:
+    """Let packed micro-batches take their rotary embedding per token: with ``rope.packed_positions`` set (the
+    position of every token of the pack, restarting with each sequence) the module returns the embedding at those
+    positions, which Megatron then applies as for an unpacked sequence. Megatron's own THD path applies it sequence
+    by sequence, reading ``cu_seqlens`` on the host in every layer (a device synchronisation each time)."""
+    plain = rope.forward
+
+    def forward(max_seq_len: int, *args, **kwargs):
+        emb = plain(max_seq_len, *args, **kwargs)
+        return emb if rope.packed_positions is None else emb[rope.packed_positions]
+
+    rope.packed_positions = None
+    rope.forward = forward
 
 
 def count_parameters(arch: ModelArch, groups: RankGroups, *, value_head: bool = False) -> int:

@@ -101,8 +101,11 @@ class SDPAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(s, b, self.hidden_size_per_partition)
 
     def _packed(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params) -> torch.Tensor:
-        """Causal attention inside each sequence of a THD pack ([t, heads, d]; ``cu_seqlens`` marks the sequences):
-        varlen flash attention on CUDA, a block-diagonal causal mask elsewhere."""
+        """Causal attention inside each sequence of a pack ([t, heads, d], or [t, 1, heads, d] when Megatron kept the
+        batch dimension; ``cu_seqlens`` marks the sequences): varlen flash attention on CUDA, a block-diagonal causal
+        mask elsewhere."""
+        if query.dim() == 4:
+            query, key, value = (x.squeeze(1) for x in (query, key, value))
         cu = params.cu_seqlens_q
         p = self.config.attention_dropout if self.training else 0.0
         t = query.size(0)
@@ -113,7 +116,7 @@ class SDPAttention(MegatronModule):
             gqa = {"enable_gqa": True} if query.size(1) != key.size(1) else {}
             out = _varlen_attn(query, key, value, cu, cu, params.max_seqlen_q, params.max_seqlen_kv,
                                scale=self.softmax_scale, **_VARLEN_CAUSAL["causal"], **gqa)
-            return out.reshape(t, self.hidden_size_per_partition)
+            return out.reshape(t, 1, self.hidden_size_per_partition)
         segment = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=cu.device), (cu[1:] - cu[:-1]).long())
         pos = torch.arange(t, device=query.device)
         allow = (segment[:, None] == segment[None, :]) & (pos[None, :] <= pos[:, None])
@@ -122,7 +125,7 @@ class SDPAttention(MegatronModule):
             rep = q.size(1) // k.size(1)
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=allow, dropout_p=p, scale=self.softmax_scale)
-        return out[0].transpose(0, 1).reshape(t, self.hidden_size_per_partition)
+        return out[0].transpose(0, 1).reshape(t, 1, self.hidden_size_per_partition)
 
     def _context_parallel_mask(self, local_len: int, device: torch.device) -> torch.Tensor:
         """mcore's convention (True = masked out): query i may see key j when j's global position ≤ i's; keys come
