@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from verl_mega.algos.off_policy import off_policy_metrics, off_policy_sums, rollout_is_weights
 from verl_mega.algos import (
     POLICY_LOSSES,
     compute_policy_loss,
@@ -12,7 +13,6 @@ from verl_mega.algos import (
     compute_policy_loss_clip_cov,
     compute_policy_loss_gspo,
     compute_policy_loss_kl_cov,
-    compute_rollout_is_weights,
     dynamic_sampling_keep,
     get_policy_loss_fn,
     overlong_buffer_penalty,
@@ -187,12 +187,18 @@ IS_ROLLOUT = IS_OLD - t([[math.log(3.0), 0.0, math.log(0.25), 100.0],
 IS_MASK = t([[1, 1, 1, 0], [1, 1, 1, 1]])
 
 
+def compute_rollout_is_weights(old, rollout, mask, *, level="token", mode="tis", threshold=2.0, threshold_lower=None):
+    """The weights, the kept mask and the step's rollout/* metrics, as the actor computes them."""
+    w = rollout_is_weights(old, rollout, mask, level=level, mode=mode, upper=threshold, lower=threshold_lower)
+    return w.weights, w.mask, off_policy_metrics(off_policy_sums(old, rollout, mask, w))
+
+
 def test_rollout_is_token_tis():
     w, mask, m = compute_rollout_is_weights(IS_OLD, IS_ROLLOUT, IS_MASK, level="token", mode="tis", threshold=2.0)
     close(w, [[2.0, 1.0, 0.25, 0.0], [1.5, 1.2, 0.9, 1.0]])  # 3 truncated to 2; padding 0
     close(mask, IS_MASK)
-    assert m["rollout_is_clipped_frac"].item() == pytest.approx(1 / 7)
-    assert m["rollout_is_weight_mean"].item() == pytest.approx((2 + 1 + 0.25 + 1.5 + 1.2 + 0.9 + 1.0) / 7)
+    assert m["rollout/is_clip_frac"] == pytest.approx(1 / 7)
+    assert m["rollout/is_weight_mean"] == pytest.approx((2 + 1 + 0.25 + 1.5 + 1.2 + 0.9 + 1.0) / 7)
 
 
 def test_rollout_is_token_mask():
@@ -200,8 +206,8 @@ def test_rollout_is_token_mask():
     # lower bound 1/2: 3 (> 2) and 0.25 (< 0.5) are dropped from the mask; the rest keep their ratio
     close(mask, [[0, 1, 0, 0], [1, 1, 1, 1]])
     close(w, [[0.0, 1.0, 0.0, 0.0], [1.5, 1.2, 0.9, 1.0]])
-    assert m["rollout_is_masked_frac"].item() == pytest.approx(2 / 7)
-    assert m["rollout_is_weight_mean"].item() == pytest.approx((1 + 1.5 + 1.2 + 0.9 + 1.0) / 5)
+    assert m["rollout/is_mask_frac"] == pytest.approx(2 / 7)
+    assert m["rollout/is_weight_mean"] == pytest.approx((1 + 1.5 + 1.2 + 0.9 + 1.0) / 5)
 
 
 def test_rollout_is_sequence_levels():
@@ -209,18 +215,18 @@ def test_rollout_is_sequence_levels():
     w, mask, m = compute_rollout_is_weights(IS_OLD, IS_ROLLOUT, IS_MASK, level="sequence", mode="tis",
                                             threshold=2.0)
     close(w, [[0.75, 0.75, 0.75, 0.0], [1.62, 1.62, 1.62, 1.62]])
-    assert m["rollout_is_clipped_frac"].item() == 0.0
-    assert m["rollout_is_weight_mean"].item() == pytest.approx((3 * 0.75 + 4 * 1.62) / 7)
+    assert m["rollout/is_clip_frac"] == 0.0
+    assert m["rollout/is_weight_mean"] == pytest.approx((3 * 0.75 + 4 * 1.62) / 7)
     w, _, m = compute_rollout_is_weights(IS_OLD, IS_ROLLOUT, IS_MASK, level="sequence", mode="tis", threshold=1.5)
     close(w, [[0.75, 0.75, 0.75, 0.0], [1.5, 1.5, 1.5, 1.5]])
-    assert m["rollout_is_clipped_frac"].item() == pytest.approx(4 / 7)
+    assert m["rollout/is_clip_frac"] == pytest.approx(4 / 7)
     # mask mode keeps or drops whole rows: [0.7, 1.5] keeps row 0 (0.75) and drops row 1 (1.62)
     w, mask, m = compute_rollout_is_weights(IS_OLD, IS_ROLLOUT, IS_MASK, level="sequence", mode="mask",
                                             threshold=1.5, threshold_lower=0.7)
     close(mask, [[1, 1, 1, 0], [0, 0, 0, 0]])
     close(w, [[0.75, 0.75, 0.75, 0.0], [0, 0, 0, 0]])
-    assert m["rollout_is_masked_frac"].item() == pytest.approx(4 / 7)
-    assert m["rollout_is_weight_mean"].item() == pytest.approx(0.75)
+    assert m["rollout/is_mask_frac"] == pytest.approx(4 / 7)
+    assert m["rollout/is_weight_mean"] == pytest.approx(0.75)
 
 
 def test_rollout_is_bad_arguments():

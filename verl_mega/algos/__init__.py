@@ -47,7 +47,6 @@ from verl_mega.algos.policy_losses import (
     compute_policy_loss_decoupled_ppo,
     compute_policy_loss_gspo,
     compute_policy_loss_kl_cov,
-    compute_rollout_is_weights,
     get_policy_loss_fn,
 )
 
@@ -87,7 +86,6 @@ __all__ = [
     "compute_policy_loss_decoupled_ppo",
     "compute_policy_loss_gspo",
     "compute_policy_loss_kl_cov",
-    "compute_rollout_is_weights",
     "get_policy_loss_fn",
     "OffPolicyWeights",
     "off_policy_metrics",

@@ -125,7 +125,7 @@ def compute_policy_loss(
     ``clip_ratio_c=None`` turns dual-clip off. Metrics (masked means over this micro-batch, detached):
     ``clipfrac`` (share of tokens where the clipped term is active), ``approx_kl`` (mean of old - new log-prob),
     ``clipfrac_lower`` (share where the dual-clip bound is active). ``rollout_is_weights`` ([B, T], from
-    :func:`~verl_mega.algos.policy_losses.compute_rollout_is_weights`) multiply the per-token loss, detached.
+    :func:`~verl_mega.algos.off_policy.rollout_is_weights`) multiply the per-token loss, detached.
     """
     if clip_ratio_low < 0 or clip_ratio_high < 0:
         raise ValueError("actor.clip_ratio_low/clip_ratio_high must be >= 0 (e.g. 0.2)")

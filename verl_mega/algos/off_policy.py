@@ -23,13 +23,11 @@ from typing import NamedTuple
 
 import torch
 
-from verl_mega.algos.masked import masked_mean
 
 __all__ = [
     "ROLLOUT_IS_LEVELS",
     "ROLLOUT_IS_MODES",
     "OffPolicyWeights",
-    "compute_rollout_is_weights",
     "off_policy_metrics",
     "off_policy_sums",
     "rollout_is_weights",
@@ -111,32 +109,6 @@ def rollout_is_weights(
         mask = response_mask * keep.to(response_mask.dtype)
         weights = torch.where(keep, weights, torch.zeros_like(weights)).to(old_log_prob.dtype)
     return OffPolicyWeights(weights, mask, truncated)
-
-
-def compute_rollout_is_weights(
-    old_log_prob: torch.Tensor,
-    rollout_log_prob: torch.Tensor,
-    response_mask: torch.Tensor,
-    *,
-    level: str = "token",
-    mode: str = "tis",
-    threshold: float = 2.0,
-    threshold_lower: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """:func:`rollout_is_weights` as ``(weights, mask, metrics)`` with this micro-batch's metrics:
-    ``rollout_is_weight_mean`` (mean weight over the returned mask) and ``rollout_is_clipped_frac`` (tis: share of
-    response tokens whose weight was truncated) or ``rollout_is_masked_frac`` (mask: share of response tokens
-    dropped). The trainer reports the step-level ``rollout/*`` metrics of :func:`off_policy_metrics` instead."""
-    w = rollout_is_weights(old_log_prob, rollout_log_prob, response_mask, level=level, mode=mode, upper=threshold,
-                           lower=threshold_lower)
-    with torch.no_grad():
-        metrics = {"rollout_is_weight_mean": masked_mean(w.weights.float(), w.mask)}
-        if mode == "tis":
-            metrics["rollout_is_clipped_frac"] = masked_mean(w.truncated.float(), response_mask)
-        else:
-            dropped = response_mask.bool() & ~w.mask.bool()
-            metrics["rollout_is_masked_frac"] = masked_mean(dropped.float(), response_mask)
-    return w.weights, w.mask, metrics
 
 
 # Order of the entries of off_policy_sums: every one is a plain sum, so they add up over micro-batches and ranks.

@@ -36,7 +36,6 @@ from verl_mega.algos.masked import masked_mean
 from verl_mega.algos.off_policy import (
     ROLLOUT_IS_LEVELS,
     ROLLOUT_IS_MODES,
-    compute_rollout_is_weights,
     rollout_is_weights as rollout_is_weights_fn,
 )
 
@@ -49,7 +48,6 @@ __all__ = [
     "compute_policy_loss_clip_cov",
     "compute_policy_loss_decoupled_ppo",
     "compute_policy_loss_kl_cov",
-    "compute_rollout_is_weights",
     "get_policy_loss_fn",
 ]
 
