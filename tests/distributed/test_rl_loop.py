@@ -81,10 +81,12 @@ def same_results(a: Path, b: Path) -> bool:
 
 
 def test_rl_steps_context_parallel(tmp_path):
-    """cp=2 on 2 ranks: every sequence split over both ranks in load-balanced chunks for the old/ref log-probs and
-    the update; vLLM's own log-probs of its samples must still equal the training model's."""
+    """cp=2 on 2 ranks with packed sequences: every sequence of a pack split over both ranks in load-balanced chunks
+    for the old/ref log-probs and the update; vLLM's own log-probs of its samples must still equal the training
+    model's. (Padded rows at cp=2: tests/distributed/test_model_parity.py and test_packing_parity.py.)"""
     out = tmp_path / "run"
-    run_torchrun("rl_steps.py", 2, str(ROOT / "configs" / "quickstart_cpu.yaml"), str(out), "parallel.cp=2", *SMALL,
+    run_torchrun("rl_steps.py", 2, str(ROOT / "configs" / "quickstart_cpu.yaml"), str(out), "parallel.cp=2",
+                 "model.use_remove_padding=true", *SMALL,
                  env={"VERL_MEGA_CACHE": os.environ.get("VERL_MEGA_CACHE", str(tmp_path / "cache"))}, timeout=600)
     last = check(str(out), 3, critic=False)
     assert last["kl/actor_ref"] != 0.0

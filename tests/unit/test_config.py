@@ -617,3 +617,23 @@ def test_check_cli(capsys):
     assert main([qwen, "parallel.tp=8", "--world-size", "1024", "--model-shape", "28,28,4", "--no-check-paths"]) == 2
     assert capsys.readouterr().err == ("error: parallel.tp=8 does not divide the model's 28 attention heads; set "
                                        "parallel.tp to one of 1, 2, 4, 7, 14, 28\n")
+
+
+def test_packing_rules():
+    """Packed sequences run with context parallelism on our attention spec only, and never with routing replay;
+    with packing a token budget works at pp>1 (padded rows need pp=1)."""
+    cfg = load_config(QUICKSTART, ["model.use_remove_padding=true", "model.use_te=true", "parallel.cp=2"])
+    assert _error(cfg.validate_runtime, _placement(cfg, 2), cuda_available=False) == (
+        "model.use_remove_padding=true with context parallelism (cp=2) runs on our attention spec, but "
+        "model.use_te=True selects Transformer Engine's; set model.use_te=false")
+    load_config(QUICKSTART, ["model.use_remove_padding=true", "model.use_te=false", "parallel.cp=2"]
+                ).validate_runtime(_placement(cfg, 2), cuda_available=False)
+    assert _error(load_config, QUICKSTART, ["model.use_remove_padding=true", "actor.routing_replay=r2",
+                                            "model.tiny_arch=qwen3_moe"]).startswith(
+        "actor.routing_replay=r2 replays routings recorded per padded row, but model.use_remove_padding=true packs "
+        "rows; set")
+    budget = ["actor.use_dynamic_bsz=true", "actor.max_tokens_per_gpu=4096", "parallel.pp=2"]
+    padded = load_config(QUICKSTART, budget)
+    assert "needs parallel.pp=1" in _error(padded.validate_runtime, _placement(padded, 2), cuda_available=False)
+    packed = load_config(QUICKSTART, budget + ["model.use_remove_padding=true"])
+    packed.validate_runtime(_placement(packed, 2), cuda_available=False)

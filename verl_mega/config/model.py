@@ -39,8 +39,9 @@ class ModelConfig(ConfigSection):
         False, help="Pack each micro-batch's sequences back to back in one row (THD, `cu_seqlens`) instead of padding "
                     "rows to the longest: attention stays inside each sequence (varlen flash attention on CUDA, a "
                     "block-diagonal mask elsewhere, Transformer Engine's packed path with the TE spec) and no token "
-                    "is spent on padding. All roles (actor, reference, critic, reward model). Not with context "
-                    "parallelism or routing replay.", affects_results=False)
+                    "is spent on padding. All roles (actor, reference, critic, reward model). With context "
+                    "parallelism each sequence is split over the CP ranks (our attention spec only). Not with "
+                    "routing replay.", affects_results=False)
     moe_aux_loss_coeff: float | None = option(
         None, help="Mixture-of-Experts: weight of the routers' load-balancing loss (Switch-style; Megatron "
                    "`moe_aux_loss_coeff`), logged as `actor/moe_load_balancing_loss`; null takes config.json's "

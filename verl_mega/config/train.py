@@ -201,9 +201,14 @@ class TrainConfig(ConfigSection):
                       f"data.train_batch_size={prompts} prompts do not split into whole groups over {dp} data-parallel "
                       f"ranks (algorithm.adv_estimator={est} keeps each prompt's rollout.n samples on one rank); set "
                       f"data.train_batch_size to a multiple of {dp}")
-        self._require(parallel_dims.cp == 1 or not self.model.use_remove_padding,
-                      f"model.use_remove_padding=true packs sequences, which context parallelism (cp="
-                      f"{parallel_dims.cp}) does not split yet; set model.use_remove_padding=false or cp=1")
+        if parallel_dims.cp > 1 and self.model.use_remove_padding:
+            import importlib.util
+
+            te = self.model.use_te is True or (self.model.use_te == "auto"
+                                               and importlib.util.find_spec("transformer_engine") is not None)
+            self._require(not te, f"model.use_remove_padding=true with context parallelism (cp={parallel_dims.cp}) "
+                                  f"runs on our attention spec, but model.use_te={self.model.use_te} selects "
+                                  f"Transformer Engine's; set model.use_te=false")
         for role in self._trained_roles():
             mini, mini_key = role.ppo_mini_batch_size, role.key("ppo_mini_batch_size")
             samples = mini * n

@@ -22,7 +22,7 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from verl_mega.engine import moe
 from verl_mega.models.loader import unwrap
 from verl_mega.parallel.cpu_mode import comm_device as _device
-from verl_mega.parallel.placement import context_chunks
+from verl_mega.parallel.placement import context_chunks, packed_context_chunks
 from verl_mega.parallel.state import RankGroups, all_reduce
 
 MicroBatch = dict[str, torch.Tensor]
@@ -153,17 +153,22 @@ class MegatronEngine:
         sp = self.groups.size("tp") if self.config.sequence_parallel else 1
         return math.lcm(8, 2 * self.cp, self.cp * sp)
 
-    def cp_positions(self, seq_len: int) -> torch.Tensor:
-        """Positions of the sequence this rank's model sees (all of them without context parallelism)."""
-        return torch.tensor(context_chunks(seq_len, self.cp, self.groups.coords["cp"]))
+    def cp_positions(self, seq_len: int, mb: MicroBatch | None = None, *, rank: int | None = None) -> torch.Tensor:
+        """Positions of the sequence (of the pack, for a packed micro-batch ``mb``) this rank's model sees: all of
+        them without context parallelism, else the load-balanced chunks of every sequence."""
+        rank = self.groups.coords["cp"] if rank is None else rank
+        if mb is not None and "cu_seqlens" in mb:
+            return torch.tensor(packed_context_chunks(mb["cu_seqlens"].tolist(), self.cp, rank))
+        return torch.tensor(context_chunks(seq_len, self.cp, rank))
 
-    def full_sequence(self, local: torch.Tensor) -> torch.Tensor:
-        """Per-token values of this rank's context-parallel chunks [b, s/cp, …] → the whole sequence [b, s, …] on
-        every CP rank; the backward keeps each rank's own chunks. Identity without context parallelism."""
+    def full_sequence(self, local: torch.Tensor, mb: MicroBatch | None = None) -> torch.Tensor:
+        """Per-token values of this rank's context-parallel chunks [b, s/cp, …] → the whole sequence (or pack, with
+        a packed ``mb``) [b, s, …] on every CP rank; the backward keeps each rank's own chunks. Identity without
+        context parallelism."""
         if self.cp == 1:
             return local
-        order = torch.tensor([p for r in range(self.cp) for p in context_chunks(local.shape[1] * self.cp, self.cp, r)],
-                             device=local.device)
+        seq_len = local.shape[1] * self.cp
+        order = torch.cat([self.cp_positions(seq_len, mb, rank=r) for r in range(self.cp)]).to(local.device)
         return _GatherSequence.apply(local, self.groups["cp"], order, self.groups.coords["cp"])
 
     def _run_schedule(self, micro_batches: list[MicroBatch], step_fn, forward_only: bool) -> list[Any]:
@@ -198,9 +203,6 @@ class MegatronEngine:
                 mb[k] = v.to(device, non_blocking=True)
         ids, pos = mb["input_ids"], mb["position_ids"]
         if "cu_seqlens" in mb:  # packed (THD): one row of back-to-back sequences
-            if self.cp > 1:
-                raise ValueError("engine: packed sequences with context parallelism are not supported; set "
-                                 "model.use_remove_padding=false or parallel.cp=1")
             longest = int(mb["max_seqlen"])
             # our spec's rotary module takes per-token positions (models.build.enable_packed_positions); then the
             # layers see an ordinary [T, 1] sequence and only the core attention reads cu_seqlens
@@ -208,6 +210,14 @@ class MegatronEngine:
             per_token = rope is not None and hasattr(rope, "packed_positions")
             packed = PackedSeqParams(qkv_format="sbhd" if per_token else "thd", cu_seqlens_q=mb["cu_seqlens"],
                                      cu_seqlens_kv=mb["cu_seqlens"], max_seqlen_q=longest, max_seqlen_kv=longest)
+            if self.cp > 1:  # this rank's chunks of every sequence; the attention reads the pack's layout
+                if not per_token:
+                    raise ValueError("engine: packed sequences with context parallelism need our attention spec; "
+                                     "set model.use_te=false, model.use_remove_padding=false or parallel.cp=1")
+                local = self.cp_positions(ids.shape[1], mb).to(device)
+                packed.cp_layout = (local, torch.cat([self.cp_positions(ids.shape[1], mb, rank=r)
+                                                      for r in range(self.cp)]).to(device), mb["cu_seqlens"])
+                ids, pos = ids[:, local], pos[:, local]
             if per_token:
                 rope.packed_positions = pos[0]
             try:

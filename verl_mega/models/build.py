@@ -109,9 +109,11 @@ def enable_packed_positions(rope: torch.nn.Module) -> None:
     by sequence, reading ``cu_seqlens`` on the host in every layer (a device synchronisation each time)."""
     plain = rope.forward
 
-    def forward(max_seq_len: int, *args, **kwargs):
-        emb = plain(max_seq_len, *args, **kwargs)
-        return emb if rope.packed_positions is None else emb[rope.packed_positions]
+    def forward(max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None):
+        if rope.packed_positions is None:
+            return plain(max_seq_len, offset, packed_seq, cp_group)
+        # every position of the longest sequence (no context-parallel slicing: the positions are this rank's own)
+        return plain(max_seq_len, offset, True, cp_group)[rope.packed_positions]
 
     rope.packed_positions = None
     rope.forward = forward

@@ -75,8 +75,6 @@ class SDPAttention(MegatronModule):
         if attention_bias is not None:
             raise ValueError("SDPAttention does not support an attention bias; use the TE spec")
         if packed_seq_params is not None:
-            if self.cp_group is not None:
-                raise ValueError("SDPAttention: packed sequences with context parallelism are not supported")
             return self._packed(query, key, value, packed_seq_params)
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         if self.cp_group is not None:
@@ -109,6 +107,8 @@ class SDPAttention(MegatronModule):
         cu = params.cu_seqlens_q
         p = self.config.attention_dropout if self.training else 0.0
         t = query.size(0)
+        if self.cp_group is not None:  # this rank's chunks of every sequence: keys and values of the whole pack
+            return self._packed_context_parallel(query, key, value, params.cp_layout, p)
         if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and p == 0.0 and _VARLEN_CAUSAL:
             if query.size(1) != key.size(1) and "enable_gqa" not in _VARLEN_CAUSAL:
                 rep = query.size(1) // key.size(1)
@@ -126,6 +126,21 @@ class SDPAttention(MegatronModule):
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=allow, dropout_p=p, scale=self.softmax_scale)
         return out[0].transpose(0, 1).reshape(t, 1, self.hidden_size_per_partition)
+
+    def _packed_context_parallel(self, query, key, value, layout, p: float) -> torch.Tensor:
+        """Context parallelism over a pack: queries are this rank's chunks of every sequence (pack positions
+        ``local``), keys and values are gathered from every rank (pack positions ``gathered``); a key is visible
+        when it lies in the query's sequence at or before it."""
+        local, gathered, cu = layout
+        key, value = (_GatherSequence.apply(x, self.cp_group) for x in (key, value))
+        segment = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=cu.device), (cu[1:] - cu[:-1]).long())
+        allow = (segment[gathered][None, :] == segment[local][:, None]) & (gathered[None, :] <= local[:, None])
+        q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))  # -> [1, heads, t, d]
+        if q.size(1) != k.size(1):
+            rep = q.size(1) // k.size(1)
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allow, dropout_p=p, scale=self.softmax_scale)
+        return out[0].transpose(0, 1).reshape(query.size(0), 1, self.hidden_size_per_partition)
 
     def _context_parallel_mask(self, local_len: int, device: torch.device) -> torch.Tensor:
         """mcore's convention (True = masked out): query i may see key j when j's global position ≤ i's; keys come

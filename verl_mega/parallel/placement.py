@@ -60,6 +60,15 @@ def context_chunks(seq_len: int, cp: int, cp_rank: int) -> list[int]:
     return list(range(first, first + chunk)) + list(range(second, second + chunk))
 
 
+def packed_context_chunks(cu_seqlens: list[int], cp: int, cp_rank: int) -> list[int]:
+    """Positions of a pack (THD; ``cu_seqlens`` marks its sequences, each a multiple of 2·cp long) that a
+    context-parallel rank holds: :func:`context_chunks` of every sequence, shifted to where it starts."""
+    out: list[int] = []
+    for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+        out += [start + p for p in context_chunks(end - start, cp, cp_rank)]
+    return out
+
+
 def _grid_groups(ranks: tuple[int, ...], shape: tuple[tuple[str, int], ...], dims: Iterable[str]
                  ) -> tuple[tuple[int, ...], ...]:
     """Groups of ``ranks`` laid out on a mixed-radix grid (first dim fastest) that vary only along ``dims``.

@@ -57,13 +57,16 @@ def _pad_to(t: torch.Tensor, width: int) -> torch.Tensor:
 
 def make_micro_batches(batch: Batch, keys: tuple[str, ...], *, rows_per_micro_batch: int,
                        token_budget: int | None = None, multiple: int = 8, packed: bool = False,
-                       same_shape: bool = False, agree_count: Callable[[int], int] | None = None) -> MicroBatches:
+                       sequence_multiple: int = 1, same_shape: bool = False,
+                       agree_count: Callable[[int], int] | None = None) -> MicroBatches:
     """The micro-batches of ``batch`` (the fields ``keys``). ``same_shape``: every micro-batch gets one shape (the
     pipeline schedule needs it with pp>1). ``agree_count(n)`` → the largest n over the ranks that must run the same
     number of micro-batches (expert-parallel ranks, whose token dispatch is a collective); the missing ones are
-    filled with a copy of row 0 whose response mask is zero."""
-    lengths = (batch["prompt_len"] + batch["response_len"]).tolist() if "response_len" in batch \
+    filled with a copy of row 0 whose response mask is zero. Packed, every sequence takes a multiple of
+    ``sequence_multiple`` tokens (2·cp with context parallelism, which splits each sequence into 2·cp chunks)."""
+    real = (batch["prompt_len"] + batch["response_len"]).tolist() if "response_len" in batch \
         else [batch["input_ids"].shape[1]] * len(batch)
+    lengths = [_round_up(n, sequence_multiple) for n in real] if packed else real
     if token_budget is not None and packed:
         groups = first_fit_decreasing(lengths, token_budget)
     elif token_budget is not None:
@@ -80,7 +83,7 @@ def make_micro_batches(batch: Batch, keys: tuple[str, ...], *, rows_per_micro_ba
         widths = [_round_up(u, multiple) for u in used]
         if same_shape:
             widths = [max(widths)] * len(widths)
-        out = [_packed(batch, keys, g, lengths, w) for g, w in zip(groups, widths)]
+        out = [_packed(batch, keys, g, real, lengths, w) for g, w in zip(groups, widths)]
     else:
         full = batch["input_ids"].shape[1]
         widths = [full if token_budget is None else min(full, _round_up(max(lengths[max(r, 0)] for r in g), multiple))
@@ -142,15 +145,17 @@ def _padded(batch: Batch, keys: tuple[str, ...], group: list[int], width: int) -
     return mb
 
 
-def _packed(batch: Batch, keys: tuple[str, ...], group: list[int], lengths: list[int], width: int) -> MicroBatch:
+def _packed(batch: Batch, keys: tuple[str, ...], group: list[int], real: list[int], lengths: list[int],
+            width: int) -> MicroBatch:
+    """Rows back to back; a row's tokens fill the start of its sequence slot (``lengths``, ≥ its ``real`` length)."""
     mb = _rows(batch, keys, group)
     seq = [lengths[max(r, 0)] for r in group]
     starts = torch.tensor([0] + seq).cumsum(0)
     ids = torch.zeros(width, dtype=batch["input_ids"].dtype)
     positions = torch.zeros(width, dtype=torch.long)
-    for row, start, length in zip(mb["input_ids"], starts.tolist(), seq):
+    for row, start, slot, length in zip(mb["input_ids"], starts.tolist(), seq, [real[max(r, 0)] for r in group]):
         ids[start:start + length] = row[:length]
-        positions[start:start + length] = torch.arange(length)
+        positions[start:start + slot] = torch.arange(slot)
     cu = starts if int(starts[-1]) == width else torch.cat([starts, torch.tensor([width])])  # + the padding segment
     mb["input_ids"] = ids[None]
     mb["position_ids"] = positions[None]

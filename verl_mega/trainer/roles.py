@@ -26,8 +26,9 @@ def split(engine: MegatronEngine, batch: Batch, keys: tuple[str, ...], *, rows: 
         def agree(n: int) -> int:
             return int(engine.dp_all_reduce(float(n), "max"))
     return make_micro_batches(batch, keys, rows_per_micro_batch=rows, token_budget=token_budget,
-                              multiple=engine.seq_multiple, packed=packed, same_shape=engine.groups.size("pp") > 1,
-                              agree_count=agree)
+                              multiple=engine.seq_multiple, packed=packed,
+                              sequence_multiple=2 * engine.cp if engine.cp > 1 else 1,
+                              same_shape=engine.groups.size("pp") > 1, agree_count=agree)
 
 
 class PolicyRole:
@@ -56,9 +57,9 @@ class PolicyRole:
         if engine.cp == 1:
             lp, ent = vocab_parallel_logprobs_entropy(output, next_tokens(ids), **kw)
         else:  # this rank's chunks predict the tokens after their global positions; then the whole sequence
-            nxt = (engine.cp_positions(ids.shape[1]).to(ids.device) + 1).clamp(max=ids.shape[1] - 1)
+            nxt = (engine.cp_positions(ids.shape[1], mb).to(ids.device) + 1).clamp(max=ids.shape[1] - 1)
             lp, ent = vocab_parallel_logprobs_entropy(output, ids[:, nxt], **kw)
-            lp, ent = (engine.full_sequence(t) if t is not None else None for t in (lp, ent))
+            lp, ent = (engine.full_sequence(t, mb) if t is not None else None for t in (lp, ent))
         width = mb["response_mask"].shape[1]
         return response_frame(lp, mb, width), (response_frame(ent, mb, width) if ent is not None else None)
 
@@ -230,7 +231,7 @@ class Critic:
                      token_budget=cfg.max_tokens_per_gpu if cfg.use_dynamic_bsz else None, packed=self.packed)
 
     def _values(self, output: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
-        full = self.engine.full_sequence(output[..., 0].float())
+        full = self.engine.full_sequence(output[..., 0].float(), mb)
         return response_frame(full, mb, mb["response_mask"].shape[1])
 
     @torch.no_grad()
@@ -278,7 +279,7 @@ class RewardModel:
                     rows=self.micro_batch_size, token_budget=None, packed=self.packed)
 
         def post(output, mb):
-            return {"score": last_token(self.engine.full_sequence(output[..., 0].float()), mb)}
+            return {"score": last_token(self.engine.full_sequence(output[..., 0].float(), mb), mb)}
 
         res = self.engine.forward(mbs.batches, post)
         return mbs.restore([r["score"] for r in res])

@@ -1,4 +1,4 @@
-"""Packed (THD) against padded micro-batches on 2 ranks at one layout (--tp/--pp/--sp): log-probs, entropies and
+"""Packed (THD) against padded micro-batches on 2 ranks at one layout (--tp/--pp/--cp/--sp): log-probs, entropies and
 critic values in the forward, and the accumulated gradients of one actor update, all in float32. Prints
 ``PACKING {json}`` on rank 0; any mismatch raises on the rank that sees it."""
 
@@ -20,10 +20,29 @@ def _batch(n: int) -> "object":
     return Batch(dict(pack_sequences(prompts, responses, pad_id=0, max_response_length=14)), {})
 
 
+def reduced_grads(engine) -> torch.Tensor:
+    """The gradients this rank holds reduced over its data- and context-parallel peers: with the distributed
+    optimizer only its shard of every bucket (the rest of the buffer keeps this rank's own, unreduced share, which
+    depends on how tokens were split over the context-parallel ranks)."""
+    import torch.distributed as dist
+
+    group = engine.groups["dp_cp"]
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    parts = []
+    for chunk in engine.chunks:
+        for buf in chunk.buffers:
+            if chunk.ddp_config.use_distributed_optimizer and size > 1:
+                parts += [bucket.grad_data.chunk(size)[rank] for bucket in buf.buckets]
+            else:
+                parts.append(buf.grad_data)
+    return torch.cat(parts)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--cp", type=int, default=1)
     ap.add_argument("--sp", action="store_true")
     ap.add_argument("--model", required=True)
     args = ap.parse_args()
@@ -35,7 +54,7 @@ def main() -> None:
     from verl_mega.trainer import setup
     from verl_mega.trainer.roles import Actor, Critic
 
-    groups = init_distributed(tp=args.tp, pp=args.pp, sequence_parallel=args.sp, seed=1)
+    groups = init_distributed(tp=args.tp, pp=args.pp, cp=args.cp, sequence_parallel=args.sp, seed=1)
     keys = ["actor.lr=1e-3", "actor.use_kl_loss=true", "model.dtype=float32", "actor.micro_batch_size_per_gpu=3",
             "critic.micro_batch_size_per_gpu=3", f"model.path={args.model}", "data.max_prompt_length=16",
             "rollout.max_response_length=14", "actor.entropy_coeff=0.01"]
@@ -64,8 +83,7 @@ def main() -> None:
     m2 = pk_actor.update(batch, mini_batch_rows=10)
     for k in ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/grad_norm"):
         report[k] = abs(m1[k] - m2[k])
-    g1 = torch.cat([buf.grad_data for c in pad_actor.engine.chunks for buf in c.buffers])
-    g2 = torch.cat([buf.grad_data for c in pk_actor.engine.chunks for buf in c.buffers])
+    g1, g2 = reduced_grads(pad_actor.engine), reduced_grads(pk_actor.engine)
     report["grad"] = float((g1 - g2).abs().max())
     report["grad_scale"] = float(g1.abs().max())
     assert report["grad_scale"] > 1e-3, report
