@@ -153,13 +153,21 @@ class MegatronEngine:
         sp = self.groups.size("tp") if self.config.sequence_parallel else 1
         return math.lcm(8, 2 * self.cp, self.cp * sp)
 
-    def cp_positions(self, seq_len: int, mb: MicroBatch | None = None, *, rank: int | None = None) -> torch.Tensor:
+    def _cp_order(self, seq_len: int, mb: MicroBatch | None) -> torch.Tensor:
+        """Positions of every CP rank's tokens, rank after rank (each rank holds seq_len/cp): the load-balanced chunks
+        of the sequence, or of every sequence of a packed ``mb`` (worked out once per micro-batch, on the host)."""
+        if mb is not None and "cu_seqlens" in mb:
+            if "cp_order" not in mb:
+                cu = mb["cu_seqlens"].tolist()
+                mb["cp_order"] = torch.tensor([p for r in range(self.cp)
+                                               for p in packed_context_chunks(cu, self.cp, r)])
+            return mb["cp_order"]
+        return torch.tensor([p for r in range(self.cp) for p in context_chunks(seq_len, self.cp, r)])
+
+    def cp_positions(self, seq_len: int, mb: MicroBatch | None = None) -> torch.Tensor:
         """Positions of the sequence (of the pack, for a packed micro-batch ``mb``) this rank's model sees: all of
         them without context parallelism, else the load-balanced chunks of every sequence."""
-        rank = self.groups.coords["cp"] if rank is None else rank
-        if mb is not None and "cu_seqlens" in mb:
-            return torch.tensor(packed_context_chunks(mb["cu_seqlens"].tolist(), self.cp, rank))
-        return torch.tensor(context_chunks(seq_len, self.cp, rank))
+        return self._cp_order(seq_len, mb).view(self.cp, -1)[self.groups.coords["cp"]]
 
     def full_sequence(self, local: torch.Tensor, mb: MicroBatch | None = None) -> torch.Tensor:
         """Per-token values of this rank's context-parallel chunks [b, s/cp, …] → the whole sequence (or pack, with
@@ -167,8 +175,7 @@ class MegatronEngine:
         context parallelism."""
         if self.cp == 1:
             return local
-        seq_len = local.shape[1] * self.cp
-        order = torch.cat([self.cp_positions(seq_len, mb, rank=r) for r in range(self.cp)]).to(local.device)
+        order = self._cp_order(local.shape[1] * self.cp, mb).to(local.device)
         return _GatherSequence.apply(local, self.groups["cp"], order, self.groups.coords["cp"])
 
     def _run_schedule(self, micro_batches: list[MicroBatch], step_fn, forward_only: bool) -> list[Any]:
@@ -198,6 +205,8 @@ class MegatronEngine:
 
     def _model_forward(self, model, mb: MicroBatch) -> torch.Tensor:
         device = _device()
+        if "cu_seqlens" in mb and self.cp > 1:
+            self._cp_order(mb["input_ids"].shape[1], mb)  # from cu_seqlens while they are on the host
         for k, v in mb.items():  # roles build batches on the host; the model and loss run on the device
             if v.device != device and k != "max_seqlen":
                 mb[k] = v.to(device, non_blocking=True)
@@ -214,9 +223,8 @@ class MegatronEngine:
                 if not per_token:
                     raise ValueError("engine: packed sequences with context parallelism need our attention spec; "
                                      "set model.use_te=false, model.use_remove_padding=false or parallel.cp=1")
-                local = self.cp_positions(ids.shape[1], mb).to(device)
-                packed.cp_layout = (local, torch.cat([self.cp_positions(ids.shape[1], mb, rank=r)
-                                                      for r in range(self.cp)]).to(device), mb["cu_seqlens"])
+                local = self.cp_positions(ids.shape[1], mb)
+                packed.cp_layout = (local, mb["cp_order"])
                 ids, pos = ids[:, local], pos[:, local]
             if per_token:
                 rope.packed_positions = pos[0]

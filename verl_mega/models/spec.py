@@ -81,11 +81,7 @@ class SDPAttention(MegatronModule):
             attention_mask = self._context_parallel_mask(query.size(0), query.device)
             key, value = (_GatherSequence.apply(t, self.cp_group) for t in (key, value))
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # -> [b, heads, s, d]
-        if q.size(1) != k.size(1):
-            # Expand KV heads explicitly: SDPA's enable_gqa path is not available for every backend/dtype.
-            rep = q.size(1) // k.size(1)
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
+        k, v = _expand_kv(q, k, v)
         p = self.config.attention_dropout if self.training else 0.0
         if attention_mask is None:
             out = F.scaled_dot_product_attention(
@@ -101,44 +97,29 @@ class SDPAttention(MegatronModule):
     def _packed(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params) -> torch.Tensor:
         """Causal attention inside each sequence of a pack ([t, heads, d], or [t, 1, heads, d] when Megatron kept the
         batch dimension; ``cu_seqlens`` marks the sequences): varlen flash attention on CUDA, a block-diagonal causal
-        mask elsewhere."""
+        mask elsewhere. With context parallelism the queries are this rank's chunks of every sequence (pack
+        positions ``local``) and the keys and values are gathered from every rank (pack positions ``gathered``)."""
         if query.dim() == 4:
             query, key, value = (x.squeeze(1) for x in (query, key, value))
         cu = params.cu_seqlens_q
         p = self.config.attention_dropout if self.training else 0.0
-        t = query.size(0)
-        if self.cp_group is not None:  # this rank's chunks of every sequence: keys and values of the whole pack
-            return self._packed_context_parallel(query, key, value, params.cp_layout, p)
-        if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and p == 0.0 and _VARLEN_CAUSAL:
-            if query.size(1) != key.size(1) and "enable_gqa" not in _VARLEN_CAUSAL:
-                rep = query.size(1) // key.size(1)
-                key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
-            gqa = {"enable_gqa": True} if query.size(1) != key.size(1) else {}
+        if self.cp_group is not None:
+            local, gathered = params.cp_layout
+            key, value = (_GatherSequence.apply(x, self.cp_group) for x in (key, value))
+        elif query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and p == 0.0 and _VARLEN_CAUSAL:
+            gqa = {"enable_gqa": True} if "enable_gqa" in _VARLEN_CAUSAL and query.size(1) != key.size(1) else {}
+            if not gqa:
+                key, value = _expand_kv(query, key, value)
             out = _varlen_attn(query, key, value, cu, cu, params.max_seqlen_q, params.max_seqlen_kv,
                                scale=self.softmax_scale, **_VARLEN_CAUSAL["causal"], **gqa)
-            return out.reshape(t, 1, self.hidden_size_per_partition)
-        segment = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=cu.device), (cu[1:] - cu[:-1]).long())
-        pos = torch.arange(t, device=query.device)
-        allow = (segment[:, None] == segment[None, :]) & (pos[None, :] <= pos[:, None])
-        q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))  # -> [1, heads, t, d]
-        if q.size(1) != k.size(1):
-            rep = q.size(1) // k.size(1)
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allow, dropout_p=p, scale=self.softmax_scale)
-        return out[0].transpose(0, 1).reshape(t, 1, self.hidden_size_per_partition)
-
-    def _packed_context_parallel(self, query, key, value, layout, p: float) -> torch.Tensor:
-        """Context parallelism over a pack: queries are this rank's chunks of every sequence (pack positions
-        ``local``), keys and values are gathered from every rank (pack positions ``gathered``); a key is visible
-        when it lies in the query's sequence at or before it."""
-        local, gathered, cu = layout
-        key, value = (_GatherSequence.apply(x, self.cp_group) for x in (key, value))
+            return out.reshape(query.size(0), 1, self.hidden_size_per_partition)
+        else:
+            local = gathered = torch.arange(query.size(0), device=query.device)
+        # a key is visible when it lies in the query's sequence, at or before it
         segment = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=cu.device), (cu[1:] - cu[:-1]).long())
         allow = (segment[gathered][None, :] == segment[local][:, None]) & (gathered[None, :] <= local[:, None])
         q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))  # -> [1, heads, t, d]
-        if q.size(1) != k.size(1):
-            rep = q.size(1) // k.size(1)
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        k, v = _expand_kv(q, k, v)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=allow, dropout_p=p, scale=self.softmax_scale)
         return out[0].transpose(0, 1).reshape(query.size(0), 1, self.hidden_size_per_partition)
 
@@ -152,6 +133,15 @@ class SDPAttention(MegatronModule):
         keys = torch.tensor([p for r in range(cp) for p in context_chunks(seq, cp, r)], device=device)
         queries = torch.tensor(context_chunks(seq, cp, rank), device=device)
         return keys[None, :] > queries[:, None]
+
+
+def _expand_kv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key/value heads (dim 1) repeated up to the query's heads (GQA), explicitly: SDPA's and varlen attention's
+    ``enable_gqa`` are not available for every backend, dtype and torch release."""
+    if query.size(1) == key.size(1):
+        return key, value
+    rep = query.size(1) // key.size(1)
+    return key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
 
 
 def _varlen_causal() -> dict:
