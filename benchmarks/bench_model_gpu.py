@@ -113,7 +113,7 @@ def _packed_params(lengths: list[int]):
                            max_seqlen_kv=max(lengths))
 
 
-def _time_fwd_bwd(variant: str, arch, args, groups, batches: list[list[int]]) -> float:
+def _time_fwd_bwd(variant: str, arch, args, groups, batches: list[list[int]], profile_to: Path | None = None) -> float:
     """Seconds for forward + backward over ``batches`` (each a list of sequence lengths = one micro-batch).
 
     ``ours``: our spec with fp32 cross-entropy over the logits (the earlier measurement); ``ours_fused``: the
@@ -169,6 +169,12 @@ def _time_fwd_bwd(variant: str, arch, args, groups, batches: list[list[int]]) ->
             loss.backward()
 
     seconds = _timed(step, args.iters)
+    if profile_to is not None:  # where the time goes: one more step under the profiler, kernels by CUDA time
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90)
+        profile_to.write_text(table)
     model = None  # frees the weights (step() holds the name) before the next model is built
     torch.cuda.empty_cache()
     return seconds
@@ -194,6 +200,9 @@ def long_tailed_lengths(n: int, *, median: int, sigma: float, low: int, high: in
     return (median * (sigma * torch.randn(n, generator=g)).exp()).clamp(low, high).long().tolist()
 
 
+PROFILED = ("ours_fused_logprob", "ours_packed_fused", "hf_sdpa", "longtail_packed_ours_fused")
+
+
 def throughput(args) -> dict:
     """Forward + backward FLOP/s on one GPU, side by side in one run: fixed 8×1024 micro-batches (our spec with fp32
     cross-entropy, with the fused log-prob kernel, packed; mcore's local spec; HF + SDPA), then long-tailed lengths
@@ -215,7 +224,8 @@ def throughput(args) -> dict:
     rows = {}
 
     def measure(name: str, variant: str, batches: list[list[int]]) -> None:
-        sec = _time_fwd_bwd(variant, arch, args, groups, batches)
+        profile_to = Path(args.profile_dir) / f"{name}.txt" if args.profile_dir and name in PROFILED else None
+        sec = _time_fwd_bwd(variant, arch, args, groups, batches, profile_to)
         tokens = sum(map(sum, batches))
         tflops = sum(flops(b) for b in batches) / sec / 1e12
         rows[name] = {"s_per_iter": sec, "tokens_per_s": tokens / sec, "tflops_per_gpu": tflops,
@@ -244,6 +254,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile-dir", default=None, help="write a kernel table (torch.profiler) of some variants here")
     args = ap.parse_args()
     result = parity(args) if args.mode == "parity" else throughput(args)
     if args.out and result:

@@ -56,7 +56,8 @@ case "${1:-models}" in
     # 1.5B fwd+bwd on one GPU, side by side: our spec padded (fp32 CE / fused log-probs) and packed, mcore local,
     # HF + SDPA; then long-tailed lengths padded vs packed
     python3 -c "import torch, vllm, megatron.core, transformers; print('torch', torch.__version__, 'vllm', vllm.__version__, 'mcore', megatron.core.__version__, 'transformers', transformers.__version__)" >> "$LOG" 2>&1
-    run timeout 240 python3 benchmarks/bench_model_gpu.py throughput --out "$OUT/fwdbwd_1.5b.json"
+    mkdir -p "$OUT/profiles"
+    run timeout 300 python3 benchmarks/bench_model_gpu.py throughput --out "$OUT/fwdbwd_1.5b.json" --profile-dir "$OUT/profiles"
     ;;
   packedA|packedC)
     # GRPO A (32 prompts × 8, ≤512 tokens) or C (16 × 8, ≤1024 tokens, two tg=1 engines), long-tailed lengths,

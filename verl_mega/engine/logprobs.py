@@ -6,9 +6,10 @@ per token from the other ranks (the max, the sum of exponentials, the target's l
 for the entropy), so the communication is O(tokens), not O(tokens · vocab). Vocabulary padding rows are masked out
 so probabilities match the HF / vLLM model exactly.
 
-The work runs over chunks of tokens: the forward keeps per token only the log-sum-exp and the entropy, and the
-backward recomputes each chunk's softmax in fp32. Peak extra memory is one chunk of fp32 logits (about
-``CHUNK_BYTES``), where upcasting the whole [tokens, V/tp] tensor took 4 bytes per logit, several times over.
+The work runs over chunks of tokens with PyTorch's fused softmax kernels, which read the logits in their own dtype
+and write fp32: the forward keeps per token only the local and global log-sum-exp and the entropy, the backward
+recomputes each chunk's softmax. Peak extra memory is one chunk of fp32 logits (about ``CHUNK_BYTES``), where
+upcasting the whole [tokens, V/tp] tensor took 4 bytes per logit, several times over.
 """
 
 from __future__ import annotations
@@ -42,38 +43,46 @@ def _chunk_rows(vocab_local: int) -> int:
 
 
 def _scaled(chunk: torch.Tensor, temperature: float, pad: torch.Tensor | None) -> torch.Tensor:
-    """fp32 logits of one chunk, divided by the temperature, Megatron's vocabulary padding at -inf."""
-    z = chunk.float()
+    """One chunk of logits divided by the temperature (in fp32 then), Megatron's vocabulary padding at -inf."""
+    z = chunk
     if temperature != 1.0:
-        z = z / temperature
+        z = z.float() / temperature
     if pad is not None:
         z = z.masked_fill(pad, float("-inf"))
     return z
+
+
+def _padding(v0: int, width: int, vocab_size: int, device) -> torch.Tensor | None:
+    return torch.arange(v0, v0 + width, device=device) >= vocab_size if v0 + width > vocab_size else None
 
 
 class _LogProbEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, v0: int, vocab_size: int, group, temperature: float, with_entropy: bool):
         n, width = logits.shape
-        v1 = v0 + width
-        pad = torch.arange(v0, v1, device=logits.device) >= vocab_size if v1 > vocab_size else None
-        in_range = (targets >= v0) & (targets < v1)
+        pad = _padding(v0, width, vocab_size, logits.device)
+        all_pad = v0 >= vocab_size  # a TP rank whose slice is padding only (tiny vocabularies): contributes nothing
+        in_range = (targets >= v0) & (targets < v0 + width)
         local_idx = (targets - v0).clamp(0, width - 1)
-        # per token: local max m, Σexp(z−m), Σexp(z−m)·z, and the target's logit (0 on the ranks without it)
+        # per token, over this rank's slice: log-sum-exp L, Σexp(z−L) (1 here), Σ p·z (p normalised over the
+        # slice), and the target's logit (0 on the ranks without it)
         stats = torch.zeros(4, n, dtype=torch.float32, device=logits.device)
+        if all_pad:
+            stats[0] = float("-inf")
         step = _chunk_rows(width)
-        for a in range(0, n, step):
+        for a in range(0 if not all_pad else n, n, step):
             z = _scaled(logits[a:a + step], temperature, pad)
-            m = z.max(dim=-1).values
-            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # a slice of padding only has nothing to add
-            e = (z - m[:, None]).exp()
-            stats[0, a:a + step] = m
-            stats[1, a:a + step] = e.sum(-1)
-            if with_entropy:
-                stats[2, a:a + step] = (e * torch.where(e > 0, z, torch.zeros_like(z))).sum(-1)
-            picked = z.gather(-1, local_idx[a:a + step, None]).squeeze(-1)
+            top, arg = z.max(dim=-1)
+            logp = torch.log_softmax(z, dim=-1, dtype=torch.float32)
+            lse = top.float() - logp.gather(-1, arg[:, None]).squeeze(-1)  # exact: logp at the max is in [−log V, 0]
+            stats[0, a:a + step] = lse
+            stats[1, a:a + step] = 1.0
+            if with_entropy:  # Σ p·z = Σ p·log p + L
+                stats[2, a:a + step] = torch.special.xlogy(logp.exp(), logp.exp()).sum(-1) + lse
+            picked = z.gather(-1, local_idx[a:a + step, None]).squeeze(-1).float()
             stats[3, a:a + step] = torch.where(in_range[a:a + step], picked, torch.zeros_like(picked))
-        if group is not None:  # rescale every rank's sums to the global max, then sum them
+        local_lse = stats[0].clone()
+        if group is not None:  # rescale every rank's sums to the largest log-sum-exp, then sum them
             m_global = stats[0].clone()
             dist.all_reduce(m_global, op=dist.ReduceOp.MAX, group=group)
             factor = (stats[0] - m_global).exp()
@@ -84,34 +93,36 @@ class _LogProbEntropy(torch.autograd.Function):
         lse = stats[0] + stats[1].log()
         logprobs = stats[3] - lse
         entropy = lse - stats[2] / stats[1] if with_entropy else torch.zeros_like(lse)
-        ctx.save_for_backward(logits, local_idx, in_range, lse, entropy)
-        ctx.meta = (v0, vocab_size, temperature, step)
+        ctx.save_for_backward(logits, local_idx, in_range, lse, local_lse, entropy)
+        ctx.meta = (v0, vocab_size, temperature, step, all_pad)
         ctx.with_entropy = with_entropy
         ctx.set_materialize_grads(False)  # an output the loss does not use (entropy) gets no backward work
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
-        logits, local_idx, in_range, lse, entropy = ctx.saved_tensors
-        v0, vocab_size, temperature, step = ctx.meta
-        with_entropy = ctx.with_entropy
+        logits, local_idx, in_range, lse, local_lse, entropy = ctx.saved_tensors
+        v0, vocab_size, temperature, step, all_pad = ctx.meta
+        if all_pad:
+            return torch.zeros_like(logits), None, None, None, None, None, None
         n, width = logits.shape
-        v1 = v0 + width
-        pad = torch.arange(v0, v1, device=logits.device) >= vocab_size if v1 > vocab_size else None
+        pad = _padding(v0, width, vocab_size, logits.device)
+        with_entropy = ctx.with_entropy and grad_entropy is not None
         grad = torch.empty_like(logits)
         for a in range(0, n, step):
-            z = _scaled(logits[a:a + step], temperature, pad)
-            logp = z - lse[a:a + step, None]
-            p = logp.exp()
-            g = torch.zeros_like(z)
-            if grad_logprobs is not None:  # d log p_t / dz_j = [j = t] − p_j
-                g_lp = grad_logprobs[a:a + step].float()
-                g -= p * g_lp[:, None]
-                g.scatter_add_(-1, local_idx[a:a + step, None], (g_lp * in_range[a:a + step])[:, None])
-            if grad_entropy is not None and with_entropy:  # dH/dz_j = −p_j (log p_j + H)
-                term = torch.where(p > 0, p * (logp + entropy[a:a + step, None]), torch.zeros_like(p))
-                g -= term * grad_entropy[a:a + step].float()[:, None]
+            rows = slice(a, a + step)
+            # p over the whole vocabulary = this slice's softmax · exp(L_local − L)
+            p = torch.softmax(_scaled(logits[rows], temperature, pad), dim=-1, dtype=torch.float32)
+            p.mul_((local_lse[rows] - lse[rows]).exp()[:, None])
+            g_lp = grad_logprobs[rows].float() if grad_logprobs is not None else torch.zeros_like(lse[rows])
+            if with_entropy:  # dH/dz_j = −p_j (log p_j + H);  d log p_t / dz_j = [j = t] − p_j
+                g_h = grad_entropy[rows].float()
+                g = torch.special.xlogy(p, p).mul_(-g_h[:, None])
+                g.sub_(p * (g_lp + g_h * entropy[rows])[:, None])
+            else:
+                g = p.mul_(-g_lp[:, None])
+            g.scatter_add_(-1, local_idx[rows, None], (g_lp * in_range[rows])[:, None])
             if temperature != 1.0:
-                g = g / temperature
-            grad[a:a + step] = g.to(grad.dtype)
+                g.div_(temperature)
+            grad[rows] = g
         return grad, None, None, None, None, None, None

@@ -144,7 +144,8 @@ class WeightProducer:
     def produce(self, sink: InPlaceTransport) -> None:
         """Write this rank's vLLM slices of the current weights into ``sink``."""
         self._sync_vocab(sink, "embedding.word_embeddings.weight", "model.embed_tokens.weight", stage=0)
-        if self.pool.micro_dp == 1 and self.pool.pp == 1 and not sink.repacks and not self.arch.is_moe:
+        direct = isinstance(sink, InPlaceTransport) and not sink.repacks
+        if direct and self.pool.micro_dp == 1 and self.pool.pp == 1 and not self.arch.is_moe:
             self._copy_layers_direct(sink)
         else:
             for step in range(len(self._layers)):

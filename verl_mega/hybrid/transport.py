@@ -2,13 +2,19 @@
 
 A transport hands the producer a destination buffer per vLLM parameter (``buffer``) and is told when a unit of
 work is complete (``commit``). :class:`InPlaceTransport` (colocated) gives out vLLM's own parameter storage, so the
-producer writes straight into the engine; a transport across pools would give out staging buckets and send them at
-``commit``.
+producer writes straight into the engine. :class:`BucketSender` (across pools) gives out views of staging buckets
+and broadcasts each filled bucket, with a header naming its slices, to the rollout ranks that hold the same
+generation block; :func:`receive_buckets` is the rollout rank's end, writing every slice into its own engine.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, Mapping
+
 import torch
+import torch.distributed as dist
 
 from verl_mega.hybrid.convert import routed_name
 from verl_mega.rollout.vllm_rollout import compat_finish_expert_reload
@@ -79,3 +85,160 @@ class InPlaceTransport:
             self._index()
         self._fresh.clear()
         self._touched.clear()
+
+
+HEADER_SLICES = 1024  # slices named by one bucket's header at most
+_SLICE_WORDS = 6  # name index, element offset, ndim, up to three dims
+_END = -1  # header count that ends a sync
+
+
+@dataclass(frozen=True)
+class RolloutLayout:
+    """What a trainer needs to know of one generation block's vLLM model: its parameter names (the wire indexes
+    them) and, per vocabulary module, vLLM's padding and the rows the block keeps."""
+
+    names: tuple[str, ...]
+    dtype: str  # the engine's weight dtype, e.g. "bfloat16": the trainer converts into it before sending
+    vocab: Mapping[str, tuple[int, int, int]] = field(default_factory=dict)  # module → (padding, start, end)
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> "RolloutLayout":
+        vocab = {}
+        for mname, module in model.named_modules():
+            idx = getattr(module, "shard_indices", None)
+            if idx is not None and hasattr(module, "padding_size"):
+                vocab[mname] = (int(module.padding_size), int(idx.org_vocab_start_index),
+                                int(idx.org_vocab_end_index))
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        return cls(tuple(sorted(n for n, _ in model.named_parameters())), dtype, vocab)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_lookup", {n: i for i, n in enumerate(self.names)})
+
+    def index(self, name: str) -> int:
+        for candidate in (name, routed_name(name)):
+            if candidate in self._lookup:  # type: ignore[attr-defined]
+                return self._lookup[candidate]  # type: ignore[attr-defined]
+        raise WeightSyncError(f"the rollout model has no parameter {name!r}; the model families differ")
+
+
+class BucketSender:
+    """Trainer end of a sync across pools. The producer writes its generation block's slices into views of staging
+    buckets; when a unit of work is complete (``commit``) and a bucket's worth is pending, the buckets go out as a
+    broadcast from ``src`` over ``group`` (this block's rollout ranks), a header first. Broadcasts are asynchronous,
+    so producing the next layers overlaps sending the last. Without a group (a training rank whose block another
+    rank sends) the buckets are scratch, reused at once: the rank still joins the producer's collectives."""
+
+    repacks = False  # the producer's direct-copy path writes into vLLM parameters; here there are none
+
+    def __init__(self, layout: RolloutLayout, *, dtype: torch.dtype, device: torch.device, bucket_bytes: int,
+                 group: Any = None, src: int | None = None) -> None:
+        self.layout, self.dtype, self.device = layout, dtype, device
+        self.group, self.src = group, src
+        self.bucket_elems = max(1, bucket_bytes // torch.empty((), dtype=dtype).element_size())
+        self.sent_bytes = 0
+        self._free: list[torch.Tensor] = []
+        self._in_flight: list[tuple[torch.Tensor, list[Any], torch.Tensor]] = []  # bucket, works, header
+        self._pending: list[tuple[torch.Tensor, list[list[int]]]] = []  # (bucket, slices) written since last send
+        self._used = 0
+
+    def module(self, name: str) -> SimpleNamespace:
+        if name not in self.layout.vocab:
+            raise WeightSyncError(f"the rollout model has no vocabulary module {name!r}; the model families differ")
+        padding, start, end = self.layout.vocab[name]
+        return SimpleNamespace(padding_size=padding, shard_indices=SimpleNamespace(
+            org_vocab_start_index=start, org_vocab_end_index=end))
+
+    def buffer(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        n = 1
+        for d in shape:
+            n *= d
+        if len(shape) > 3:
+            raise WeightSyncError(f"{name}: {len(shape)}-d slices cannot travel across pools (3 dims at most)")
+        if not self._pending or self._used + n > self._pending[-1][0].numel() \
+                or len(self._pending[-1][1]) == HEADER_SLICES:
+            self._pending.append((self._bucket(n), []))
+            self._used = 0
+        bucket, slices = self._pending[-1]
+        slices.append([self.layout.index(name), self._used, len(shape), *shape, *[0] * (3 - len(shape))])
+        view = bucket[self._used:self._used + n].view(shape)
+        self._used += n
+        return view
+
+    def commit(self) -> None:
+        """Everything handed out so far is written: send once a bucket's worth is pending."""
+        pending = sum(sum(_numel(s[3:3 + s[2]]) for s in slices) for _, slices in self._pending)
+        if pending >= self.bucket_elems:
+            self._send_pending()
+
+    def finish(self) -> None:
+        """Send what is left and the end marker, then wait until every bucket is out."""
+        self._send_pending()
+        if self.group is not None:
+            header = torch.full((2 + HEADER_SLICES * _SLICE_WORDS,), 0, dtype=torch.long)
+            header[0] = _END
+            dist.broadcast(header.to(self.device), src=self.src, group=self.group)
+        for bucket, works, _ in self._in_flight:
+            for w in works:
+                w.wait()
+            self._free.append(bucket)
+        self._in_flight.clear()
+
+    def _send_pending(self) -> None:
+        for bucket, slices in self._pending:
+            used = max(s[1] + _numel(s[3:3 + s[2]]) for s in slices)
+            if self.group is None:
+                self._free.append(bucket)
+                continue
+            header = torch.zeros(2 + HEADER_SLICES * _SLICE_WORDS, dtype=torch.long)
+            header[0], header[1] = len(slices), used
+            header[2:2 + len(slices) * _SLICE_WORDS] = torch.tensor(slices, dtype=torch.long).view(-1)
+            header = header.to(self.device)
+            works = [dist.broadcast(header, src=self.src, group=self.group, async_op=True),
+                     dist.broadcast(bucket[:used], src=self.src, group=self.group, async_op=True)]
+            self._in_flight.append((bucket, works, header))
+            self.sent_bytes += used * bucket.element_size()
+        self._pending.clear()
+        self._used = 0
+
+    def _bucket(self, elems: int) -> torch.Tensor:
+        """A free staging bucket of at least ``elems`` (the oldest one in flight once it is out)."""
+        for i, b in enumerate(self._free):
+            if b.numel() >= elems:
+                return self._free.pop(i)
+        if self._in_flight and len(self._in_flight) + len(self._pending) >= 2:
+            bucket, works, _ = self._in_flight.pop(0)
+            for w in works:
+                w.wait()
+            if bucket.numel() >= elems:
+                return bucket
+        return torch.empty(max(elems, self.bucket_elems), dtype=self.dtype, device=self.device)
+
+
+def receive_buckets(sink: Any, layout: RolloutLayout, *, group: Any, src: int, device: torch.device) -> int:
+    """Rollout end of a sync across pools: receive buckets until the end marker and write every slice into
+    ``sink`` (an :class:`InPlaceTransport` of this rank's vLLM model). Returns the bytes received."""
+    header = torch.empty(2 + HEADER_SLICES * _SLICE_WORDS, dtype=torch.long, device=device)
+    recv = torch.empty(0, dtype=sink.dtype, device=device)
+    received = 0
+    while True:
+        dist.broadcast(header, src=src, group=group)
+        count, used = header[:2].tolist()
+        if count == _END:
+            break
+        if recv.numel() < used:
+            recv = torch.empty(used, dtype=sink.dtype, device=device)
+        dist.broadcast(recv[:used], src=src, group=group)
+        received += used * recv.element_size()
+        for name_index, offset, ndim, *dims in header[2:2 + count * _SLICE_WORDS].view(count, -1).tolist():
+            shape = tuple(dims[:ndim])
+            sink.buffer(layout.names[name_index], shape).copy_(recv[offset:offset + _numel(shape)].view(shape))
+    sink.commit()
+    return received
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

