@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU measurements (2×H200). Results go to $OUT (≤ 8 files).
-#   bash benchmarks/gpu_session.sh models|sync|rl|grpo|checks|tier|sample|moe|fwdbwd|packedA|packedC
+#   bash benchmarks/gpu_session.sh models|sync|rl|grpo|checks|tier|sample|moe|fwdbwd|pools|packedA|packedC
 set -uo pipefail
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
 LOG=$OUT/session.log
@@ -58,6 +58,11 @@ case "${1:-models}" in
     python3 -c "import torch, vllm, megatron.core, transformers; print('torch', torch.__version__, 'vllm', vllm.__version__, 'mcore', megatron.core.__version__, 'transformers', transformers.__version__)" >> "$LOG" 2>&1
     mkdir -p "$OUT/profiles"
     run timeout 300 python3 benchmarks/bench_model_gpu.py throughput --out "$OUT/fwdbwd_1.5b.json" --profile-dir "$OUT/profiles"
+    ;;
+  pools)
+    # weights trainer (GPU 0, Megatron) → rollout pool (GPU 1, vLLM's layout), 7B bf16: buckets vs gather+broadcast
+    run timeout 300 torchrun --nproc-per-node 2 benchmarks/bench_pool_transfer.py --out "$OUT/pool_transfer_7b.json"
+    run timeout 200 torchrun --nproc-per-node 2 benchmarks/bench_pool_transfer.py --bucket-mb 128 --out "$OUT/pool_transfer_7b_b128.json"
     ;;
   packedA|packedC)
     # GRPO A (32 prompts × 8, ≤512 tokens) or C (16 × 8, ≤1024 tokens, two tg=1 engines), long-tailed lengths,
