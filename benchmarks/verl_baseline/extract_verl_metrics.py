@@ -1,6 +1,6 @@
 """Summarise a verl run's per-step metrics (its 'file' logger JSONL, else the console lines 'step:N - key:value - ...')
-into one JSON: means over the timed steps (warm-up steps dropped) of verl's throughput and stage timings, next to
-verl_mega's config C figures from BENCHMARKS.md."""
+into one JSON: means over the timed steps (warm-up steps dropped) of verl's throughput and stage timings; with
+``--ours`` (a ``bench_grpo_gpu.py`` JSON of the same workload), the ratios to verl_mega's measured figures."""
 
 from __future__ import annotations
 
@@ -19,12 +19,6 @@ KEYS = [
     "response_length/mean", "response_length/max", "response_length/min", "response_length/clip_ratio",
     "prompt_length/mean", "critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/lr",
 ]
-# verl_mega, BENCHMARKS.md "GRPO on a 1.5B-class model", column C (16×8, L=1024, tg=1), mean s/step
-VERL_MEGA_C = {"step_s": 9.81, "rollout_s": 4.38, "old_logprob_s": 1.18, "ref_logprob_s": 1.14,
-               "actor_update_s": 3.05, "weight_sync_s": 0.066, "tokens_per_s_per_gpu": 6704,
-               "generation_tokens_per_s": 29945, "hf_generate_baseline_step_s": 37.45}
-
-
 def _from_jsonl(path: Path) -> dict[int, dict]:
     steps = {}
     for line in path.read_text().splitlines():
@@ -61,6 +55,7 @@ def main() -> None:
     ap.add_argument("--n-gpus", type=int, default=2)
     ap.add_argument("--rc", type=int, default=None)
     ap.add_argument("--setup", default="")
+    ap.add_argument("--ours", default=None, help="verl_mega's bench_grpo_gpu.py JSON of the same workload")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -90,11 +85,13 @@ def main() -> None:
                    "samples_per_step": samples}
         if samples and resp and mean.get("timing_s/gen"):
             derived["generation_tokens_per_s"] = samples * resp / mean["timing_s/gen"]
-        if step_s:
-            derived["step_time_ratio_vs_verl_mega_C"] = step_s / VERL_MEGA_C["step_s"]
+        if step_s and args.ours:
+            ours = json.loads(Path(args.ours).read_text())["hybrid"]
+            derived["verl_mega_step_s"] = ours["step_s"]
+            derived["verl_mega_tokens_per_s_per_gpu"] = ours["tokens_per_s_per_gpu"]
+            derived["step_time_ratio_verl_over_verl_mega"] = step_s / ours["step_s"]
         result["derived"] = derived
         result["per_step"] = {s: {k: steps[s][k] for k in KEYS if k in steps[s]} for s in order}
-    result["verl_mega_config_C_reference"] = VERL_MEGA_C
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(json.dumps({k: result.get(k) for k in ("verl_exit_code", "metrics_source", "timed_steps", "derived")}))
     for k, v in result.get("mean", {}).items():

@@ -12,7 +12,8 @@
 # Knobs (env): STEPS (4: 1 warm-up + 3 timed), WARMUP (1), GEN_TP (1), PROMPTS (16), N (8), RESP_LEN (1024),
 #   MAX_TOK_PER_GPU (12288), GPU_MEM_UTIL (0.35), GC (False: gradient checkpointing), STRATEGY (fsdp2),
 #   VERL_TIMEOUT (500 s for main_ppo), TINY (0; 1 = 2-layer model), EXTRA (more hydra overrides, space-separated),
-#   PREPARE_ONLY=1 (build the model + dataset under $VERL_WORK=/tmp/verl_bench and stop; they persist in /tmp).
+#   PREPARE_ONLY=1 (build the model + dataset under $VERL_WORK=/tmp/verl_bench and stop; they persist in /tmp),
+#   OURS_JSON (verl_mega's bench_grpo_gpu.py JSON of the same workload: the summary then gives the ratios).
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
@@ -126,7 +127,7 @@ echo "main_ppo exit code $RC after $(( $(date +%s) - T0 )) s" | tee -a "$OUT/env
 python3 -m ray.scripts.scripts stop --force > /dev/null 2>&1  # a killed driver can leave raylet & co. behind
 
 python3 "$HERE/extract_verl_metrics.py" --metrics "$OUT/verl_metrics.jsonl" --log /tmp/verl_run.log \
-    --warmup "$WARMUP" --n-gpus "$NGPUS" --rc "$RC" \
+    --warmup "$WARMUP" --n-gpus "$NGPUS" --rc "$RC" ${OURS_JSON:+--ours "$OURS_JSON"} \
     --setup "prompts=$PROMPTS n=$N response_length=$RESP_LEN gen_tp=$GEN_TP strategy=$STRATEGY gc=$GC max_tok_per_gpu=$MAX_TOK_PER_GPU" \
     --out "$OUT/verl_grpo.json"
 tail -n 25 /tmp/verl_run.log | grep -v "^\s*$" | tail -n 12
