@@ -1,9 +1,10 @@
 """torchrun job: weights from a training pool (Megatron-Core, gloo) to a rollout pool, in buckets, checked against
-the perturbed model's full HF tensors fused by hand into vLLM's tg=1 layout.
+the perturbed model's full HF tensors sliced and fused by hand into vLLM's layout.
 
-Args: --tp --pp --model-dir DIR --work DIR; the training pool is the first tp·pp ranks, every other rank is a
-rollout engine of one rank (gen_tp=1). Each rollout rank holds a module with vLLM's parameter names and shapes
-(qkv_proj = [q; k; v], gate_up_proj = [gate; up], vocabulary rows padded to 64), filled with NaN before the sync.
+Args: --tp --pp [--gen-tp] --model-dir DIR --work DIR; the training pool is the first tp·pp ranks, the other ranks
+are rollout engines of gen_tp ranks each. Each rollout rank holds a module with vLLM's parameter names and shapes
+for its rank j (qkv_proj = [q_j; k_j; v_j], gate_up_proj = [gate_j; up_j], vocabulary rows padded to 64 and split),
+filled with NaN before the sync.
 Checks: every parameter equals the hand-fused tensor exactly, after each of two syncs (the second after the
 weights changed again); each rollout rank received exactly its model's bytes; only one training rank sent.
 Rank 0 prints ``POOLSYNC {json}``.
@@ -21,24 +22,32 @@ from hybrid_sync_job import perturb
 VLLM_VOCAB_PADDING = 64  # vLLM's VocabParallelEmbedding pads the vocabulary to a multiple of this
 
 
-def fused_tg1(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """vLLM's tg=1 parameters from full HF tensors."""
+def vllm_slices(hf: dict[str, torch.Tensor], tg: int, j: int) -> dict[str, torch.Tensor]:
+    """vLLM's parameters on rank j of a tg-way engine, from full HF tensors: row-parallel weights split by columns,
+    column-parallel ones by rows ([q_j; k_j; v_j] and [gate_j; up_j] when fused), the vocabulary padded to 64 rows
+    and split evenly, norms whole."""
+    def rows(t: torch.Tensor, parts: int = tg) -> torch.Tensor:
+        return t.chunk(parts, dim=0)[j]
+
     out = {}
     for name, t in hf.items():
         if ".self_attn.q_proj." in name:
-            out[name.replace("q_proj", "qkv_proj")] = torch.cat(
-                [t, hf[name.replace("q_proj", "k_proj")], hf[name.replace("q_proj", "v_proj")]])
+            k, v = hf[name.replace("q_proj", "k_proj")], hf[name.replace("q_proj", "v_proj")]
+            out[name.replace("q_proj", "qkv_proj")] = torch.cat([rows(t), rows(k), rows(v)])
         elif ".mlp.gate_proj." in name:
-            out[name.replace("gate_proj", "gate_up_proj")] = torch.cat([t, hf[name.replace("gate_proj", "up_proj")]])
+            out[name.replace("gate_proj", "gate_up_proj")] = torch.cat([rows(t), rows(hf[name.replace("gate_proj",
+                                                                                                    "up_proj")])])
         elif name in ("model.embed_tokens.weight", "lm_head.weight"):
             padded = -(-t.shape[0] // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
-            out[name] = torch.cat([t, t.new_zeros(padded - t.shape[0], t.shape[1])])
+            out[name] = rows(torch.cat([t, t.new_zeros(padded - t.shape[0], t.shape[1])]))
+        elif any(k in name for k in (".o_proj.weight", ".down_proj.weight")):
+            out[name] = t.chunk(tg, dim=1)[j]
         elif not any(k in name for k in (".k_proj.", ".v_proj.", ".up_proj.")):
             out[name] = t
     return out
 
 
-def receiver_module(expected: dict[str, torch.Tensor], vocab: int) -> torch.nn.Module:
+def receiver_module(expected: dict[str, torch.Tensor], vocab: int, tg: int, j: int) -> torch.nn.Module:
     root = torch.nn.Module()
     for name, t in expected.items():
         *path, pname = name.split(".")
@@ -48,11 +57,13 @@ def receiver_module(expected: dict[str, torch.Tensor], vocab: int) -> torch.nn.M
                 mod.add_module(part, torch.nn.Module())
             mod = getattr(mod, part)
         mod.register_parameter(pname, torch.nn.Parameter(torch.full_like(t, float("nan")), requires_grad=False))
+    per = -(-vocab // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING // tg
     for mname in ("model.embed_tokens", "lm_head"):
         if f"{mname}.weight" in expected:
             module = root.get_submodule(mname)
             module.padding_size = VLLM_VOCAB_PADDING
-            module.shard_indices = SimpleNamespace(org_vocab_start_index=0, org_vocab_end_index=vocab)
+            module.shard_indices = SimpleNamespace(org_vocab_start_index=min(j * per, vocab),
+                                                   org_vocab_end_index=min((j + 1) * per, vocab))
     return root
 
 
@@ -60,6 +71,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, required=True)
     ap.add_argument("--pp", type=int, required=True)
+    ap.add_argument("--gen-tp", type=int, default=1)
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--work", required=True)
     args = ap.parse_args()
@@ -78,8 +90,10 @@ def main() -> None:
     init_world(timeout_s=300)
     rank, world = dist.get_rank(), dist.get_world_size()
     train_size = args.tp * args.pp
-    placement = Placement(world, (Pool(name="train", ranks=tuple(range(train_size)), tp=args.tp, pp=args.pp, gen_tp=1),
-                                  Pool(name="gen", ranks=tuple(range(train_size, world)), trains=False)),
+    placement = Placement(world, (Pool(name="train", ranks=tuple(range(train_size)), tp=args.tp, pp=args.pp,
+                                               gen_tp=args.gen_tp),
+                                  Pool(name="gen", ranks=tuple(range(train_size, world)), gen_tp=args.gen_tp,
+                                       trains=False)),
                           {"actor": "train", "rollout": "gen"})
     groups = build_groups(placement)
     trains = rank < train_size
@@ -101,9 +115,14 @@ def main() -> None:
         dist.barrier()
 
     publish(0)
+    tg, j = args.gen_tp, groups.coords["gen_tp"]
+
+    def expected_of(round_: int) -> dict[str, torch.Tensor]:
+        full = load_file(str(work / f"full{round_}.safetensors"))
+        return vllm_slices(full, tg, j)
+
     if not trains:
-        expected = fused_tg1(load_file(str(work / "full0.safetensors")))
-        model = receiver_module(expected, arch.vocab_size)
+        model = receiver_module(expected_of(0), arch.vocab_size, tg, j)
     sync = PoolWeightSync(placement, bucket_bytes=4096, device=torch.device("cpu"), producer=producer, model=model)
     report = {"rank": rank, "trains": trains, "block": sync.block, "sends": rank in sync.plan.sources}
     for round_ in (0, 1):
@@ -113,7 +132,7 @@ def main() -> None:
         if trains:
             report[f"sent{round_}"] = metrics["weight_sync/bytes_sent"]
             continue
-        expected = fused_tg1(load_file(str(work / f"full{round_}.safetensors")))
+        expected = expected_of(round_)
         params = dict(model.named_parameters())
         assert set(params) == set(expected), (sorted(params), sorted(expected))
         for name, want in expected.items():
