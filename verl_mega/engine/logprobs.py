@@ -78,7 +78,8 @@ class _LogProbEntropy(torch.autograd.Function):
             stats[0, a:a + step] = lse
             stats[1, a:a + step] = 1.0
             if with_entropy:  # Σ p·z = Σ p·log p + L
-                stats[2, a:a + step] = torch.special.xlogy(logp.exp(), logp.exp()).sum(-1) + lse
+                p = logp.exp()
+                stats[2, a:a + step] = torch.special.xlogy(p, p).sum(-1) + lse
             picked = z.gather(-1, local_idx[a:a + step, None]).squeeze(-1).float()
             stats[3, a:a + step] = torch.where(in_range[a:a + step], picked, torch.zeros_like(picked))
         local_lse = stats[0].clone()

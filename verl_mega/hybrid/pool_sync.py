@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
 from verl_mega.hybrid.producer import WeightProducer
-from verl_mega.hybrid.transport import BucketSender, InPlaceTransport, RolloutLayout, receive_buckets
+from verl_mega.hybrid.transport import (BucketSender, InPlaceTransport, RolloutLayout, device_synchronize,
+                                        receive_buckets)
 from verl_mega.parallel.placement import Placement, PlacementError
 
 
@@ -93,7 +95,7 @@ class PoolWeightSync:
     def sync(self) -> dict[str, float]:
         """Send (training ranks) or receive (rollout ranks) the current weights; returns bytes and seconds."""
         j = self.block
-        _synchronize()
+        device_synchronize()
         start = time.perf_counter()
         if self.trains:
             sends = self.rank == self.plan.sources[j]
@@ -106,13 +108,8 @@ class PoolWeightSync:
             received = receive_buckets(InPlaceTransport(self.model, repacks=self.repacks), self.layouts[j],
                                        group=self.groups[j], src=self.plan.sources[j], device=self.device)
             moved = {"weight_sync/bytes_received": float(received)}
-        _synchronize()
+        device_synchronize()
         self.version += 1
         return {"weight_sync/seconds": time.perf_counter() - start, "weight_sync/version": float(self.version),
                 **moved}
-
-
-def _synchronize() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 

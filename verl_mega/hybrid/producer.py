@@ -22,6 +22,7 @@ broadcast) and vLLM's own loader slices them.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +33,7 @@ import torch.distributed as dist
 from verl_mega.hybrid.convert import (block_copies, block_shape, canonical_name, expert_block_shape,
                                       expert_dest_views, expert_plan, expert_source_views, vllm_name,
                                       vllm_vocab_rows, vocab_row_plan, write_block)
-from verl_mega.hybrid.transport import InPlaceTransport, WeightSyncError
+from verl_mega.hybrid.transport import InPlaceTransport, WeightSyncError, device_synchronize
 from verl_mega.models.hf_config import ModelArch
 from verl_mega.models.loader import iter_hf_tensors, unwrap
 from verl_mega.models.weights import ParamRule, rule_for
@@ -208,7 +209,7 @@ class WeightProducer:
             self.peak = max(self.peak, live)
             return
         # pp > 1: convert into one staging buffer, all-gather it over the pipeline group, write every stage's part.
-        sizes = [_numel(shape) for _, shape in shapes]
+        sizes = [math.prod(shape) for _, shape in shapes]
         stage_buf = torch.empty(sum(sizes), dtype=sink.dtype, device=params[0].tensor.device)
         views, offset = {}, 0
         for (p, shape), n in zip(shapes, sizes):
@@ -357,7 +358,7 @@ class WeightSync:
         producer = self.producer
         producer.received = producer.peak = 0
         self.rollout.wake_up(["weights"])  # a sleeping engine's weight memory may be unmapped (GPU, level 2)
-        _synchronize()
+        device_synchronize()
         start = time.perf_counter()
         if self.mode == "inplace":
             model = self.rollout.model
@@ -368,7 +369,7 @@ class WeightSync:
             producer.produce(self._transport)
         else:
             self.rollout.load_full_weights(producer.full_tensors())
-        _synchronize()
+        device_synchronize()
         seconds = time.perf_counter() - start
         self.version += 1
         self.rollout.weights_updated()
@@ -393,15 +394,3 @@ def _all_gather(flat: torch.Tensor, n: int, group) -> torch.Tensor:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def _synchronize() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()

@@ -9,6 +9,7 @@ generation block; :func:`receive_buckets` is the rollout rank's end, writing eve
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Mapping
@@ -129,8 +130,6 @@ class BucketSender:
     so producing the next layers overlaps sending the last. Without a group (a training rank whose block another
     rank sends) the buckets are scratch, reused at once: the rank still joins the producer's collectives."""
 
-    repacks = False  # the producer's direct-copy path writes into vLLM parameters; here there are none
-
     def __init__(self, layout: RolloutLayout, *, dtype: torch.dtype, device: torch.device, bucket_bytes: int,
                  group: Any = None, src: int | None = None) -> None:
         self.layout, self.dtype, self.device = layout, dtype, device
@@ -150,9 +149,7 @@ class BucketSender:
             org_vocab_start_index=start, org_vocab_end_index=end))
 
     def buffer(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        n = 1
-        for d in shape:
-            n *= d
+        n = math.prod(shape)
         if len(shape) > 3:
             raise WeightSyncError(f"{name}: {len(shape)}-d slices cannot travel across pools (3 dims at most)")
         if not self._pending or self._used + n > self._pending[-1][0].numel() \
@@ -167,7 +164,7 @@ class BucketSender:
 
     def commit(self) -> None:
         """Everything handed out so far is written: send once a bucket's worth is pending."""
-        pending = sum(sum(_numel(s[3:3 + s[2]]) for s in slices) for _, slices in self._pending)
+        pending = sum(sum(math.prod(s[3:3 + s[2]]) for s in slices) for _, slices in self._pending)
         if pending >= self.bucket_elems:
             self._send_pending()
 
@@ -175,9 +172,7 @@ class BucketSender:
         """Send what is left and the end marker, then wait until every bucket is out."""
         self._send_pending()
         if self.group is not None:
-            header = torch.full((2 + HEADER_SLICES * _SLICE_WORDS,), 0, dtype=torch.long)
-            header[0] = _END
-            dist.broadcast(header.to(self.device), src=self.src, group=self.group)
+            dist.broadcast(self._header(_END, 0, []), src=self.src, group=self.group)
         for bucket, works, _ in self._in_flight:
             for w in works:
                 w.wait()
@@ -186,20 +181,25 @@ class BucketSender:
 
     def _send_pending(self) -> None:
         for bucket, slices in self._pending:
-            used = max(s[1] + _numel(s[3:3 + s[2]]) for s in slices)
+            used = max(s[1] + math.prod(s[3:3 + s[2]]) for s in slices)
             if self.group is None:
                 self._free.append(bucket)
                 continue
-            header = torch.zeros(2 + HEADER_SLICES * _SLICE_WORDS, dtype=torch.long)
-            header[0], header[1] = len(slices), used
-            header[2:2 + len(slices) * _SLICE_WORDS] = torch.tensor(slices, dtype=torch.long).view(-1)
-            header = header.to(self.device)
+            header = self._header(len(slices), used, slices)
             works = [dist.broadcast(header, src=self.src, group=self.group, async_op=True),
                      dist.broadcast(bucket[:used], src=self.src, group=self.group, async_op=True)]
             self._in_flight.append((bucket, works, header))
             self.sent_bytes += used * bucket.element_size()
         self._pending.clear()
         self._used = 0
+
+    def _header(self, count: int, used: int, slices: list[list[int]]) -> torch.Tensor:
+        """A bucket's header on the wire: slice count (or the end marker), elements used, then the slices."""
+        header = torch.zeros(2 + HEADER_SLICES * _SLICE_WORDS, dtype=torch.long)
+        header[0], header[1] = count, used
+        if slices:
+            header[2:2 + len(slices) * _SLICE_WORDS] = torch.tensor(slices, dtype=torch.long).view(-1)
+        return header.to(self.device)
 
     def _bucket(self, elems: int) -> torch.Tensor:
         """A free staging bucket of at least ``elems`` (the oldest one in flight once it is out)."""
@@ -232,13 +232,12 @@ def receive_buckets(sink: Any, layout: RolloutLayout, *, group: Any, src: int, d
         received += used * recv.element_size()
         for name_index, offset, ndim, *dims in header[2:2 + count * _SLICE_WORDS].view(count, -1).tolist():
             shape = tuple(dims[:ndim])
-            sink.buffer(layout.names[name_index], shape).copy_(recv[offset:offset + _numel(shape)].view(shape))
+            sink.buffer(layout.names[name_index], shape).copy_(recv[offset:offset + math.prod(shape)].view(shape))
     sink.commit()
     return received
 
 
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+def device_synchronize() -> None:
+    """Wait for the device's queued work (timing and hand-offs between pools); nothing to wait for on CPU."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()

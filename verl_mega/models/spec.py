@@ -82,17 +82,16 @@ class SDPAttention(MegatronModule):
             key, value = (_GatherSequence.apply(t, self.cp_group) for t in (key, value))
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # -> [b, heads, s, d]
         p = self.config.attention_dropout if self.training else 0.0
-        if attention_mask is None and _flash_gqa(q, k, p):  # the flash kernel reads shared KV heads itself
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=mask_type == AttnMaskType.causal,
-                                                 scale=self.softmax_scale, enable_gqa=True)
-        elif attention_mask is None:
+        # SDPA's fused CUDA kernels read shared KV heads themselves; elsewhere the heads are repeated
+        gqa = {"enable_gqa": True} if attention_mask is None and _fused_gqa(q, k, p) else {}
+        if not gqa:
             k, v = _expand_kv(q, k, v)
+        if attention_mask is None:
             out = F.scaled_dot_product_attention(
-                q, k, v, is_causal=mask_type == AttnMaskType.causal, dropout_p=p, scale=self.softmax_scale
+                q, k, v, is_causal=mask_type == AttnMaskType.causal, dropout_p=p, scale=self.softmax_scale, **gqa
             )
         else:
             # mcore convention: True = masked out; SDPA's boolean mask: True = attend.
-            k, v = _expand_kv(q, k, v)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, dropout_p=p,
                                                  scale=self.softmax_scale)
         s, b = out.size(2), out.size(0)
@@ -148,8 +147,9 @@ def _expand_kv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> t
     return key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
 
 
-def _flash_gqa(query: torch.Tensor, key: torch.Tensor, dropout: float) -> bool:
-    """Whether SDPA's flash kernel takes this GQA call as is (CUDA, half precision, no dropout, flash enabled)."""
+def _fused_gqa(query: torch.Tensor, key: torch.Tensor, dropout: float) -> bool:
+    """Whether SDPA takes this GQA call with shared KV heads as is: CUDA, half precision, no dropout, flash enabled
+    (on H200 with torch 2.11 it then ran cuDNN's fused attention)."""
     return (query.is_cuda and query.size(1) != key.size(1) and query.dtype in (torch.bfloat16, torch.float16)
             and dropout == 0.0 and torch.backends.cuda.flash_sdp_enabled())
 
