@@ -105,27 +105,21 @@ def _fused_loss(logits: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Te
     return -lp.mean()
 
 
-def _packed_params(lengths: list[int]):
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths),
-                           max_seqlen_kv=max(lengths))
-
-
 def _time_fwd_bwd(variant: str, arch, args, groups, batches: list[list[int]], profile_to: Path | None = None) -> float:
     """Seconds for forward + backward over ``batches`` (each a list of sequence lengths = one micro-batch).
 
     ``ours``: our spec with fp32 cross-entropy over the logits (the earlier measurement); ``ours_fused``: the
-    chunked log-prob kernel instead; ``ours_packed``: the micro-batch's sequences packed (THD, varlen attention)
-    with the fused loss; ``local``: mcore's local spec; ``hf``: HF transformers with SDPA and its own loss."""
+    chunked log-prob kernel instead; ``ours_eager``: the same with ``model.fused_kernels=false`` (SwiGLU and RMSNorm
+    as separate element-wise kernels); ``ours_packed``: the micro-batch's sequences packed (varlen attention), as
+    the engine runs them (``forward_packed``), with the chunked kernel; ``local``: mcore's local spec; ``hf``: HF
+    transformers with SDPA and its own loss. Our spec compiles SwiGLU and RMSNorm except in ``ours_eager``."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from verl_mega.models.build import build_model_chunks
+    from verl_mega.models.build import build_model_chunks, forward_packed
     from verl_mega.models.hf_config import transformer_config
 
-    cfg = transformer_config(arch, dtype="bfloat16")
+    cfg = transformer_config(arch, dtype="bfloat16", fused_kernels=variant not in ("ours_eager", "local"))
     if variant == "hf":
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -145,7 +139,8 @@ def _time_fwd_bwd(variant: str, arch, args, groups, batches: list[list[int]], pr
         if variant == "ours_packed":
             ids = torch.randint(0, arch.vocab_size, (1, sum(lengths)), generator=g).cuda()
             pos = torch.cat([torch.arange(n) for n in lengths])[None].cuda()
-            inputs.append((ids, pos, _packed_params(lengths)))
+            cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+            inputs.append((ids, pos, (cu, max(lengths))))
         else:  # padded to the micro-batch's longest row
             s = max(lengths)
             ids = torch.randint(0, arch.vocab_size, (len(lengths), s), generator=g).cuda()
@@ -156,12 +151,12 @@ def _time_fwd_bwd(variant: str, arch, args, groups, batches: list[list[int]], pr
             if variant == "hf":
                 loss = model(input_ids=ids, labels=ids).loss
             elif variant == "ours_packed":
-                loss = _fused_loss(model(ids, pos, None, packed_seq_params=extra), ids, arch.vocab_size)
+                loss = _fused_loss(forward_packed(model, ids, pos, *extra), ids, arch.vocab_size)
             elif variant == "local":
                 causal = torch.triu(torch.ones(extra, extra, dtype=torch.bool, device="cuda"), 1)[None, None]
                 logits = model(ids, pos, causal)
                 loss = torch.nn.functional.cross_entropy(logits.float().view(-1, logits.shape[-1]), ids.view(-1))
-            elif variant == "ours_fused":
+            elif variant in ("ours_fused", "ours_eager"):
                 loss = _fused_loss(model(ids, pos, None), ids, arch.vocab_size)
             else:
                 logits = model(ids, pos, None)
@@ -175,6 +170,14 @@ def _time_fwd_bwd(variant: str, arch, args, groups, batches: list[list[int]], pr
             torch.cuda.synchronize()
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90)
         profile_to.write_text(table)
+        # and by operator (with input shapes), to tell which op launched which kernel
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA], record_shapes=True) as prof:
+            step()
+            torch.cuda.synchronize()
+        table = prof.key_averages(group_by_input_shape=True).table(sort_by="self_cuda_time_total", row_limit=60,
+                                                                   max_name_column_width=60, max_shapes_column_width=70)
+        profile_to.with_suffix(".ops.txt").write_text(table)
     model = None  # frees the weights (step() holds the name) before the next model is built
     torch.cuda.empty_cache()
     return seconds
@@ -200,7 +203,8 @@ def long_tailed_lengths(n: int, *, median: int, sigma: float, low: int, high: in
     return (median * (sigma * torch.randn(n, generator=g)).exp()).clamp(low, high).long().tolist()
 
 
-PROFILED = ("ours_fused_logprob", "ours_packed_fused", "hf_sdpa", "longtail_packed_ours_fused")
+PROFILED = ("ours_fused_logprob", "ours_logprob_eager_elementwise", "ours_packed_fused", "hf_sdpa",
+            "longtail_packed_ours_fused")
 
 
 def throughput(args) -> dict:
@@ -234,6 +238,7 @@ def throughput(args) -> dict:
 
     fixed = [[args.seq_len] * args.micro_batch]
     for name, variant in (("ours_sdpa", "ours"), ("ours_fused_logprob", "ours_fused"),
+                          ("ours_logprob_eager_elementwise", "ours_eager"),
                           ("ours_packed_fused", "ours_packed"), ("mcore_local", "local"), ("hf_sdpa", "hf")):
         measure(name, variant, fixed)
     lengths = long_tailed_lengths(64, median=args.seq_len // 3, sigma=0.9, low=32, high=2 * args.seq_len)

@@ -230,7 +230,7 @@ def main() -> None:
     # 1. training forward + backward, and the matmul peak on this device
     peak = matmul_peak_flops(n=1024 if smoke else 8192, iters=3 if smoke else 50, device=device.type,
                              dtype=torch.float32 if smoke else torch.bfloat16)
-    tcfg = transformer_config(arch, tp=1, ep=2, dtype=dtype_name, use_cpu_initialization=smoke)
+    tcfg = transformer_config(arch, tp=1, ep=2, dtype=dtype_name, use_cpu_initialization=smoke, fused_kernels=not smoke)
     chunks = [c.to(device) for c in build_model_chunks(arch, tcfg, groups, use_te="false")]
     train = bench_train(chunks[0], arch, args, device)
     train["fraction_of_peak"] = train["tflops_per_gpu"] * 1e12 / peak

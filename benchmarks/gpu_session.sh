@@ -69,7 +69,7 @@ case "${1:-models}" in
     # training at tp=1 with dp=2 on packed sequences under a token budget; the HF-generate baseline in the same run
     if [ "$1" = packedA ]; then SHAPE="--response-length 512 --prompts 32"; else SHAPE="--response-length 1024 --prompts 16"; fi
     run timeout ${GRPO_TIMEOUT:-540} torchrun --nproc-per-node ${NPROC:-2} benchmarks/bench_grpo_gpu.py --gen-tp 1 $SHAPE \
-        --lengths ${LENGTHS:-lognormal} --baseline-steps 1 --steps ${STEPS:-3} --out "$OUT/grpo_$1_${LENGTHS:-lognormal}.json" parallel.tp=1 model.use_remove_padding=true \
+        --lengths ${LENGTHS:-lognormal} --warmup ${WARMUP:-2} --baseline-steps 1 --steps ${STEPS:-3} --out "$OUT/grpo_$1_${LENGTHS:-lognormal}.json" parallel.tp=1 model.use_remove_padding=true \
         actor.use_dynamic_bsz=true actor.max_tokens_per_gpu=16384 actor.micro_batch_size_per_gpu=16 \
         actor.log_prob_micro_batch_size_per_gpu=16 ${GRPO_EXTRA:-}
     ;;

@@ -110,6 +110,38 @@ def test_logits_match_hf_tp1(world, tmp_path, model_type, tied):
         assert torch.equal(tensor, reader.get(name)), name
 
 
+def test_fused_kernels_match_hf_logits_and_grads(world, tmp_path):
+    """model.fused_kernels: Megatron's compiled SwiGLU and our compiled RMSNorm (q/k norms too, on Qwen3) give HF's
+    logits and HF's weight gradients (fp32, CPU inductor)."""
+    from transformers import AutoModelForCausalLM
+
+    from verl_mega.models.build import build_model_chunks
+    from verl_mega.models.loader import load_hf_weights
+
+    path = make_tiny_hf_model(tmp_path / "q3", model_type="qwen3")
+    arch = arch_from_hf(load_hf_config(path))
+    cfg = transformer_config(arch, use_cpu_initialization=True, fused_kernels=True)
+    assert cfg.bias_activation_fusion
+    model = build_model_chunks(arch, cfg, world, use_te="false")[0]
+    assert model.decoder.layers[0].input_layernorm.fused and model.decoder.final_layernorm.fused
+    load_hf_weights([model], HFCheckpointReader(path), arch, world)
+    ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ids = torch.randint(0, arch.vocab_size, (2, 24))
+    out = model(ids, torch.arange(24).expand(2, 24), None)[..., : arch.vocab_size]
+    ref = ref_model(ids).logits
+    assert (out - ref).abs().max().item() < 1e-5
+    weights = torch.randn_like(ref)
+    (out * weights).sum().backward()
+    (ref * weights).sum().backward()
+    pairs = {"decoder.final_layernorm.weight": "model.norm.weight",
+             "decoder.layers.0.input_layernorm.weight": "model.layers.0.input_layernorm.weight",
+             "decoder.layers.1.self_attention.q_layernorm.weight": "model.layers.1.self_attn.q_norm.weight",
+             "decoder.layers.0.mlp.linear_fc2.weight": "model.layers.0.mlp.down_proj.weight"}
+    ours, theirs = dict(model.named_parameters()), dict(ref_model.named_parameters())
+    for mine, hf in pairs.items():
+        torch.testing.assert_close(ours[mine].grad, theirs[hf].grad, rtol=1e-4, atol=1e-5, msg=mine)
+
+
 def test_llama3_rope_scaling_matches_hf(world, tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -34,6 +34,11 @@ class ModelConfig(ConfigSection):
     use_te: Literal["auto"] | bool = option(
         "auto", help="Use Transformer Engine layers: `auto` when `transformer_engine` imports, else our SDPA spec.",
         affects_results=False)
+    fused_kernels: Literal["auto"] | bool = option(
+        "auto", help="Compile the element-wise work between the GEMMs: Megatron's fused SwiGLU "
+                     "(`bias_activation_fusion`, also for the experts) and our spec's RMSNorm, each one kernel "
+                     "forward and one backward (`torch.compile`). `auto`: on CUDA. Same operations; bf16 rounding "
+                     "of intermediates can differ in the last bit.", affects_results=False)
 
     use_remove_padding: bool = option(
         False, help="Pack each micro-batch's sequences back to back in one row (THD, `cu_seqlens`) instead of padding "

@@ -15,11 +15,11 @@ import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 from verl_mega.engine import moe
+from verl_mega.models.build import forward_packed
 from verl_mega.models.loader import unwrap
 from verl_mega.parallel.cpu_mode import comm_device as _device
 from verl_mega.parallel.placement import context_chunks, packed_context_chunks
@@ -212,27 +212,13 @@ class MegatronEngine:
                 mb[k] = v.to(device, non_blocking=True)
         ids, pos = mb["input_ids"], mb["position_ids"]
         if "cu_seqlens" in mb:  # packed (THD): one row of back-to-back sequences
-            longest = int(mb["max_seqlen"])
-            # our spec's rotary module takes per-token positions (models.build.enable_packed_positions); then the
-            # layers see an ordinary [T, 1] sequence and only the core attention reads cu_seqlens
-            rope = getattr(unwrap(model), "rotary_pos_emb", None)
-            per_token = rope is not None and hasattr(rope, "packed_positions")
-            packed = PackedSeqParams(qkv_format="sbhd" if per_token else "thd", cu_seqlens_q=mb["cu_seqlens"],
-                                     cu_seqlens_kv=mb["cu_seqlens"], max_seqlen_q=longest, max_seqlen_kv=longest)
+            cp_layout = None
             if self.cp > 1:  # this rank's chunks of every sequence; the attention reads the pack's layout
-                if not per_token:
-                    raise ValueError("engine: packed sequences with context parallelism need our attention spec; "
-                                     "set model.use_te=false, model.use_remove_padding=false or parallel.cp=1")
                 local = self.cp_positions(ids.shape[1], mb)
-                packed.cp_layout = (local, mb["cp_order"])
+                cp_layout = (local, mb["cp_order"])
                 ids, pos = ids[:, local], pos[:, local]
-            if per_token:
-                rope.packed_positions = pos[0]
-            try:
-                return model(ids, pos, None, packed_seq_params=packed)
-            finally:
-                if per_token:
-                    rope.packed_positions = None
+            return forward_packed(model, ids, pos, mb["cu_seqlens"], int(mb["max_seqlen"]), rope_owner=unwrap(model),
+                                  cp_layout=cp_layout)
         if self.cp > 1:  # the model sees this rank's chunks; the loss keeps the whole micro-batch
             local = self.cp_positions(ids.shape[1]).to(device)
             ids, pos = ids[:, local], pos[:, local]

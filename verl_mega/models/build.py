@@ -11,7 +11,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from verl_mega.models.hf_config import ModelArch, llama3_scaled_inv_freq
-from verl_mega.models.spec import RMSNorm, SDPAttention, layer_spec
+from verl_mega.models.spec import SDPAttention, layer_spec, rms_norm_spec
 from verl_mega.parallel.state import RankGroups
 
 
@@ -59,7 +59,9 @@ def build_model_chunks(
 ) -> list[GPTModel]:
     """One GPTModel per virtual pipeline stage of this rank (a single one without VPP), on the groups of its pool."""
     vpp, pp_rank = groups.pool.vpp, groups.pp_rank
-    spec = layer_spec(qk_layernorm=arch.qk_norm, use_te=use_te, num_experts=arch.num_experts)
+    # mcore's fused SwiGLU (``bias_activation_fusion``) and our compiled norms go together: one switch
+    fused = config.bias_activation_fusion
+    spec = layer_spec(qk_layernorm=arch.qk_norm, use_te=use_te, num_experts=arch.num_experts, fused_norm=fused)
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
@@ -70,7 +72,7 @@ def build_model_chunks(
             # Our spec: the final norm must be our SP-capable RMSNorm too (mcore would pick torch's RMSNorm).
             block_spec = TransformerBlockSubmodules(
                 layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=stage, pp_rank=pp_rank),
-                layer_norm=RMSNorm)
+                layer_norm=rms_norm_spec(fused))
         model = GPTModel(
             config=config,
             transformer_layer_spec=block_spec,
@@ -117,6 +119,33 @@ def enable_packed_positions(rope: torch.nn.Module) -> None:
 
     rope.packed_positions = None
     rope.forward = forward
+
+
+def forward_packed(model, ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, *,
+                   rope_owner: torch.nn.Module | None = None, cp_layout: tuple | None = None) -> torch.Tensor:
+    """One packed micro-batch (``ids``/``positions`` [1, T], sequences back to back, ``cu_seqlens`` on the device)
+    through ``model`` (``rope_owner``: the unwrapped GPTModel when ``model`` is a DDP wrapper). With our spec's
+    per-token rotary embedding (:func:`enable_packed_positions`) the layers see an ordinary [T, 1] sequence and
+    only the core attention reads ``cu_seqlens``; otherwise (TE spec) Megatron's THD path. ``cp_layout``: with
+    context parallelism, this rank's pack positions and the gathered keys' order (our attention spec only)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    rope = getattr(rope_owner or model, "rotary_pos_emb", None)
+    per_token = rope is not None and hasattr(rope, "packed_positions")
+    if cp_layout is not None and not per_token:
+        raise ValueError("engine: packed sequences with context parallelism need our attention spec; "
+                         "set model.use_te=false, model.use_remove_padding=false or parallel.cp=1")
+    packed = PackedSeqParams(qkv_format="sbhd" if per_token else "thd", cu_seqlens_q=cu_seqlens,
+                             cu_seqlens_kv=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
+    if cp_layout is not None:
+        packed.cp_layout = cp_layout
+    if not per_token:
+        return model(ids, positions, None, packed_seq_params=packed)
+    rope.packed_positions = positions[0]
+    try:
+        return model(ids, positions, None, packed_seq_params=packed)
+    finally:
+        rope.packed_positions = None
 
 
 def count_parameters(arch: ModelArch, groups: RankGroups, *, value_head: bool = False) -> int:

@@ -315,9 +315,11 @@ def transformer_config(
     sequence_parallel: bool = False,
     dtype: str = "float32",
     recompute: str = "none",
+    fused_kernels: bool = False,
     **overrides: Any,
 ):
-    """Build mcore's own TransformerConfig (passed through, never re-declared); `overrides` go straight into it
+    """Build mcore's own TransformerConfig (passed through, never re-declared); ``fused_kernels`` turns on mcore's
+    compiled SwiGLU (``bias_activation_fusion``, which also compiles our spec's norms); `overrides` go straight into it
     (for experts, mcore's own ``moe_*`` names: ``moe_aux_loss_coeff``, ``moe_z_loss_coeff``,
     ``moe_token_dispatcher_type``, ``moe_enable_routing_replay``)."""
     from megatron.core.transformer import TransformerConfig
@@ -357,7 +359,7 @@ def transformer_config(
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=arch.init_std,
-        bias_activation_fusion=False,
+        bias_activation_fusion=fused_kernels,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         persist_layer_norm=False,

@@ -18,12 +18,14 @@ layers keep :class:`GroupedExperts`, so the expert weight layout (and every conv
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import math
 
 import torch
 import torch.nn.functional as F
+from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.experts import GroupedMLP
@@ -32,7 +34,11 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 
 class RMSNorm(torch.nn.Module):
-    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: object) -> None:
+    """``fused``: the normalisation runs as one compiled kernel forward and backward (``torch.compile``) instead of
+    seven element-wise passes over the activations; same operations, same order, same roundings."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, *, fused: bool = False,
+                 **_: object) -> None:
         super().__init__()
         self.eps = eps
         self.zero_centered_gamma = config.layernorm_zero_centered_gamma
@@ -40,13 +46,24 @@ class RMSNorm(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.full((hidden_size,), init, dtype=config.params_dtype))
         # Tells mcore to all-reduce this weight's grad over TP when activations are sequence-split.
         self.weight.sequence_parallel = config.sequence_parallel
+        self.fused = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight + 1 if self.zero_centered_gamma else self.weight
-        # Normalise in fp32 as HF does, then cast back before scaling (matches HF Llama/Qwen numerics).
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return weight * xf.to(x.dtype)
+        offset = 1.0 if self.zero_centered_gamma else 0.0
+        norm = _compiled_rms_norm() if self.fused else _rms_norm
+        return norm(x, self.weight, self.eps, offset)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+    # Normalise in fp32 as HF does, then cast back before scaling (matches HF Llama/Qwen numerics).
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight + offset) * xf.to(x.dtype)
+
+
+@functools.cache
+def _compiled_rms_norm():
+    return torch.compile(_rms_norm)
 
 
 class SDPAttention(MegatronModule):
@@ -236,7 +253,10 @@ class GroupedExperts(GroupedMLP):
         w2 = self.weight2.view(self.num_local_experts, -1, h)
         if tokens.is_cuda and tokens.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
             offsets = torch.cumsum(tokens_per_expert.to(tokens.device), 0, dtype=torch.int32)
-            inner = _swiglu(torch._grouped_mm(tokens, w1, offs=offsets), probs)
+            fc1 = torch._grouped_mm(tokens, w1, offs=offsets)
+            # mcore's compiled SwiGLU (one kernel each way) when the config asks for fused activations
+            inner = weighted_bias_swiglu_impl(fc1, None, probs.unsqueeze(-1)) \
+                if self.config.bias_activation_fusion else _swiglu(fc1, probs)
             return torch._grouped_mm(inner, w2, offs=offsets), None
         outputs = []
         counts = [int(c) for c in tokens_per_expert.tolist()]
@@ -276,9 +296,10 @@ def te_available() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
-def layer_spec(*, qk_layernorm: bool, use_te: str = "auto", num_experts: int | None = None) -> ModuleSpec:
-    """The transformer layer spec: mcore's TE spec when TE is importable (or forced), otherwise ours. With
-    ``num_experts`` the MLP is mcore's MoE layer with :class:`GroupedExperts`."""
+def layer_spec(*, qk_layernorm: bool, use_te: str = "auto", num_experts: int | None = None,
+               fused_norm: bool = False) -> ModuleSpec:
+    """The transformer layer spec: mcore's TE spec when TE is importable (or forced), otherwise ours (its norms
+    compiled with ``fused_norm``). With ``num_experts`` the MLP is mcore's MoE layer with :class:`GroupedExperts`."""
     if use_te not in ("auto", "true", "false"):
         raise ValueError(f"model.use_te={use_te!r} must be auto|true|false")
     num_experts = num_experts or None
@@ -296,11 +317,16 @@ def layer_spec(*, qk_layernorm: bool, use_te: str = "auto", num_experts: int | N
     sub = spec.submodules
     if num_experts:
         sub.mlp.submodules.experts = ModuleSpec(module=GroupedExperts)
-    sub.input_layernorm = RMSNorm
-    sub.pre_mlp_layernorm = RMSNorm
+    norm = rms_norm_spec(fused_norm)
+    sub.input_layernorm = norm
+    sub.pre_mlp_layernorm = norm
     attn = sub.self_attention.submodules
     attn.core_attention = SDPAttention
     if qk_layernorm:
-        attn.q_layernorm = RMSNorm
-        attn.k_layernorm = RMSNorm
+        attn.q_layernorm = norm
+        attn.k_layernorm = norm
     return spec
+
+
+def rms_norm_spec(fused: bool) -> ModuleSpec:
+    return ModuleSpec(module=RMSNorm, params={"fused": fused})

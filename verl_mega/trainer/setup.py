@@ -92,6 +92,8 @@ def build_role_engine(cfg: TrainConfig, groups: RankGroups, path: Path, *, role_
     tcfg = transformer_config(arch, tp=pool.tp, pp=pool.pp, vpp=pool.vpp, cp=pool.cp, ep=pool.ep, etp=pool.etp,
                               sequence_parallel=pool.sequence_parallel, dtype=cfg.model.dtype,
                               recompute=cfg.model.recompute, use_cpu_initialization=not torch.cuda.is_available(),
+                              fused_kernels=cfg.model.fused_kernels is True or (cfg.model.fused_kernels == "auto"
+                                                                                and torch.cuda.is_available()),
                               **moe_options(cfg, arch))
     use_te = {True: "true", False: "false"}.get(cfg.model.use_te, cfg.model.use_te)
     chunks = build_model_chunks(arch, tcfg, groups, value_head=value_head, use_te=use_te,
