@@ -145,7 +145,9 @@ def main() -> None:
     pool, coords = groups.pool, groups.coords
     rank, world = dist.get_rank(), dist.get_world_size()
     arch = arch_from_hf(load_hf_config(args.model_dir))
-    cfg = transformer_config(arch, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, use_cpu_initialization=True)
+    # on CUDA the compiled SwiGLU and RMSNorm, as training runs them (model.fused_kernels: auto)
+    cfg = transformer_config(arch, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, use_cpu_initialization=True,
+                             fused_kernels=torch.cuda.is_available())
     chunks = build_model_chunks(arch, cfg, groups, use_te="false")
     if torch.cuda.is_available():
         chunks = [c.cuda() for c in chunks]
