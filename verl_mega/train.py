@@ -43,6 +43,9 @@ def run(job) -> dict[str, float]:
     from verl_mega.trainer.metrics import MetricsLogger, write_summary
     from verl_mega.trainer.stop import StopRequest
 
+    if job.server is not None:  # a rank of a rollout pool of its own: serve the trainer until it stops
+        job.server.serve()
+        return {}
     cfg, trainer, loader, ckpt = job.cfg, job.trainer, job.loader, job.ckpt
     start_step, total_steps = job.start_step, job.total_steps
     logger = MetricsLogger(cfg.trainer.output_dir, console=cfg.logging.console,
@@ -86,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.lr=1e-6 parallel.tp=2")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    from verl_mega.parallel.pools import PoolPeerError
     from verl_mega.rewards import RewardFunctionFailed
     from verl_mega.trainer.checkpoint import NonFiniteError
     from verl_mega.trainer.preflight import describe_os_error, disk_full_error
@@ -94,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         configure_console(cfg.logging.verbose)
         train(cfg)
-    except (ConfigError, ValueError, FileNotFoundError, NonFiniteError, RewardFunctionFailed) as exc:
+    except (ConfigError, ValueError, FileNotFoundError, NonFiniteError, RewardFunctionFailed, PoolPeerError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except BaseException as exc:  # torch's CheckpointException is a BaseException

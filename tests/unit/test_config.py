@@ -203,17 +203,46 @@ def test_placement_section_errors():
                                           "sizes add up to the number of processes")
 
 
-def test_trainer_refuses_a_separate_rollout_pool(tmp_path, monkeypatch):
+def _build_job_as_rank0_of_two(cfg, monkeypatch):
     from verl_mega.trainer.setup import build_job
 
-    cfg = load_config(QUICKSTART, ["placement.pools={train: {size: 1}, gen: {size: 1}}",
-                                   "placement.roles={actor: train, rollout: gen}", f"trainer.output_dir={tmp_path}"])
     launcher = dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2", GROUP_RANK="0", NODE_RANK="0",
                     MASTER_ADDR="127.0.0.1", MASTER_PORT="29511", VERL_MEGA_LAUNCHER="torchrun")
     for key, value in launcher.items():  # rank 0 of a 2-process torchrun job (restored afterwards)
         monkeypatch.setenv(key, value)
-    assert _error(build_job, cfg).startswith("placement.roles: the trainer runs every role on the actor's pool")
+    return _error(build_job, cfg)
+
+
+def test_trainer_refuses_placements_it_cannot_run(tmp_path, monkeypatch):
+    two_pools = ["placement.pools={train: {size: 1}, gen: {size: 1}}", f"trainer.output_dir={tmp_path}"]
+    cfg = load_config(QUICKSTART, [*two_pools, "ref.enable=true",
+                                   "placement.roles={actor: train, ref: gen, rollout: gen}"])
+    assert _build_job_as_rank0_of_two(cfg, monkeypatch).startswith(
+        "placement.roles: the trainer runs every training role on the actor's pool")
+    cfg = load_config(QUICKSTART, ["placement.pools={gen: {size: 1}, train: {size: 1}}", f"trainer.output_dir={tmp_path}",
+                                   "placement.roles={actor: train, rollout: gen}"])
+    assert _build_job_as_rank0_of_two(cfg, monkeypatch) == (
+        "placement.pools: the training pool 'train' starts at rank 1; list it first in placement.pools")
     assert not any(tmp_path.iterdir())  # refused before anything was written
+
+
+def test_rollout_pool_and_staleness_errors():
+    colocated = load_config(QUICKSTART, ["rollout.max_staleness=1"])
+    assert _error(colocated.validate_runtime, _placement(colocated, 1), cuda_available=False).startswith(
+        "rollout.max_staleness=1 lets generation run ahead of training, but the rollout shares the actor's pool")
+    pools = ["placement.pools={train: {size: 1}, gen: {size: 1}}", "placement.roles={actor: train, rollout: gen}"]
+    for extra, start in ((["rollout.multi_turn.enable=true"], "rollout.multi_turn.enable=true runs on the actor's"),
+                         (["rollout.max_staleness=2", "algorithm.filter_groups.enable=true"],
+                          "algorithm.filter_groups.enable=true draws extra prompt batches as it goes")):
+        cfg = load_config(QUICKSTART, pools + extra)
+        assert _error(cfg.validate_runtime, _placement(cfg, 2), cuda_available=False).startswith(start), extra
+    assert _error(load_config, QUICKSTART, ["rollout.max_staleness=-1"]).startswith("rollout.max_staleness")
+    ok = load_config(REPO / "configs" / "quickstart_async_cpu.yaml", [])
+    assert ok.rollout.max_staleness == 1
+    ok.validate_runtime(_placement(ok, 2), cuda_available=False)
+    from verl_mega.parallel.pools import check_disaggregated
+
+    check_disaggregated(_placement(ok, 2))
 
 
 def test_adaptive_kl_needs_target():

@@ -238,6 +238,16 @@ def test_resume_sees_exactly_the_same_next_batches():
     assert state == {"epoch": 2, "index": 4, "seed": 1, "dataset_size": 10, "global_batch_size": 2}
 
 
+def test_peek_looks_ahead_without_moving():
+    loader = PromptLoader(_dataset(10), global_batch_size=3, seed=7, num_epochs=2)
+    loader.next_batch()
+    ahead = [loader.peek(k) for k in range(1, 7)]
+    assert ahead[-1] is None  # 6 batches in all, one served
+    rest = list(loader)
+    assert _ids(ahead[:5]) == _ids(rest) and [(b.epoch, b.batch_index) for b in ahead[:5]] == \
+        [(b.epoch, b.batch_index) for b in rest]
+
+
 def test_loader_validation():
     with pytest.raises(PromptDataError, match="not divisible by the data-parallel size 4"):
         PromptLoader(_dataset(10), global_batch_size=6, dp_size=4)

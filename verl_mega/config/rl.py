@@ -91,6 +91,13 @@ class RolloutConfig(ConfigSection):
     weight_sync: Literal["inplace", "reference"] = option(
         "inplace", help="`inplace`: write each rank's Megatron shard straight into vLLM's parameter slices; "
                         "`reference`: gather full tensors and let vLLM slice them (baseline).", affects_results=False)
+    max_staleness: int = option(
+        0, help="How many weight updates a batch may lag the policy it trains (rollout on a pool of its own, "
+                "placement.roles.rollout): at step t the rollout pool has been sent the batches up to t + k and "
+                "generates them while the trainer trains. 0: synchronous; 1: one-step off-policy.")
+    weight_bucket_mb: int = option(
+        512, help="Bucket size (MiB) of the weight transfer from the training pool to a rollout pool of its own; "
+                  "buckets go out asynchronously while the next ones are produced.", affects_results=False)
     seed: int | None = option(None, help="Sampling seed; null uses trainer.seed.")
     val_temperature: float = option(0.0, help="Sampling temperature for validation (0 = greedy).")
     multi_turn: MultiTurnConfig = option(factory=MultiTurnConfig, help="Multi-turn tool rollouts.")
@@ -111,6 +118,8 @@ class RolloutConfig(ConfigSection):
         self._check_range("max_num_seqs", ge=1)
         self._check_range("max_num_batched_tokens", ge=1)
         self._check_range("val_temperature", ge=0.0)
+        self._check_range("max_staleness", ge=0, example=1)
+        self._check_range("weight_bucket_mb", ge=1, example=512)
 
 
 @dataclass(frozen=True, kw_only=True)

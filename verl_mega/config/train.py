@@ -224,6 +224,7 @@ class TrainConfig(ConfigSection):
                           f"the {role.SECTION} mini-batch has {per_rank} samples per data-parallel rank "
                           f"({mini_key}·rollout.n/dp = {mini}·{n}/{dp}), not a multiple of "
                           f"{role.key('micro_batch_size_per_gpu')}={micro}; set it to a divisor of {per_rank}")
+        self._validate_rollout_pool(placement)
         if cuda_available is None:
             import torch  # deferred: the config package itself does not need torch
 
@@ -231,6 +232,26 @@ class TrainConfig(ConfigSection):
         self._require(cuda_available or self.rollout.kv_cache_memory_bytes is not None,
                       "rollout.kv_cache_memory_bytes is required on CPU (vLLM-CPU cannot size its KV cache from "
                       "device memory); set e.g. rollout.kv_cache_memory_bytes=1073741824")
+
+    def _validate_rollout_pool(self, placement: Any) -> None:
+        """What a rollout on a pool of its own (placement.roles.rollout) can and cannot run."""
+        k = self.rollout.max_staleness
+        if placement.colocated:
+            self._require(k == 0, f"rollout.max_staleness={k} lets generation run ahead of training, but the rollout "
+                                  f"shares the actor's pool (colocated: the two take turns on the same GPUs); give the "
+                                  f"rollout a pool of its own in placement.pools/placement.roles, or set "
+                                  f"rollout.max_staleness=0")
+            return
+        self._require(not self.rollout.multi_turn.enable,
+                      "rollout.multi_turn.enable=true runs on the actor's pool only; map placement.roles.rollout to "
+                      "the actor's pool, or set rollout.multi_turn.enable=false")
+        self._require(self.actor.routing_replay != "r3",
+                      "actor.routing_replay=r3 runs on the actor's pool only; map placement.roles.rollout to the "
+                      "actor's pool, or use actor.routing_replay=r2")
+        self._require(k == 0 or not self.algorithm.filter_groups.enable,
+                      f"algorithm.filter_groups.enable=true draws extra prompt batches as it goes, which a rollout "
+                      f"running ahead (rollout.max_staleness={k}) cannot know in advance; set "
+                      f"rollout.max_staleness=0 or algorithm.filter_groups.enable=false")
 
     def check_paths(self) -> None:
         """Check that every file or directory the config refers to exists (one-line error for the first missing)."""

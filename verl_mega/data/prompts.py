@@ -14,6 +14,7 @@ sees exactly the batches an uninterrupted run would have seen.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -417,6 +418,15 @@ class PromptLoader:
         self.index += 1
         if self.index >= self.batches_per_epoch:
             self.epoch, self.index = self.epoch + 1, 0
+        return batch
+
+    def peek(self, ahead: int = 1) -> PromptBatch | None:
+        """The batch ``ahead`` calls of :meth:`next_batch` from now would return, without moving (None past the
+        end): what an asynchronous rollout may generate early."""
+        probe = copy.copy(self)
+        batch = None
+        for _ in range(ahead):
+            batch = probe.next_batch()
         return batch
 
     def __iter__(self) -> Iterator[PromptBatch]:

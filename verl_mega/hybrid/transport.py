@@ -126,14 +126,15 @@ class RolloutLayout:
 class BucketSender:
     """Trainer end of a sync across pools. The producer writes its generation block's slices into views of staging
     buckets; when a unit of work is complete (``commit``) and a bucket's worth is pending, the buckets go out as a
-    broadcast from ``src`` over ``group`` (this block's rollout ranks), a header first. Broadcasts are asynchronous,
-    so producing the next layers overlaps sending the last. Without a group (a training rank whose block another
-    rank sends) the buckets are scratch, reused at once: the rank still joins the producer's collectives."""
+    broadcast from group rank ``group_src`` over ``group`` (this block's rollout ranks), a header first. Broadcasts
+    are asynchronous, so producing the next layers overlaps sending the last. Without a group (a training rank whose
+    block another rank sends) the buckets are scratch, reused at once: the rank still joins the producer's
+    collectives."""
 
     def __init__(self, layout: RolloutLayout, *, dtype: torch.dtype, device: torch.device, bucket_bytes: int,
-                 group: Any = None, src: int | None = None) -> None:
+                 group: Any = None, group_src: int = 0) -> None:
         self.layout, self.dtype, self.device = layout, dtype, device
-        self.group, self.src = group, src
+        self.group, self.group_src = group, group_src
         self.bucket_elems = max(1, bucket_bytes // torch.empty((), dtype=dtype).element_size())
         self.sent_bytes = 0
         self._free: list[torch.Tensor] = []
@@ -172,7 +173,7 @@ class BucketSender:
         """Send what is left and the end marker, then wait until every bucket is out."""
         self._send_pending()
         if self.group is not None:
-            dist.broadcast(self._header(_END, 0, []), src=self.src, group=self.group)
+            dist.broadcast(self._header(_END, 0, []), group_src=self.group_src, group=self.group)
         for bucket, works, _ in self._in_flight:
             for w in works:
                 w.wait()
@@ -186,8 +187,8 @@ class BucketSender:
                 self._free.append(bucket)
                 continue
             header = self._header(len(slices), used, slices)
-            works = [dist.broadcast(header, src=self.src, group=self.group, async_op=True),
-                     dist.broadcast(bucket[:used], src=self.src, group=self.group, async_op=True)]
+            works = [dist.broadcast(header, group_src=self.group_src, group=self.group, async_op=True),
+                     dist.broadcast(bucket[:used], group_src=self.group_src, group=self.group, async_op=True)]
             self._in_flight.append((bucket, works, header))
             self.sent_bytes += used * bucket.element_size()
         self._pending.clear()
@@ -215,20 +216,20 @@ class BucketSender:
         return torch.empty(max(elems, self.bucket_elems), dtype=self.dtype, device=self.device)
 
 
-def receive_buckets(sink: Any, layout: RolloutLayout, *, group: Any, src: int, device: torch.device) -> int:
+def receive_buckets(sink: Any, layout: RolloutLayout, *, group: Any, group_src: int, device: torch.device) -> int:
     """Rollout end of a sync across pools: receive buckets until the end marker and write every slice into
     ``sink`` (an :class:`InPlaceTransport` of this rank's vLLM model). Returns the bytes received."""
     header = torch.empty(2 + HEADER_SLICES * _SLICE_WORDS, dtype=torch.long, device=device)
     recv = torch.empty(0, dtype=sink.dtype, device=device)
     received = 0
     while True:
-        dist.broadcast(header, src=src, group=group)
+        dist.broadcast(header, group_src=group_src, group=group)
         count, used = header[:2].tolist()
         if count == _END:
             break
         if recv.numel() < used:
             recv = torch.empty(used, dtype=sink.dtype, device=device)
-        dist.broadcast(recv[:used], src=src, group=group)
+        dist.broadcast(recv[:used], group_src=group_src, group=group)
         received += used * recv.element_size()
         for name_index, offset, ndim, *dims in header[2:2 + count * _SLICE_WORDS].view(count, -1).tolist():
             shape = tuple(dims[:ndim])

@@ -404,17 +404,19 @@ def _visible_gpus(n: int) -> list[int]:
     return [int(v) for v in value.split(",") if v.strip()]
 
 
-def write_placement_json(placement: Placement, device: dict, path) -> None:
+def write_placement_json(placement: Placement, device: dict, path, records: list | None = None) -> None:
     """Gather every rank's device (collective over the whole job) and, on rank 0, write ``path``: the pools, the
-    roles and, per rank, its node, local device, pool and the members of its groups."""
+    roles and, per rank, its node, local device, pool and the members of its groups. ``records``: every rank's
+    device, gathered already (a disaggregated job gathers them over its bridge)."""
     import json
     import os
     from pathlib import Path
 
     import torch.distributed as dist
 
-    records: list = [None] * dist.get_world_size()
-    dist.all_gather_object(records, device)
+    if records is None:
+        records = [None] * dist.get_world_size()
+        dist.all_gather_object(records, device)
     if dist.get_rank() != 0:
         return
     path = Path(path)

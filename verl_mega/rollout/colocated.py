@@ -179,6 +179,7 @@ class ColocatedRollout:
     def shutdown(self) -> None:
         if self.multi_turn is not None:
             self.multi_turn.close()
+        self.weight_sync = None  # it may hold vLLM's modules, which must go with the engine, not at exit
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None

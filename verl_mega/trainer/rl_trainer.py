@@ -25,7 +25,8 @@ class RLTrainer:
     overlap_host_stages = True
 
     def __init__(self, cfg: TrainConfig, *, actor, ref, critic, reward_model, rollout, reward_pool, tokenizer,
-                 profiler, kl_ctrl, sample_path, arch=None, val_prompts=None, more_prompts=None) -> None:
+                 profiler, kl_ctrl, sample_path, arch=None, val_prompts=None, more_prompts=None,
+                 upcoming=None) -> None:
         self.cfg = cfg
         self.actor, self.ref, self.critic, self.reward_model = actor, ref, critic, reward_model
         self.rollout, self.reward_pool = rollout, reward_pool
@@ -33,6 +34,7 @@ class RLTrainer:
         self.arch = arch  # the model's architecture: with it the step counts its model FLOPs (perf/* metrics)
         self.val_prompts = val_prompts  # a PromptBatch of data.val_files, for validate()
         self.more_prompts = more_prompts  # the next prompt batch (dynamic sampling generates from several per step)
+        self.upcoming = upcoming  # upcoming(k): the batch k steps ahead, unconsumed (rollout.max_staleness sends it)
         self.path = sample_path  # rollout → train: which rows reach this rank, and which it scores (transfer.py)
         self.prescored = self.baseline_scores = None
         self._reward_counts = [0, 0, 0]  # this step's errors, timeouts and scored samples on this rank
@@ -103,6 +105,8 @@ class RLTrainer:
             if isinstance(out.get(name), dict):
                 metrics.update({k: v for k, v in out[name].items() if isinstance(v, float)})
         metrics.update(self.profiler.step_summary())  # stage times, overlap, tokens/s, TFLOP/s, MFU
+        # which batch of the data this step trained on (a resumed or asynchronous run can be checked against it)
+        metrics.update({"data/epoch": float(prompt_batch.epoch), "data/batch_index": float(prompt_batch.batch_index)})
         metrics.update(self._reward_health())
         return metrics
 
@@ -172,11 +176,9 @@ class RLTrainer:
         """The step's prompts, its rows' table and this engine's rows: one generation of the prompt batch or, with
         DAPO dynamic sampling, generations of further batches until data.train_batch_size groups have rewards that
         differ (dropped groups fill a batch still short after algorithm.filter_groups.max_num_gen_batches)."""
-        fcfg, rcfg = self.cfg.algorithm.filter_groups, self.cfg.rollout
-        specs = [self._sampling(prompt_batch)]
-        if self.cfg.algorithm.adv_estimator == "remax":  # ReMax's baseline: one greedy answer per prompt
-            specs.append(SamplingSpec(n=1, max_tokens=rcfg.max_response_length, temperature=0.0,
-                                      stop_token_ids=specs[0].stop_token_ids, logprobs=True))
+        fcfg = self.cfg.algorithm.filter_groups
+        specs = self._specs(prompt_batch)
+        self._prefetch(prompt_batch)
         n = specs[0].n
         items, rounds, batch, counts, candidates = [], 0, prompt_batch, {}, []
         while batch is not None:
@@ -210,6 +212,25 @@ class RLTrainer:
         metrics["dapo/gen_batches"] = float(rounds)
         metrics["dapo/kept_group_frac"] = metrics.pop("kept_groups") / max(1, len(items))
         return items, table, local, {**metrics, **_episode_metrics(counts)}
+
+    def _specs(self, prompt_batch) -> list[SamplingSpec]:
+        specs = [self._sampling(prompt_batch)]
+        if self.cfg.algorithm.adv_estimator == "remax":  # ReMax's baseline: one greedy answer per prompt
+            specs.append(SamplingSpec(n=1, max_tokens=self.cfg.rollout.max_response_length, temperature=0.0,
+                                      stop_token_ids=specs[0].stop_token_ids, logprobs=True))
+        return specs
+
+    def _prefetch(self, prompt_batch) -> None:
+        """rollout.max_staleness=k on a rollout pool of its own: this step's batch and the next k go to the pool
+        now (in order), so it generates them while this step trains."""
+        k = self.cfg.rollout.max_staleness
+        if not k or self.upcoming is None or not hasattr(self.rollout, "submit"):
+            return
+        batches = [prompt_batch] + [self.upcoming(i) for i in range(1, k + 1)]
+        for batch in filter(None, batches):
+            ids, specs = [p.prompt_ids for p in batch.items], self._specs(batch)
+            if not self.rollout.submitted(ids, specs):
+                self.rollout.submit(ids, specs)
 
     def _engine_scores(self, gen, items, offset: int, num_rows: int, rows_of=None) -> torch.Tensor:
         """Every row's reward, known to every rank: each rank scores its share of its engine's samples, one

@@ -135,30 +135,70 @@ def check_routed_experts_support() -> None:
         raise ConfigError(f"actor.routing_replay=r3 replays vLLM's routing, but {reason}")
 
 
-def build_rollout(cfg: TrainConfig, groups: RankGroups, path: Path, actor: RoleModel, placement, *, offload=None,
-                  profiler=None, tokenizer=None):
-    """vLLM engines on the actor's pool, fed by the 3D-HybridEngine's in-place weight sync; with
-    rollout.multi_turn.enable, episodes with tool calls (``tokenizer`` then required)."""
-    from verl_mega.hybrid.producer import WeightProducer, WeightSync
-    from verl_mega.rollout.colocated import ColocatedRollout
-    from verl_mega.rollout.vllm_rollout import VLLMRollout, VLLMRolloutConfig
+def vllm_config(cfg: TrainConfig, path: Path, gen_tp: int):
+    """The vLLM engine of a rollout: same on the actor's pool and on a rollout pool of its own."""
+    from verl_mega.rollout.vllm_rollout import VLLMRolloutConfig
 
-    rcfg, pool = cfg.rollout, groups.pool
+    rcfg = cfg.rollout
     extra = {k: v for k, v in (("max_num_batched_tokens", rcfg.max_num_batched_tokens),) if v is not None}
-    vcfg = VLLMRolloutConfig(
-        model_path=str(path), gen_tp=pool.gen_tp, dtype=cfg.model.dtype,
+    return VLLMRolloutConfig(
+        model_path=str(path), gen_tp=gen_tp, dtype=cfg.model.dtype,
         max_model_len=cfg.data.max_prompt_length + rcfg.max_response_length,
         max_num_seqs=rcfg.max_num_seqs or 256, gpu_memory_utilization=rcfg.gpu_memory_utilization,
         kv_cache_memory_bytes=rcfg.kv_cache_memory_bytes, enforce_eager=rcfg.enforce_eager,
         seed=rcfg.seed, trust_remote_code=cfg.model.trust_remote_code, request_stats=cfg.trainer.profile,
         return_routed_experts=cfg.actor.routing_replay == "r3", engine_kwargs=extra)
+
+
+def build_rollout(cfg: TrainConfig, groups: RankGroups, path: Path, actor: RoleModel, placement, *, offload=None,
+                  profiler=None, tokenizer=None, bridge=None):
+    """vLLM engines on the actor's pool, fed by the 3D-HybridEngine's in-place weight sync; with
+    rollout.multi_turn.enable, episodes with tool calls (``tokenizer`` then required). With a ``bridge`` (the
+    rollout on a pool of its own) the engines are the rollout pool's, fed across pools."""
+    from verl_mega.hybrid.producer import WeightProducer, WeightSync
+    from verl_mega.rollout.colocated import ColocatedRollout
+    from verl_mega.rollout.vllm_rollout import VLLMRollout
+
+    rcfg, pool = cfg.rollout, groups.pool
+    producer = WeightProducer(groups=groups, arch=actor.arch, chunks=actor.engine.chunks)
+    if bridge is not None:
+        from verl_mega.hybrid.pool_sync import PoolWeightSync
+        from verl_mega.rollout.disaggregated import RemoteRollout
+
+        sync = PoolWeightSync(placement, bucket_bytes=rcfg.weight_bucket_mb << 20, device=_device(),
+                              producer=producer, comm=bridge)
+        return RemoteRollout(bridge, sync, engine_index=groups.coords["engine"], num_engines=pool.size // pool.gen_tp,
+                             engine_leader=groups.rank == groups.ranks("gen_tp")[0])
     free_cache = resolve_free_cache(cfg, placement, actor.arch)
-    engine = VLLMRollout(vcfg, rank_order=pool.vllm_rank_order(), engine_index=groups.coords["engine"])
-    sync = WeightSync(WeightProducer(groups=groups, arch=actor.arch, chunks=actor.engine.chunks), engine,
-                      mode=rcfg.weight_sync)
+    engine = VLLMRollout(vllm_config(cfg, path, pool.gen_tp), rank_order=pool.vllm_rank_order(),
+                         engine_index=groups.coords["engine"])
+    sync = WeightSync(producer, engine, mode=rcfg.weight_sync)
     return ColocatedRollout(engine, weight_sync=sync, engine_ranks=groups.ranks("gen_tp"), offload=offload,
                             free_cache=free_cache, profiler=profiler,
                             multi_turn=build_multi_turn(cfg, groups, tokenizer) if rcfg.multi_turn.enable else None)
+
+
+def build_rollout_server(cfg: TrainConfig, placement, bridge, path: Path):
+    """A rank of a rollout pool of its own: its vLLM engine (in the pool's own world), weights received from the
+    training pool, served by :class:`~verl_mega.rollout.disaggregated.RolloutServer`."""
+    from verl_mega.hybrid.pool_sync import PoolWeightSync
+    from verl_mega.rollout.colocated import ColocatedRollout
+    from verl_mega.rollout.disaggregated import RolloutServer
+    from verl_mega.rollout.vllm_rollout import VLLMRollout
+    from verl_mega.trainer.profiler import StageProfiler
+
+    pool = placement.pool_of("rollout")
+    engine = VLLMRollout(vllm_config(cfg, path, pool.gen_tp))  # engines of consecutive ranks of the pool
+    sync = PoolWeightSync(placement, bucket_bytes=cfg.rollout.weight_bucket_mb << 20, device=_device(),
+                          model=engine.model, repacks=engine.is_cpu, comm=bridge)
+    first = dist.get_rank() - dist.get_rank() % pool.gen_tp
+    rollout = ColocatedRollout(engine, weight_sync=sync, engine_ranks=range(first, first + pool.gen_tp),
+                               free_cache=False, profiler=StageProfiler(n_devices=pool.size))
+    return RolloutServer(bridge, rollout)
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def resolve_free_cache(cfg: TrainConfig, placement, arch: ModelArch) -> bool:
@@ -249,6 +289,7 @@ class Job:
     start_step: int
     arch: Any
     placement: Any
+    server: Any = None  # a rank of a rollout pool of its own: it serves the trainer instead of training
     started: float = field(default_factory=time.monotonic)  # when build_job began (trainer.time_limit_s counts)
     resources: contextlib.ExitStack = field(default_factory=contextlib.ExitStack, repr=False)
 
@@ -310,10 +351,14 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
                                   gpus_per_node=env.local_world_size, rank=env.rank)
     placement = Placement.from_config(cfg, env.world_size)
     actor_pool = placement.pool_of("actor")
-    if any(placement.pool_of(r) is not actor_pool for r in ("critic", "ref", "reward_model", "rollout")):
-        raise ConfigError(f"placement.roles: the trainer runs every role on the actor's pool, got "
-                          f"{dict(placement.roles)}; map every role to the actor's pool (tools/plan.py --dry-run "
-                          f"checks other placements)")
+    if any(placement.pool_of(r) is not actor_pool for r in ("critic", "ref", "reward_model")):
+        raise ConfigError(f"placement.roles: the trainer runs every training role on the actor's pool, got "
+                          f"{dict(placement.roles)}; map critic, ref and reward_model to the actor's pool (the rollout "
+                          f"may have a pool of its own; tools/plan.py --dry-run checks other placements)")
+    if not placement.colocated:
+        from verl_mega.parallel.pools import check_disaggregated
+
+        check_disaggregated(placement)
     device = assign_device(placement, env, cfg.parallel.topology_file)  # before anything initialises CUDA
     cfg.validate_runtime(placement)
     probe_output_dir(cfg.trainer.output_dir)
@@ -358,11 +403,28 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
         check_steps_left(resume_path, total_steps, complete_ok=True)
 
     # --- build groups, roles, rollout and the 3D-HybridEngine
-    init_world(cfg.trainer.collective_timeout_s)
+    bridge = records = None
+    if placement.colocated:
+        init_world(cfg.trainer.collective_timeout_s)
+    else:  # each pool a world of its own (vLLM's groups span its world), joined by a bridge
+        from verl_mega.parallel.pools import init_pool_worlds
+
+        bridge = init_pool_worlds(placement, cfg.trainer.collective_timeout_s)
+        resources.callback(bridge.close)
+        records = bridge.all_gather_object(device)
     # every file's checksum, each rank hashing a share; a broken newest checkpoint falls back (resume=auto)
-    resume_path = verify_checkpoint(cfg, resume_path)
+    if bridge is None or bridge.trains:
+        resume_path = verify_checkpoint(cfg, resume_path)
+    if bridge is not None:  # the rollout pool learns the training pool's decision
+        resume_path = bridge.broadcast_object(resume_path, 0)
     if resume_path is not None:
         check_steps_left(resume_path, total_steps)  # a complete run ends here, before anything is built
+    if bridge is not None and not bridge.trains:
+        server = build_rollout_server(cfg, placement, bridge, path)
+        resources.callback(server.rollout.shutdown)
+        return Job(cfg=cfg, trainer=None, loader=loader, ckpt=None, profiler=None, reward_pool=None,
+                   rollout=server.rollout, total_steps=total_steps, start_step=0, arch=arch, placement=placement,
+                   resources=resources, server=server)
     groups = build_groups(placement, timeout_s=cfg.trainer.collective_timeout_s)
     seed_everything(cfg.trainer.seed, groups)
     actor_m = build_role_engine(cfg, groups, path, role_cfg=cfg.actor, total_steps=total_steps)
@@ -388,10 +450,10 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
     cuda = torch.cuda.is_available()
     peak = cfg.trainer.peak_tflops * 1e12 if cfg.trainer.peak_tflops else \
         detect_peak_flops(torch.cuda.get_device_name() if cuda else None, cfg.model.dtype)
-    profiler = StageProfiler(n_devices=dist.get_world_size(), peak_flops=peak,
+    profiler = StageProfiler(n_devices=placement.world_size, peak_flops=peak,
                              synchronize=torch.cuda.synchronize if cuda else None)
     rollout = build_rollout(cfg, groups, path, actor_m, placement, offload=offload_trainers(cfg, actor, critic, ref),
-                            profiler=profiler, tokenizer=tokenizer)
+                            profiler=profiler, tokenizer=tokenizer, bridge=bridge)
     resources.callback(rollout.shutdown)  # vLLM's process groups go before torch.distributed's
     rollout.update_weights()  # vLLM starts from the actor's exact weights (and version 1)
     reward_pool = resources.enter_context(contextlib.closing(
@@ -405,7 +467,8 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
     trainer = (trainer_cls or RLTrainer)(
         cfg, actor=actor, ref=ref, critic=critic, reward_model=reward_model, rollout=rollout, reward_pool=reward_pool,
         tokenizer=tokenizer, profiler=profiler, kl_ctrl=kl_ctrl, sample_path=path, arch=arch,
-        val_prompts=val_prompts, more_prompts=loader.next_batch)
+        val_prompts=val_prompts, more_prompts=loader.next_batch,
+        upcoming=lambda k: loader.peek(k) if loader.total_batches - len(loader) + k <= total_steps else None)
     if cfg.trainer.profile:
         trainer.enable_profiling()
     ckpt = CheckpointManager(cfg, engines={"actor": actor_m.engine, "critic": critic and critic.engine},
@@ -414,7 +477,8 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
     start_step = ckpt.maybe_resume(resume_path)
     if start_step:
         rollout.update_weights()
-    write_placement_json(placement, device, Path(cfg.trainer.output_dir) / "placement.json")  # all was built
+    write_placement_json(placement, device, Path(cfg.trainer.output_dir) / "placement.json",  # all was built
+                         records=records)
     return Job(cfg=cfg, trainer=trainer, loader=loader, ckpt=ckpt, profiler=profiler, reward_pool=reward_pool,
                rollout=rollout, total_steps=total_steps, start_step=start_step, arch=arch, placement=placement,
                resources=resources)

@@ -1,0 +1,126 @@
+"""The rollout on a pool of its own (disaggregated placement), generating up to rollout.max_staleness batches ahead
+of training: the same numbers as the synchronous loop at staleness 0, the quickstart's reward bar one step
+off-policy, and a dead rollout rank ends the job with an error that names it."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from torchrun_util import free_port, run_in_session
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = ROOT / "configs"
+QUIET = ["trainer.save_every=0", "logging.tensorboard=false", "logging.plot=false", "logging.progress_bar=false"]
+# what a run measures about itself rather than computes: never compared between runs
+MEASURED = ("timing/", "perf/", "overlap/", "weight_sync/", "memory/", "count/")
+
+
+def _env(tmp_path: Path) -> dict:
+    return {**os.environ, "VERL_MEGA_CACHE": os.environ.get("VERL_MEGA_CACHE", str(tmp_path / "cache")),
+            "OMP_NUM_THREADS": "1", "VLLM_CPU_CI_ENV": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def _train(tmp_path: Path, name: str, config: str, nproc: int, *overrides: str, timeout: float,
+           fault: str | None = None) -> list[dict]:
+    """Run the job; with ``fault`` (VERL_MEGA_FAULT_INJECT) it must die, else succeed. Returns metrics.jsonl."""
+    out = tmp_path / name
+    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+                f"--master-port={free_port()}", "--master-addr=127.0.0.1"] if nproc > 1 else [sys.executable]
+    cmd = [*launcher, "-m", "verl_mega.train", "--config", str(CONFIGS / config), f"trainer.output_dir={out}",
+           *overrides]
+    log = tmp_path / f"{name}.log"
+    env = {**_env(tmp_path), **({"VERL_MEGA_FAULT_INJECT": fault} if fault else {})}
+    rc = run_in_session(cmd, env=env, log=log, timeout=timeout, cwd=ROOT)
+    assert (rc != 0) if fault else (rc == 0), log.read_text()[-5000:]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_staleness_zero_matches_the_synchronous_loop(tmp_path):
+    """max_staleness=0 on a pool of its own generates each batch after the weights it must use: every metric of
+    the first three steps equals the colocated synchronous run's, bit for bit (same seeds, same weights)."""
+    steps = ["trainer.total_steps=3", *QUIET]
+    sync = _train(tmp_path, "sync", "quickstart_cpu.yaml", 1, *steps, timeout=600)
+    pools = _train(tmp_path, "pools", "quickstart_async_cpu.yaml", 2, *steps, "rollout.max_staleness=0",
+                   "actor.rollout_is=null", timeout=600)
+    assert len(sync) == len(pools) == 3
+    for a, b in zip(sync, pools):
+        keys = {k for k in a if not k.startswith(MEASURED)}
+        assert keys == {k for k in b if not k.startswith(MEASURED)}
+        assert {k: a[k] for k in keys} == {k: b[k] for k in keys}, a["step"]
+        assert b["rollout/staleness_mean"] == 0.0 and b["rollout/logprob_diff_max"] < 1e-5
+
+
+@pytest.mark.slow
+def test_one_step_off_policy_quickstart_reward_rises(tmp_path):
+    """configs/quickstart_async_cpu.yaml (rank 0 trains, rank 1 generates, max_staleness=1, truncated IS) meets the
+    README's bar: first 10 steps < 0.3, last 10 > 0.6. Every batch after the first is one update behind."""
+    rows = _train(tmp_path, "async", "quickstart_async_cpu.yaml", 2, *QUIET, timeout=1200)
+    assert [r["step"] for r in rows] == list(range(1, 151))
+    first = sum(r["reward/mean"] for r in rows[:10]) / 10
+    last = sum(r["reward/mean"] for r in rows[-10:]) / 10
+    print(f"one-step off-policy mean reward: first 10 steps {first:.3f}, last 10 steps {last:.3f}")
+    assert first < 0.3 and last > 0.6, (first, last)
+    assert rows[0]["rollout/staleness_mean"] == 0.0
+    assert all(r["rollout/staleness_mean"] == 1.0 for r in rows[1:])
+    assert all(0.0 < r["rollout/is_weight_mean"] <= 2.0 for r in rows)
+    placement = json.loads((tmp_path / "async" / "placement.json").read_text())
+    assert [p["name"] for p in placement["pools"]] == ["train", "rollout"] and not placement["colocated"]
+
+
+@pytest.mark.slow
+def test_kill9_then_resume_loses_no_prompt(tmp_path):
+    """One step off-policy, SIGKILLed at the start of step 5 (checkpoint of step 4; batch 5 was in flight on the
+    rollout pool) and resumed: steps 1–6 trained on data batches 0–5, in order, each once. The in-flight batch was
+    generated again by the resumed weights (staleness 0 at step 5), and the run went on one step off-policy."""
+    small = ["trainer.total_steps=6", "trainer.save_every=2", "data.train_batch_size=8", "actor.ppo_mini_batch_size=4",
+             "rollout.n=4", "rollout.max_response_length=6", "rollout.kv_cache_memory_bytes=33554432",
+             "logging.tensorboard=false", "logging.plot=false", "logging.progress_bar=false"]
+    _train(tmp_path, "run", "quickstart_async_cpu.yaml", 2, *small, timeout=600, fault="step_start@5")
+    rows = _train(tmp_path, "run", "quickstart_async_cpu.yaml", 2, *small, timeout=600)
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert [(r["data/epoch"], r["data/batch_index"]) for r in rows] == [(0.0, float(i)) for i in range(6)]
+    assert [r["rollout/staleness_mean"] for r in rows] == [0.0, 1.0, 1.0, 1.0, 0.0, 1.0]
+
+
+@pytest.mark.slow
+def test_dead_rollout_rank_ends_the_job(tmp_path):
+    """Both ranks started by hand (no launcher that would kill the survivors): kill -9 the rollout rank mid-run and
+    the trainer exits on its own, well within trainer.collective_timeout_s, naming the rank and its pool."""
+    out, port = tmp_path / "out", free_port()
+    cmd = [sys.executable, "-m", "verl_mega.train", "--config", str(CONFIGS / "quickstart_async_cpu.yaml"),
+           f"trainer.output_dir={out}", "trainer.collective_timeout_s=120", *QUIET]
+    procs = []
+    for rank in (0, 1):
+        env = {**_env(tmp_path), "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        log = open(tmp_path / f"rank{rank}.log", "w")
+        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                      start_new_session=True))
+    try:
+        deadline = time.monotonic() + 600
+        metrics = out / "metrics.jsonl"
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            assert time.monotonic() < deadline and procs[0].poll() is None, (tmp_path / "rank0.log").read_text()[-3000:]
+            time.sleep(0.5)
+        os.killpg(procs[1].pid, signal.SIGKILL)
+        killed = time.monotonic()
+        rc = procs[0].wait(timeout=150)
+        waited = time.monotonic() - killed
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    text = (tmp_path / "rank0.log").read_text()
+    assert rc == 2, text[-3000:]
+    assert "error: rank 1 of pool 'rollout' did not answer" in text or \
+        "error: the weight transfer to the rollout pool failed" in text, text[-3000:]
+    print(f"the trainer stopped {waited:.1f} s after its rollout rank was killed")
+    assert waited < 120

@@ -1,0 +1,168 @@
+"""Disaggregated placement: each pool is a torch.distributed world of its own, joined by a bridge.
+
+vLLM builds its groups over ``torch.distributed``'s default world and runs world-wide collectives (its KV-cache
+size agreement, for one), so an in-process engine cannot share a world with ranks that never construct it. With
+the rollout on a pool of its own, every pool therefore initialises its **own default world** (same rendezvous,
+a per-pool key prefix), and the pools talk through a **bridge**: standalone process groups over the whole job
+that no library sees — gloo for control messages, and per generation block a group of the block's sender and its
+receivers for the weights (NCCL on GPU, gloo on CPU).
+
+The training pool comes first in rank order, so its pool ranks equal the job's ranks and everything built for a
+colocated job (Megatron groups, checkpoints, the sample path) runs unchanged on it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from verl_mega.parallel import cpu_mode
+from verl_mega.parallel.placement import Placement, PlacementError, Pool
+
+CONTROL_TAG, RESULT_TAG = 1, 2  # trainer → rollout commands; rollout → trainer samples
+
+
+class PoolPeerError(RuntimeError):
+    """The other pool stopped answering (a rank died or hung): the job ends instead of waiting forever."""
+
+
+@dataclass
+class Bridge:
+    """This rank's pool and the job-wide groups between pools. ``rank``/``world``: the job's; the default
+    torch.distributed world is this rank's pool."""
+
+    placement: Placement
+    rank: int
+    world: int
+    store: Any = field(repr=False)
+    timeout: datetime.timedelta
+    control: Any = field(repr=False)  # gloo over every rank of the job
+    _subgroups: dict[tuple[int, ...], Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def pool(self) -> Pool:
+        return self.placement.pool_of_rank(self.rank)
+
+    @property
+    def trains(self) -> bool:
+        return self.pool.name == self.placement.roles["actor"]
+
+    def leader(self, pool: Pool) -> int:
+        return pool.ranks[0]
+
+    def subgroup(self, ranks: tuple[int, ...], *, device: bool) -> Any:
+        """A standalone group of ``ranks`` (job ranks, ascending; group rank = position), built by its members only;
+        ``device``: NCCL on GPU (weights), else gloo."""
+        if list(ranks) != sorted(ranks) or self.rank not in ranks:
+            raise ValueError(f"subgroup {ranks}: members must be ascending and include this rank {self.rank}")
+        key = (*ranks, int(device))
+        if key not in self._subgroups:
+            prefix = dist.PrefixStore(f"verl_mega/bridge/{'dev' if device else 'cpu'}/{'-'.join(map(str, ranks))}/",
+                                      self.store)
+            index = ranks.index(self.rank)
+            if device and torch.cuda.is_available():
+                opts = dist.ProcessGroupNCCL.Options()
+                opts._timeout = self.timeout
+                self._subgroups[key] = dist.ProcessGroupNCCL(prefix, index, len(ranks), opts)
+            else:
+                self._subgroups[key] = dist.ProcessGroupGloo(prefix, index, len(ranks), self.timeout)
+        return self._subgroups[key]
+
+    def broadcast_object(self, obj: Any, src: int) -> Any:
+        """``obj`` of job rank ``src`` on every rank of the job (collective over the job)."""
+        size = torch.zeros(1, dtype=torch.long)
+        payload = None
+        if self.rank == src:
+            payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+            size[0] = payload.numel()
+        self._wait(_broadcast(self.control, size, src), src, "sharing an object over the job")
+        if payload is None:
+            payload = torch.empty(int(size), dtype=torch.uint8)
+        self._wait(_broadcast(self.control, payload, src), src, "sharing an object over the job")
+        return obj if self.rank == src else pickle.loads(payload.numpy().tobytes())
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in job rank order (collective over the job)."""
+        return [self.broadcast_object(obj if r == self.rank else None, r) for r in range(self.world)]
+
+    # ---- control messages: pickled objects between two ranks of the job -----------------------------------
+    def send(self, obj: Any, dst: int, tag: int) -> list[Any]:
+        """Post ``obj`` to job rank ``dst``; returns the pending works (wait on them before reusing the tag)."""
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], dtype=torch.long)
+        return [self.control.send([size], dst, tag), self.control.send([payload], dst, tag)]
+
+    def recv(self, src: int, tag: int, what: str) -> Any:
+        """The next object job rank ``src`` sent with ``tag``; a peer that died or stays silent past the collective
+        timeout raises :class:`PoolPeerError` naming it."""
+        size = torch.zeros(1, dtype=torch.long)
+        self._wait(self.control.recv([size], src, tag), src, what)
+        payload = torch.empty(int(size), dtype=torch.uint8)
+        self._wait(self.control.recv([payload], src, tag), src, what)
+        return pickle.loads(payload.numpy().tobytes())
+
+    def wait(self, works: list[Any], peer: int, what: str) -> None:
+        for work in works:
+            self._wait(work, peer, what)
+
+    def _wait(self, work: Any, peer: int, what: str) -> None:
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as exc:
+            pool = self.placement.pool_of_rank(peer).name
+            raise PoolPeerError(f"rank {peer} of pool {pool!r} did not answer while {what} "
+                                f"({' '.join(str(exc).split())[:200]}); it died or hung (timeout "
+                                f"trainer.collective_timeout_s={self.timeout.total_seconds():g})") from None
+
+    def close(self) -> None:
+        self._subgroups.clear()
+        self.control = None
+
+
+def _broadcast(group: Any, tensor: torch.Tensor, root: int) -> Any:
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor = root, 0
+    return group.broadcast([tensor], opts)
+
+
+def check_disaggregated(placement: Placement) -> None:
+    """The shapes the split worlds need, before anything is built: the training pool first, the rollout on a pool of
+    its own that trains nothing, and no third pool."""
+    train, gen = placement.pool_of("actor"), placement.pool_of("rollout")
+    if train.ranks[0] != 0:
+        raise PlacementError(f"placement.pools: the training pool {train.name!r} starts at rank {train.ranks[0]}; "
+                             f"list it first in placement.pools")
+    if gen.trains:
+        raise PlacementError(f"placement.pools.{gen.name} both trains and generates; give the rollout a pool of its "
+                             f"own in placement.roles")
+    if len(placement.pools) != 2:
+        raise PlacementError(f"a disaggregated placement has a training pool and a rollout pool, got "
+                             f"{[p.name for p in placement.pools]}; map every training role to one pool")
+
+
+def init_pool_worlds(placement: Placement, timeout_s: float) -> Bridge:
+    """One rendezvous for the job; then this rank's pool as the default world and the bridge over the job."""
+    use_cpu = cpu_mode.enable_cpu_mode()
+    if dist.is_initialized():
+        raise RuntimeError("torch.distributed is already initialised; a disaggregated job initialises its pools")
+    check_disaggregated(placement)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    if world != placement.world_size:
+        raise PlacementError(f"placement covers {placement.world_size} ranks but the job has {world}")
+    if not use_cpu:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    pool = placement.pool_of_rank(rank)
+    dist.init_process_group(backend="gloo" if use_cpu else "nccl", timeout=timeout,
+                            store=dist.PrefixStore(f"verl_mega/pool/{pool.name}/", store),
+                            rank=rank - pool.ranks[0], world_size=len(pool.ranks))
+    # vLLM's external launcher reads these: on a rollout pool they are the pool's own
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank - pool.ranks[0]), str(len(pool.ranks))
+    control = dist.ProcessGroupGloo(dist.PrefixStore("verl_mega/bridge/control/", store), rank, world, timeout)
+    return Bridge(placement, rank, world, store, timeout, control)
