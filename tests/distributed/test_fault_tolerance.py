@@ -1,7 +1,8 @@
 """Faults during a run (slow: whole training runs on CPU).
 
 - SIGTERM that reaches one rank of two (as when one node of a job is preempted): both ranks save the same step and
-  exit cleanly within 30 s.
+  exit cleanly within 30 s. With the rollout on a pool of its own, SIGTERM to every rank: the trainer saves its
+  step and stops the rollout pool.
 - A reward function that hangs: the step ends one time limit later, and the run stops with an error naming the
   function and its first failure (reward.max_error_frac). A function that ends its process (os._exit): a clear error.
 - A disk that fills up during a save: the error names it.
@@ -89,6 +90,45 @@ def test_sigterm_to_one_rank_stops_both_at_the_same_step(tmp_path):
     assert (saved[0] / "COMPLETE").exists() and (saved[0] / "rank_00000.pt").exists() \
         and (saved[0] / "rank_00001.pt").exists()
     print(f"SIGTERM to rank 1 after step {last - 1}: both ranks saved step {last} and exited in {took:.1f} s")
+
+
+def test_sigterm_to_both_pools_saves_and_stops(tmp_path):
+    """The rollout on a pool of its own, one step off-policy (configs/quickstart_async_cpu.yaml), SIGTERM to every
+    rank (a preempted node): the rollout rank keeps serving, the trainer finishes its step, saves it and stops the
+    rollout pool; the job exits cleanly."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", f"--master-port={free_port()}",
+           "-m", "verl_mega.train", "--config", str(ROOT / "configs" / "quickstart_async_cpu.yaml"),
+           f"trainer.output_dir={out}", *SMALL, "trainer.total_steps=500", "trainer.save_every=0",
+           "trainer.collective_timeout_s=120"]
+    log = tmp_path / "train.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, env=_env(tmp_path), stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and len(_metric_rows(out)) < 3 and proc.poll() is None:
+            time.sleep(0.5)
+        assert proc.poll() is None and len(_metric_rows(out)) >= 3, log.read_text()[-4000:]
+        ranks = _rank_pids(proc.pid)
+        assert sorted(ranks) == [0, 1], ranks
+        for pid in ranks.values():
+            os.kill(pid, signal.SIGTERM)
+        sent = time.monotonic()
+        rc = proc.wait(timeout=120)
+        took = time.monotonic() - sent
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    text = log.read_text()
+    assert rc == 0, text[-4000:]
+    last = _metric_rows(out)[-1]["step"]
+    assert f"stopping after step {last} (SIGTERM)" in text and "rollout pool: signal 15 ignored" in text, text[-4000:]
+    saved = sorted((out / "checkpoints").glob("step_*"))
+    assert [p.name for p in saved] == [f"step_{last:06d}"] and (saved[0] / "COMPLETE").exists()
+    assert took < 30, f"the job took {took:.1f} s to stop after SIGTERM"
+    print(f"SIGTERM to both pools: the trainer saved step {last} and the job exited in {took:.1f} s")
 
 
 REWARDS = '''

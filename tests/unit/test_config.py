@@ -219,8 +219,8 @@ def test_trainer_refuses_placements_it_cannot_run(tmp_path, monkeypatch):
                                    "placement.roles={actor: train, ref: gen, rollout: gen}"])
     assert _build_job_as_rank0_of_two(cfg, monkeypatch).startswith(
         "placement.roles: the trainer runs every training role on the actor's pool")
-    cfg = load_config(QUICKSTART, ["placement.pools={gen: {size: 1}, train: {size: 1}}", f"trainer.output_dir={tmp_path}",
-                                   "placement.roles={actor: train, rollout: gen}"])
+    cfg = load_config(QUICKSTART, ["placement.pools={gen: {size: 1}, train: {size: 1}}",
+                                   f"trainer.output_dir={tmp_path}", "placement.roles={actor: train, rollout: gen}"])
     assert _build_job_as_rank0_of_two(cfg, monkeypatch) == (
         "placement.pools: the training pool 'train' starts at rank 1; list it first in placement.pools")
     assert not any(tmp_path.iterdir())  # refused before anything was written
