@@ -15,9 +15,9 @@ from types import SimpleNamespace
 from typing import Any, Mapping
 
 import torch
-import torch.distributed as dist
 
 from verl_mega.hybrid.convert import routed_name
+from verl_mega.parallel.pools import group_broadcast
 from verl_mega.rollout.vllm_rollout import compat_finish_expert_reload
 
 
@@ -173,7 +173,7 @@ class BucketSender:
         """Send what is left and the end marker, then wait until every bucket is out."""
         self._send_pending()
         if self.group is not None:
-            dist.broadcast(self._header(_END, 0, []), group_src=self.group_src, group=self.group)
+            group_broadcast(self._header(_END, 0, []), self.group, self.group_src)
         for bucket, works, _ in self._in_flight:
             for w in works:
                 w.wait()
@@ -187,8 +187,8 @@ class BucketSender:
                 self._free.append(bucket)
                 continue
             header = self._header(len(slices), used, slices)
-            works = [dist.broadcast(header, group_src=self.group_src, group=self.group, async_op=True),
-                     dist.broadcast(bucket[:used], group_src=self.group_src, group=self.group, async_op=True)]
+            works = [group_broadcast(header, self.group, self.group_src, async_op=True),
+                     group_broadcast(bucket[:used], self.group, self.group_src, async_op=True)]
             self._in_flight.append((bucket, works, header))
             self.sent_bytes += used * bucket.element_size()
         self._pending.clear()
@@ -223,13 +223,13 @@ def receive_buckets(sink: Any, layout: RolloutLayout, *, group: Any, group_src: 
     recv = torch.empty(0, dtype=sink.dtype, device=device)
     received = 0
     while True:
-        dist.broadcast(header, group_src=group_src, group=group)
+        group_broadcast(header, group, group_src)
         count, used = header[:2].tolist()
         if count == _END:
             break
         if recv.numel() < used:
             recv = torch.empty(used, dtype=sink.dtype, device=device)
-        dist.broadcast(recv[:used], group_src=group_src, group=group)
+        group_broadcast(recv[:used], group, group_src)
         received += used * recv.element_size()
         for name_index, offset, ndim, *dims in header[2:2 + count * _SLICE_WORDS].view(count, -1).tolist():
             shape = tuple(dims[:ndim])

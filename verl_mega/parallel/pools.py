@@ -81,10 +81,10 @@ class Bridge:
         if self.rank == src:
             payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
             size[0] = payload.numel()
-        self._wait(_broadcast(self.control, size, src), src, "sharing an object over the job")
+        self._wait(group_broadcast(size, self.control, src, async_op=True), src, "sharing an object over the job")
         if payload is None:
             payload = torch.empty(int(size), dtype=torch.uint8)
-        self._wait(_broadcast(self.control, payload, src), src, "sharing an object over the job")
+        self._wait(group_broadcast(payload, self.control, src, async_op=True), src, "sharing an object over the job")
         return obj if self.rank == src else pickle.loads(payload.numpy().tobytes())
 
     def all_gather_object(self, obj: Any) -> list[Any]:
@@ -125,10 +125,19 @@ class Bridge:
         self.control = None
 
 
-def _broadcast(group: Any, tensor: torch.Tensor, root: int) -> Any:
+def group_broadcast(tensor: torch.Tensor, group: Any, group_src: int, async_op: bool = False) -> Any:
+    """Broadcast straight through the group's backend. The bridge's groups are standalone, unknown to
+    torch.distributed's registry, whose wrappers would fail on an error path before reporting the error; a group of
+    the default world takes the same call."""
     opts = dist.BroadcastOptions()
-    opts.rootRank, opts.rootTensor = root, 0
-    return group.broadcast([tensor], opts)
+    opts.rootRank, opts.rootTensor = group_src, 0
+    if hasattr(opts, "asyncOp"):
+        opts.asyncOp = async_op
+    work = group.broadcast([tensor], opts)
+    if async_op:
+        return work
+    work.wait()
+    return None
 
 
 def check_disaggregated(placement: Placement) -> None:
