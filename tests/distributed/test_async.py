@@ -41,15 +41,23 @@ def _train(tmp_path: Path, name: str, config: str, nproc: int, *overrides: str, 
 
 
 @pytest.mark.slow
-def test_staleness_zero_matches_the_synchronous_loop(tmp_path):
+@pytest.mark.parametrize("config,colocated_ranks,pools", [
+    # two training ranks (each keeps its engine's share of the samples) and one rollout engine
+    ("quickstart_cpu.yaml", 2, "{train: {size: 2}, rollout: {size: 1}}"),
+    # a Qwen3-MoE actor (experts re-packed by vLLM-CPU after each transfer), two rollout engines gathered
+    ("quickstart_moe_cpu.yaml", 1, "{train: {size: 1}, rollout: {size: 2}}"),
+], ids=["dense-2+1", "moe-1+2"])
+def test_staleness_zero_matches_the_synchronous_loop(tmp_path, config, colocated_ranks, pools):
     """max_staleness=0 on a pool of its own generates each batch after the weights it must use: every metric of
-    the first three steps equals the colocated synchronous run's, bit for bit (same seeds, same weights)."""
+    the first three steps equals the colocated synchronous run's (same training layout), bit for bit."""
     steps = ["trainer.total_steps=3", *QUIET]
-    sync = _train(tmp_path, "sync", "quickstart_cpu.yaml", 1, *steps, timeout=600)
-    pools = _train(tmp_path, "pools", "quickstart_async_cpu.yaml", 2, *steps, "rollout.max_staleness=0",
-                   "actor.rollout_is=null", timeout=600)
-    assert len(sync) == len(pools) == 3
-    for a, b in zip(sync, pools):
+    sync = _train(tmp_path, "sync", config, colocated_ranks, *steps, timeout=600)
+    split = [f"placement.pools={pools}", "placement.roles={actor: train, ref: train, rollout: rollout}",
+             "rollout.max_staleness=0"]
+    ranks = sum(int(part.split("}")[0]) for part in pools.split("size: ")[1:])
+    own = _train(tmp_path, "pools", config, ranks, *steps, *split, timeout=600)
+    assert len(sync) == len(own) == 3
+    for a, b in zip(sync, own):
         keys = {k for k in a if not k.startswith(MEASURED)}
         assert keys == {k for k in b if not k.startswith(MEASURED)}
         assert {k: a[k] for k in keys} == {k: b[k] for k in keys}, a["step"]
