@@ -56,22 +56,25 @@ def _metric_rows(out: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def test_sigterm_to_one_rank_stops_both_at_the_same_step(tmp_path):
+def _sigterm_mid_run(tmp_path: Path, recipe: str, *, after_steps: int, ranks_to_signal: tuple[int, ...]):
+    """Start a 2-rank torchrun job, SIGTERM the given ranks once ``after_steps`` steps are logged, and wait for the
+    job to end. Returns (exit code, seconds from the signal to the end, log text, output dir)."""
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", f"--master-port={free_port()}",
-           "-m", "verl_mega.train", "--config", RECIPE, f"trainer.output_dir={out}", *SMALL,
+           "-m", "verl_mega.train", "--config", recipe, f"trainer.output_dir={out}", *SMALL,
            "trainer.total_steps=500", "trainer.save_every=0", "trainer.collective_timeout_s=120"]
     log = tmp_path / "train.log"
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, env=_env(tmp_path), stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and len(_metric_rows(out)) < 2 and proc.poll() is None:
+        while time.monotonic() < deadline and len(_metric_rows(out)) < after_steps and proc.poll() is None:
             time.sleep(0.5)
-        assert proc.poll() is None and len(_metric_rows(out)) >= 2, log.read_text()[-4000:]
+        assert proc.poll() is None and len(_metric_rows(out)) >= after_steps, log.read_text()[-4000:]
         ranks = _rank_pids(proc.pid)
         assert sorted(ranks) == [0, 1], ranks
-        os.kill(ranks[1], signal.SIGTERM)  # rank 1 only; rank 0 never hears of it
+        for rank in ranks_to_signal:
+            os.kill(ranks[rank], signal.SIGTERM)
         sent = time.monotonic()
         rc = proc.wait(timeout=120)
         took = time.monotonic() - sent
@@ -80,7 +83,11 @@ def test_sigterm_to_one_rank_stops_both_at_the_same_step(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    text = log.read_text()
+    return rc, took, log.read_text(), out
+
+
+def test_sigterm_to_one_rank_stops_both_at_the_same_step(tmp_path):
+    rc, took, text, out = _sigterm_mid_run(tmp_path, RECIPE, after_steps=2, ranks_to_signal=(1,))  # rank 0 unaware
     assert rc == 0, text[-4000:]
     assert took < 30, f"the job took {took:.1f} s to stop after SIGTERM"
     last = _metric_rows(out)[-1]["step"]
@@ -96,32 +103,8 @@ def test_sigterm_to_both_pools_saves_and_stops(tmp_path):
     """The rollout on a pool of its own, one step off-policy (configs/quickstart_async_cpu.yaml), SIGTERM to every
     rank (a preempted node): the rollout rank keeps serving, the trainer finishes its step, saves it and stops the
     rollout pool; the job exits cleanly."""
-    out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", f"--master-port={free_port()}",
-           "-m", "verl_mega.train", "--config", str(ROOT / "configs" / "quickstart_async_cpu.yaml"),
-           f"trainer.output_dir={out}", *SMALL, "trainer.total_steps=500", "trainer.save_every=0",
-           "trainer.collective_timeout_s=120"]
-    log = tmp_path / "train.log"
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, env=_env(tmp_path), stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and len(_metric_rows(out)) < 3 and proc.poll() is None:
-            time.sleep(0.5)
-        assert proc.poll() is None and len(_metric_rows(out)) >= 3, log.read_text()[-4000:]
-        ranks = _rank_pids(proc.pid)
-        assert sorted(ranks) == [0, 1], ranks
-        for pid in ranks.values():
-            os.kill(pid, signal.SIGTERM)
-        sent = time.monotonic()
-        rc = proc.wait(timeout=120)
-        took = time.monotonic() - sent
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    text = log.read_text()
+    rc, took, text, out = _sigterm_mid_run(tmp_path, str(ROOT / "configs" / "quickstart_async_cpu.yaml"),
+                                           after_steps=3, ranks_to_signal=(0, 1))
     assert rc == 0, text[-4000:]
     last = _metric_rows(out)[-1]["step"]
     assert f"stopping after step {last} (SIGTERM)" in text and "rollout pool: signal 15 ignored" in text, text[-4000:]
