@@ -109,6 +109,10 @@ class PoolWeightSync:
         if self.trains:
             producer.check_coverage(set(self.layouts[self.block].names))
 
+    def close(self) -> None:
+        """Drop the model and producer (their modules must be freed with the engine, not at interpreter exit)."""
+        self.model = self.producer = None
+
     @torch.no_grad()
     def sync(self) -> dict[str, float]:
         """Send (training ranks) or receive (rollout ranks) the current weights; returns bytes and seconds."""

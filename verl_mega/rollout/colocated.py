@@ -179,7 +179,9 @@ class ColocatedRollout:
     def shutdown(self) -> None:
         if self.multi_turn is not None:
             self.multi_turn.close()
-        self.weight_sync = None  # it may hold vLLM's modules, which must go with the engine, not at exit
+        release = getattr(self.weight_sync, "close", None)
+        if release is not None:  # a sync across pools holds vLLM's modules: they go with the engine, not at exit
+            release()
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
