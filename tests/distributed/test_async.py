@@ -148,7 +148,7 @@ def test_dead_rollout_rank_ends_the_job(tmp_path):
             except ProcessLookupError:
                 pass
     text = (tmp_path / "rank0.log").read_text()
-    assert rc == 2, text[-3000:]
+    assert rc == 2, f"rc={rc}\n{text[-3000:]}"
     assert "error: rank 1 of pool 'rollout' did not answer" in text or \
         "error: the weight transfer to the rollout pool failed" in text, text[-3000:]
     print(f"the trainer stopped {waited:.1f} s after its rollout rank was killed")

@@ -13,11 +13,12 @@ colocated job (Megatron groups, checkpoints, the sample path) runs unchanged on 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import pickle
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -81,10 +82,11 @@ class Bridge:
         if self.rank == src:
             payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
             size[0] = payload.numel()
-        self._wait(group_broadcast(size, self.control, src, async_op=True), src, "sharing an object over the job")
-        if payload is None:
-            payload = torch.empty(int(size), dtype=torch.uint8)
-        self._wait(group_broadcast(payload, self.control, src, async_op=True), src, "sharing an object over the job")
+        with self._answering(src, "sharing an object over the job"):
+            group_broadcast(size, self.control, src, async_op=True).wait(self.timeout)
+            if payload is None:
+                payload = torch.empty(int(size), dtype=torch.uint8)
+            group_broadcast(payload, self.control, src, async_op=True).wait(self.timeout)
         return obj if self.rank == src else pickle.loads(payload.numpy().tobytes())
 
     def all_gather_object(self, obj: Any) -> list[Any]:
@@ -92,28 +94,34 @@ class Bridge:
         return [self.broadcast_object(obj if r == self.rank else None, r) for r in range(self.world)]
 
     # ---- control messages: pickled objects between two ranks of the job -----------------------------------
-    def send(self, obj: Any, dst: int, tag: int) -> list[Any]:
+    def send(self, obj: Any, dst: int, tag: int, what: str) -> list[Any]:
         """Post ``obj`` to job rank ``dst``; returns the pending works (wait on them before reusing the tag)."""
         payload = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
         size = torch.tensor([payload.numel()], dtype=torch.long)
-        return [self.control.send([size], dst, tag), self.control.send([payload], dst, tag)]
+        with self._answering(dst, what):
+            return [self.control.send([size], dst, tag), self.control.send([payload], dst, tag)]
 
     def recv(self, src: int, tag: int, what: str) -> Any:
         """The next object job rank ``src`` sent with ``tag``; a peer that died or stays silent past the collective
         timeout raises :class:`PoolPeerError` naming it."""
         size = torch.zeros(1, dtype=torch.long)
-        self._wait(self.control.recv([size], src, tag), src, what)
-        payload = torch.empty(int(size), dtype=torch.uint8)
-        self._wait(self.control.recv([payload], src, tag), src, what)
+        with self._answering(src, what):
+            self.control.recv([size], src, tag).wait(self.timeout)
+            payload = torch.empty(int(size), dtype=torch.uint8)
+            self.control.recv([payload], src, tag).wait(self.timeout)
         return pickle.loads(payload.numpy().tobytes())
 
     def wait(self, works: list[Any], peer: int, what: str) -> None:
-        for work in works:
-            self._wait(work, peer, what)
+        with self._answering(peer, what):
+            for work in works:
+                work.wait(self.timeout)
 
-    def _wait(self, work: Any, peer: int, what: str) -> None:
+    @contextlib.contextmanager
+    def _answering(self, peer: int, what: str) -> Iterator[None]:
+        """Turn a failed post or wait on ``peer`` (its connection closed, or the timeout passed) into
+        :class:`PoolPeerError`."""
         try:
-            work.wait(self.timeout)
+            yield
         except RuntimeError as exc:
             pool = self.placement.pool_of_rank(peer).name
             raise PoolPeerError(f"rank {peer} of pool {pool!r} did not answer while {what} "

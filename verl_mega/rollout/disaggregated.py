@@ -105,8 +105,9 @@ class RemoteRollout:
         self.closed = True
         if self.leader:
             try:
-                self.bridge.wait(self._sends + self.bridge.send({"op": "stop"}, self.server, CONTROL_TAG),
-                                 self.server, "stopping the rollout pool")
+                what = "stopping the rollout pool"
+                self.bridge.wait(self._sends + self.bridge.send({"op": "stop"}, self.server, CONTROL_TAG, what),
+                                 self.server, what)
             except RuntimeError:
                 pass
 
@@ -114,8 +115,9 @@ class RemoteRollout:
     def _post(self, command: dict) -> None:
         if self.leader:
             # one command in flight: the pool reads them in order, so this never waits on work of its own
-            self.bridge.wait(self._sends, self.server, f"sending {command['op']!r} to the rollout pool")
-            self._sends = self.bridge.send(command, self.server, CONTROL_TAG)
+            what = f"sending {command['op']!r} to the rollout pool"
+            self.bridge.wait(self._sends, self.server, what)
+            self._sends = self.bridge.send(command, self.server, CONTROL_TAG, what)
 
     def _receive(self, request: int) -> dict:
         box = [None]
@@ -174,8 +176,9 @@ class RolloutServer:
                 # a sample list keeps the engine's order within a prompt (its n samples)
                 result = {"id": command["id"], "version": parts[0].version if parts else 0,
                           "samples": [[s for _, s in spec] for spec in samples]}
-                self.bridge.wait(self._sends, self.trainer, "returning samples to the training pool")
-                self._sends = self.bridge.send(result, self.trainer, RESULT_TAG)
+                what = "returning samples to the training pool"
+                self.bridge.wait(self._sends, self.trainer, what)
+                self._sends = self.bridge.send(result, self.trainer, RESULT_TAG, what)
                 served["samples"] += sum(len(s) for s in result["samples"])
             served["batches"] += 1
         # a batch sent ahead of a step the trainer never ran is dropped with its answer: nothing waits for it
