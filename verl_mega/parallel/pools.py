@@ -54,9 +54,6 @@ class Bridge:
     def trains(self) -> bool:
         return self.pool.name == self.placement.roles["actor"]
 
-    def leader(self, pool: Pool) -> int:
-        return pool.ranks[0]
-
     def subgroup(self, ranks: tuple[int, ...], *, device: bool) -> Any:
         """A standalone group of ``ranks`` (job ranks, ascending; group rank = position), built by its members only;
         ``device``: NCCL on GPU (weights), else gloo."""

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from verl_mega.parallel.pools import CONTROL_TAG, RESULT_TAG, Bridge, PoolPeerError
 from verl_mega.rollout.colocated import Generated
-from verl_mega.rollout.vllm_rollout import SamplingSpec
+from verl_mega.rollout.vllm_rollout import SamplingSpec, engine_share
 
 log = logging.getLogger(__name__)
 
@@ -74,11 +74,9 @@ class RemoteRollout:
             self._results[first] = self._receive(first)
             del self._pending[first]
         result = self._results.pop(wanted)
-        k, e = self.num_engines, self.engine_index
-        n = len(prompt_ids)
-        lo, hi = e * n // k, (e + 1) * n // k  # this engine's contiguous share, as a colocated engine takes it
-        return [Generated([s for s in samples if lo <= s.prompt < hi], result["version"], e, self.engine_leader)
-                for samples in result["samples"]]
+        mine = engine_share(range(len(prompt_ids)), self.engine_index, self.num_engines)  # as a colocated engine
+        return [Generated([s for s in samples if s.prompt in mine], result["version"], self.engine_index,
+                          self.engine_leader) for samples in result["samples"]]
 
     def update_weights(self) -> dict[str, float]:
         self._post({"op": "weights"})
@@ -146,11 +144,10 @@ class RolloutServer:
         self.trainer = 0
         self._sends: list[Any] = []
 
-    def serve(self) -> dict[str, float]:
-        """Run commands until ``stop``; returns counts of what was served. SIGTERM and SIGINT are ignored here: the
+    def serve(self) -> None:
+        """Run commands until ``stop``. SIGTERM and SIGINT are ignored here: the
         training pool decides when the job stops (it finishes its step, saves, then sends ``stop``), and a
         training pool that is gone ends this loop through the bridge."""
-        served = {"batches": 0.0, "updates": 0.0, "samples": 0.0}
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, frame: log.warning(
                 "rollout pool: signal %d ignored; the training pool stops the job after its step", signum))
@@ -164,25 +161,20 @@ class RolloutServer:
             if command["op"] == "weights":
                 self.rollout.update_weights()
                 self.rollout.engine.weights_updated()
-                served["updates"] += 1
                 continue
             parts = self.rollout.generate(command["prompts"], command["specs"])
-            mine = [[(s.prompt, s) for s in g.samples] if g.leader else [] for g in parts]
+            mine = [g.samples if g.leader else [] for g in parts]
             gathered = [None] * dist.get_world_size() if self.leader else None
             dist.gather_object(mine, gathered, dst=0)
             if self.leader:
-                samples = [sorted((s for rank in gathered for s in rank[i]), key=lambda x: x[0])
+                # prompt order; a stable sort keeps an engine's order within a prompt (its n samples)
+                samples = [sorted((s for rank in gathered for s in rank[i]), key=lambda s: s.prompt)
                            for i in range(len(parts))]
-                # a sample list keeps the engine's order within a prompt (its n samples)
-                result = {"id": command["id"], "version": parts[0].version if parts else 0,
-                          "samples": [[s for _, s in spec] for spec in samples]}
+                result = {"id": command["id"], "version": parts[0].version if parts else 0, "samples": samples}
                 what = "returning samples to the training pool"
                 self.bridge.wait(self._sends, self.trainer, what)
                 self._sends = self.bridge.send(result, self.trainer, RESULT_TAG, what)
-                served["samples"] += sum(len(s) for s in result["samples"])
-            served["batches"] += 1
         # a batch sent ahead of a step the trainer never ran is dropped with its answer: nothing waits for it
-        return served
 
 
 __all__ = ["RemoteRollout", "RolloutServer"]

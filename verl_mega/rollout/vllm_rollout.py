@@ -32,6 +32,12 @@ class RolloutError(RuntimeError):
     """The rollout engine cannot start or run; the message names the cause and the fix."""
 
 
+def engine_share(items: Sequence[Any], engine: int, num_engines: int) -> Sequence[Any]:
+    """Engine ``engine``'s contiguous share of a global list, out of ``num_engines`` engines."""
+    n = len(items)
+    return items[engine * n // num_engines:(engine + 1) * n // num_engines]
+
+
 @dataclass(frozen=True, kw_only=True)
 class VLLMRolloutConfig:
     """vLLM engine settings. ``engine_kwargs`` go straight to ``vllm.LLM`` (passed through, not re-declared)."""
@@ -162,9 +168,7 @@ class VLLMRollout:
 
     def engine_share(self, items: Sequence[Any]) -> list[Any]:
         """This engine's contiguous share of a global list (same on every rank of the engine)."""
-        n, k, e = len(items), self.num_engines, self.engine_index
-        lo, hi = e * n // k, (e + 1) * n // k
-        return list(items[lo:hi])
+        return list(engine_share(items, self.engine_index, self.num_engines))
 
     @property
     def model(self) -> torch.nn.Module:
