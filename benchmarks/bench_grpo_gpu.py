@@ -18,15 +18,11 @@ from __future__ import annotations
 import argparse
 import fcntl
 import json
-import math
 import os
 import statistics
 import sys
 import time
-import zlib
-from dataclasses import dataclass
 from pathlib import Path
-from statistics import NormalDist
 
 import torch
 import torch.distributed as dist
@@ -34,26 +30,12 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from long_tail import LengthDist  # noqa: E402
+
 from verl_mega.trainer.rl_trainer import RLTrainer  # noqa: E402
 from verl_mega.trainer.transfer import SamplePath  # noqa: E402
 
 STAGES = ("rollout", "reward", "old_logprob", "ref_logprob", "advantage", "actor_update", "weight_sync")
-
-
-@dataclass(frozen=True)
-class LengthDist:
-    """Long-tailed response lengths: each prompt's samples stop after a lognormal number of tokens (median, log-std
-    sigma, clipped to [low, high]), drawn from a hash of the prompt, so both loops see the same lengths. Generation
-    ignores EOS and stops there, as if the model had emitted EOS: the straggler problem of real RL."""
-
-    median: int
-    sigma: float
-    low: int
-    high: int
-
-    def of(self, prompt) -> int:
-        u = (zlib.crc32(",".join(map(str, prompt)).encode()) + 0.5) / 2**32
-        return int(min(self.high, max(self.low, round(self.median * math.exp(self.sigma * NormalDist().inv_cdf(u))))))
 
 
 LENGTHS: LengthDist | None = None  # set by --lengths lognormal

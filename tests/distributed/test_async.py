@@ -19,6 +19,7 @@ CONFIGS = ROOT / "configs"
 QUIET = ["trainer.save_every=0", "logging.tensorboard=false", "logging.plot=false", "logging.progress_bar=false"]
 # what a run measures about itself rather than computes: never compared between runs
 MEASURED = ("timing/", "perf/", "overlap/", "weight_sync/", "memory/", "count/")
+TOKEN_VERSIONS = ("rollout/token_staleness_mean", "rollout/partial_frac")  # only a rollout pool records them
 
 
 def _env(tmp_path: Path) -> dict:
@@ -27,7 +28,7 @@ def _env(tmp_path: Path) -> dict:
 
 
 def _train(tmp_path: Path, name: str, config: str, nproc: int, *overrides: str, timeout: float,
-           fault: str | None = None, mpirun: bool = False) -> list[dict]:
+           fault: str | None = None, mpirun: bool = False, long_tail: str | None = None) -> list[dict]:
     """Run the job (under torchrun, or launch/mpirun.sh); with ``fault`` (VERL_MEGA_FAULT_INJECT) it must die,
     else succeed. Returns metrics.jsonl."""
     out = tmp_path / name
@@ -35,8 +36,11 @@ def _train(tmp_path: Path, name: str, config: str, nproc: int, *overrides: str, 
                 f"--master-port={free_port()}", "--master-addr=127.0.0.1"] if nproc > 1 else [sys.executable]
     if mpirun:
         launcher = ["bash", str(ROOT / "launch" / "mpirun.sh"), "-np", str(nproc), "--"]
-    cmd = [*launcher, "-m", "verl_mega.train", "--config", str(CONFIGS / config), f"trainer.output_dir={out}",
-           *overrides]
+    entry = ["-m", "verl_mega.train"]
+    if long_tail:  # every request forced to its own lognormal length (median, max)
+        median, high = long_tail.split(",")
+        entry = [str(ROOT / "benchmarks" / "long_tail.py"), f"--median={median}", f"--high={high}", "--"]
+    cmd = [*launcher, *entry, "--config", str(CONFIGS / config), f"trainer.output_dir={out}", *overrides]
     log = tmp_path / f"{name}.log"
     env = {**_env(tmp_path), **({"VERL_MEGA_FAULT_INJECT": fault} if fault else {})}
     rc = run_in_session(cmd, env=env, log=log, timeout=timeout, cwd=ROOT)
@@ -63,9 +67,10 @@ def test_staleness_zero_matches_the_synchronous_loop(tmp_path, config, colocated
     assert len(sync) == len(own) == 3
     for a, b in zip(sync, own):
         keys = {k for k in a if not k.startswith(MEASURED)}
-        assert keys == {k for k in b if not k.startswith(MEASURED)}
+        assert keys | set(TOKEN_VERSIONS) == {k for k in b if not k.startswith(MEASURED)}
         assert {k: a[k] for k in keys} == {k: b[k] for k in keys}, a["step"]
         assert b["rollout/staleness_mean"] == 0.0 and b["rollout/logprob_diff_max"] < 1e-5
+        assert [b[k] for k in TOKEN_VERSIONS] == [0.0, 0.0]  # every token by the weights of the step before
 
 
 @pytest.mark.slow
@@ -83,6 +88,24 @@ def test_one_step_off_policy_quickstart_reward_rises(tmp_path):
     assert all(0.0 < r["rollout/is_weight_mean"] <= 2.0 for r in rows)
     placement = json.loads((tmp_path / "async" / "placement.json").read_text())
     assert [p["name"] for p in placement["pools"]] == ["train", "rollout"] and not placement["colocated"]
+
+
+@pytest.mark.slow
+def test_partial_rollouts_two_steps_ahead(tmp_path):
+    """max_staleness=2 with partial rollouts on 1 + 1 pools. Long-tailed forced lengths and a vLLM that runs 8
+    sequences at a time make generation the slower side, so weights arrive while requests run: those requests go on
+    under the new weights. Some samples then span two versions, their tokens are fresher than their batch (token
+    staleness below the row staleness), and nothing is ever more than 2 updates old."""
+    rows = _train(tmp_path, "partial", "quickstart_async_cpu.yaml", 2, "trainer.total_steps=8", *QUIET,
+                  "rollout.max_staleness=2", "rollout.partial_rollouts=true", "rollout.max_response_length=256",
+                  "rollout.max_num_seqs=8", timeout=600, long_tail="48,256")
+    assert [(r["data/epoch"], r["data/batch_index"]) for r in rows] == [(0.0, float(i)) for i in range(8)]
+    assert rows[0]["rollout/staleness_mean"] == 0.0
+    assert all(r["rollout/staleness_mean"] <= 2.0 for r in rows)
+    assert all(r["rollout/token_staleness_mean"] <= r["rollout/staleness_mean"] for r in rows)
+    assert max(r["rollout/partial_frac"] for r in rows) > 0.0, [r["rollout/partial_frac"] for r in rows]
+    assert any(r["rollout/token_staleness_mean"] < r["rollout/staleness_mean"] for r in rows)
+    assert max(r["rollout/response_length"] for r in rows) > 48  # the lengths were long-tailed
 
 
 @pytest.mark.slow

@@ -231,7 +231,12 @@ def test_rollout_pool_and_staleness_errors():
     assert _error(colocated.validate_runtime, _placement(colocated, 1), cuda_available=False).startswith(
         "rollout.max_staleness=1 lets generation run ahead of training, but the rollout shares the actor's pool")
     pools = ["placement.pools={train: {size: 1}, gen: {size: 1}}", "placement.roles={actor: train, rollout: gen}"]
+    colocated = load_config(QUICKSTART, ["rollout.partial_rollouts=true"])
+    assert _error(colocated.validate_runtime, _placement(colocated, 1), cuda_available=False).startswith(
+        "rollout.partial_rollouts=true swaps weights into a rollout pool of its own while it generates")
     for extra, start in ((["rollout.multi_turn.enable=true"], "rollout.multi_turn.enable=true runs on the actor's"),
+                         (["rollout.partial_rollouts=true"], "rollout.partial_rollouts=true needs batches generating "
+                                                             "while weights arrive, but rollout.max_staleness=0"),
                          (["rollout.max_staleness=2", "algorithm.filter_groups.enable=true"],
                           "algorithm.filter_groups.enable=true draws extra prompt batches as it goes")):
         cfg = load_config(QUICKSTART, pools + extra)

@@ -95,6 +95,12 @@ class RolloutConfig(ConfigSection):
         0, help="How many weight updates a batch may lag the policy it trains (rollout on a pool of its own, "
                 "placement.roles.rollout): at step t the rollout pool has been sent the batches up to t + k and "
                 "generates them while the trainer trains. 0: synchronous; 1: one-step off-policy.")
+    partial_rollouts: bool = option(
+        False, help="Rollout on a pool of its own with rollout.max_staleness >= 1: new weights go into vLLM as soon as "
+                    "they have arrived, between two engine steps; requests still generating are preempted and "
+                    "resume under them (their KV cache recomputed), and each token records the weight version that "
+                    "sampled it (rollout/token_staleness_mean, rollout/partial_frac). Off: the swap waits until the "
+                    "batches sent before the weights are done.")
     weight_bucket_mb: int = option(
         512, help="Bucket size (MiB) of the weight transfer from the training pool to a rollout pool of its own; "
                   "buckets go out asynchronously while the next ones are produced.", affects_results=False)

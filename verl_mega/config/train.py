@@ -241,7 +241,15 @@ class TrainConfig(ConfigSection):
                                   f"shares the actor's pool (colocated: the two take turns on the same GPUs); give the "
                                   f"rollout a pool of its own in placement.pools/placement.roles, or set "
                                   f"rollout.max_staleness=0")
+            self._require(not self.rollout.partial_rollouts,
+                          "rollout.partial_rollouts=true swaps weights into a rollout pool of its own while it "
+                          "generates, but the rollout shares the actor's pool; give the rollout a pool of its own "
+                          "in placement.pools/placement.roles, or set rollout.partial_rollouts=false")
             return
+        self._require(k >= 1 or not self.rollout.partial_rollouts,
+                      "rollout.partial_rollouts=true needs batches generating while weights arrive, but "
+                      "rollout.max_staleness=0 sends each batch after the weights it uses; set "
+                      "rollout.max_staleness=1 (or more), or rollout.partial_rollouts=false")
         self._require(not self.rollout.multi_turn.enable,
                       "rollout.multi_turn.enable=true runs on the actor's pool only; map placement.roles.rollout to "
                       "the actor's pool, or set rollout.multi_turn.enable=false")

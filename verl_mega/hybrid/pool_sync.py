@@ -14,6 +14,8 @@ model. Other training ranks take part in the producer's collectives only.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from dataclasses import dataclass
 
@@ -136,4 +138,81 @@ class PoolWeightSync:
         self.version += 1
         return {"weight_sync/seconds": time.perf_counter() - start, "weight_sync/version": float(self.version),
                 **moved}
+
+
+    def receive_in_background(self) -> "StagedWeights":
+        """Rollout rank: receive the next sync in a thread, into buffers of its own, while the engine keeps
+        generating with the weights it holds; :meth:`StagedWeights.apply` later writes them into vLLM between two
+        engine steps. Costs one extra copy of this rank's slices (M/tg bytes) while it lasts."""
+        if self.trains:
+            raise ValueError("only a rollout rank receives weights in the background")
+        j = self.block
+        return StagedWeights(self, self.groups[self.members[j]], self.members[j].index(self.plan.sources[j]))
+
+
+class _StagingSink:
+    """Receives a sync's slices into fresh tensors (the receiving side of ``receive_buckets``)."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+        self.dtype, self.device = dtype, device
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def buffer(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        self.tensors[name] = torch.empty(shape, dtype=self.dtype, device=self.device)
+        return self.tensors[name]
+
+    def commit(self) -> None:
+        pass
+
+
+class StagedWeights:
+    """One sync arriving on a rollout rank in a background thread (:meth:`PoolWeightSync.receive_in_background`).
+    The thread uses only the block's own group (and, on GPU, a stream of its own), so it runs beside vLLM."""
+
+    def __init__(self, sync: PoolWeightSync, group, group_src: int) -> None:
+        self.sync = sync
+        self.sink = _StagingSink(sync.dtype, sync.device)
+        self.error: BaseException | None = None
+        self.received = 0
+        self.start = time.perf_counter()
+        self.seconds = 0.0
+        layout = sync.layouts[sync.block]
+        self._thread = threading.Thread(target=self._receive, args=(layout, group, group_src), daemon=True,
+                                        name="weights-in-background")
+        self._thread.start()
+
+    def _receive(self, layout, group, group_src: int) -> None:
+        try:
+            stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                self.received = receive_buckets(self.sink, layout, group=group, group_src=group_src,
+                                                device=self.sync.device)
+            if stream is not None:
+                stream.synchronize()
+        except BaseException as exc:  # re-raised by apply(), in the serving thread
+            self.error = exc
+        self.seconds = time.perf_counter() - self.start
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self) -> None:
+        self._thread.join()
+
+    @torch.no_grad()
+    def apply(self) -> dict[str, float]:
+        """Write the received weights into vLLM's parameters (its in-place reload where it repacks)."""
+        self.wait()
+        if self.error is not None:
+            raise self.error
+        start = time.perf_counter()
+        target = InPlaceTransport(self.sync.model, repacks=self.sync.repacks)
+        for name, tensor in self.sink.tensors.items():
+            target.buffer(name, tuple(tensor.shape)).copy_(tensor)
+        target.commit()
+        self.sink.tensors.clear()
+        device_synchronize()
+        self.sync.version += 1
+        return {"weight_sync/seconds": self.seconds, "weight_sync/swap_seconds": time.perf_counter() - start,
+                "weight_sync/bytes_received": float(self.received), "weight_sync/version": float(self.sync.version)}
 

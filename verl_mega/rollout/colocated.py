@@ -36,6 +36,8 @@ class Sample(NamedTuple):
     #: routing replay R3: the experts each prompt and response token was routed to in the rollout,
     #: ``[tokens, model layers, top-k]`` int16 (-1: unknown, e.g. the last token, which vLLM never runs)
     routing: torch.Tensor | None = None
+    #: partial rollouts: the weight version that sampled each response token (None: all by the batch's version)
+    versions: list[int] | None = None
 
 
 @dataclass

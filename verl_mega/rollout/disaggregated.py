@@ -19,14 +19,18 @@ from __future__ import annotations
 
 import logging
 import signal
-from collections import OrderedDict
+import threading
+from collections import OrderedDict, deque
+from dataclasses import replace
+from queue import Empty, Queue
 from typing import Any, Sequence
 
+import torch
 import torch.distributed as dist
 
 from verl_mega.parallel.pools import CONTROL_TAG, RESULT_TAG, Bridge, PoolPeerError
-from verl_mega.rollout.colocated import Generated
-from verl_mega.rollout.vllm_rollout import SamplingSpec, engine_share
+from verl_mega.rollout.colocated import SEED_MODULUS, Generated, Sample
+from verl_mega.rollout.vllm_rollout import SamplingSpec, VLLMRollout, engine_share
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +40,10 @@ class RemoteRollout:
 
     Every training rank calls every method together (the samples are shared over the training pool, the weights
     sent collectively). :meth:`generate` returns, on each rank, the share of the samples that its generation
-    engine would hold when colocated (same engines, same split), so the step after it is the colocated one."""
+    engine would hold when colocated (same engines, same split), so the step after it is the colocated one.
+    Every sample carries the weight version of each of its tokens."""
+
+    token_versions = True
 
     def __init__(self, bridge: Bridge, weight_sync: Any, *, engine_index: int, num_engines: int,
                  engine_leader: bool) -> None:
@@ -132,49 +139,181 @@ def _key(prompt_ids: Sequence[Sequence[int]], specs: Sequence[SamplingSpec]) -> 
 
 
 class RolloutServer:
-    """The rollout pool's loop: every rank runs the same commands (its pool leader reads them from the trainer and
-    shares them), each engine generates its share, the leader gathers the samples and sends them back.
+    """The rollout pool's loop. Its leader reads the trainer's commands (a thread waits for them) and shares them
+    with the pool; every engine steps its share of every batch (:class:`~verl_mega.rollout.streaming.StreamingEngine`),
+    and once every engine has finished a batch the leader gathers it and sends it back, in the order asked.
 
-    ``rollout``: a :class:`~verl_mega.rollout.colocated.ColocatedRollout` over this rank's engine whose weight sync
-    receives from the training pool."""
+    - Batches sent back to back generate together: the next batch's requests join while the last one's
+      stragglers decode.
+    - New weights arrive in a background thread while the engines keep generating
+      (:meth:`~verl_mega.hybrid.pool_sync.PoolWeightSync.receive_in_background`). They go in between two engine
+      steps once every rank has them: with ``partial=True`` at once (running requests are preempted and resume
+      under the new weights, each token recording its version), else once the batches sent before them are done.
+      A batch sent after the weights starts after the swap, so the staleness bound holds either way.
 
-    def __init__(self, bridge: Bridge, rollout: Any) -> None:
-        self.bridge, self.rollout = bridge, rollout
-        self.leader = dist.get_rank() == 0  # of the rollout pool's own world
+    ``engine_ranks``: the ranks of this rank's engine (the first holds the samples that go back)."""
+
+    def __init__(self, bridge: Bridge, rollout: VLLMRollout, weight_sync: Any, *, engine_ranks: Sequence[int],
+                 partial: bool = False) -> None:
+        from verl_mega.rollout.streaming import StreamingEngine
+
+        self.bridge, self.rollout, self.weight_sync, self.partial = bridge, rollout, weight_sync, partial
+        self.stream = StreamingEngine(rollout)
+        self.rank = dist.get_rank()  # of the rollout pool's own world
+        self.leader, self.engine_leader = self.rank == 0, self.rank == engine_ranks[0]
         self.trainer = 0
-        self._sends: list[Any] = []
+        self.group = dist.new_group(backend="gloo")  # a few integers every engine step: host memory, not NCCL
+        self.outbox: _Outbox | None = None
 
     def serve(self) -> None:
-        """Run commands until ``stop``. SIGTERM and SIGINT are ignored here: the
-        training pool decides when the job stops (it finishes its step, saves, then sends ``stop``), and a
-        training pool that is gone ends this loop through the bridge."""
+        """Run commands until ``stop``. SIGTERM and SIGINT are ignored here: the training pool decides when the job
+        stops (it finishes its step, saves, then sends ``stop``), and a training pool that is gone ends this loop
+        through the bridge."""
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, frame: log.warning(
                 "rollout pool: signal %d ignored; the training pool stops the job after its step", signum))
+        inbox = _Inbox(self.bridge, self.trainer) if self.leader else None
+        self.outbox = _Outbox(self.bridge, self.trainer) if self.leader else None
+        queue: deque[dict] = deque()  # commands not started yet (the same on every rank)
+        started: dict[int, dict] = {}  # generate commands started and not answered, in order
+        staged = None  # weights arriving in the background
         while True:
-            box = [self.bridge.recv(self.trainer, CONTROL_TAG, "waiting for the training pool's next command")
-                   if self.leader else None]
-            dist.broadcast_object_list(box, src=0)  # over the rollout pool
-            command = box[0]
+            swap_ready = staged is not None and staged.done() and (self.partial or not self.stream.busy)
+            open_keys = self.stream.open()
+            oldest = min((key[0] for key in open_keys), default=_NONE_OPEN)
+            if self.outbox is not None:
+                self.outbox.check()
+            mine = [int(self.stream.busy), int(swap_ready), oldest, len(inbox.drain()) if inbox else 0]
+            states = torch.tensor(mine, dtype=torch.long)
+            everyone = [torch.empty_like(states) for _ in range(dist.get_world_size())]
+            dist.all_gather(everyone, states, group=self.group)
+            busy, ready, oldest, arrived = torch.stack(everyone).T.tolist()
+            # batches every engine has finished go back, in the order they were asked for
+            for request in [r for r in started if r < min(oldest)]:
+                self._answer(started.pop(request))
+            if staged is not None and all(ready):
+                staged.apply()
+                self.stream.weights_changed()
+                staged = None
+            idle = not any(busy) and staged is None and not queue and not started
+            if arrived[0] or idle:  # nothing to do: wait for the trainer
+                box = [inbox.take(wait=not arrived[0]) if inbox else None]
+                dist.broadcast_object_list(box, src=0, group=self.group)
+                queue.extend(box[0])
+            if any(command["op"] == "stop" for command in queue):
+                if staged is not None:
+                    staged.done() or staged.wait()  # the trainer sent every bucket before it sent stop
+                return  # batches sent ahead of a step the trainer never ran are dropped: nothing waits for them
+            while queue and staged is None:  # a command waits for the weights sent before it
+                command = queue.popleft()
+                if command["op"] == "weights":
+                    staged = self.weight_sync.receive_in_background()
+                    continue
+                self._start(command)
+                started[command["id"]] = command
+            self.stream.step()
+
+    def _start(self, command: dict) -> None:
+        """This engine's share of every prompt, under every spec (seeds as when colocated)."""
+        mine = engine_share(range(len(command["prompts"])), self.rollout.engine_index, self.rollout.num_engines)
+        for i, spec in enumerate(command["specs"]):
+            if spec.seed is not None:
+                spec = replace(spec, seed=(spec.seed + (mine[0] if mine else 0)) % SEED_MODULUS)
+            self.stream.add((command["id"], i), [command["prompts"][p] for p in mine], spec)
+
+    def _answer(self, command: dict) -> None:
+        """Gather a finished batch from the engine leaders and send it to the trainer (collective over the pool)."""
+        mine = engine_share(range(len(command["prompts"])), self.rollout.engine_index, self.rollout.num_engines)
+        parts = []
+        for i in range(len(command["specs"])):
+            got = self.stream.take((command["id"], i))
+            parts.append([Sample(mine[p], ids, lps, None, None, versions) for p, ids, lps, versions in zip(
+                got.prompt_index, got.token_ids, got.logprobs, got.versions)] if self.engine_leader else [])
+        gathered = [None] * dist.get_world_size() if self.leader else None
+        dist.gather_object(parts, gathered, dst=0, group=self.group)
+        if self.leader:
+            # prompt order; a stable sort keeps an engine's order within a prompt (its n samples)
+            samples = [sorted((s for rank in gathered for s in rank[i]), key=lambda s: s.prompt)
+                       for i in range(len(parts))]
+            version = min((s.versions[0] for part in samples for s in part if s.versions), default=0)
+            self.outbox.put({"id": command["id"], "version": version, "samples": samples})
+
+    def shutdown(self) -> None:
+        self.weight_sync.close()  # it holds vLLM's modules: they go with the engine, not at interpreter exit
+        self.rollout.shutdown()
+
+
+_NONE_OPEN = 2**62  # no batch generating on this engine
+
+
+class _Outbox:
+    """Finished batches, sent to the trainer by a thread of the pool leader: a send completes only when the trainer
+    takes it, and the engines must not wait for that (the trainer may be sending weights at the time)."""
+
+    def __init__(self, bridge: Bridge, trainer: int) -> None:
+        self._queue: Queue = Queue()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(bridge, trainer), daemon=True, name="answers")
+        self._thread.start()
+
+    def put(self, result: dict) -> None:
+        self._queue.put(result)
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def _run(self, bridge: Bridge, trainer: int) -> None:
+        what = "returning samples to the training pool"
+        while True:
+            result = self._queue.get()
+            try:
+                bridge.wait(bridge.send(result, trainer, RESULT_TAG, what), trainer, what)
+            except BaseException as exc:
+                self.error = exc
+                return
+
+
+class _Inbox:
+    """The trainer's commands, received by a thread of the pool leader so that the engines never wait for them;
+    a dead or silent trainer surfaces as the :class:`PoolPeerError` it raised."""
+
+    def __init__(self, bridge: Bridge, trainer: int) -> None:
+        self._queue: Queue = Queue()
+        self._thread = threading.Thread(target=self._run, args=(bridge, trainer), daemon=True, name="commands")
+        self._thread.start()
+        self._ready: list[dict] = []
+
+    def _run(self, bridge: Bridge, trainer: int) -> None:
+        while True:
+            try:
+                command = bridge.recv(trainer, CONTROL_TAG, "waiting for the training pool's next command")
+            except BaseException as exc:
+                self._queue.put(exc)
+                return
+            self._queue.put(command)
             if command["op"] == "stop":
-                break
-            if command["op"] == "weights":
-                self.rollout.update_weights()
-                self.rollout.engine.weights_updated()
-                continue
-            parts = self.rollout.generate(command["prompts"], command["specs"])
-            mine = [g.samples if g.leader else [] for g in parts]
-            gathered = [None] * dist.get_world_size() if self.leader else None
-            dist.gather_object(mine, gathered, dst=0)
-            if self.leader:
-                # prompt order; a stable sort keeps an engine's order within a prompt (its n samples)
-                samples = [sorted((s for rank in gathered for s in rank[i]), key=lambda s: s.prompt)
-                           for i in range(len(parts))]
-                result = {"id": command["id"], "version": parts[0].version if parts else 0, "samples": samples}
-                what = "returning samples to the training pool"
-                self.bridge.wait(self._sends, self.trainer, what)
-                self._sends = self.bridge.send(result, self.trainer, RESULT_TAG, what)
-        # a batch sent ahead of a step the trainer never ran is dropped with its answer: nothing waits for it
+                return
+
+    def _put(self, item: Any) -> None:
+        if isinstance(item, BaseException):
+            raise item
+        self._ready.append(item)
+
+    def drain(self) -> list[dict]:
+        """Commands that have arrived (kept until :meth:`take`)."""
+        while True:
+            try:
+                self._put(self._queue.get_nowait())
+            except Empty:
+                return self._ready
+
+    def take(self, *, wait: bool) -> list[dict]:
+        """The arrived commands, waiting for the next one first when ``wait``."""
+        if wait and not self.drain():
+            self._put(self._queue.get())
+        ready, self._ready = self._ready, []
+        return ready
 
 
 __all__ = ["RemoteRollout", "RolloutServer"]

@@ -126,6 +126,8 @@ class RolloutBatch:
     #: ``time.perf_counter`` instants of the call: ``start``, ``first_tokens`` (every request has its first token:
     #: prefill is over), ``end``; and ``decode_steps`` (longest sample − 1). None when vLLM reports no request stats.
     phases: dict[str, float] | None = None
+    #: per sample, the weight version that sampled each token (engines stepped by rollout.streaming; None otherwise)
+    versions: list[list[int]] | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -182,17 +184,6 @@ class VLLMRollout:
         for every prompt (an explicit seed gives prompt i ``seed + i``), or one spec per prompt (seeds as given)."""
         if self._sleeping:
             raise RolloutError(f"rollout.generate called while {sorted(self._sleeping)} sleep; call wake_up() first")
-        from vllm import SamplingParams
-
-        def params_of(spec: SamplingSpec, seed: int | None) -> Any:
-            kwargs: dict[str, Any] = dict(n=spec.n, max_tokens=spec.max_tokens, min_tokens=spec.min_tokens,
-                                          temperature=spec.temperature, top_p=spec.top_p,
-                                          stop_token_ids=list(spec.stop_token_ids), ignore_eos=spec.ignore_eos,
-                                          logprobs=0 if spec.logprobs else None, detokenize=False, seed=seed)
-            if spec.top_k > 0:
-                kwargs["top_k"] = spec.top_k
-            return SamplingParams(**kwargs)
-
         prompts = [{"prompt_token_ids": [int(t) for t in p]} for p in prompt_token_ids]
         per_prompt = not isinstance(sampling, SamplingSpec)
         specs = list(sampling) if per_prompt else [sampling] * len(prompts)
@@ -205,11 +196,11 @@ class VLLMRollout:
             # Every rank of an engine samples on its own and must draw the same tokens, but training consumes the
             # global RNG differently on each rank; run vLLM's sampler from a stream shared by the engine's ranks
             # (distinct per engine and call) and give the training RNG back untouched.
-            params = [params_of(spec, None) for spec in specs] if per_prompt else params_of(sampling, None)
+            params = [sampling_params(spec, None) for spec in specs] if per_prompt else sampling_params(sampling, None)
             with _forked_rng(hash((self.config.seed, self.engine_index, self._calls)) % (2**31)):
                 outputs = self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
         else:  # explicit seeds: one per prompt, so prompts do not share noise
-            params = [params_of(spec, spec.seed + (0 if per_prompt else i)) for i, spec in enumerate(specs)]
+            params = [sampling_params(spec, spec.seed + (0 if per_prompt else i)) for i, spec in enumerate(specs)]
             outputs = self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
         batch = RolloutBatch(prompt_index=[], token_ids=[], logprobs=[] if sampling.logprobs else None,
                              finish_reasons=[], weight_version=self.weight_version)
@@ -223,7 +214,7 @@ class VLLMRollout:
                 batch.token_ids.append(ids)
                 batch.finish_reasons.append(str(sample.finish_reason))
                 if batch.logprobs is not None:
-                    batch.logprobs.append(_sampled_logprobs(sample.logprobs, ids))
+                    batch.logprobs.append(sampled_logprobs(sample.logprobs, ids))
                 if batch.routed_experts is not None:
                     rows = len(out.prompt_token_ids) + len(ids) - 1
                     got = (self._capture.take(out.request_id, sample.index, len(out.outputs) > 1)
@@ -301,6 +292,23 @@ def _phases(outputs: list, start: float, end: float) -> dict[str, float] | None:
             "decode_steps": float(max(st.num_generation_tokens for st in stats) - 1)}
 
 
+def sampling_params(spec: SamplingSpec, seed: int | None, *, stream: bool = False) -> Any:
+    """vLLM's ``SamplingParams`` for ``spec`` with ``seed``; ``stream``: report new tokens after every engine step
+    (``RequestOutputKind.DELTA``) instead of once at the end."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    kwargs: dict[str, Any] = dict(n=spec.n, max_tokens=spec.max_tokens, min_tokens=spec.min_tokens,
+                                  temperature=spec.temperature, top_p=spec.top_p,
+                                  stop_token_ids=list(spec.stop_token_ids), ignore_eos=spec.ignore_eos,
+                                  logprobs=0 if spec.logprobs else None, detokenize=False, seed=seed)
+    if spec.top_k > 0:
+        kwargs["top_k"] = spec.top_k
+    if stream:
+        kwargs["output_kind"] = RequestOutputKind.DELTA
+    return SamplingParams(**kwargs)
+
+
 @contextlib.contextmanager
 def _forked_rng(seed: int) -> Iterator[None]:
     cpu_state = torch.get_rng_state()
@@ -314,7 +322,7 @@ def _forked_rng(seed: int) -> Iterator[None]:
             torch.cuda.set_rng_state(cuda_state)
 
 
-def _sampled_logprobs(step_logprobs: Any, ids: list[int]) -> list[float]:
+def sampled_logprobs(step_logprobs: Any, ids: list[int]) -> list[float]:
     if step_logprobs is None:
         raise RolloutError("vLLM returned no log-probs; the engine was built without logprob support")
     return [float(step_logprobs[pos][tok].logprob) for pos, tok in enumerate(ids)]

@@ -153,6 +153,7 @@ class RLTrainer:
             packed["rollout_logprobs"][i, : len(s.logprobs)] = torch.as_tensor(s.logprobs, dtype=torch.float32)
             if s.mask is not None:  # a multi-turn episode: tools' answers are context, not actions
                 packed["response_mask"][i, : len(s.mask)] *= torch.as_tensor(s.mask, dtype=torch.float32)
+        staleness = self._token_staleness(samples, packed) if getattr(self.rollout, "token_versions", False) else {}
         if self.path.routing is not None:  # R3: the experts vLLM routed each token to, replayed in training
             packed["rollout_routing"] = _rollout_routing(samples, packed["input_ids"].shape[1], self.path.routing)
         self.batch = Batch(packed, {"row": mine, "group": [s.prompt for s in samples]})
@@ -167,10 +168,26 @@ class RLTrainer:
         current = getattr(self.rollout, "weight_version", None)
         if current is not None:
             metrics = {**metrics, "rollout/staleness_mean": float((current - table.version).double().mean())}
-        return {**metrics, "rollout/response_length": float(tokens.sum()) / len(table),
+        return {**metrics, **staleness, "rollout/response_length": float(tokens.sum()) / len(table),
                 "rollout/weight_version": float(table.version.max()),
                 "rollout/truncated_frac": float((tokens >= limit).float().mean()),
                 "rollout/dp_token_imbalance": imbalance(owner, prompt_len + tokens, self.dp)}
+
+    def _token_staleness(self, samples, packed) -> dict[str, float]:
+        """Partial rollouts: the weight version that sampled each response token goes into the batch
+        (``rollout_versions``); token-weighted staleness and the share of samples that span several versions."""
+        versions = torch.zeros(packed["response_mask"].shape, dtype=torch.long)
+        for i, s in enumerate(samples):
+            if s.versions is not None:
+                got = torch.as_tensor(s.versions)[: versions.shape[1]]
+                versions[i, : len(got)] = got
+        packed["rollout_versions"] = versions
+        mask = packed["response_mask"]
+        lag = (self.rollout.weight_version - versions).float()
+        spans = torch.tensor([float(s.versions is not None and len(s.versions) > 0 and int(s.versions[0]) !=
+                                    int(s.versions[-1])) for s in samples])
+        return {"rollout/token_staleness_mean": self._dp_reduce(algos.masked_mean(lag, mask), "mean"),
+                "rollout/partial_frac": self._dp_reduce(spans.mean(), "mean")}
 
     def _sample(self, prompt_batch):
         """The step's prompts, its rows' table and this engine's rows: one generation of the prompt batch or, with
@@ -464,7 +481,8 @@ def _filter_groups(candidates, num_groups: int):
     chosen = [x for rows in groups.values() for x in rows]
     pick = {name: torch.stack([getattr(candidates[k][0], name)[row] for k, row in chosen])
             for name in ("prompt", "length", "version", "engine")}
-    table = RowTable(**pick, masked=any(t.masked for t, _, _ in candidates))
+    table = RowTable(**pick, masked=any(t.masked for t, _, _ in candidates),
+                     versioned=any(t.versioned for t, _, _ in candidates))
     local = {new: candidates[k][1][row] for new, (k, row) in enumerate(chosen) if row in candidates[k][1]}
     scores = torch.stack([candidates[k][2][row] for k, row in chosen])
     kept_groups = {int(candidates[k][0].prompt[row]) for k, row in kept}

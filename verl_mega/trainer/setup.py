@@ -182,19 +182,16 @@ def build_rollout_server(cfg: TrainConfig, placement, bridge, path: Path):
     """A rank of a rollout pool of its own: its vLLM engine (in the pool's own world), weights received from the
     training pool, served by :class:`~verl_mega.rollout.disaggregated.RolloutServer`."""
     from verl_mega.hybrid.pool_sync import PoolWeightSync
-    from verl_mega.rollout.colocated import ColocatedRollout
     from verl_mega.rollout.disaggregated import RolloutServer
     from verl_mega.rollout.vllm_rollout import VLLMRollout
-    from verl_mega.trainer.profiler import StageProfiler
 
     pool = placement.pool_of("rollout")
     engine = VLLMRollout(vllm_config(cfg, path, pool.gen_tp))  # engines of consecutive ranks of the pool
     sync = PoolWeightSync(placement, bucket_bytes=cfg.rollout.weight_bucket_mb << 20, device=_device(),
                           model=engine.model, repacks=engine.is_cpu, comm=bridge)
     first = dist.get_rank() - dist.get_rank() % pool.gen_tp
-    rollout = ColocatedRollout(engine, weight_sync=sync, engine_ranks=range(first, first + pool.gen_tp),
-                               free_cache=False, profiler=StageProfiler(n_devices=pool.size))
-    return RolloutServer(bridge, rollout)
+    return RolloutServer(bridge, engine, sync, engine_ranks=range(first, first + pool.gen_tp),
+                         partial=cfg.rollout.partial_rollouts)
 
 
 def _device() -> torch.device:
@@ -421,7 +418,7 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
         check_steps_left(resume_path, total_steps)  # a complete run ends here, before anything is built
     if bridge is not None and not bridge.trains:
         server = build_rollout_server(cfg, placement, bridge, path)
-        resources.callback(server.rollout.shutdown)
+        resources.callback(server.shutdown)
         return Job(cfg=cfg, trainer=None, loader=loader, ckpt=None, profiler=None, reward_pool=None,
                    rollout=server.rollout, total_steps=total_steps, start_step=0, arch=arch, placement=placement,
                    resources=resources, server=server)
