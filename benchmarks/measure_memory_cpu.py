@@ -42,9 +42,9 @@ from verl_mega.planning.memory import (  # noqa: E402
     training_pool,
     Workload,
     activation_terms,
-    stage_params,
     training_state_terms,
 )
+from verl_mega.planning.params import stage_params  # noqa: E402
 
 MiB = 2**20
 

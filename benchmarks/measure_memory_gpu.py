@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     from verl_mega.models.build import build_model_chunks
     from verl_mega.models.hf_config import arch_from_hf, load_hf_config, transformer_config
     from verl_mega.parallel.state import init_distributed
-    from verl_mega.planning.memory import Workload, activation_terms, stage_params, training_state_terms
+    from verl_mega.planning.memory import Workload, activation_terms, training_state_terms
+    from verl_mega.planning.params import stage_params
 
     hf = QWEN25_1_5B if args.model == "qwen2.5-1.5b" else load_hf_config(args.model)
     arch = arch_from_hf(hf)

@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
 
 from verl_mega.models.hf_config import arch_from_hf, load_hf_config  # noqa: E402
-from verl_mega.planning.memory import GiB, PlanningError, RolloutSpec, Workload, default_roles  # noqa: E402
+from verl_mega.planning.memory import GiB, RolloutSpec, Workload, default_roles  # noqa: E402
+from verl_mega.planning.params import PlanningError  # noqa: E402
 from verl_mega.planning.plan import Cluster, Pins, plan_layouts  # noqa: E402
 from verl_mega.planning.timing import StepShape  # noqa: E402
 

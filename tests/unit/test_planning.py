@@ -11,21 +11,18 @@ import pytest
 from verl_mega.models.hf_config import ModelArch, arch_from_hf, load_hf_config
 from verl_mega.planning.memory import (
     training_pool,
-    PlanningError,
     RolloutSpec,
     Workload,
     activation_terms,
     default_roles,
-    generation_params,
     gib,
     in_flight,
     layer_activation_bytes,
-    layer_params,
     logits_bytes,
     predict_memory,
-    stage_params,
     training_state_terms,
 )
+from verl_mega.planning.params import PlanningError, generation_params, layer_params, stage_params
 from verl_mega.planning.plan import Cluster, Pins, plan_layouts
 
 REPO = Path(__file__).resolve().parents[2]

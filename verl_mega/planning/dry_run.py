@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from verl_mega.models.hf_config import ModelArch
 from verl_mega.parallel.placement import Placement, PlacementError
-from verl_mega.planning.memory import PlanningError, stage_params
+from verl_mega.planning.params import PlanningError, stage_params
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 CHECKED_KINDS = ("tp", "cp", "dp", "pp", "dp_cp", "mp", "ep", "etp", "edp", "gen_tp", "micro_dp")
@@ -208,7 +208,7 @@ def _build_meta_model(arch: ModelArch, groups, report: DryRunReport, *, value_he
     report.predicted_params = stage_params(arch, pool, stage, value_head=value_head).total
     if report.params_on_rank != report.predicted_params:
         raise DryRunError(f"dry run: stage {stage} holds {report.params_on_rank:,} parameters but the memory model "
-                          f"predicts {report.predicted_params:,}; fix verl_mega/planning/memory.py")
+                          f"predicts {report.predicted_params:,}; fix verl_mega/planning/params.py")
     v = pool.vpp or 1
     per_chunk = arch.num_layers // (pool.pp * v)
     report.chunk_layer_offsets = [c.stage_layout.layer_offset for c in chunks]

@@ -43,7 +43,6 @@ from verl_mega.parallel.topology import NodeTopology
 from verl_mega.planning.memory import (
     GiB,
     MemoryPrediction,
-    PlanningError,
     RoleSpec,
     RolloutSpec,
     Workload,
@@ -52,6 +51,7 @@ from verl_mega.planning.memory import (
     predict_memory,
     training_pool,
 )
+from verl_mega.planning.params import PlanningError
 from verl_mega.parallel.placement import Placement, Pool
 from verl_mega.planning.timing import H200, Hardware, StepShape, TimePrediction, predict_time, time_bucket
 

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 from verl_mega.models.hf_config import ModelArch
 from verl_mega.parallel.placement import Pool
-from verl_mega.planning.memory import (MemoryPrediction, PlanningError, RoleSpec, RolloutSpec, Workload,
-                                       generation_params, stage_params)
+from verl_mega.planning.memory import MemoryPrediction, RoleSpec, RolloutSpec, Workload
+from verl_mega.planning.params import PlanningError, generation_params, stage_params
 
 GB = 1e9
 PHASES = ("rollout", "reshard", "score", "train")
