@@ -45,6 +45,8 @@ def _train(tmp_path: Path, name: str, config: str, nproc: int, *overrides: str, 
     cmd = [*start, *entry, "--config", str(CONFIGS / config), f"trainer.output_dir={out}", *overrides]
     log = tmp_path / f"{name}.log"
     env = {**_env(tmp_path), **({"VERL_MEGA_FAULT_INJECT": fault} if fault else {})}
+    if launcher == "ray":  # a local Ray cluster writes ~/.ray/auth_token, which other clusters then reject
+        env["HOME"] = str(tmp_path / "home")
     rc = run_in_session(cmd, env=env, log=log, timeout=timeout, cwd=ROOT)
     assert (rc != 0) if fault else (rc == 0), log.read_text()[-5000:]
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -113,6 +113,9 @@ class RemoteRollout:
                 what = "stopping the rollout pool"
                 self.bridge.wait(self._sends + self.bridge.send({"op": "stop"}, self.server, CONTROL_TAG, what),
                                  self.server, what)
+                # batches that were sent ahead and finished: taken and dropped, so that no send stays pending
+                while self.bridge.recv(self.server, RESULT_TAG, what).get("op") != "stopped":
+                    pass
             except RuntimeError:
                 pass
 
@@ -202,7 +205,9 @@ class RolloutServer:
                 queue.extend(box[0])
             if any(command["op"] == "stop" for command in queue):
                 if staged is not None:
-                    staged.done() or staged.wait()  # the trainer sent every bucket before it sent stop
+                    staged.wait()  # the trainer sent every bucket before it sent stop
+                if self.outbox is not None:  # answers not taken yet go out, then the end marker
+                    self.outbox.close()
                 return  # batches sent ahead of a step the trainer never ran are dropped: nothing waits for them
             while queue and staged is None:  # a command waits for the weights sent before it
                 command = queue.popleft()
@@ -244,6 +249,7 @@ class RolloutServer:
 
 
 _NONE_OPEN = 2**62  # no batch generating on this engine
+_STOPPED = {"op": "stopped"}  # the rollout pool's last answer
 
 
 class _Outbox:
@@ -263,6 +269,12 @@ class _Outbox:
         if self.error is not None:
             raise self.error
 
+    def close(self) -> None:
+        """Send what is queued and the end marker (the trainer drains both), then stop. A send still pending when
+        the process exits would abort it."""
+        self._queue.put(_STOPPED)
+        self._thread.join()
+
     def _run(self, bridge: Bridge, trainer: int) -> None:
         what = "returning samples to the training pool"
         while True:
@@ -271,6 +283,8 @@ class _Outbox:
                 bridge.wait(bridge.send(result, trainer, RESULT_TAG, what), trainer, what)
             except BaseException as exc:
                 self.error = exc
+                return
+            if result is _STOPPED:
                 return
 
 
