@@ -139,7 +139,6 @@ class PoolWeightSync:
         return {"weight_sync/seconds": time.perf_counter() - start, "weight_sync/version": float(self.version),
                 **moved}
 
-
     def receive_in_background(self) -> "StagedWeights":
         """Rollout rank: receive the next sync in a thread, into buffers of its own, while the engine keeps
         generating with the weights it holds; :meth:`StagedWeights.apply` later writes them into vLLM between two
@@ -215,4 +214,3 @@ class StagedWeights:
         self.sync.version += 1
         return {"weight_sync/seconds": self.seconds, "weight_sync/swap_seconds": time.perf_counter() - start,
                 "weight_sync/bytes_received": float(self.received), "weight_sync/version": float(self.sync.version)}
-

@@ -19,7 +19,7 @@ from typing import Literal
 
 from verl_mega.models.hf_config import ModelArch, ModelConfigError, check_arch_layout
 from verl_mega.parallel.placement import PlacementError, Pool
-from verl_mega.planning.params import (PlanningError, StageParams, generation_params, layer_params, stage_params)
+from verl_mega.planning.params import PlanningError, StageParams, generation_params, layer_params, stage_params
 
 GiB = 2**30
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}

@@ -43,8 +43,6 @@ class RemoteRollout:
     engine would hold when colocated (same engines, same split), so the step after it is the colocated one.
     Every sample carries the weight version of each of its tokens."""
 
-    token_versions = True
-
     def __init__(self, bridge: Bridge, weight_sync: Any, *, engine_index: int, num_engines: int,
                  engine_leader: bool) -> None:
         self.bridge, self.weight_sync = bridge, weight_sync

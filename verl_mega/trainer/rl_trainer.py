@@ -153,7 +153,7 @@ class RLTrainer:
             packed["rollout_logprobs"][i, : len(s.logprobs)] = torch.as_tensor(s.logprobs, dtype=torch.float32)
             if s.mask is not None:  # a multi-turn episode: tools' answers are context, not actions
                 packed["response_mask"][i, : len(s.mask)] *= torch.as_tensor(s.mask, dtype=torch.float32)
-        staleness = self._token_staleness(samples, packed) if getattr(self.rollout, "token_versions", False) else {}
+        staleness = self._token_staleness(samples, packed) if table.versioned else {}
         if self.path.routing is not None:  # R3: the experts vLLM routed each token to, replayed in training
             packed["rollout_routing"] = _rollout_routing(samples, packed["input_ids"].shape[1], self.path.routing)
         self.batch = Batch(packed, {"row": mine, "group": [s.prompt for s in samples]})
