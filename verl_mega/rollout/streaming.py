@@ -49,6 +49,8 @@ class StreamingEngine:
         self._engine = rollout.llm.llm_engine
         self._batches: dict[Hashable, _Batch] = {}
         self._owner: dict[str, Hashable] = {}  # request id → its batch
+        #: (batch, prompt) of every request that finished in the last :meth:`step`
+        self.finished: list[tuple[Hashable, int]] = []
 
     @property
     def version(self) -> int:
@@ -80,6 +82,7 @@ class StreamingEngine:
 
     def step(self) -> list[Hashable]:
         """One engine step; returns the batches whose last request just finished."""
+        self.finished = []
         if not self._owner:
             return []
         done = []
@@ -100,11 +103,18 @@ class StreamingEngine:
                 if completion.finish_reason is not None:
                     seq.finish_reason = str(completion.finish_reason)
             if out.finished:
+                self.finished.append((key, prompt))
                 del self._owner[out.request_id]
                 batch.open_requests.discard(out.request_id)
                 if not batch.open_requests:
                     done.append(key)
         return done
+
+    def completions(self, key: Hashable, prompt: int) -> list[tuple[list[int], list[float]]]:
+        """The token ids and log-probs of a prompt's samples so far, by sample index (all of them once its request
+        is in :attr:`finished`)."""
+        seqs = self._batches[key].sequences
+        return [(seq.ids, seq.logprobs) for (p, _), seq in sorted(seqs.items()) if p == prompt]
 
     def take(self, key: Hashable) -> RolloutBatch:
         """A finished batch, prompt-major (like :meth:`VLLMRollout.generate`), with each token's weight version."""

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import threading
+
 import torch
 import torch.distributed as dist
 
@@ -17,6 +19,7 @@ from verl_mega.rollout.colocated import SEED_MODULUS
 from verl_mega.rollout.vllm_rollout import SamplingSpec
 from verl_mega.trainer.batch import Batch, pack_sequences
 from verl_mega.trainer.dataflow import DataflowBuilder
+from verl_mega.trainer.stream_scoring import StreamScorer, gather_rows
 from verl_mega.trainer.transfer import RowTable, imbalance
 
 
@@ -42,6 +45,10 @@ class RLTrainer:
         engine = actor.engine  # samples are split over the actor's data-parallel group
         self.dp, self.dp_rank = engine.dp_size, engine.dp_rank
         self.flow = self._build_flow()
+        # rollout.stream_scoring: the step's samples are scored while vLLM generates (trainer/stream_scoring.py)
+        self.scorer = _stream_scorer(self) if cfg.rollout.stream_scoring else None
+        self._stream_lock = threading.Lock()
+        self._stream_out: dict | None = None
 
     # ------------------------------------------------------------------ the step, as a graph
     def _build_flow(self):
@@ -140,7 +147,7 @@ class RLTrainer:
         items, table, local, metrics = self._sample(ctx["prompts"])
         packing_from = self.profiler.now()
         prompt_len = torch.tensor([len(items[p].prompt_ids) for p in table.prompt.tolist()])
-        rows, owner = self.path.deliver(local, table, prompt_len)
+        rows, owner = self.path.deliver(local, table, prompt_len, by_engine=self.scorer is not None)
         mine = sorted(rows)
         samples = [rows[row] for row in mine]
         packed = pack_sequences([items[s.prompt].prompt_ids for s in samples], [s.ids for s in samples],
@@ -200,7 +207,7 @@ class RLTrainer:
         items, rounds, batch, counts, candidates = [], 0, prompt_batch, {}, []
         while batch is not None:
             rounds += 1
-            generated = self.rollout.generate([p.prompt_ids for p in batch.items], specs)
+            generated = self._generate(batch, specs)
             offset = len(items)
             items += batch.items
             gen = generated[0]
@@ -229,6 +236,30 @@ class RLTrainer:
         metrics["dapo/gen_batches"] = float(rounds)
         metrics["dapo/kept_group_frac"] = metrics.pop("kept_groups") / max(1, len(items))
         return items, table, local, {**metrics, **_episode_metrics(counts)}
+
+    def _generate(self, batch, specs):
+        """The rollout of one prompt batch; with rollout.stream_scoring its samples are scored as they finish."""
+        prompts = [p.prompt_ids for p in batch.items]
+        if self.scorer is None:
+            return self.rollout.generate(prompts, specs)
+        n = specs[0].n
+        self._stream_items, self._stream_out = batch.items, None
+        self.scorer.start()
+        try:  # the samples of a prompt are rows prompt·n … prompt·n + n − 1
+            return self.rollout.generate(prompts, specs, on_finished=lambda samples: self.scorer.add(
+                [(s.prompt * n + k, s) for k, s in enumerate(samples)]))
+        finally:
+            self.scorer.close()  # what is left is the last micro-batch
+
+    def _streamed(self, key: str):
+        """A streamed stage's output for the batch's rows, in their order (None without stream scoring). The
+        first stage to ask waits for the last micro-batch."""
+        if self.scorer is None:
+            return None
+        with self._stream_lock:  # the reward stage asks from a host thread
+            if self.scorer.active:
+                self._stream_out = self.scorer.results()
+        return gather_rows(self._stream_out.get(key, {}), self.batch.meta["row"])
 
     def _specs(self, prompt_batch) -> list[SamplingSpec]:
         specs = [self._sampling(prompt_batch)]
@@ -340,8 +371,11 @@ class RLTrainer:
         the step, and whether that vector is already complete (dynamic sampling scored every row)."""
         if self.prescored is not None:
             return self.prescored, True
-        rows = self.path.replica_share(self.batch.meta["row"])
         partial = torch.zeros(len(self.table), dtype=torch.float32)
+        if self.scorer is not None:  # scored during generation, each row by one rank of its replica
+            partial[self.batch.meta["row"]] = self._streamed("reward")
+            return partial, False
+        rows = self.path.replica_share(self.batch.meta["row"])
         if rows:
             samples = [self.rows[row] for row in rows]
             partial[rows] = self._scores([self._text(s.ids) for s in samples],
@@ -350,7 +384,10 @@ class RLTrainer:
         return partial, False
 
     def _old_logprob(self, ctx) -> torch.Tensor:
-        out = self.actor.compute_logprobs(self.batch, with_entropy=True)
+        if self.scorer is not None:
+            out = {"logprobs": self._streamed("old_logprobs"), "entropy": self._streamed("entropy")}
+        else:
+            out = self.actor.compute_logprobs(self.batch, with_entropy=True)
         self.batch["old_logprobs"] = out["logprobs"]
         if "routed_experts" in out:  # actor.routing_replay=r2/r3: the update replays this routing
             self.batch["routed_experts"] = out["routed_experts"]
@@ -365,15 +402,19 @@ class RLTrainer:
         return out["logprobs"]
 
     def _ref_logprob(self, ctx) -> torch.Tensor:
-        self.batch["ref_logprobs"] = self.ref.compute_logprobs(self.batch)["logprobs"]
+        streamed = self._streamed("ref_logprobs")
+        self.batch["ref_logprobs"] = streamed if streamed is not None else self.ref.compute_logprobs(self.batch)[
+            "logprobs"]
         return self.batch["ref_logprobs"]
 
     def _values(self, ctx) -> torch.Tensor:
-        self.batch["values"] = self.critic.compute_values(self.batch)
+        streamed = self._streamed("values")
+        self.batch["values"] = streamed if streamed is not None else self.critic.compute_values(self.batch)
         return self.batch["values"]
 
     def _rm_score(self, ctx) -> torch.Tensor:
-        return self.reward_model.score(self.batch)
+        streamed = self._streamed("rm_score")
+        return streamed if streamed is not None else self.reward_model.score(self.batch)
 
     def _advantage(self, ctx) -> dict[str, float]:
         acfg = self.cfg.algorithm
@@ -437,6 +478,47 @@ class RLTrainer:
         if self.dp == 1:
             return value
         return self.actor.engine.dp_all_reduce(value).to(value.dtype)
+
+
+def _stream_scorer(trainer: RLTrainer) -> StreamScorer:
+    """The scoring stages of rollout.stream_scoring, over micro-batches of finished samples: the same roles and
+    reward function as the synchronous stages, per micro-batch."""
+    limit, pad = trainer.cfg.rollout.max_response_length, trainer.tokenizer.pad_token_id or 0
+
+    def pack(pairs) -> Batch:
+        samples = [s for _, s in pairs]
+        packed = pack_sequences([trainer._stream_items[s.prompt].prompt_ids for s in samples],
+                                [s.ids for s in samples], pad_id=pad, max_response_length=limit,
+                                multiple_of=trainer.actor.engine.seq_multiple)
+        return Batch(packed, {"row": [row for row, _ in pairs], "group": [s.prompt for s in samples]})
+
+    def old_logprob(b: Batch):
+        out = trainer.actor.compute_logprobs(b, with_entropy=True)
+        return {"old_logprobs": out["logprobs"], "entropy": out["entropy"]}
+
+    def reward(b: Batch):  # this rank's share of the micro-batch; the other ranks of the replica score the rest
+        rows = b.meta["row"]
+        share = set(trainer.path.replica_share(rows))
+        mine = [i for i, row in enumerate(rows) if row in share]
+        out = torch.zeros(len(rows), dtype=torch.float32)
+        if mine:
+            lengths = b["response_len"][mine].tolist()
+            out[mine] = trainer._scores([trainer._text(b["responses"][i, :n]) for i, n in zip(mine, lengths)],
+                                        [trainer._stream_items[b.meta["group"][i]].ground_truth for i in mine],
+                                        lengths)
+        return {"reward": out}
+
+    stages = [("old_logprob", old_logprob)]
+    if trainer.ref is not None:
+        stages.append(("ref_logprob", lambda b: {"ref_logprobs": trainer.ref.compute_logprobs(b)["logprobs"]}))
+    if trainer.critic is not None:
+        stages.append(("values", lambda b: {"values": trainer.critic.compute_values(b)}))
+    if trainer.reward_model is not None:
+        stages.append(("rm_score", lambda b: {"rm_score": trainer.reward_model.score(b)}))
+    stages.append(("reward", reward))
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    return StreamScorer(stages=stages, pack=pack, chunk_rows=trainer.cfg.rollout.stream_chunk,
+                        profiler=trainer.profiler, device=device)
 
 
 def _rollout_routing(samples, width: int, shape: tuple[int, int]) -> torch.Tensor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import fcntl
 import json
 import logging
@@ -211,6 +212,11 @@ def resolve_free_cache(cfg: TrainConfig, placement, arch: ModelArch) -> bool:
 
     total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     fits, peak = rollout_fits_resident(cfg, placement, arch, total)
+    if cfg.rollout.stream_scoring and not fits:
+        raise ConfigError(f"rollout.stream_scoring=true keeps vLLM resident while the roles score, but the memory "
+                          f"model predicts a peak of {gib(peak):.1f} GiB per GPU with it resident, over the "
+                          f"{gib(total):.1f} GiB there; lower rollout.gpu_memory_utilization, or set "
+                          f"rollout.stream_scoring=false")
     if dist.get_rank() == 0:
         log.info("rollout.free_cache_engine=auto: with vLLM resident the predicted peak is %.1f of %.1f GiB per GPU "
                  "-> %s", gib(peak), gib(total), "vLLM stays resident (no sleep or wake at the switch)" if fits
@@ -458,7 +464,12 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
                    max_error_frac=cfg.reward.max_error_frac)))
     kc = cfg.algorithm.kl_ctrl
     kl_ctrl = algos.make_kl_controller(kc.type, kc.kl_coef, kc.target_kl or 0.1, kc.horizon)
-    path = SamplePath(groups.pool, groups.rank, group=groups["pool"], max_length=cfg.rollout.max_response_length,
+    path_group = groups["pool"]
+    if cfg.rollout.stream_scoring:  # the path's collectives run while the scoring thread uses the pool's groups, one
+        # of which may be the pool group itself (groups are shared by rank set): the path gets a group of its own
+        path_group = dist.new_group(list(groups.pool.ranks), use_local_synchronization=True,
+                                    timeout=datetime.timedelta(seconds=cfg.trainer.collective_timeout_s))
+    path = SamplePath(groups.pool, groups.rank, group=path_group, max_length=cfg.rollout.max_response_length,
                       balance=cfg.trainer.balance_batch, transport=cfg.trainer.sample_transport,
                       routing=(arch.num_layers, arch.moe_topk) if cfg.actor.routing_replay == "r3" else None)
     trainer = (trainer_cls or RLTrainer)(

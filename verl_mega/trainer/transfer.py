@@ -306,13 +306,18 @@ class SamplePath:
                            max_length=self.max_length, group=self.group,
                            counts=generated.counts if counts else None)
 
-    def deliver(self, local: dict[int, Sample], table: RowTable,
-                prompt_tokens: torch.Tensor) -> tuple[dict[int, Sample], torch.Tensor]:
+    def deliver(self, local: dict[int, Sample], table: RowTable, prompt_tokens: torch.Tensor, *,
+                by_engine: bool = False) -> tuple[dict[int, Sample], torch.Tensor]:
         """This rank's rows (by row index) and every row's replica. ``prompt_tokens``: each row's prompt length,
-        counted with its response for the balance."""
+        counted with its response for the balance. ``by_engine``: every row stays on the replica of the engine that
+        generated it (engines and replicas are the same rank sets; rollout.stream_scoring scored them there)."""
         if self.routing is not None:
             table = replace(table, routing=self.routing, prompt_len=torch.as_tensor(prompt_tokens, dtype=torch.long))
-        owner = assign_rows(table.prompt, prompt_tokens + table.length, self.dp, balance=self.balance)
+        if by_engine:
+            replica_of_engine = torch.tensor([self.replica_of[self.ranks.index(e[0])] for e in self.engines])
+            owner = replica_of_engine[table.engine]
+        else:
+            owner = assign_rows(table.prompt, prompt_tokens + table.length, self.dp, balance=self.balance)
         route = plan_routes(table, owner, ranks=self.ranks, replica_of=self.replica_of, engines=self.engines,
                             rank=self.rank, gather=self.gather)
         return exchange(local, table, route, group=self.group), owner

@@ -5,6 +5,7 @@ Args: RECIPE OUTPUT_DIR [overrides...]
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -12,6 +13,13 @@ from pathlib import Path
 
 def main() -> None:
     recipe, out, *overrides = sys.argv[1:]
+    lengths = os.environ.get("VERL_MEGA_TEST_LENGTHS")  # "median,longest": long-tailed lengths, forced per request
+    if lengths:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
+        from long_tail import LengthDist, force_lengths
+
+        median, longest = map(int, lengths.split(","))
+        force_lengths(LengthDist(median, 1.0, 1, longest))
     from verl_mega.train import main as train_main
 
     rc = train_main(["--config", recipe, f"trainer.output_dir={out}", *overrides])

@@ -1,0 +1,110 @@
+"""Scoring while vLLM generates (trainer/stream_scoring.py): micro-batches in arrival order, per-row outputs,
+stage intervals for the profiler, errors surfacing on the main thread; the config checks of rollout.stream_scoring."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from verl_mega.trainer.batch import Batch
+from verl_mega.trainer.profiler import StageProfiler
+from verl_mega.trainer.stream_scoring import StreamScorer, gather_rows
+
+
+def _pack(pairs):
+    return Batch({"x": torch.tensor([float(v) for _, v in pairs])}, {"row": [r for r, _ in pairs]})
+
+
+def test_micro_batches_are_fixed_slices_of_the_arrival_order():
+    seen = []
+
+    def double(b):
+        seen.append(list(b.meta["row"]))
+        return {"double": b["x"] * 2, "plus": b["x"][:, None] + torch.tensor([[0.0, 1.0]])}
+
+    prof = StageProfiler()
+    scorer = StreamScorer(stages=[("old_logprob", double)], pack=_pack, chunk_rows=3, profiler=prof)
+    scorer.start()
+    assert scorer.active
+    for pairs in ([(7, 1), (3, 2)], [(0, 3), (5, 4)], [(1, 5)], [(2, 6), (4, 7)]):
+        scorer.add(pairs)
+    out = scorer.results()
+    assert not scorer.active and scorer.chunks == 3
+    # 7 samples in chunks of 3: two full micro-batches as they arrived, the last takes the remaining one
+    assert seen == [[7, 3, 0], [5, 1, 2], [4]]
+    assert {r: float(v) for r, v in out["double"].items()} == {7: 2, 3: 4, 0: 6, 5: 8, 1: 10, 2: 12, 4: 14}
+    assert gather_rows(out["plus"], [0, 4]).tolist() == [[3.0, 4.0], [7.0, 8.0]]
+    assert len(prof.intervals()["old_logprob"]) == 3
+
+
+def test_stages_run_during_the_generation_and_are_timed():
+    """Intervals are recorded under the stage names while the caller still adds samples, so the profiler's overlap
+    with rollout is what really ran beside it."""
+    prof = StageProfiler()
+    release = threading.Event()
+
+    def slow(b):
+        time.sleep(0.05)
+        return {"v": b["x"]}
+
+    def reward(b):
+        release.set()
+        return {"r": b["x"] + 1}
+
+    scorer = StreamScorer(stages=[("values", slow), ("reward", reward)], pack=_pack, chunk_rows=2, profiler=prof)
+    with prof.stage("rollout"):
+        scorer.start()
+        scorer.add([(0, 1), (1, 1)])
+        assert release.wait(5), "the first micro-batch was not scored while samples were still arriving"
+        scorer.add([(2, 1)])
+    out = scorer.results()
+    assert sorted(out["r"]) == [0, 1, 2]
+    iv = prof.intervals()
+    rollout_end = iv["rollout"][0][1]
+    assert iv["values"][0][1] <= rollout_end and iv["values"][0][1] - iv["values"][0][0] >= 0.05
+    assert iv["values"][1][0] >= iv["values"][0][1]  # the last micro-batch after the first
+    assert prof.step_summary()["overlap/efficiency"] > 0
+
+
+def test_errors_reach_the_caller_and_the_next_step_starts_clean():
+    def broken(b):
+        raise KeyError("no such tensor")
+
+    scorer = StreamScorer(stages=[("old_logprob", broken)], pack=_pack, chunk_rows=1)
+    scorer.start()
+    scorer.add([(0, 1), (1, 2)])  # the second arrives after the thread failed: it must not block
+    with pytest.raises(RuntimeError, match="scoring during generation failed: KeyError"):
+        scorer.results()
+    scorer.stages = [("old_logprob", lambda b: {"v": b["x"]})]
+    scorer.start()
+    scorer.add([(5, 3)])
+    assert float(scorer.results()["v"][5]) == 3.0
+    with pytest.raises(RuntimeError, match="call start"):
+        scorer.results()
+
+
+def test_a_stage_returning_the_wrong_rows_is_an_error():
+    scorer = StreamScorer(stages=[("values", lambda b: {"v": b["x"][:1]})], pack=_pack, chunk_rows=2)
+    scorer.start()
+    scorer.add([(0, 1), (1, 2)])
+    with pytest.raises(RuntimeError, match="returned 1 rows of 'v' for a micro-batch of 2"):
+        scorer.results()
+    with pytest.raises(RuntimeError, match=r"rows \[3\] were never scored"):
+        gather_rows({0: torch.zeros(1)}, [0, 3])
+    with pytest.raises(ValueError, match="chunk_rows=0"):
+        StreamScorer(stages=[], pack=_pack, chunk_rows=0)
+
+
+def test_consecutive_steps_each_get_their_own_samples():
+    """results() after close() (the trainer closes when generation ends, the first scoring stage collects): the
+    next step's thread must not see the last step's end marker."""
+    scorer = StreamScorer(stages=[("values", lambda b: {"v": b["x"]})], pack=_pack, chunk_rows=4)
+    for step in range(3):
+        scorer.start()
+        scorer.add([(step, step), (10 + step, step)])
+        scorer.close()
+        out = scorer.results()
+        assert sorted(out["v"]) == [step, 10 + step], step

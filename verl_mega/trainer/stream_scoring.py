@@ -1,0 +1,158 @@
+"""Scoring while the colocated vLLM still generates (rollout.stream_scoring).
+
+A synchronous step scores after its slowest sample: with long-tailed response lengths the roles wait through the
+tail, then vLLM waits through scoring. Here the trainer steps vLLM itself and hands every finished prompt's samples
+to a :class:`StreamScorer`, whose thread scores them in micro-batches of ``chunk_rows`` samples while the engine
+keeps decoding the stragglers: reward function, reference log-probs, critic values, reward model, old log-probs.
+
+- The thread runs on a CUDA stream of its own, so its kernels run beside vLLM's rather than between them; each
+  stage's interval is taken after its stream has finished, and goes to the profiler under the stage's own name, so
+  the Overlap Efficiency counts only what really ran during generation.
+- A micro-batch is the next ``chunk_rows`` samples in the order they finished, which is the same on every rank of
+  an engine (their schedulers step on identical inputs): the ranks of a tensor-parallel group score the same rows
+  in the same order, and their collectives match.
+- Only the tail is exposed: the last micro-batch, which starts when generation ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from verl_mega.trainer.batch import Batch
+
+#: a scoring stage: its profiler name and a function from a micro-batch to per-row tensors (first dim: its rows)
+ScoreStage = tuple[str, Callable[[Batch], dict[str, torch.Tensor]]]
+_END = object()
+
+
+class StreamScorer:
+    """Scores ``(row, sample)`` pairs as they arrive; :meth:`results` waits for the last micro-batch.
+
+    ``pack``: turns a list of ``(row, sample)`` pairs into a :class:`Batch` of those rows, in that order.
+    ``stages``: run on every micro-batch in this order. ``device``: the CUDA device of this rank (None on CPU).
+    """
+
+    def __init__(self, *, stages: Sequence[ScoreStage], pack: Callable[[list[tuple[int, Any]]], Batch],
+                 chunk_rows: int, profiler: Any = None, device: torch.device | None = None) -> None:
+        if chunk_rows < 1:
+            raise ValueError(f"StreamScorer: chunk_rows={chunk_rows} must be >= 1")
+        self.stages, self.pack, self.chunk_rows = list(stages), pack, chunk_rows
+        self.profiler, self.device = profiler, device
+        self._inbox: queue.Queue = queue.Queue()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._scored: dict[str, dict[int, torch.Tensor]] = {}
+        self._chunks = 0
+
+    @property
+    def active(self) -> bool:
+        """Whether a step's samples are being scored (between :meth:`start` and :meth:`results`)."""
+        return self._thread is not None
+
+    def start(self) -> None:
+        """A new step: forget the last one's results and start the scoring thread."""
+        if self._thread is not None:
+            raise RuntimeError("StreamScorer.start: the previous step's scoring was not collected with results()")
+        self._scored, self._error, self._chunks = {}, None, 0
+        self._inbox, self._closed = queue.Queue(), False  # a fresh queue: nothing of the last step is left in it
+        self._thread = threading.Thread(target=self._run, name="stream-scoring", daemon=True)
+        self._thread.start()
+
+    def add(self, pairs: Sequence[tuple[int, Any]]) -> None:
+        """Finished samples (their rows and samples); thread-safe, returns at once."""
+        if pairs:
+            self._inbox.put(list(pairs))
+
+    def close(self) -> None:
+        """No more samples this step: the thread scores what is left as one last micro-batch."""
+        if self._thread is not None and not self._closed:
+            self._closed = True
+            self._inbox.put(_END)
+
+    def results(self) -> dict[str, dict[int, torch.Tensor]]:
+        """Wait for the thread (closing the input first if need be); every output, by name then row. Re-raises
+        the thread's error."""
+        if self._thread is None:
+            raise RuntimeError("StreamScorer.results: no step is being scored; call start() first")
+        self.close()
+        self._thread.join()
+        self._thread = None
+        if self._error is not None:
+            raise RuntimeError(f"scoring during generation failed: {type(self._error).__name__}: "
+                               f"{self._error}") from self._error
+        return self._scored
+
+    @property
+    def chunks(self) -> int:
+        """Micro-batches scored in the last step."""
+        return self._chunks
+
+    # ------------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        from verl_mega.parallel import cpu_mode
+
+        try:
+            with cpu_mode.in_this_thread():
+                self._score_until_closed()
+        except BaseException as exc:  # surfaces in results(), on the main thread
+            self._error = exc
+            while self._inbox.get() is not _END:  # let close() / results() through
+                pass
+
+    def _score_until_closed(self) -> None:
+        stream = None
+        if self.device is not None:  # the current device and stream are per thread
+            torch.cuda.set_device(self.device)
+            stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            pending: list[tuple[int, Any]] = []
+            while True:
+                item = self._inbox.get()
+                if item is _END:
+                    break
+                pending += item
+                while len(pending) >= self.chunk_rows:
+                    self._score(pending[:self.chunk_rows], stream)
+                    pending = pending[self.chunk_rows:]
+            if pending:
+                self._score(pending, stream)
+
+    def _score(self, pairs: list[tuple[int, Any]], stream) -> None:
+        batch = self.pack(pairs)
+        rows = [row for row, _ in pairs]
+        for name, fn in self.stages:
+            start = self._now()
+            outputs = fn(batch)
+            if stream is not None:
+                stream.synchronize()
+            if self.profiler is not None:
+                self.profiler.record(name, start, self._now())
+            for key, value in outputs.items():
+                if len(value) != len(rows):
+                    raise ValueError(f"stream scoring stage {name!r} returned {len(value)} rows of {key!r} for a "
+                                     f"micro-batch of {len(rows)}")
+                into = self._scored.setdefault(key, {})
+                for row, v in zip(rows, value):
+                    into[row] = v
+        self._chunks += 1
+
+    def _now(self) -> float:
+        return self.profiler.now() if self.profiler is not None else time.perf_counter()
+
+
+def gather_rows(scored: dict[int, torch.Tensor], rows: Sequence[int]) -> torch.Tensor:
+    """The scored rows ``rows``, stacked in that order (every one of them must have been scored)."""
+    missing = [r for r in rows if r not in scored]
+    if missing:
+        raise RuntimeError(f"rows {missing[:5]} were never scored during generation")
+    return torch.stack([scored[r] for r in rows])
+
+
+__all__ = ["StreamScorer", "ScoreStage", "gather_rows"]
