@@ -72,7 +72,7 @@ def main() -> None:
         "critic.enable=true", "actor.use_kl_loss=true", "ref.enable=true",
         f"actor.ppo_mini_batch_size={args.prompts}", f"critic.ppo_mini_batch_size={args.prompts}",
         "actor.micro_batch_size_per_gpu=8", "critic.micro_batch_size_per_gpu=8",
-        "actor.log_prob_micro_batch_size_per_gpu=16", "critic.log_prob_micro_batch_size_per_gpu=16",
+        "actor.log_prob_micro_batch_size_per_gpu=16",
         "rollout.stream_scoring=true", f"rollout.stream_chunk={args.chunk}", "rollout.free_cache_engine=false",
         f"trainer.total_steps={2 * (args.warmup + args.pairs) + 2}", "trainer.save_every=0", "trainer.resume=off",
         f"trainer.output_dir={Path(args.out).resolve().parent / 'bench_streaming_run'}", "trainer.balance_batch=false",
