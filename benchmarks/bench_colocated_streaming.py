@@ -71,15 +71,19 @@ def main() -> None:
         f"data.train_batch_size={args.prompts}", "data.max_prompt_length=64", "algorithm.adv_estimator=gae",
         "critic.enable=true", "actor.use_kl_loss=true", "ref.enable=true",
         f"actor.ppo_mini_batch_size={args.prompts}", f"critic.ppo_mini_batch_size={args.prompts}",
-        "actor.micro_batch_size_per_gpu=8", "critic.micro_batch_size_per_gpu=8",
-        "actor.log_prob_micro_batch_size_per_gpu=16",
+        # packed sequences under a token budget: a padded micro-batch would be as wide as the longest sample
+        "model.use_remove_padding=true", "actor.use_dynamic_bsz=true", "critic.use_dynamic_bsz=true",
+        "actor.max_tokens_per_gpu=8192", "critic.max_tokens_per_gpu=8192", "actor.micro_batch_size_per_gpu=4",
+        "critic.micro_batch_size_per_gpu=4", "actor.log_prob_micro_batch_size_per_gpu=4",
+        "ref.micro_batch_size_per_gpu=4",
         "rollout.stream_scoring=true", f"rollout.stream_chunk={args.chunk}", "rollout.free_cache_engine=false",
         f"trainer.total_steps={2 * (args.warmup + args.pairs) + 2}", "trainer.save_every=0", "trainer.resume=off",
         f"trainer.output_dir={Path(args.out).resolve().parent / 'bench_streaming_run'}", "trainer.balance_batch=false",
         "trainer.deterministic=false", "logging.tensorboard=false", "logging.plot=false",
         "logging.progress_bar=false", "actor.lr=1e-6", "critic.lr=1e-6",
     ] + (["rollout.kv_cache_memory_bytes=268435456", "rollout.enforce_eager=true"] if cpu else
-         ["rollout.kv_cache_memory_bytes=null", "rollout.gpu_memory_utilization=0.3"]) + list(args.overrides)
+         ["rollout.kv_cache_memory_bytes=null", "rollout.gpu_memory_utilization=0.25",
+          "rollout.enforce_eager=false"]) + list(args.overrides)
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs/quickstart_cpu.yaml", overrides)
     job = build_job(cfg)
     trainer, scorer = job.trainer, job.trainer.scorer
@@ -89,6 +93,10 @@ def main() -> None:
         for mode in (("sync", "stream") if i % 2 == 0 else ("stream", "sync")):
             trainer.scorer = scorer if mode == "stream" else None  # the same job, scoring after or during rollout
             metrics = trainer.step(batch)
+            if dist.get_rank() == 0:
+                print(f"batch {i} {mode}: step {metrics['timing/step_s']:.2f}s "
+                      f"rollout {metrics['timing/rollout_s']:.2f}s overlap {metrics.get('overlap/efficiency', 0.0):.3f} tokens {metrics['count/tokens']:.0f}",
+                      flush=True)
             if i >= args.warmup:
                 steps[mode].append(metrics)
     trainer.scorer = scorer
