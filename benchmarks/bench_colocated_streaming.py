@@ -94,8 +94,8 @@ def main() -> None:
             trainer.scorer = scorer if mode == "stream" else None  # the same job, scoring after or during rollout
             metrics = trainer.step(batch)
             if dist.get_rank() == 0:
-                print(f"batch {i} {mode}: step {metrics['timing/step_s']:.2f}s "
-                      f"rollout {metrics['timing/rollout_s']:.2f}s overlap {metrics.get('overlap/efficiency', 0.0):.3f} "
+                print(f"batch {i} {mode}: step {metrics['timing/step_s']:.2f}s rollout "
+                      f"{metrics['timing/rollout_s']:.2f}s overlap {metrics.get('overlap/efficiency', 0.0):.3f} "
                       f"tokens {metrics['count/tokens']:.0f}", flush=True)
             if i >= args.warmup:
                 steps[mode].append(metrics)
