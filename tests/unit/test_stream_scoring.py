@@ -108,3 +108,21 @@ def test_consecutive_steps_each_get_their_own_samples():
         scorer.close()
         out = scorer.results()
         assert sorted(out["v"]) == [step, 10 + step], step
+
+
+def test_flush_scores_a_partial_micro_batch_and_restores_the_switch_interval():
+    """In the tail (fewer samples still generating than a micro-batch) the caller flushes: what has arrived is
+    scored at once. While a step is scored the GIL switch interval is short; afterwards it is what it was."""
+    import sys
+
+    seen, before = [], sys.getswitchinterval()
+    scorer = StreamScorer(stages=[("values", lambda b: seen.append(list(b.meta["row"])) or {"v": b["x"]})],
+                          pack=_pack, chunk_rows=4)
+    scorer.start()
+    assert sys.getswitchinterval() <= 0.0005
+    scorer.add([(0, 1), (1, 1), (2, 1)])
+    scorer.add([(3, 1), (4, 1)], flush=True)  # a full micro-batch, then the remaining one
+    scorer.add([(5, 1)], flush=True)
+    scorer.add([], flush=True)  # nothing pending: no empty micro-batch
+    assert sorted(scorer.results()["v"]) == [0, 1, 2, 3, 4, 5]
+    assert seen == [[0, 1, 2, 3], [4], [5]] and sys.getswitchinterval() == before

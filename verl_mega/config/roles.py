@@ -46,7 +46,8 @@ class TrainableRoleConfig(ConfigSection):
         4, help="Samples per forward/backward pass on one GPU (gradient accumulation unit).", affects_results=False)
     ppo_epochs: int = option(1, help="Passes over each rollout batch.")
     use_dynamic_bsz: bool = option(False, help="Pack micro-batches by token budget (`max_tokens_per_gpu`) instead of "
-                                               "a fixed sample count.", affects_results=False)
+                                               "a fixed sample count (the actor's also sets the reference's "
+                                               "log-prob passes).", affects_results=False)
     max_tokens_per_gpu: int = option(16384, help="Token budget of one micro-batch when `use_dynamic_bsz` is on.",
                                      affects_results=False)
     shuffle: bool = option(False, help="Shuffle samples before splitting a batch into mini-batches.")

@@ -125,12 +125,12 @@ class ColocatedRollout:
         return self._ready().weight_version
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], specs: Sequence[SamplingSpec], *,
-                 on_finished: Callable[[list[Sample]], None] | None = None) -> list[Generated]:
+                 on_finished: Callable[[list[Sample], int], None] | None = None) -> list[Generated]:
         """Every rank passes the global prompt batch; each engine generates its share under every spec (one wake
         for all of them) and its ranks return it. An explicit ``spec.seed`` is the batch's base seed: prompt i of
         the batch samples with ``seed + i``, whichever engine runs it. ``on_finished`` (one spec): the engine is
-        stepped here and every prompt's samples are passed to it as soon as they are all done, in the same order on
-        every rank of the engine."""
+        stepped here; after every engine step in which prompts finished, their samples are passed to it with the
+        number of this engine's samples still generating, identically on every rank of the engine."""
         import torch.distributed as dist
 
         engine, prof = self._ready(), self.profiler
@@ -175,22 +175,26 @@ class ColocatedRollout:
                 for part, c in zip(local, counts)]
 
     def _stream(self, engine: VLLMRollout, mine: list[int], prompts: list, spec: SamplingSpec,
-                on_finished: Callable[[list[Sample]], None], num_specs: int):
+                on_finished: Callable[[list[Sample], int], None], num_specs: int):
         """Generate by stepping vLLM's scheduler, handing each prompt's samples over as soon as they are done."""
         from verl_mega.rollout.streaming import StreamingEngine
 
         if self.multi_turn is not None or num_specs != 1:
             raise RolloutError("streaming a rollout takes one sampling spec of single-turn requests")
         if self._streaming is None or self._streaming.rollout is not engine:
-            self._streaming = StreamingEngine(engine)
+            self._streaming = StreamingEngine(engine, deltas=False)  # weights cannot change during a rollout
         stream, prof = self._streaming, self.profiler
         start, steps = prof.now(), 0
         stream.add("batch", prompts, spec)
+        running = len(prompts) * spec.n
         while stream.busy:
             stream.step()
             steps += 1
-            for key, p in stream.finished:
-                on_finished([Sample(mine[p], ids, lps) for ids, lps in stream.completions(key, p)])
+            if stream.finished:
+                done = [Sample(mine[p], ids, lps) for key, p in stream.finished
+                        for ids, lps in stream.completions(key, p)]
+                running -= len(done)
+                on_finished(done, running)
         prof.record("engine_steps", start, prof.now(), parent="rollout")
         prof.add_counter("engine_steps", float(steps))
         return stream.take("batch")

@@ -44,8 +44,11 @@ class StreamingEngine:
     """Batches of requests in one vLLM engine, stepped by the caller. Every rank of the engine must make the same
     calls in the same order (vLLM's external launcher runs one scheduler per rank on identical inputs)."""
 
-    def __init__(self, rollout: VLLMRollout) -> None:
+    def __init__(self, rollout: VLLMRollout, *, deltas: bool = True) -> None:
         self.rollout = rollout
+        # deltas: new tokens after every step (per-token versions, a swap mid-request); otherwise a request's tokens
+        # come once, when it finishes, which spares the per-step output processing when weights cannot change
+        self.deltas = deltas
         self._engine = rollout.llm.llm_engine
         self._batches: dict[Hashable, _Batch] = {}
         self._owner: dict[str, Hashable] = {}  # request id → its batch
@@ -76,7 +79,7 @@ class StreamingEngine:
             seed = None if spec.seed is None else spec.seed + i
             request = f"{key}:{i}"
             self._engine.add_request(request, {"prompt_token_ids": [int(t) for t in prompt]},
-                                     sampling_params(spec, seed, stream=True))
+                                     sampling_params(spec, seed, stream=self.deltas))
             batch.open_requests.add(request)
             self._owner[request] = key
 
@@ -96,6 +99,8 @@ class StreamingEngine:
             for completion in out.outputs:
                 seq = batch.sequences.setdefault((prompt, completion.index), _Sequence())
                 new = list(completion.token_ids)
+                if not self.deltas:  # a final output holds the whole sequence (and may come more than once)
+                    seq.ids, seq.versions, seq.logprobs = [], [], []
                 seq.ids += new
                 seq.versions += [version] * len(new)
                 if batch.spec.logprobs and new:

@@ -242,12 +242,18 @@ class RLTrainer:
         prompts = [p.prompt_ids for p in batch.items]
         if self.scorer is None:
             return self.rollout.generate(prompts, specs)
-        n = specs[0].n
+        n, chunk = specs[0].n, self.scorer.chunk_rows
         self._stream_items, self._stream_out = batch.items, None
         self.scorer.start()
-        try:  # the samples of a prompt are rows prompt·n … prompt·n + n − 1
-            return self.rollout.generate(prompts, specs, on_finished=lambda samples: self.scorer.add(
-                [(s.prompt * n + k, s) for k, s in enumerate(samples)]))
+
+        def finished(samples, running: int) -> None:  # a prompt's samples are rows prompt·n … prompt·n + n − 1
+            rows = [s.prompt * n + seen for seen, s in zip(_occurrence(s.prompt for s in samples), samples)]
+            # once fewer samples than a micro-batch are still generating, waiting for a full one is waiting for
+            # the end: the tail is scored as it finishes
+            self.scorer.add(list(zip(rows, samples)), flush=running < chunk)
+
+        try:
+            return self.rollout.generate(prompts, specs, on_finished=finished)
         finally:
             self.scorer.close()  # what is left is the last micro-batch
 
@@ -478,6 +484,14 @@ class RLTrainer:
         if self.dp == 1:
             return value
         return self.actor.engine.dp_all_reduce(value).to(value.dtype)
+
+
+def _occurrence(keys):
+    """For each key, how many times it came before (0, 1, … per key)."""
+    seen: dict = {}
+    for key in keys:
+        seen[key] = seen.get(key, -1) + 1
+        yield seen[key]
 
 
 def _stream_scorer(trainer: RLTrainer) -> StreamScorer:

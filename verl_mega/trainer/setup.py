@@ -440,7 +440,9 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
     if cfg.ref.enable:
         ref = PolicyRole(build_role_engine(cfg, groups, path).engine, vocab_size=arch.vocab_size,
                          micro_batch_size=cfg.ref.micro_batch_size_per_gpu, temperature=cfg.rollout.temperature,
-                         packed=packed)
+                         packed=packed,  # its forward passes share the actor's token budget, as its log-probs do
+                         max_tokens_per_micro_batch=cfg.actor.max_tokens_per_gpu if cfg.actor.use_dynamic_bsz
+                         else None)
     if cfg.critic.enable:
         critic = Critic(build_role_engine(cfg, groups, resolve_critic_path(cfg, path), role_cfg=cfg.critic,
                                           value_head=True, total_steps=total_steps).engine, cfg.critic,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import sys
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -29,6 +30,7 @@ from verl_mega.trainer.batch import Batch
 #: a scoring stage: its profiler name and a function from a micro-batch to per-row tensors (first dim: its rows)
 ScoreStage = tuple[str, Callable[[Batch], dict[str, torch.Tensor]]]
 _END = object()
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 class StreamScorer:
@@ -61,14 +63,20 @@ class StreamScorer:
         if self._thread is not None:
             raise RuntimeError("StreamScorer.start: the previous step's scoring was not collected with results()")
         self._scored, self._error, self._chunks = {}, None, 0
+        # vLLM's loop and this thread share the GIL; a shorter switch interval hands it back to the engine
+        # sooner after each of its device waits (the interval is restored in results())
+        self._switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(self._switch_interval, GIL_SWITCH_INTERVAL_S))
         self._inbox, self._closed = queue.Queue(), False  # a fresh queue: nothing of the last step is left in it
         self._thread = threading.Thread(target=self._run, name="stream-scoring", daemon=True)
         self._thread.start()
 
-    def add(self, pairs: Sequence[tuple[int, Any]]) -> None:
-        """Finished samples (their rows and samples); thread-safe, returns at once."""
-        if pairs:
-            self._inbox.put(list(pairs))
+    def add(self, pairs: Sequence[tuple[int, Any]], *, flush: bool = False) -> None:
+        """Finished samples (their rows and samples); thread-safe, returns at once. ``flush``: score what has
+        arrived without waiting for a full micro-batch (the caller decides it from the engine's state, so that every
+        rank of an engine cuts its micro-batches alike)."""
+        if pairs or flush:
+            self._inbox.put((list(pairs), flush))
 
     def close(self) -> None:
         """No more samples this step: the thread scores what is left as one last micro-batch."""
@@ -84,6 +92,7 @@ class StreamScorer:
         self.close()
         self._thread.join()
         self._thread = None
+        sys.setswitchinterval(self._switch_interval)
         if self._error is not None:
             raise RuntimeError(f"scoring during generation failed: {type(self._error).__name__}: "
                                f"{self._error}") from self._error
@@ -117,8 +126,9 @@ class StreamScorer:
                 item = self._inbox.get()
                 if item is _END:
                     break
-                pending += item
-                while len(pending) >= self.chunk_rows:
+                pairs, flush = item
+                pending += pairs
+                while len(pending) >= self.chunk_rows or (flush and pending):
                     self._score(pending[:self.chunk_rows], stream)
                     pending = pending[self.chunk_rows:]
             if pending:
