@@ -51,11 +51,15 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=32, help="rollout.stream_chunk")
     ap.add_argument("--warmup", type=int, default=1, help="prompt batches run in both modes before timing")
     ap.add_argument("--pairs", type=int, default=3, help="timed prompt batches, each run in both modes")
+    ap.add_argument("--modes", default="sync,stream",
+                    help="comma-separated: sync, stream, stream-gil5ms (streamed with Python's default 5 ms GIL "
+                         "switch interval instead of the scorer's)")
     ap.add_argument("--out", required=True)
     ap.add_argument("overrides", nargs="*", help="extra config overrides for the job")
     args = ap.parse_args()
 
     from verl_mega.config import load_config
+    from verl_mega.trainer import stream_scoring
     from verl_mega.trainer.setup import build_job
 
     force_lengths(LengthDist(args.median, args.sigma, 1, args.cap))
@@ -87,11 +91,14 @@ def main() -> None:
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs/quickstart_cpu.yaml", overrides)
     job = build_job(cfg)
     trainer, scorer = job.trainer, job.trainer.scorer
-    steps: dict[str, list[dict[str, float]]] = {"sync": [], "stream": []}
+    modes = args.modes.split(",")
+    steps: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
+    interval = stream_scoring.GIL_SWITCH_INTERVAL_S
     for i in range(args.warmup + args.pairs):
         batch = job.loader.next_batch()
-        for mode in (("sync", "stream") if i % 2 == 0 else ("stream", "sync")):
-            trainer.scorer = scorer if mode == "stream" else None  # the same job, scoring after or during rollout
+        for mode in modes[i % len(modes):] + modes[:i % len(modes)]:  # each mode leads in turn
+            trainer.scorer = None if mode == "sync" else scorer  # the same job, scoring after or during rollout
+            stream_scoring.GIL_SWITCH_INTERVAL_S = 0.005 if mode == "stream-gil5ms" else interval
             metrics = trainer.step(batch)
             if dist.get_rank() == 0:
                 print(f"batch {i} {mode}: step {metrics['timing/step_s']:.2f}s rollout "
@@ -111,13 +118,14 @@ def main() -> None:
         result = {"world": world, "device": "cpu" if cpu else torch.cuda.get_device_name(), "rows": rows,
                   "lengths": {"median": args.median, "sigma": args.sigma, "cap": args.cap}, "chunk": args.chunk,
                   "overrides": list(args.overrides), "summary": summary,
-                  "speedup_step": summary["sync"]["timing/step_s"] / summary["stream"]["timing/step_s"],
+                  "speedup": {m: summary[modes[0]]["timing/step_s"] / summary[m]["timing/step_s"] for m in modes},
                   "steps": steps}
         Path(args.out).write_text(json.dumps(result, indent=1))
-        print(f"{'mean per step':<34}{'synchronous':>14}{'streamed':>12}")
+        print(f"{'mean per step':<34}" + "".join(f"{mode:>15}" for mode in modes))
         for key in KEYS + ("tokens_per_s_per_gpu", "generated_tokens_per_s_per_gpu"):
-            print(f"{key:<34}{summary['sync'][key]:>14.3f}{summary['stream'][key]:>12.3f}")
-        print(f"speed-up (step time): {result['speedup_step']:.3f}x")
+            print(f"{key:<34}" + "".join(f"{summary[mode][key]:>15.3f}" for mode in modes))
+        for mode in modes[1:]:
+            print(f"{mode} vs {modes[0]} (step time): {result['speedup'][mode]:.3f}x")
     job.close()
 
 
