@@ -52,17 +52,22 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1, help="prompt batches run in both modes before timing")
     ap.add_argument("--pairs", type=int, default=3, help="timed prompt batches, each run in both modes")
     ap.add_argument("--modes", default="sync,stream",
-                    help="comma-separated: sync, stream, stream-gil5ms (streamed with Python's default 5 ms GIL "
-                         "switch interval instead of the scorer's)")
+                    help="comma-separated: sync; stream (rollout.stream_scoring=all); stream-reward "
+                         "(rollout.stream_scoring=reward); stream-gil5ms (=all, at Python's default 5 ms GIL switch "
+                         "interval instead of the scorer's)")
+    ap.add_argument("--reward-delay-ms", type=float, default=0.0,
+                    help="a reward function that waits this long per sample (benchmarks/slow_reward.py)")
     ap.add_argument("--out", required=True)
     ap.add_argument("overrides", nargs="*", help="extra config overrides for the job")
     args = ap.parse_args()
 
     from verl_mega.config import load_config
     from verl_mega.trainer import stream_scoring
+    from verl_mega.trainer.rl_trainer import build_stream_scorer
     from verl_mega.trainer.setup import build_job
 
     force_lengths(LengthDist(args.median, args.sigma, 1, args.cap))
+    os.environ["VERL_MEGA_REWARD_DELAY_MS"] = str(args.reward_delay_ms)  # read by the reward workers
     model_dir = Path(args.model_dir or "/tmp/verl_mega_bench/" + ("tiny-random" if args.tiny
                                                                    else "qwen2.5-1.5b-random-v2"))
     make_model(model_dir, args.tiny)
@@ -80,24 +85,29 @@ def main() -> None:
         "actor.max_tokens_per_gpu=8192", "critic.max_tokens_per_gpu=8192", "actor.micro_batch_size_per_gpu=4",
         "critic.micro_batch_size_per_gpu=4", "actor.log_prob_micro_batch_size_per_gpu=4",
         "ref.micro_batch_size_per_gpu=4",
-        "rollout.stream_scoring=true", f"rollout.stream_chunk={args.chunk}", "rollout.free_cache_engine=false",
+        "rollout.stream_scoring=all", f"rollout.stream_chunk={args.chunk}", "rollout.free_cache_engine=false",
         f"trainer.total_steps={2 * (args.warmup + args.pairs) + 2}", "trainer.save_every=0", "trainer.resume=off",
         f"trainer.output_dir={Path(args.out).resolve().parent / 'bench_streaming_run'}", "trainer.balance_batch=false",
         "trainer.deterministic=false", "logging.tensorboard=false", "logging.plot=false",
         "logging.progress_bar=false", "actor.lr=1e-6", "critic.lr=1e-6",
-    ] + (["rollout.kv_cache_memory_bytes=268435456", "rollout.enforce_eager=true"] if cpu else
+    ] + ([f"reward.function={Path(__file__).resolve().parent / 'slow_reward.py'}:score"] if args.reward_delay_ms
+         else []) + (["rollout.kv_cache_memory_bytes=268435456", "rollout.enforce_eager=true"] if cpu else
          ["rollout.kv_cache_memory_bytes=null", "rollout.gpu_memory_utilization=0.25",
           "rollout.enforce_eager=false"]) + list(args.overrides)
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs/quickstart_cpu.yaml", overrides)
     job = build_job(cfg)
     trainer, scorer = job.trainer, job.trainer.scorer
+    trainer.stream_roles = False  # the same job's scorer of rollout.stream_scoring=reward
+    reward_scorer = build_stream_scorer(trainer)
     modes = args.modes.split(",")
     steps: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
     interval = stream_scoring.GIL_SWITCH_INTERVAL_S
     for i in range(args.warmup + args.pairs):
         batch = job.loader.next_batch()
         for mode in modes[i % len(modes):] + modes[:i % len(modes)]:  # each mode leads in turn
-            trainer.scorer = None if mode == "sync" else scorer  # the same job, scoring after or during rollout
+            # the same job, scoring after or during rollout
+            trainer.scorer = {"sync": None, "stream-reward": reward_scorer}.get(mode, scorer)
+            trainer.stream_roles = mode in ("stream", "stream-gil5ms")
             stream_scoring.GIL_SWITCH_INTERVAL_S = 0.005 if mode == "stream-gil5ms" else interval
             metrics = trainer.step(batch)
             if dist.get_rank() == 0:
@@ -106,7 +116,7 @@ def main() -> None:
                       f"tokens {metrics['count/tokens']:.0f}", flush=True)
             if i >= args.warmup:
                 steps[mode].append(metrics)
-    trainer.scorer = scorer
+    trainer.scorer, trainer.stream_roles = scorer, True
     if dist.get_rank() == 0:
         summary = {}
         for mode, ms in steps.items():

@@ -75,7 +75,7 @@ def same_results(a: Path, b: Path) -> bool:
     import json
 
     rows = [[json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (a, b)]
-    skip = ("timing/", "overlap/", "perf/", "weight_sync/seconds")
+    skip = ("timing/", "overlap/", "perf/", "weight_sync/seconds", "count/engine_steps")
     for x, y in zip(*rows):
         differ = {k: (x.get(k), y.get(k)) for k in set(x) | set(y) if not k.startswith(skip) and x.get(k) != y.get(k)}
         assert not differ, f"step {x['step']}: {differ}"
@@ -115,7 +115,8 @@ def test_packed_run_reproduces_padded_losses(tmp_path):
 
 def test_stream_scoring_scores_during_generation(tmp_path):
     """rollout.stream_scoring on PPO (critic, reference, rule reward), in micro-batches of 2 finished samples (one
-    prompt's group). dp=2 (two engines at tg=1): every metric equals the synchronous step's within float32 rounding
+    prompt's group). `reward` streams the reward function only: the same metrics as the synchronous step, bit for
+    bit. `all`, dp=2 (two engines at tg=1): every metric equals the synchronous step's within float32 rounding
     (rows stay on their engine's replica, so the synchronous run keeps rows in order too: trainer.balance_batch=
     false). tp=2 (one engine on both ranks): the scoring thread's tensor-parallel collectives run beside vLLM's. In
     both, the old log-probs scored during generation equal vLLM's own log-probs of its samples (check), and scoring
@@ -125,8 +126,10 @@ def test_stream_scoring_scores_during_generation(tmp_path):
            "VERL_MEGA_TEST_LENGTHS": "6,16"}  # lognormal response lengths (median 6, at most 16), EOS ignored
     runs = {}
     for name, extra in (("sync", ["parallel.tp=1", "rollout.gen_tp=1", "trainer.balance_batch=false"]),
-                        ("stream", ["parallel.tp=1", "rollout.gen_tp=1", "rollout.stream_scoring=true"]),
-                        ("stream_tp2", ["parallel.tp=2", "rollout.gen_tp=2", "rollout.stream_scoring=true"])):
+                        ("stream", ["parallel.tp=1", "rollout.gen_tp=1", "rollout.stream_scoring=all"]),
+                        ("reward", ["parallel.tp=1", "rollout.gen_tp=1", "rollout.stream_scoring=reward",
+                                    "trainer.balance_batch=false"]),
+                        ("stream_tp2", ["parallel.tp=2", "rollout.gen_tp=2", "rollout.stream_scoring=all"])):
         out = tmp_path / name
         run_torchrun("rl_steps.py", 2, str(ROOT / "configs" / "ppo_cpu.yaml"), str(out), *extra,
                      "rollout.stream_chunk=2", "critic.micro_batch_size_per_gpu=4", *SMALL, env=env, timeout=600)
@@ -136,7 +139,10 @@ def test_stream_scoring_scores_during_generation(tmp_path):
         for r in runs[name]:
             assert r["overlap/efficiency"] > 0 and r["overlap/values_with_rollout_s"] > 0, r
             assert r["count/engine_steps"] >= 6, r  # the engine was stepped here, up to the longest sample
+    for r in runs["reward"]:  # the reward function ran during generation, the roles after it
+        assert r["overlap/reward_with_rollout_s"] > 0 and r["overlap/values_with_rollout_s"] == 0, r
     skip = ("timing/", "overlap/", "perf/", "weight_sync/seconds", "count/")
+    assert same_results(tmp_path / "sync", tmp_path / "reward")  # rewards streamed: nothing else changes
     for sync, stream in zip(runs["sync"], runs["stream"]):
         assert sync["rollout/response_length"] == stream["rollout/response_length"]
         assert sync["reward/mean"] == stream["reward/mean"]

@@ -679,22 +679,32 @@ def test_packing_rules():
 
 
 def test_stream_scoring_errors():
-    ok = load_config(QUICKSTART, ["rollout.stream_scoring=true"])
+    ok = load_config(QUICKSTART, ["rollout.stream_scoring=all"])
     ok.validate_runtime(_placement(ok, 1), cuda_available=False)
     for extra, world, start in (
-            (["rollout.free_cache_engine=true"], 1, "rollout.stream_scoring=true runs the roles while vLLM holds"),
-            (["parallel.tp=2", "rollout.gen_tp=1"], 2, "rollout.stream_scoring=true keeps each vLLM engine's "
+            (["rollout.free_cache_engine=true"], 1, "rollout.stream_scoring=all runs the roles while vLLM holds"),
+            (["parallel.tp=2", "rollout.gen_tp=1"], 2, "rollout.stream_scoring=all keeps each vLLM engine's "
                                                        "samples on the replica made of its ranks"),
-            (["parallel.pp=2"], 2, "rollout.stream_scoring=true keeps each vLLM engine's samples"),
-            (["actor.offload_params=true"], 1, "rollout.stream_scoring=true scores during generation, with the "
+            (["parallel.pp=2"], 2, "rollout.stream_scoring=all keeps each vLLM engine's samples"),
+            (["actor.offload_params=true"], 1, "rollout.stream_scoring=all scores during generation, with the "
                                                "parameters on the device, but actor.offload_params=true"),
             (["algorithm.adv_estimator=remax", "critic.enable=null"], 1,
-             "rollout.stream_scoring=true cannot run with algorithm.adv_estimator=remax"),
+             "rollout.stream_scoring=all cannot run with algorithm.adv_estimator=remax"),
             (["data.train_batch_size=3", "actor.ppo_mini_batch_size=3", "algorithm.adv_estimator=gae",
               "actor.micro_batch_size_per_gpu=4", "critic.micro_batch_size_per_gpu=4"], 2,
-             "rollout.stream_scoring=true trains each engine's prompts on its own replica"),
+             "rollout.stream_scoring=all trains each engine's prompts on its own replica"),
             (["placement.pools={train: {size: 1}, gen: {size: 1}}", "placement.roles={actor: train, rollout: gen}"],
-             2, "rollout.stream_scoring=true scores while a colocated vLLM generates")):
-        cfg = load_config(QUICKSTART, ["rollout.stream_scoring=true", *extra])
+             2, "rollout.stream_scoring=all scores while a colocated vLLM generates")):
+        cfg = load_config(QUICKSTART, ["rollout.stream_scoring=all", *extra])
         assert _error(cfg.validate_runtime, _placement(cfg, world), cuda_available=False).startswith(start), extra
     assert _error(load_config, QUICKSTART, ["rollout.stream_chunk=0"]).startswith("rollout.stream_chunk")
+    # rewards alone stream with any layout, vLLM asleep or parameters offloaded: the roles score after generation
+    for extra in (["parallel.tp=2", "rollout.gen_tp=1"], ["parallel.pp=2"]):
+        cfg = load_config(QUICKSTART, ["rollout.stream_scoring=reward", "rollout.free_cache_engine=true",
+                                       "actor.offload_params=true", *extra])
+        cfg.validate_runtime(_placement(cfg, 2), cuda_available=False)
+    cfg = load_config(QUICKSTART, ["rollout.stream_scoring=reward", "rollout.multi_turn.enable=true",
+                                   "rollout.multi_turn.tools=[calculator]"])
+    assert _error(cfg.validate_runtime, _placement(cfg, 1), cuda_available=False).startswith(
+        "rollout.stream_scoring=reward cannot run with rollout.multi_turn.enable=true")
+    assert "one of" in _error(load_config, QUICKSTART, ["rollout.stream_scoring=maybe"])

@@ -225,7 +225,7 @@ class TrainConfig(ConfigSection):
                           f"({mini_key}·rollout.n/dp = {mini}·{n}/{dp}), not a multiple of "
                           f"{role.key('micro_batch_size_per_gpu')}={micro}; set it to a divisor of {per_rank}")
         self._validate_rollout_pool(placement)
-        if self.rollout.stream_scoring:
+        if self.rollout.stream_scoring != "off":
             self._validate_stream_scoring(placement)
         if cuda_available is None:
             import torch  # deferred: the config package itself does not need torch
@@ -238,35 +238,38 @@ class TrainConfig(ConfigSection):
     def _validate_stream_scoring(self, placement: Any) -> None:
         """rollout.stream_scoring: what scoring while vLLM generates needs."""
         r, dims = self.rollout, placement.pool_of("actor")
-        fix = "or set rollout.stream_scoring=false"
-        self._require(placement.colocated, "rollout.stream_scoring=true scores while a colocated vLLM generates, but "
-                                           "the rollout has a pool of its own (which streams its batches already); "
-                                           f"map placement.roles.rollout to the actor's pool, {fix}")
-        self._require(dims.pp == 1 and dims.cp == 1 and r.gen_tp == dims.tp,
-                      f"rollout.stream_scoring=true keeps each vLLM engine's samples on the replica made of its ranks, "
-                      f"which needs the generation layout to equal the training layout, but pp={dims.pp}, "
-                      f"cp={dims.cp}, rollout.gen_tp={r.gen_tp}, tp={dims.tp}; set pp=1, cp=1 and "
-                      f"rollout.gen_tp={dims.tp}, {fix}")
-        self._require(r.free_cache_engine is not True,
-                      "rollout.stream_scoring=true runs the roles while vLLM holds its weights and KV cache, but "
-                      f"rollout.free_cache_engine=true puts vLLM to sleep; set rollout.free_cache_engine=false, {fix}")
-        offloaded = [key for key, on in (("actor.offload_params", self.actor.offload_params),
-                                         ("critic.offload_params", self.critic.enable and self.critic.offload_params),
-                                         ("ref.offload_params", self.ref.enable and self.ref.offload_params)) if on]
-        self._require(not offloaded, f"rollout.stream_scoring=true scores during generation, with the parameters "
-                                     f"on the device, but {offloaded[0] if offloaded else ''}=true; set it to false, "
-                                     f"{fix}")
-        unsupported = [(on, key) for on, key in (
+        key, fix = f"rollout.stream_scoring={r.stream_scoring}", "or set rollout.stream_scoring=off"
+        self._require(placement.colocated, f"{key} scores while a colocated vLLM generates, but the rollout has a pool "
+                                           f"of its own (which streams its batches already); map "
+                                           f"placement.roles.rollout to the actor's pool, {fix}")
+        unsupported = [(on, what) for on, what in (
             (r.multi_turn.enable, "rollout.multi_turn.enable=true (episodes finish turn by turn)"),
             (self.algorithm.filter_groups.enable, "algorithm.filter_groups.enable=true (it generates batch by batch)"),
             (self.algorithm.adv_estimator == "remax", "algorithm.adv_estimator=remax (its greedy baseline is a "
                                                       "second generation)"),
-            (self.actor.routing_replay != "none", f"actor.routing_replay={self.actor.routing_replay} (the routing is "
-                                                  f"recorded over the whole batch)")) if on]
-        self._require(not unsupported, f"rollout.stream_scoring=true cannot run with "
-                                       f"{unsupported[0][1] if unsupported else ''}; {fix}")
+            (self.actor.routing_replay != "none" and r.stream_scoring == "all",
+             f"actor.routing_replay={self.actor.routing_replay} (the routing is recorded over the whole batch)"))
+            if on]
+        self._require(not unsupported, f"{key} cannot run with {unsupported[0][1] if unsupported else ''}; {fix}")
+        if r.stream_scoring == "reward":
+            return
+        fix = "or set rollout.stream_scoring=reward (or off)"
+        self._require(dims.pp == 1 and dims.cp == 1 and r.gen_tp == dims.tp,
+                      f"rollout.stream_scoring=all keeps each vLLM engine's samples on the replica made of its ranks, "
+                      f"which needs the generation layout to equal the training layout, but pp={dims.pp}, "
+                      f"cp={dims.cp}, rollout.gen_tp={r.gen_tp}, tp={dims.tp}; set pp=1, cp=1 and "
+                      f"rollout.gen_tp={dims.tp}, {fix}")
+        self._require(r.free_cache_engine is not True,
+                      "rollout.stream_scoring=all runs the roles while vLLM holds its weights and KV cache, but "
+                      f"rollout.free_cache_engine=true puts vLLM to sleep; set rollout.free_cache_engine=false, {fix}")
+        offloaded = [key for key, on in (("actor.offload_params", self.actor.offload_params),
+                                         ("critic.offload_params", self.critic.enable and self.critic.offload_params),
+                                         ("ref.offload_params", self.ref.enable and self.ref.offload_params)) if on]
+        self._require(not offloaded, f"rollout.stream_scoring=all scores during generation, with the parameters "
+                                     f"on the device, but {offloaded[0] if offloaded else ''}=true; set it to false, "
+                                     f"{fix}")
         self._require(self.data.train_batch_size % dims.dp == 0,
-                      f"rollout.stream_scoring=true trains each engine's prompts on its own replica, so "
+                      f"rollout.stream_scoring=all trains each engine's prompts on its own replica, so "
                       f"data.train_batch_size={self.data.train_batch_size} must split over {dims.dp} data-parallel "
                       f"replicas; set it to a multiple of {dims.dp}, {fix}")
 

@@ -46,7 +46,8 @@ class RLTrainer:
         self.dp, self.dp_rank = engine.dp_size, engine.dp_rank
         self.flow = self._build_flow()
         # rollout.stream_scoring: the step's samples are scored while vLLM generates (trainer/stream_scoring.py)
-        self.scorer = _stream_scorer(self) if cfg.rollout.stream_scoring else None
+        self.stream_roles = cfg.rollout.stream_scoring == "all"  # the roles score during generation too
+        self.scorer = build_stream_scorer(self) if cfg.rollout.stream_scoring != "off" else None
         self._stream_lock = threading.Lock()
         self._stream_out: dict | None = None
 
@@ -147,7 +148,8 @@ class RLTrainer:
         items, table, local, metrics = self._sample(ctx["prompts"])
         packing_from = self.profiler.now()
         prompt_len = torch.tensor([len(items[p].prompt_ids) for p in table.prompt.tolist()])
-        rows, owner = self.path.deliver(local, table, prompt_len, by_engine=self.scorer is not None)
+        rows, owner = self.path.deliver(local, table, prompt_len,
+                                        by_engine=self.scorer is not None and self.stream_roles)
         mine = sorted(rows)
         samples = [rows[row] for row in mine]
         packed = pack_sequences([items[s.prompt].prompt_ids for s in samples], [s.ids for s in samples],
@@ -257,15 +259,16 @@ class RLTrainer:
         finally:
             self.scorer.close()  # what is left is the last micro-batch
 
-    def _streamed(self, key: str):
-        """A streamed stage's output for the batch's rows, in their order (None without stream scoring). The
-        first stage to ask waits for the last micro-batch."""
-        if self.scorer is None:
+    def _streamed(self, key: str, *, by_row: bool = False):
+        """A streamed output for the batch's rows, in their order (``by_row``: as scored, {row: value}); None
+        when that output is not streamed. The first stage to ask waits for the last micro-batch."""
+        if self.scorer is None or (key != "reward" and not self.stream_roles):
             return None
         with self._stream_lock:  # the reward stage asks from a host thread
             if self.scorer.active:
                 self._stream_out = self.scorer.results()
-        return gather_rows(self._stream_out.get(key, {}), self.batch.meta["row"])
+        scored = self._stream_out.get(key, {})
+        return scored if by_row else gather_rows(scored, self.batch.meta["row"])
 
     def _specs(self, prompt_batch) -> list[SamplingSpec]:
         specs = [self._sampling(prompt_batch)]
@@ -378,8 +381,10 @@ class RLTrainer:
         if self.prescored is not None:
             return self.prescored, True
         partial = torch.zeros(len(self.table), dtype=torch.float32)
-        if self.scorer is not None:  # scored during generation, each row by one rank of its replica
-            partial[self.batch.meta["row"]] = self._streamed("reward")
+        streamed = self._streamed("reward", by_row=True)
+        if streamed is not None:  # scored during generation, each row by one rank of its engine
+            for row, score in streamed.items():
+                partial[row] = score
             return partial, False
         rows = self.path.replica_share(self.batch.meta["row"])
         if rows:
@@ -390,7 +395,7 @@ class RLTrainer:
         return partial, False
 
     def _old_logprob(self, ctx) -> torch.Tensor:
-        if self.scorer is not None:
+        if self.scorer is not None and self.stream_roles:
             out = {"logprobs": self._streamed("old_logprobs"), "entropy": self._streamed("entropy")}
         else:
             out = self.actor.compute_logprobs(self.batch, with_entropy=True)
@@ -494,7 +499,7 @@ def _occurrence(keys):
         yield seen[key]
 
 
-def _stream_scorer(trainer: RLTrainer) -> StreamScorer:
+def build_stream_scorer(trainer: RLTrainer) -> StreamScorer:
     """The scoring stages of rollout.stream_scoring, over micro-batches of finished samples: the same roles and
     reward function as the synchronous stages, per micro-batch."""
     limit, pad = trainer.cfg.rollout.max_response_length, trainer.tokenizer.pad_token_id or 0
@@ -510,9 +515,9 @@ def _stream_scorer(trainer: RLTrainer) -> StreamScorer:
         out = trainer.actor.compute_logprobs(b, with_entropy=True)
         return {"old_logprobs": out["logprobs"], "entropy": out["entropy"]}
 
-    def reward(b: Batch):  # this rank's share of the micro-batch; the other ranks of the replica score the rest
+    def reward(b: Batch):  # this rank's share of the micro-batch; the other ranks of its engine score the rest
         rows = b.meta["row"]
-        share = set(trainer.path.replica_share(rows))
+        share = set(trainer.path.engine_share(rows))
         mine = [i for i, row in enumerate(rows) if row in share]
         out = torch.zeros(len(rows), dtype=torch.float32)
         if mine:
@@ -522,15 +527,19 @@ def _stream_scorer(trainer: RLTrainer) -> StreamScorer:
                                         lengths)
         return {"reward": out}
 
-    stages = [("old_logprob", old_logprob)]
-    if trainer.ref is not None:
-        stages.append(("ref_logprob", lambda b: {"ref_logprobs": trainer.ref.compute_logprobs(b)["logprobs"]}))
-    if trainer.critic is not None:
-        stages.append(("values", lambda b: {"values": trainer.critic.compute_values(b)}))
-    if trainer.reward_model is not None:
-        stages.append(("rm_score", lambda b: {"rm_score": trainer.reward_model.score(b)}))
+    stages = []
+    if trainer.stream_roles:  # rollout.stream_scoring=all: the roles' forward passes too
+        stages.append(("old_logprob", old_logprob))
+        if trainer.ref is not None:
+            stages.append(("ref_logprob", lambda b: {"ref_logprobs": trainer.ref.compute_logprobs(b)["logprobs"]}))
+        if trainer.critic is not None:
+            stages.append(("values", lambda b: {"values": trainer.critic.compute_values(b)}))
+        if trainer.reward_model is not None:
+            stages.append(("rm_score", lambda b: {"rm_score": trainer.reward_model.score(b)}))
     stages.append(("reward", reward))
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    device = None  # the reward function alone uses no device
+    if trainer.stream_roles and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
     return StreamScorer(stages=stages, pack=pack, chunk_rows=trainer.cfg.rollout.stream_chunk,
                         profiler=trainer.profiler, device=device)
 

@@ -212,11 +212,11 @@ def resolve_free_cache(cfg: TrainConfig, placement, arch: ModelArch) -> bool:
 
     total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     fits, peak = rollout_fits_resident(cfg, placement, arch, total)
-    if cfg.rollout.stream_scoring and not fits:
-        raise ConfigError(f"rollout.stream_scoring=true keeps vLLM resident while the roles score, but the memory "
+    if cfg.rollout.stream_scoring == "all" and not fits:
+        raise ConfigError(f"rollout.stream_scoring=all keeps vLLM resident while the roles score, but the memory "
                           f"model predicts a peak of {gib(peak):.1f} GiB per GPU with it resident, over the "
                           f"{gib(total):.1f} GiB there; lower rollout.gpu_memory_utilization, or set "
-                          f"rollout.stream_scoring=false")
+                          f"rollout.stream_scoring=reward (or off)")
     if dist.get_rank() == 0:
         log.info("rollout.free_cache_engine=auto: with vLLM resident the predicted peak is %.1f of %.1f GiB per GPU "
                  "-> %s", gib(peak), gib(total), "vLLM stays resident (no sleep or wake at the switch)" if fits
@@ -467,8 +467,9 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
     kc = cfg.algorithm.kl_ctrl
     kl_ctrl = algos.make_kl_controller(kc.type, kc.kl_coef, kc.target_kl or 0.1, kc.horizon)
     path_group = groups["pool"]
-    if cfg.rollout.stream_scoring:  # the path's collectives run while the scoring thread uses the pool's groups, one
-        # of which may be the pool group itself (groups are shared by rank set): the path gets a group of its own
+    if cfg.rollout.stream_scoring == "all":
+        # the path's collectives run while the scoring thread uses the roles' groups, one of which may be the pool
+        # group itself (groups are shared by rank set): the path gets a group of its own
         path_group = dist.new_group(list(groups.pool.ranks), use_local_synchronization=True,
                                     timeout=datetime.timedelta(seconds=cfg.trainer.collective_timeout_s))
     path = SamplePath(groups.pool, groups.rank, group=path_group, max_length=cfg.rollout.max_response_length,

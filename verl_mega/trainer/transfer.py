@@ -310,7 +310,7 @@ class SamplePath:
                 by_engine: bool = False) -> tuple[dict[int, Sample], torch.Tensor]:
         """This rank's rows (by row index) and every row's replica. ``prompt_tokens``: each row's prompt length,
         counted with its response for the balance. ``by_engine``: every row stays on the replica of the engine that
-        generated it (engines and replicas are the same rank sets; rollout.stream_scoring scored them there)."""
+        generated it (engines and replicas are the same rank sets; rollout.stream_scoring=all scored them there)."""
         if self.routing is not None:
             table = replace(table, routing=self.routing, prompt_len=torch.as_tensor(prompt_tokens, dtype=torch.long))
         if by_engine:
