@@ -25,7 +25,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_grpo_gpu import make_model  # noqa: E402
+from bench_grpo_gpu import add_model_args, make_model  # noqa: E402
 from long_tail import LengthDist, force_lengths  # noqa: E402
 
 KEYS = ("timing/step_s", "timing/rollout_s", "timing/old_logprob_s", "timing/ref_logprob_s", "timing/values_s",
@@ -41,10 +41,7 @@ def mean_of(steps: list[dict[str, float]], key: str) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model-dir", default=None, help="where the random model is built once (default under /tmp)")
-    ap.add_argument("--tiny", action="store_true", help="CPU smoke run on the bundled tiny model")
-    ap.add_argument("--prompts", type=int, default=32, help="prompts per step")
-    ap.add_argument("--group-size", type=int, default=8, help="samples per prompt")
+    add_model_args(ap)
     ap.add_argument("--median", type=int, default=128, help="median response length")
     ap.add_argument("--sigma", type=float, default=1.0, help="log-std of the response lengths")
     ap.add_argument("--cap", type=int, default=4096, help="longest response (rollout.max_response_length)")

@@ -222,12 +222,17 @@ def summarise(steps: list[dict[str, float]], world: int, arch=None, samples: int
     return res
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """The model and batch arguments shared by the RL-step benchmarks."""
     ap.add_argument("--model-dir", default=None, help="where the random model is built once (default under /tmp)")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run on the bundled tiny model")
     ap.add_argument("--prompts", type=int, default=32, help="prompts per step")
-    ap.add_argument("--group-size", type=int, default=8, help="samples per prompt (GRPO group)")
+    ap.add_argument("--group-size", type=int, default=8, help="samples per prompt (the GRPO group)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_args(ap)
     ap.add_argument("--response-length", type=int, default=512, help="fixed generation length")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3, help="timed steps of the hybrid engine")
