@@ -68,7 +68,8 @@ def test_multi_turn_calculator_reward_rises(tmp_path):
     assert len(rows) == 80
     first, last = _first_last(rows, "reward/mean")
     print(f"multi-turn calculator reward: first 10 steps {first:.3f}, last 10 steps {last:.3f}")
-    assert first < 0.25 and last > 0.45, (first, last)
+    # the warm start leaves the tool call and the copy half learnt; RL must make them reliable
+    assert first < 0.4 and last > 0.45 and last - first > 0.2, (first, last)
     calls = sum(r["rollout/tool_calls"] for r in rows[-10:]) / 10
     assert calls > 0.9, calls  # the policy calls the tool in nearly every episode
     assert all(r["rollout/turns"] >= 1 and 0 <= r["rollout/tool_error_frac"] <= 1 for r in rows)
