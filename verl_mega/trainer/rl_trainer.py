@@ -395,8 +395,9 @@ class RLTrainer:
         return partial, False
 
     def _old_logprob(self, ctx) -> torch.Tensor:
-        if self.scorer is not None and self.stream_roles:
-            out = {"logprobs": self._streamed("old_logprobs"), "entropy": self._streamed("entropy")}
+        streamed = self._streamed("old_logprobs")
+        if streamed is not None:
+            out = {"logprobs": streamed, "entropy": self._streamed("entropy")}
         else:
             out = self.actor.compute_logprobs(self.batch, with_entropy=True)
         self.batch["old_logprobs"] = out["logprobs"]

@@ -3,15 +3,17 @@
 A synchronous step scores after its slowest sample: with long-tailed response lengths the roles wait through the
 tail, then vLLM waits through scoring. Here the trainer steps vLLM itself and hands every finished prompt's samples
 to a :class:`StreamScorer`, whose thread scores them in micro-batches of ``chunk_rows`` samples while the engine
-keeps decoding the stragglers: reward function, reference log-probs, critic values, reward model, old log-probs.
+keeps decoding the stragglers: the reward function (``reward``) and, with ``all``, reference log-probs, critic
+values, reward model and old log-probs.
 
-- The thread runs on a CUDA stream of its own, so its kernels run beside vLLM's rather than between them; each
-  stage's interval is taken after its stream has finished, and goes to the profiler under the stage's own name, so
-  the Overlap Efficiency counts only what really ran during generation.
+- With device stages the thread runs on a CUDA stream of its own, so its kernels run beside vLLM's rather than
+  between them; each stage's interval is taken after its stream has finished, and goes to the profiler under the
+  stage's own name, so the Overlap Efficiency counts only what really ran during generation.
 - A micro-batch is the next ``chunk_rows`` samples in the order they finished, which is the same on every rank of
   an engine (their schedulers step on identical inputs): the ranks of a tensor-parallel group score the same rows
   in the same order, and their collectives match.
-- Only the tail is exposed: the last micro-batch, which starts when generation ends.
+- Only the tail is exposed: once fewer samples than a micro-batch are still generating, the caller flushes each
+  engine step's finished samples, and what finishes last is scored after generation ends.
 """
 
 from __future__ import annotations
