@@ -3,6 +3,8 @@ import warnings
 
 import pytest
 
+import slots
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("VLLM_CPU_CI_ENV", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -13,6 +15,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs CUDA GPUs; skipped without them")
     config.addinivalue_line("markers", "slow: multi-process or whole-run CPU test (every test under tests/distributed "
                                        "is one); the fast tier is -m 'not slow'")
+    config.addinivalue_line("markers", "alone: holds every CPU slot of the box while it runs (tests/slots.py): "
+                                       "nothing runs beside a test that bounds a time or races a signal")
     if config.option.durations is None:  # the slowest tests, listed at the end of every run: what to trim next
         config.option.durations = 15
 
@@ -29,3 +33,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Setup, call and teardown inside the test's CPU slots (the jobs it starts take theirs as they start)."""
+    with slots.test_slots(alone=item.get_closest_marker("alone") is not None):
+        yield

@@ -111,5 +111,26 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def exit_now(code: int) -> None:
+    """End the process the way the interpreter would (non-daemon threads joined, atexit handlers run, output
+    flushed), less its teardown of the imported modules: with torch, vLLM and Megatron loaded that takes seconds
+    (3-5 s measured on a 2-core box) and frees nothing the operating system does not free anyway. The job has
+    already closed what it opened (checkpoints written, workers and process groups shut down)."""
+    import atexit
+    import os
+    import threading
+
+    shutdown = getattr(threading, "_shutdown", None)  # what interpreter exit calls first
+    if shutdown is not None:
+        shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

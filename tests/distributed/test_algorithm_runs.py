@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+import slots
+
 from torchrun_util import free_port, run_in_session
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,7 +46,7 @@ def _first_last(rows: list[dict], key: str) -> tuple[float, float]:
 
 
 def test_dapo_and_gspo_meet_the_quickstart_bar(tmp_path):
-    with ThreadPoolExecutor(2) as pool:  # one process each: the two runs share the box's two cores
+    with slots.reserve(2), ThreadPoolExecutor(2) as pool:  # one process each, side by side
         dapo, gspo = pool.map(lambda args: _train(tmp_path, *args),
                               [("dapo", "quickstart_cpu.yaml", DAPO), ("gspo", "quickstart_cpu.yaml", GSPO)])
     assert len(dapo) == len(gspo) == 150

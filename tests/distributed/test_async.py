@@ -6,14 +6,12 @@ import importlib.util
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from torchrun_util import free_port, run_in_session, skip_unless_required
+from torchrun_util import free_port, run_in_session, skip_unless_required, start
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
@@ -47,7 +45,7 @@ def _train(tmp_path: Path, name: str, config: str, nproc: int, *overrides: str, 
     env = {**_env(tmp_path), **({"VERL_MEGA_FAULT_INJECT": fault} if fault else {})}
     if launcher == "ray":  # a local Ray cluster writes ~/.ray/auth_token, which other clusters then reject
         env["HOME"] = str(tmp_path / "home")
-    rc = run_in_session(cmd, env=env, log=log, timeout=timeout, cwd=ROOT)
+    rc = run_in_session(cmd, env=env, log=log, timeout=timeout, cwd=ROOT, real=launcher != "torchrun")
     assert (rc != 0) if fault else (rc == 0), log.read_text()[-5000:]
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -145,6 +143,7 @@ def test_under_other_launchers(tmp_path, launcher):
             {k: v for k, v in b.items() if not k.startswith(MEASURED)}
 
 
+@pytest.mark.alone
 @pytest.mark.slow
 def test_dead_rollout_rank_ends_the_job(tmp_path):
     """Both ranks started by hand (no launcher that would kill the survivors): kill -9 the rollout rank mid-run and
@@ -156,25 +155,20 @@ def test_dead_rollout_rank_ends_the_job(tmp_path):
     for rank in (0, 1):
         env = {**_env(tmp_path), "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
                "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        log = open(tmp_path / f"rank{rank}.log", "w")
-        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                      start_new_session=True))
+        procs.append(start(cmd, env=env, log=tmp_path / f"rank{rank}.log", cwd=ROOT))
     try:
         deadline = time.monotonic() + 600
         metrics = out / "metrics.jsonl"
         while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
             assert time.monotonic() < deadline and procs[0].poll() is None, (tmp_path / "rank0.log").read_text()[-3000:]
             time.sleep(0.5)
-        os.killpg(procs[1].pid, signal.SIGKILL)
+        procs[1].kill_session()
         killed = time.monotonic()
         rc = procs[0].wait(timeout=150)
         waited = time.monotonic() - killed
     finally:
         for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            p.kill_session()
     text = (tmp_path / "rank0.log").read_text()
     assert rc == 2, f"rc={rc}\n{text[-3000:]}"
     assert "error: rank 1 of pool 'rollout' did not answer" in text or \

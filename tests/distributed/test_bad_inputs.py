@@ -9,7 +9,6 @@ import os
 import pickle
 import shlex
 import shutil
-import subprocess
 import sys
 import contextlib
 import io
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from torchrun_util import run_captured
 
 from verl_mega.models.tiny import make_tiny_hf_model
 from verl_mega.trainer.ckpt_integrity import checkpoint_files, digest_files, write_manifest
@@ -108,9 +108,8 @@ def assets(tmp_path_factory):
     (root / "a_file").write_text("not a directory\n")
     # --- a real checkpoint (2 steps), and broken copies of it
     run = root / "run"
-    proc = subprocess.run([sys.executable, "-m", "verl_mega.train", "--config", RECIPE, f"trainer.output_dir={run}",
-                           *SMALL, "trainer.total_steps=2", "trainer.save_every=2"],
-                          capture_output=True, text=True, env=env, timeout=600)
+    proc = run_captured([sys.executable, "-m", "verl_mega.train", "--config", RECIPE, f"trainer.output_dir={run}",
+                         *SMALL, "trainer.total_steps=2", "trainer.save_every=2"], env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     ck = run / "checkpoints" / "step_000002"
     ckpts = root / "ckpts"
@@ -141,8 +140,8 @@ def assets(tmp_path_factory):
     shard.write_bytes(shard.read_bytes()[:1000])
     # --- an mcore checkpoint of the converters, and malicious / broken copies
     mcore = root / "mcore"
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "convert_hf_to_mcore.py"), "--hf-path", str(good),
-                           "--output", str(mcore)], capture_output=True, text=True, env=env, timeout=300)
+    proc = run_captured([sys.executable, str(ROOT / "tools" / "convert_hf_to_mcore.py"), "--hf-path", str(good),
+                         "--output", str(mcore)], env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     (_copy(mcore, root / "mcore_evil") / ".metadata").write_bytes(pickle.dumps(_Payload(root / "marker")))
     meta = (mcore / ".metadata").read_bytes()
@@ -288,7 +287,7 @@ def test_bad_inputs_fail_fast_with_one_line(assets, tmp_path):
             cmd = ["unshare", "-m", "sh", "-c", case.shell.format(mnt=mnt, cmd=shlex.join(cmd))]
         before = _listing(case.watch) if case.watch else None
         if case.sub or case.tool or case.shell:
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+            proc = run_captured(cmd, env=env, timeout=300)
             rc, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
         else:
             rc, stdout, stderr = _in_process(cmd[3:])

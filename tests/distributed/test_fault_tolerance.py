@@ -12,14 +12,13 @@ import json
 import os
 import shlex
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from torchrun_util import free_port, run_in_session
+from torchrun_util import free_port, run_in_session, start
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = str(ROOT / "configs" / "quickstart_cpu.yaml")
@@ -35,22 +34,6 @@ def _env(tmp_path: Path) -> dict:
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
-def _rank_pids(launcher_pid: int) -> dict[int, int]:
-    """RANK → pid of torchrun's worker processes (its direct children; reward workers are their children)."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            env = dict(kv.split("=", 1) for kv in (entry / "environ").read_text().split("\0") if "=" in kv)
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == launcher_pid and "RANK" in env:
-            found[int(env["RANK"])] = int(entry.name)
-    return found
-
-
 def _metric_rows(out: Path) -> list[dict]:
     path = out / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
@@ -64,28 +47,24 @@ def _sigterm_mid_run(tmp_path: Path, recipe: str, *, after_steps: int, ranks_to_
            "-m", "verl_mega.train", "--config", recipe, f"trainer.output_dir={out}", *SMALL,
            "trainer.total_steps=500", "trainer.save_every=0", "trainer.collective_timeout_s=120"]
     log = tmp_path / "train.log"
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, env=_env(tmp_path), stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    job = start(cmd, env=_env(tmp_path), log=log)
     try:
         deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and len(_metric_rows(out)) < after_steps and proc.poll() is None:
+        while time.monotonic() < deadline and len(_metric_rows(out)) < after_steps and job.poll() is None:
             time.sleep(0.5)
-        assert proc.poll() is None and len(_metric_rows(out)) >= after_steps, log.read_text()[-4000:]
-        ranks = _rank_pids(proc.pid)
-        assert sorted(ranks) == [0, 1], ranks
+        assert job.poll() is None and len(_metric_rows(out)) >= after_steps, log.read_text()[-4000:]
+        assert sorted(job.ranks) == [0, 1], job.ranks
         for rank in ranks_to_signal:
-            os.kill(ranks[rank], signal.SIGTERM)
+            os.kill(job.ranks[rank], signal.SIGTERM)
         sent = time.monotonic()
-        rc = proc.wait(timeout=120)
+        rc = job.wait(timeout=120)
         took = time.monotonic() - sent
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        job.kill_session()
     return rc, took, log.read_text(), out
 
 
+@pytest.mark.alone
 def test_sigterm_to_one_rank_stops_both_at_the_same_step(tmp_path):
     rc, took, text, out = _sigterm_mid_run(tmp_path, RECIPE, after_steps=2, ranks_to_signal=(1,))  # rank 0 unaware
     assert rc == 0, text[-4000:]
@@ -99,6 +78,7 @@ def test_sigterm_to_one_rank_stops_both_at_the_same_step(tmp_path):
     print(f"SIGTERM to rank 1 after step {last - 1}: both ranks saved step {last} and exited in {took:.1f} s")
 
 
+@pytest.mark.alone
 def test_sigterm_to_both_pools_saves_and_stops(tmp_path):
     """The rollout on a pool of its own, one step off-policy (configs/quickstart_async_cpu.yaml), SIGTERM to every
     rank (a preempted node): the rollout rank keeps serving, the trainer finishes its step, saves it and stops the
@@ -133,6 +113,7 @@ def exits(response, ground_truth):
 '''
 
 
+@pytest.mark.alone
 @pytest.mark.parametrize("function,first_error", [
     ("hangs", "first: timed out after 3s"),
     ("exits", "first: the worker process died (exit code 3) inside the function"),

@@ -3,14 +3,14 @@ parallelism (cp=2) with its gradients, Mixture-of-Experts models at (tp,pp,ep) �
 with their gradients, and the HF → mcore dist checkpoint (converted for tp=2,pp=2) → HF round trip, reloaded at
 other layouts."""
 
-import subprocess
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from torchrun_util import run_torchrun, tagged_report
+from torchrun_util import run_captured, run_torchrun, tagged_report
 from verl_mega.models.hf_io import HFCheckpointReader
 from verl_mega.models.tiny import make_tiny_hf_model, moe_fields
 
@@ -88,10 +88,10 @@ def test_moe_convert_roundtrip_and_reshard(models, tmp_path, model_type):
     EP ranks, layers over 2 stages) and converts back to the same HF tensors bit for bit."""
     src, mcore, back = models / model_type, tmp_path / "mcore", tmp_path / "hf"
     tools = ROOT / "tools"
-    subprocess.run([sys.executable, str(tools / "convert_hf_to_mcore.py"), "--hf-path", str(src), "--output",
-                    str(mcore), "--tp", "2", "--ep", "2"], check=True, capture_output=True, timeout=300)
-    subprocess.run([sys.executable, str(tools / "convert_mcore_to_hf.py"), "--mcore-path", str(mcore),
-                    "--output", str(back)], check=True, capture_output=True, timeout=300)
+    run_captured([sys.executable, str(tools / "convert_hf_to_mcore.py"), "--hf-path", str(src), "--output",
+                 str(mcore), "--tp", "2", "--ep", "2"], env=dict(os.environ), timeout=300, check=True)
+    run_captured([sys.executable, str(tools / "convert_mcore_to_hf.py"), "--mcore-path", str(mcore),
+                 "--output", str(back)], env=dict(os.environ), timeout=300, check=True)
     outputs = [back]
     if model_type == "qwen3_moe":  # the 4-rank reshard costs a minute on 2 cores: one model family is enough
         outputs.append(_reshard_through_ep2(models, model_type, mcore, tmp_path))
@@ -109,8 +109,8 @@ def _reshard_through_ep2(models, model_type, mcore, tmp_path):
                                   str(models), "--models", model_type, "--mcore-ckpt", str(mcore), "--save-ckpt",
                                   str(resaved), timeout=600))
     assert report[model_type]["logits_max_abs"] < 1e-5
-    subprocess.run([sys.executable, str(ROOT / "tools" / "convert_mcore_to_hf.py"), "--mcore-path", str(resaved),
-                    "--output", str(back2)], check=True, capture_output=True, timeout=300)
+    run_captured([sys.executable, str(ROOT / "tools" / "convert_mcore_to_hf.py"), "--mcore-path", str(resaved),
+                 "--output", str(back2)], env=dict(os.environ), timeout=300, check=True)
     return back2
 
 
@@ -119,10 +119,10 @@ def test_convert_roundtrip_and_reshard(models, tmp_path):
     mcore = tmp_path / "mcore"
     back = tmp_path / "hf"
     tools = ROOT / "tools"
-    subprocess.run([sys.executable, str(tools / "convert_hf_to_mcore.py"), "--hf-path", str(src), "--output",
-                    str(mcore), "--tp", "2", "--pp", "2"], check=True, capture_output=True, timeout=300)
-    subprocess.run([sys.executable, str(tools / "convert_mcore_to_hf.py"), "--mcore-path", str(mcore),
-                    "--output", str(back)], check=True, capture_output=True, timeout=300)
+    run_captured([sys.executable, str(tools / "convert_hf_to_mcore.py"), "--hf-path", str(src), "--output",
+                 str(mcore), "--tp", "2", "--pp", "2"], env=dict(os.environ), timeout=300, check=True)
+    run_captured([sys.executable, str(tools / "convert_mcore_to_hf.py"), "--mcore-path", str(mcore),
+                 "--output", str(back)], env=dict(os.environ), timeout=300, check=True)
     a, b = HFCheckpointReader(src), HFCheckpointReader(back)
     assert a.keys() == b.keys()
     for name in a.keys():
@@ -136,19 +136,18 @@ def test_convert_roundtrip_and_reshard(models, tmp_path):
 
 def test_converter_errors_leave_no_output(models, tmp_path):
     out = tmp_path / "out"
-    r = subprocess.run([sys.executable, str(ROOT / "tools" / "convert_hf_to_mcore.py"), "--hf-path",
-                        str(models / "qwen2"), "--output", str(out), "--tp", "3"],
-                       capture_output=True, text=True, timeout=300)
+    r = run_captured([sys.executable, str(ROOT / "tools" / "convert_hf_to_mcore.py"), "--hf-path",
+                     str(models / "qwen2"), "--output", str(out), "--tp", "3"], env=dict(os.environ), timeout=300)
     assert r.returncode == 2
     assert "parallel.tp=3 must divide num_attention_heads=4" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     assert not out.exists() and not list(tmp_path.glob(".out.tmp-*"))
-    r = subprocess.run([sys.executable, str(ROOT / "tools" / "convert_hf_to_mcore.py"), "--hf-path",
-                        str(models / "qwen3_moe"), "--output", str(out), "--ep", "3"],
-                       capture_output=True, text=True, timeout=300)
+    r = run_captured([sys.executable, str(ROOT / "tools" / "convert_hf_to_mcore.py"), "--hf-path",
+                     str(models / "qwen3_moe"), "--output", str(out), "--ep", "3"], env=dict(os.environ),
+                     timeout=300)
     assert r.returncode == 2 and "parallel.ep=3 does not divide the model's 8 experts" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and not out.exists()
-    r = subprocess.run([sys.executable, str(ROOT / "tools" / "convert_mcore_to_hf.py"), "--mcore-path",
-                        str(models / "qwen2"), "--output", str(out)], capture_output=True, text=True, timeout=300)
+    r = run_captured([sys.executable, str(ROOT / "tools" / "convert_mcore_to_hf.py"), "--mcore-path",
+                     str(models / "qwen2"), "--output", str(out)], env=dict(os.environ), timeout=300)
     assert r.returncode == 2 and "verl_mega_model.json is missing" in r.stderr
     assert not out.exists()

@@ -33,6 +33,7 @@ REPO = Path(__file__).resolve().parents[2]
 JOB = REPO / "tests" / "distributed" / "_allreduce_job.py"
 LAUNCH = REPO / "launch"
 DEADLINE_S = 150
+pytestmark = pytest.mark.alone  # 4 ranks started by the launchers themselves, and time bounds
 
 spec = importlib.util.spec_from_file_location("_allreduce_job", JOB)
 job = importlib.util.module_from_spec(spec)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchrun_util import run_in_session, run_torchrun
+from torchrun_util import run_in_session, run_torchrun, start
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 6
@@ -93,20 +93,16 @@ def test_sigterm_saves_current_step(reference, tmp_path):
     cmd = [sys.executable, "-m", "verl_mega.train", "--config", str(ROOT / "configs" / "quickstart_cpu.yaml"),
            f"trainer.output_dir={out}", *FAST, "trainer.total_steps=200", "trainer.save_every=0"]
     err_log = tmp_path / "sigterm.log"
-    proc = subprocess.Popen(cmd, env=_env(cache), stdout=subprocess.DEVNULL, stderr=open(err_log, "w"),
-                            start_new_session=True)
+    job = start(cmd, env=_env(cache), log=tmp_path / "sigterm.out", stderr=err_log)
     metrics = out / "metrics.jsonl"
     deadline = time.time() + 300
     while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
         time.sleep(0.5)
-    proc.send_signal(signal.SIGTERM)
+    job.send_signal(signal.SIGTERM)
     try:
-        rc = proc.wait(timeout=300)
+        rc = job.wait(timeout=300)
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        job.kill_session()
     assert rc == 0, err_log.read_text()[-3000:]
     last_logged = _rows(out)[-1]["step"]
     _check_checkpoints(out)

@@ -75,7 +75,7 @@ def same_results(a: Path, b: Path) -> bool:
     import json
 
     rows = [[json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (a, b)]
-    skip = ("timing/", "overlap/", "perf/", "weight_sync/seconds", "count/engine_steps")
+    skip = ("timing/", "overlap/", "perf/", "weight_sync/seconds", "count/engine_steps", "count/stream_chunks")
     for x, y in zip(*rows):
         differ = {k: (x.get(k), y.get(k)) for k in set(x) | set(y) if not k.startswith(skip) and x.get(k) != y.get(k)}
         assert not differ, f"step {x['step']}: {differ}"
@@ -113,15 +113,17 @@ def test_packed_run_reproduces_padded_losses(tmp_path):
         assert abs(rows["padded"][k] - rows["packed"][k]) < 1e-5, (k, rows["padded"][k], rows["packed"][k])
 
 
+@pytest.mark.alone
 def test_stream_scoring_scores_during_generation(tmp_path):
     """rollout.stream_scoring on PPO (critic, reference, rule reward), in micro-batches of 2 finished samples (one
     prompt's group). `reward` streams the reward function only: the same metrics as the synchronous step, bit for
     bit. `all`, dp=2 (two engines at tg=1): every metric equals the synchronous step's within float32 rounding
     (rows stay on their engine's replica, so the synchronous run keeps rows in order too: trainer.balance_batch=
     false). tp=2 (one engine on both ranks): the scoring thread's tensor-parallel collectives run beside vLLM's. In
-    both, the old log-probs scored during generation equal vLLM's own log-probs of its samples (check), and scoring
-    overlaps the rollout. Response lengths are long-tailed, forced per request (benchmarks/long_tail.py), the same in
-    every run."""
+    both, the old log-probs scored during generation equal vLLM's own log-probs of its samples (check). In every
+    streamed run, micro-batches are released for scoring while the engine still has samples generating (a count the
+    step decides from the finishing order; measured overlap seconds depend on scheduling). Response lengths are
+    long-tailed, forced per request (benchmarks/long_tail.py), the same in every run."""
     env = {"VERL_MEGA_CACHE": os.environ.get("VERL_MEGA_CACHE", str(tmp_path / "cache")),
            "VERL_MEGA_TEST_LENGTHS": "6,16"}  # lognormal response lengths (median 6, at most 16), EOS ignored
     runs = {}
@@ -135,12 +137,14 @@ def test_stream_scoring_scores_during_generation(tmp_path):
                      "rollout.stream_chunk=2", "critic.micro_batch_size_per_gpu=4", *SMALL, env=env, timeout=600)
         check(str(out), 3, critic=True)
         runs[name] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    for name in ("stream", "stream_tp2"):
+    # what the step decided, not how the threads happened to be scheduled: micro-batches were released for
+    # scoring while the engine still had samples generating; in `reward` the roles scored after the rollout ended
+    for name in ("stream", "stream_tp2", "reward"):
         for r in runs[name]:
-            assert r["overlap/efficiency"] > 0 and r["overlap/values_with_rollout_s"] > 0, r
+            assert 0 < r["count/stream_chunks_during_generation"] < r["count/stream_chunks"], (name, r)
             assert r["count/engine_steps"] >= 6, r  # the engine was stepped here, up to the longest sample
-    for r in runs["reward"]:  # the reward function ran during generation, the roles after it
-        assert r["overlap/reward_with_rollout_s"] > 0 and r["overlap/values_with_rollout_s"] == 0, r
+    for r in runs["reward"]:
+        assert r["overlap/values_with_rollout_s"] == 0, r
     skip = ("timing/", "overlap/", "perf/", "weight_sync/seconds", "count/")
     assert same_results(tmp_path / "sync", tmp_path / "reward")  # rewards streamed: nothing else changes
     for sync, stream in zip(runs["sync"], runs["stream"]):

@@ -1,11 +1,11 @@
 """The step-driven vLLM engine of a rollout pool (rollout/streaming.py), against vLLM's own generate."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from torchrun_util import run_captured
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -17,7 +17,6 @@ def test_streaming_engine_matches_generate_and_resumes_under_new_weights(tmp_pat
     make_tiny_hf_model(tmp_path / "a", seed=0)
     make_tiny_hf_model(tmp_path / "b", seed=1)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_CI_ENV": "1", "PYTHONWARNINGS": "ignore"}
-    done = subprocess.run([sys.executable, str(ROOT / "tests" / "distributed" / "jobs" / "streaming_job.py"),
-                           "--workdir", str(tmp_path)], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    done = run_captured([sys.executable, str(ROOT / "tests" / "distributed" / "jobs" / "streaming_job.py"),
+                         "--workdir", str(tmp_path)], env=env, cwd=ROOT, timeout=300)
     assert done.returncode == 0 and "STREAMING OK" in done.stdout, (done.stdout + done.stderr)[-5000:]

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from torchrun_util import run_captured
 
 from verl_mega.data.tasks import generated_task
 
@@ -20,8 +21,7 @@ QUICK = ["trainer.save_every=0", "logging.progress_bar=false", "logging.tensorbo
 def _run(args: list[str], tmp_path: Path, timeout: float = 900) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_CI_ENV": "1",
            "VERL_MEGA_CACHE": os.environ.get("VERL_MEGA_CACHE", str(tmp_path / "cache"))}
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env,
-                          cwd=ROOT, start_new_session=True)
+    return run_captured([sys.executable, *args], timeout=timeout, env=env, cwd=ROOT)
 
 
 @pytest.mark.slow

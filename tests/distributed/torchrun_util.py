@@ -1,23 +1,27 @@
-"""Run a job script under torchrun with a hard timeout; any rank failing fails the test with its output."""
+"""Run test jobs with a hard timeout; any rank failing fails the test with its output.
+
+Jobs start through this process's fork server (tests/prefork.py): real processes in a session of their own, without
+the interpreter start and the imports each time. ``real=True`` starts the command itself (the tests of torchrun,
+mpirun and Ray as launchers)."""
 
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
+import slots
+from prefork import Job, Launcher, free_port, ranks_of
+
 JOBS = Path(__file__).parent / "jobs"
+_LAUNCHER = Launcher()
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["JOBS", "free_port", "skip_unless_required", "start", "run_in_session", "run_captured", "run_torchrun",
+           "tagged_report"]
 
 
 def skip_unless_required(reason: str) -> None:
@@ -28,36 +32,68 @@ def skip_unless_required(reason: str) -> None:
     pytest.skip(reason)
 
 
+def start(cmd: list[str], *, env: dict, log: Path, stderr: Path | None = None, cwd: Path | str | None = None,
+          real: bool = False) -> Job:
+    """Start ``cmd`` in a session of its own, output to ``log`` (stderr too, unless ``stderr`` is given). Waits
+    for a CPU slot per rank first (tests/slots.py), held until the job has ended."""
+    taken = slots.job_started(ranks_of(cmd))
+    try:
+        job = _LAUNCHER.launch(cmd, env=env, stdout=log, stderr=stderr, cwd=cwd, real=real)
+    except BaseException:
+        slots.job_ended(taken)
+        raise
+    job.on_end(lambda: slots.job_ended(taken))
+    return job
+
+
+def run_in_session(cmd: list[str], *, env: dict, log: Path, timeout: float, cwd: Path | None = None,
+                   real: bool = False) -> int:
+    """Run `cmd` in its own session with output to `log`; afterwards kill the whole session (a killed trainer
+    leaves multiprocessing helpers behind, which would otherwise hold pipes or linger). Returns the exit code."""
+    job = start(cmd, env=env, log=log, cwd=cwd, real=real)
+    try:
+        return job.wait(timeout=timeout)
+    finally:
+        job.kill_session()
+
+
+def run_captured(cmd: list[str], *, env: dict, timeout: float, cwd: Path | None = None,
+                 check: bool = False) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True)`` in a session of its own; a timeout kills the
+    session and raises ``subprocess.TimeoutExpired``."""
+    with tempfile.TemporaryDirectory(prefix="job-") as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        job = start(cmd, env=env, log=out, stderr=err, cwd=cwd)
+        try:
+            rc = job.wait(timeout=timeout)
+        finally:
+            job.kill_session()
+        done = subprocess.CompletedProcess(cmd, rc, out.read_text(errors="replace"), err.read_text(errors="replace"))
+    if check:
+        assert rc == 0, f"{cmd} failed (rc={rc}):\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+    return done
+
+
 def run_torchrun(script: str, nproc: int, *args: str, timeout: float = 600, env: dict | None = None) -> str:
+    """``torchrun --nproc-per-node=nproc jobs/<script> args…``; returns the ranks' output."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
            f"--master-port={free_port()}", "--master-addr=127.0.0.1", str(JOBS / script), *args]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
                 "VLLM_CPU_CI_ENV": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"{script} timed out after {timeout}s:\n{out[-6000:]}") from None
-    if proc.returncode != 0:
-        raise AssertionError(f"{script} failed (rc={proc.returncode}):\n{out[-8000:]}")
-    return out
-
-
-def run_in_session(cmd: list[str], *, env: dict, log: Path, timeout: float, cwd: Path | None = None) -> int:
-    """Run `cmd` in its own session with output to `log`; afterwards kill the whole session (a killed trainer
-    leaves multiprocessing helpers behind, which would otherwise hold pipes or linger). Returns the exit code."""
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd)
+    with tempfile.TemporaryDirectory(prefix="torchrun-") as tmp:
+        log = Path(tmp) / "out"
+        job = start(cmd, env=full_env, log=log)
         try:
-            return proc.wait(timeout=timeout)
+            rc = job.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            job.kill_session()
+            raise AssertionError(f"{script} timed out after {timeout}s:\n{log.read_text()[-6000:]}") from None
         finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            job.kill_session()
+        out = log.read_text(errors="replace")
+    if rc != 0:
+        raise AssertionError(f"{script} failed (rc={rc}):\n{out[-8000:]}")
+    return out
 
 
 def tagged_report(out: str, tag: str) -> dict:

@@ -188,6 +188,7 @@ def _leftovers() -> tuple[int, int]:
     return threading.active_count(), len(multiprocessing.active_children())
 
 
+@pytest.mark.alone  # a time bound
 def test_pool_scores_in_order_and_survives_failures(user_file, caplog):
     fn = load_reward_fn(f"{user_file}:slow_or_bad")
     before = _leftovers()

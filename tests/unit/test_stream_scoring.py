@@ -126,3 +126,18 @@ def test_flush_scores_a_partial_micro_batch_and_restores_the_switch_interval():
     scorer.add([], flush=True)  # nothing pending: no empty micro-batch
     assert sorted(scorer.results()["v"]) == [0, 1, 2, 3, 4, 5]
     assert seen == [[0, 1, 2, 3], [4], [5]] and sys.getswitchinterval() == before
+
+
+def test_micro_batches_released_during_generation_are_counted_from_the_finishing_order():
+    """A micro-batch completed by samples that finished while others still generated counts as released during
+    generation; the tail flushed at generating=0 and the remainder scored at close() do not. The count follows the
+    adds alone, however the scoring thread is scheduled."""
+    scorer = StreamScorer(stages=[("values", lambda b: {"v": b["x"]})], pack=_pack, chunk_rows=2)
+    scorer.start()
+    scorer.add([(0, 1)], generating=5)
+    scorer.add([(1, 1), (2, 1)], generating=3)  # completes [0, 1]: during generation
+    scorer.add([(3, 1)], flush=True, generating=1)  # completes [2, 3]: during generation
+    scorer.add([(4, 1)], flush=True, generating=0)  # the last sample: after generation
+    scorer.add([(5, 1)])  # left pending, scored by close()
+    assert sorted(scorer.results()["v"]) == [0, 1, 2, 3, 4, 5]
+    assert scorer.chunks == 4 and scorer.chunks_during_generation == 2

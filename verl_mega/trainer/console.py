@@ -44,23 +44,45 @@ class _DropExpected(logging.Filter):
 
 
 def configure_console(verbose: bool = False) -> None:
-    """Call once, first thing, in an entry point (before vLLM, Megatron or transformers are imported)."""
+    """Call once, first thing, in an entry point. The result does not depend on whether vLLM, Megatron or
+    transformers were imported before (a user's script, or a process that preloaded them)."""
     # vLLM's records go through the root handler below instead of its own (one format, one filter)
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True)
+    if os.environ["VLLM_CONFIGURE_LOGGING"] == "0":
+        _take_over_vllm_logger()
     for name in THIRD_PARTY:
         logging.getLogger(name).setLevel(logging.INFO if verbose else logging.WARNING)
-    if verbose:
-        return
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(_DropExpected())
-    for category, message in _PY_WARNINGS:
-        warnings.filterwarnings("ignore", message=message, category=category)
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # its advisories; errors still raise
+    if not verbose:
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(_DropExpected())
+        for category, message in _PY_WARNINGS:
+            warnings.filterwarnings("ignore", message=message, category=category)
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # its advisories; errors still raise
     try:
         from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()  # "Loading weights" / "Writing model shards" bars of tiny models
     except ImportError:
-        pass
+        return
+    # transformers reads TRANSFORMERS_VERBOSITY once, when first imported: apply it (or verbose's INFO) here
+    level = hf_logging.log_levels.get(os.environ.get("TRANSFORMERS_VERBOSITY", "").lower())
+    if verbose:
+        hf_logging.set_verbosity_info()
+    elif level is not None:
+        hf_logging.set_verbosity(level)
+    if not verbose:
+        hf_logging.disable_progress_bar()  # "Loading weights" / "Writing model shards" bars of tiny models
+        try:
+            from huggingface_hub.utils import disable_progress_bars
+        except ImportError:
+            return
+        disable_progress_bars()  # HF_HUB_DISABLE_PROGRESS_BARS is read when huggingface_hub is imported
+
+
+def _take_over_vllm_logger() -> None:
+    """An imported vLLM configured a handler of its own on the "vllm" logger (VLLM_CONFIGURE_LOGGING was unset
+    then); its records go to the root handler instead, like those of a vLLM imported after this call."""
+    vllm_logger = logging.getLogger("vllm")
+    for handler in list(vllm_logger.handlers):
+        vllm_logger.removeHandler(handler)
+    vllm_logger.propagate = True

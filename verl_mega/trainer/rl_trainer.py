@@ -252,7 +252,7 @@ class RLTrainer:
             rows = [s.prompt * n + seen for seen, s in zip(_occurrence(s.prompt for s in samples), samples)]
             # once fewer samples than a micro-batch are still generating, waiting for a full one is waiting for
             # the end: the tail is scored as it finishes
-            self.scorer.add(list(zip(rows, samples)), flush=running < chunk)
+            self.scorer.add(list(zip(rows, samples)), flush=running < chunk, generating=running)
 
         try:
             return self.rollout.generate(prompts, specs, on_finished=finished)

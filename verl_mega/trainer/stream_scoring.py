@@ -53,7 +53,7 @@ class StreamScorer:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._scored: dict[str, dict[int, torch.Tensor]] = {}
-        self._chunks = 0
+        self._chunks = self._live_chunks = 0
 
     @property
     def active(self) -> bool:
@@ -64,7 +64,7 @@ class StreamScorer:
         """A new step: forget the last one's results and start the scoring thread."""
         if self._thread is not None:
             raise RuntimeError("StreamScorer.start: the previous step's scoring was not collected with results()")
-        self._scored, self._error, self._chunks = {}, None, 0
+        self._scored, self._error, self._chunks, self._live_chunks = {}, None, 0, 0
         # vLLM's loop and this thread share the GIL; a shorter switch interval hands it back to the engine
         # sooner after each of its device waits (the interval is restored in results())
         self._switch_interval = sys.getswitchinterval()
@@ -73,12 +73,13 @@ class StreamScorer:
         self._thread = threading.Thread(target=self._run, name="stream-scoring", daemon=True)
         self._thread.start()
 
-    def add(self, pairs: Sequence[tuple[int, Any]], *, flush: bool = False) -> None:
+    def add(self, pairs: Sequence[tuple[int, Any]], *, flush: bool = False, generating: int = 0) -> None:
         """Finished samples (their rows and samples); thread-safe, returns at once. ``flush``: score what has
         arrived without waiting for a full micro-batch (the caller decides it from the engine's state, so that every
-        rank of an engine cuts its micro-batches alike)."""
+        rank of an engine cuts its micro-batches alike). ``generating``: the engine's samples still generating when
+        these finished; a micro-batch completed by such an add is released during generation."""
         if pairs or flush:
-            self._inbox.put((list(pairs), flush))
+            self._inbox.put((list(pairs), flush, generating))
 
     def close(self) -> None:
         """No more samples this step: the thread scores what is left as one last micro-batch."""
@@ -105,6 +106,12 @@ class StreamScorer:
         """Micro-batches scored in the last step."""
         return self._chunks
 
+    @property
+    def chunks_during_generation(self) -> int:
+        """Micro-batches of the last step released while the engine still had samples generating: decided by the
+        finishing order alone, not by how the scoring thread happened to be scheduled."""
+        return self._live_chunks
+
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
         from verl_mega.parallel import cpu_mode
@@ -128,15 +135,15 @@ class StreamScorer:
                 item = self._inbox.get()
                 if item is _END:
                     break
-                pairs, flush = item
+                pairs, flush, generating = item
                 pending += pairs
                 while len(pending) >= self.chunk_rows or (flush and pending):
-                    self._score(pending[:self.chunk_rows], stream)
+                    self._score(pending[:self.chunk_rows], stream, during_generation=generating > 0)
                     pending = pending[self.chunk_rows:]
             if pending:
-                self._score(pending, stream)
+                self._score(pending, stream, during_generation=False)
 
-    def _score(self, pairs: list[tuple[int, Any]], stream) -> None:
+    def _score(self, pairs: list[tuple[int, Any]], stream, *, during_generation: bool) -> None:
         batch = self.pack(pairs)
         rows = [row for row, _ in pairs]
         for name, fn in self.stages:
@@ -154,6 +161,10 @@ class StreamScorer:
                 for row, v in zip(rows, value):
                     into[row] = v
         self._chunks += 1
+        self._live_chunks += during_generation
+        if self.profiler is not None:
+            self.profiler.add_counter("stream_chunks", 1.0)
+            self.profiler.add_counter("stream_chunks_during_generation", float(during_generation))
 
     def _now(self) -> float:
         return self.profiler.now() if self.profiler is not None else time.perf_counter()

@@ -1,0 +1,145 @@
+"""CPU slots shared by every test process on this box, so that tests run side by side (pytest-xdist) without
+oversubscribing the cores.
+
+There is one slot per core (``VERL_MEGA_TEST_SLOTS`` overrides). A running test holds one slot for its own process
+(a test marked ``alone`` holds them all, so nothing runs beside it); a job it starts needs a slot per rank, up to
+all of them, for as long as it runs. A process that must wait for slots gives back the slots it holds for itself
+while it waits (its own process is idle then), so two tests never wait on each other. Slots are ``flock`` locks on
+files: a process that dies gives its slots back with it.
+
+A test that starts several jobs at once reserves their slots first (``with slots.reserve(n)``); needing more slots
+while a job runs is refused, since waiting then could deadlock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+CAPACITY = int(os.environ.get("VERL_MEGA_TEST_SLOTS", os.cpu_count() or 1))
+DIR = Path(tempfile.gettempdir()) / f"verl_mega-test-slots-{os.getuid()}"
+
+
+class _Ledger:
+    """This process's slots: ``base`` for the test itself, ``reserved`` for a group of jobs, ``jobs`` in use."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._fds: list[int] = []
+        self.base = self.reserved = self.jobs = 0
+
+    @property
+    def held(self) -> int:
+        return len(self._fds)
+
+    def _want(self) -> int:
+        return min(CAPACITY, max(self.base, self.reserved, self.jobs))
+
+    def _release(self, keep: int) -> None:
+        while self.held > keep:
+            fd = self._fds.pop()
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+    def set(self, *, running: int = 0, **values: int) -> None:
+        """Change the wants and hold exactly what they add up to: give back extra slots, or wait for the missing
+        ones holding none (``running``: slots of jobs already running, which cannot wait, so that is refused)."""
+        with self._lock:
+            for key, value in values.items():
+                setattr(self, key, value)
+            want = self._want()
+            if self.held >= want:
+                self._release(want)
+                return
+            if running:
+                raise RuntimeError("slots: more slots needed while a job runs; reserve them first (slots.reserve)")
+            self._release(0)
+            self._fds += _acquire(want)
+
+
+LEDGER = _Ledger()
+
+
+def _acquire(n: int) -> list[int]:
+    """``n`` free slots, taken together (all or none at a time, so two waiting processes cannot split them)."""
+    DIR.mkdir(exist_ok=True)
+    gate_fd = os.open(DIR / "gate", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        while True:
+            fcntl.flock(gate_fd, fcntl.LOCK_EX)
+            taken = []
+            for i in range(CAPACITY):
+                fd = os.open(DIR / f"slot{i}", os.O_RDWR | os.O_CREAT, 0o600)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    os.close(fd)
+                    continue
+                taken.append(fd)
+                if len(taken) == n:
+                    break
+            if len(taken) == n:
+                fcntl.flock(gate_fd, fcntl.LOCK_UN)
+                return taken
+            for fd in taken:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                os.close(fd)
+            fcntl.flock(gate_fd, fcntl.LOCK_UN)
+            time.sleep(0.1)
+    finally:
+        os.close(gate_fd)
+
+
+@contextlib.contextmanager
+def test_slots(alone: bool) -> Iterator[None]:
+    """Around one test (setup, call and teardown): its own slot, or every slot."""
+    LEDGER.set(base=CAPACITY if alone else 1, reserved=0, jobs=0)
+    try:
+        yield
+    finally:
+        LEDGER.set(base=0, reserved=0, jobs=0)
+
+
+@contextlib.contextmanager
+def reserve(n: int) -> Iterator[None]:
+    """Slots for several jobs this test runs at once."""
+    with LEDGER._lock:
+        before = LEDGER.reserved
+        LEDGER.set(reserved=max(before, n))
+    try:
+        yield
+    finally:
+        LEDGER.set(reserved=before)
+
+
+def job_started(nproc: int) -> int:
+    """Take the slots of a job of ``nproc`` ranks (waits for them); returns what :func:`job_ended` gives back."""
+    n = min(CAPACITY, nproc)
+    with LEDGER._lock:
+        LEDGER.set(running=LEDGER.jobs, jobs=LEDGER.jobs + n)
+    return n
+
+
+def job_ended(n: int) -> None:
+    with LEDGER._lock:
+        LEDGER.set(jobs=max(0, LEDGER.jobs - n))
+
+
+@contextlib.contextmanager
+def idle() -> Iterator[None]:
+    """While this process only waits on another one (a shared run being made elsewhere): its own slots go back."""
+    with LEDGER._lock:
+        saved = (LEDGER.base, LEDGER.reserved)
+        if LEDGER.jobs:
+            raise RuntimeError("slots.idle: a job of this process is running")
+        LEDGER.set(base=0, reserved=0)
+    try:
+        yield
+    finally:
+        LEDGER.set(base=saved[0], reserved=saved[1])
