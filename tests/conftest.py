@@ -21,12 +21,21 @@ def pytest_configure(config):
         config.option.durations = 15
 
 
+# session fixtures of tests/distributed/conftest.py that are whole training runs (minutes each)
+WHOLE_RUNS = {"quickstart_run", "moe_quickstart_run", "dapo_run", "gspo_run", "calculator_run", "async_quickstart_run"}
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
     for item in items:  # multi-process jobs and whole training runs: minutes, not seconds
         if "distributed" in item.path.parts:
             item.add_marker(pytest.mark.slow)
+    # the longest first, so that pytest-xdist's workers do not end on them one after the other, and the tests that
+    # hold every slot last, when little else is left to wait for them; the same order on every worker (a stable
+    # sort of the collection order)
+    items.sort(key=lambda item: (not WHOLE_RUNS & set(getattr(item, "fixturenames", ())),
+                                 item.get_closest_marker("alone") is not None, "distributed" not in item.path.parts))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (run on a GPU machine)")

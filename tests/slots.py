@@ -1,11 +1,13 @@
 """CPU slots shared by every test process on this box, so that tests run side by side (pytest-xdist) without
 oversubscribing the cores.
 
-There is one slot per core (``VERL_MEGA_TEST_SLOTS`` overrides). A running test holds one slot for its own process
+There is one slot per core, plus one (``VERL_MEGA_TEST_SLOTS`` overrides): the ranks of a job wait on each other
+part of the time (a 2-rank job keeps 1.3 of 2 cores busy, measured on the 2-core box), so a single-process job fits
+beside it, while two multi-rank jobs never run at once. A running test holds one slot for its own process
 (a test marked ``alone`` holds them all, so nothing runs beside it); a job it starts needs a slot per rank, up to
 all of them, for as long as it runs. A process that must wait for slots gives back the slots it holds for itself
 while it waits (its own process is idle then), so two tests never wait on each other. Slots are ``flock`` locks on
-files: a process that dies gives its slots back with it.
+files: a process that dies gives its slots back with it. Waiting processes queue, first come first served.
 
 A test that starts several jobs at once reserves their slots first (``with slots.reserve(n)``); needing more slots
 while a job runs is refused, since waiting then could deadlock.
@@ -22,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-CAPACITY = int(os.environ.get("VERL_MEGA_TEST_SLOTS", os.cpu_count() or 1))
+CAPACITY = int(os.environ.get("VERL_MEGA_TEST_SLOTS", (os.cpu_count() or 1) + 1))
 DIR = Path(tempfile.gettempdir()) / f"verl_mega-test-slots-{os.getuid()}"
 
 
@@ -51,6 +53,7 @@ class _Ledger:
         """Change the wants and hold exactly what they add up to: give back extra slots, or wait for the missing
         ones holding none (``running``: slots of jobs already running, which cannot wait, so that is refused)."""
         with self._lock:
+            before = {key: getattr(self, key) for key in values}
             for key, value in values.items():
                 setattr(self, key, value)
             want = self._want()
@@ -58,6 +61,8 @@ class _Ledger:
                 self._release(want)
                 return
             if running:
+                for key, value in before.items():
+                    setattr(self, key, value)
                 raise RuntimeError("slots: more slots needed while a job runs; reserve them first (slots.reserve)")
             self._release(0)
             self._fds += _acquire(want)
@@ -67,12 +72,13 @@ LEDGER = _Ledger()
 
 
 def _acquire(n: int) -> list[int]:
-    """``n`` free slots, taken together (all or none at a time, so two waiting processes cannot split them)."""
+    """``n`` free slots, taken together. Waiters queue: only the first in line (the holder of the ``queue`` lock)
+    may take slots, so a test that needs many (``alone``) is not starved by tests that keep taking one."""
     DIR.mkdir(exist_ok=True)
-    gate_fd = os.open(DIR / "gate", os.O_RDWR | os.O_CREAT, 0o600)
+    queue_fd = os.open(DIR / "queue", os.O_RDWR | os.O_CREAT, 0o600)
     try:
+        fcntl.flock(queue_fd, fcntl.LOCK_EX)
         while True:
-            fcntl.flock(gate_fd, fcntl.LOCK_EX)
             taken = []
             for i in range(CAPACITY):
                 fd = os.open(DIR / f"slot{i}", os.O_RDWR | os.O_CREAT, 0o600)
@@ -83,17 +89,13 @@ def _acquire(n: int) -> list[int]:
                     continue
                 taken.append(fd)
                 if len(taken) == n:
-                    break
-            if len(taken) == n:
-                fcntl.flock(gate_fd, fcntl.LOCK_UN)
-                return taken
+                    return taken
             for fd in taken:
                 fcntl.flock(fd, fcntl.LOCK_UN)
                 os.close(fd)
-            fcntl.flock(gate_fd, fcntl.LOCK_UN)
-            time.sleep(0.1)
+            time.sleep(0.05)
     finally:
-        os.close(gate_fd)
+        os.close(queue_fd)  # releases the queue lock
 
 
 @contextlib.contextmanager

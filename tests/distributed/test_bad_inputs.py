@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from runs import RESUME_STEPS, SHORT
 from torchrun_util import run_captured
 
 from verl_mega.models.tiny import make_tiny_hf_model
@@ -25,10 +26,9 @@ from verl_mega.trainer.ckpt_integrity import checkpoint_files, digest_files, wri
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = str(ROOT / "configs" / "quickstart_cpu.yaml")
-# the checkpoint cases resume a short run saved with these (result-changing) settings
-SMALL = ["data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "actor.micro_batch_size_per_gpu=8", "rollout.n=4",
-         "rollout.max_response_length=6", "rollout.kv_cache_memory_bytes=33554432", "logging.progress_bar=false",
-         "logging.tensorboard=false", "logging.plot=false"]
+# the checkpoint cases resume the reference run, saved with these (result-changing) settings
+SMALL = SHORT
+CKPT_STEP = 4
 
 
 def _env(tmp_path) -> dict:
@@ -62,7 +62,7 @@ def _shard(ckpt: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
+def assets(tmp_path_factory, resume_reference):
     root = tmp_path_factory.mktemp("bad")
     env = _env(root)
     good = make_tiny_hf_model(root / "good", model_type="qwen2")
@@ -106,12 +106,9 @@ def assets(tmp_path_factory):
     (root / "dup.yaml").write_text(f"defaults: {RECIPE}\nactor:\n  lr: 1.0e-4\n  lr: 2.0e-4\n")
     (root / "empty.yaml").write_text("# nothing yet\n")
     (root / "a_file").write_text("not a directory\n")
-    # --- a real checkpoint (2 steps), and broken copies of it
-    run = root / "run"
-    proc = run_captured([sys.executable, "-m", "verl_mega.train", "--config", RECIPE, f"trainer.output_dir={run}",
-                         *SMALL, "trainer.total_steps=2", "trainer.save_every=2"], env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    ck = run / "checkpoints" / "step_000002"
+    # --- a real checkpoint (step 4 of the session's 6-step reference run, conftest.py), and broken copies of it
+    run, _ = resume_reference
+    ck = run / "checkpoints" / f"step_{CKPT_STEP:06d}"
     ckpts = root / "ckpts"
     ckpts.mkdir()
     variants = {name: _copy(ck, ckpts / name) for name in (
@@ -136,8 +133,9 @@ def assets(tmp_path_factory):
     torch.save({"optimizer": _Payload(root / "marker")}, variants["evil_common"] / "actor" / "common.pt")
     _forge_manifest(variants["evil_common"])
     broken_run = _copy(run, root / "broken_run")  # resume=auto with no intact checkpoint left
-    shard = _shard(broken_run / "checkpoints" / "step_000002")
-    shard.write_bytes(shard.read_bytes()[:1000])
+    for step in sorted((broken_run / "checkpoints").glob("step_*")):
+        shard = _shard(step)
+        shard.write_bytes(shard.read_bytes()[:1000])
     # --- an mcore checkpoint of the converters, and malicious / broken copies
     mcore = root / "mcore"
     proc = run_captured([sys.executable, str(ROOT / "tools" / "convert_hf_to_mcore.py"), "--hf-path", str(good),
@@ -164,7 +162,7 @@ def cases(a: Path) -> list[Case]:
     ck = a / "ckpts"
 
     def resume(name: str, *more: str) -> list[str]:
-        return [*SMALL, "trainer.total_steps=4", f"trainer.resume={ck / name}", *more]
+        return [*SMALL, f"trainer.total_steps={CKPT_STEP + 2}", f"trainer.resume={ck / name}", *more]
 
     return [
         # --- config
@@ -233,11 +231,11 @@ def cases(a: Path) -> list[Case]:
              watch=ck / "evil_common"),
         Case(resume("intact", "parallel.use_distributed_optimizer=false"),
              "holds the state of the distributed optimizer, which the plain one cannot load", watch=ck / "intact"),
-        Case([*SMALL, "trainer.total_steps=1", f"trainer.resume={ck / 'intact'}"],
-             "trainer.total_steps=1 is below step 2", watch=ck / "intact"),
+        Case([*SMALL, f"trainer.total_steps={CKPT_STEP - 1}", f"trainer.resume={ck / 'intact'}"],
+             f"trainer.total_steps={CKPT_STEP - 1} is below step {CKPT_STEP}", watch=ck / "intact"),
         Case(resume("intact", "actor.lr=0.1"), "config differs from intact in result-changing keys (actor.lr",
              watch=ck / "intact"),
-        Case([*SMALL, "trainer.total_steps=4", f"trainer.output_dir={a / 'broken_run'}"],
+        Case([*SMALL, f"trainer.total_steps={RESUME_STEPS + 2}", f"trainer.output_dir={a / 'broken_run'}"],
              "no older intact checkpoint", watch=a / "broken_run"),
         # --- converters
         Case(["--mcore-path", str(a / "mcore_evil")], "mcore_evil/.metadata refers to posix.system",

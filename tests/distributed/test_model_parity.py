@@ -11,59 +11,72 @@ import pytest
 import torch
 
 from torchrun_util import run_captured, run_torchrun, tagged_report
+
+from shared_runs import shared_dir
 from verl_mega.models.hf_io import HFCheckpointReader
-from verl_mega.models.tiny import make_tiny_hf_model, moe_fields
 
 ROOT = Path(__file__).resolve().parents[2]
 MOE = ("qwen3_moe", "mixtral", "qwen2_moe")
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("parity")
-    for mt in ("qwen2", "llama", "qwen3"):
-        make_tiny_hf_model(root / mt, model_type=mt, tie_word_embeddings=(mt == "llama"))
-    for mt in MOE:  # 8 experts, top-2, sharp enough routing (init_std 0.1) that every expert sees tokens
-        make_tiny_hf_model(root / mt, model_type=mt, init_std=0.1, extra=moe_fields(mt))
-    return root
 
 
 def _parity(out: str) -> dict:
     return tagged_report(out, "PARITY")
 
 
+def parity_run(factory, parity_models: Path, nproc: int, *args: str, timeout: float = 600) -> str:
+    """The output of ``jobs/model_parity.py ARGS --workdir MODELS``, run once per session: a run with
+    ``--packing`` serves both this file's logits checks and test_packing_parity.py's."""
+    def make(d: Path) -> None:
+        (d / "out.txt").write_text(run_torchrun("model_parity.py", nproc, *args, "--workdir", str(parity_models),
+                                                timeout=timeout))
+
+    return (shared_dir(factory, "parity" + "".join(args).replace("-", "_"), make) / "out.txt").read_text()
+
+
+# the layouts test_packing_parity.py checks packed micro-batches at: these runs check both
+PACKING_LAYOUTS = {"tp2": ["--tp", "2", "--pp", "1", "--packing"], "tp2-sp": ["--tp", "2", "--pp", "1", "--sp",
+                                                                              "--packing"],
+                   "pp2": ["--tp", "1", "--pp", "2", "--packing"],
+                   "cp2": ["--cp", "2", "--tp", "1", "--pp", "1", "--grads", "--packing"]}
+
+
 @pytest.mark.parametrize("layout", [("1", "1", False), ("2", "1", False), ("2", "1", True), ("1", "2", False)],
                          ids=["tp1pp1", "tp2pp1", "tp2pp1-sp", "tp1pp2"])
-def test_logits_match_hf(models, layout):
+def test_logits_match_hf(parity_models, layout, tmp_path_factory):
     tp, pp, sp = layout
-    args = ["--tp", tp, "--pp", pp, "--workdir", str(models)] + (["--sp"] if sp else [])
-    report = _parity(run_torchrun("model_parity.py", 2, *args, timeout=300))
+    packing = {("2", "1", False): "tp2", ("2", "1", True): "tp2-sp", ("1", "2", False): "pp2"}.get(layout)
+    args = PACKING_LAYOUTS[packing] if packing else ["--tp", tp, "--pp", pp] + (["--sp"] if sp else [])
+    report = _parity(parity_run(tmp_path_factory, parity_models, 2, *args))
     for mt in ("qwen2", "llama", "qwen3"):
         assert report[mt]["logits_max_abs"] < 1e-5
         print(mt, layout, report[mt])
 
 
+@pytest.fixture(scope="session")
+def cp1_reference(parity_models, tmp_path_factory) -> dict:
+    """The same checks at cp=1 (qwen2, with gradients), once for the three context-parallel layouts."""
+    return _parity(parity_run(tmp_path_factory, parity_models, 2, "--grads", "--models", "qwen2"))
+
+
 @pytest.mark.parametrize("layout", [("1", "1"), ("2", "1"), ("1", "2")], ids=["cp2", "cp2-tp2", "cp2-pp2"])
-def test_context_parallel_logits_and_gradients(models, layout):
+def test_context_parallel_logits_and_gradients(parity_models, layout, tmp_path_factory, cp1_reference):
     """Sequences split over 2 context-parallel ranks in load-balanced chunks: logits, the actor's log-probs and
     every parameter's gradient equal HF's (one unsplit sequence, fp32) within 1e-5; cp=1 passes the same checks."""
     tp, pp = layout
     nproc = 2 * int(tp) * int(pp)
-    report = _parity(run_torchrun("model_parity.py", nproc, "--cp", "2", "--tp", tp, "--pp", pp, "--grads",
-                                  "--workdir", str(models), timeout=600))
+    args = PACKING_LAYOUTS["cp2"] if layout == ("1", "1") else ["--cp", "2", "--tp", tp, "--pp", pp, "--grads"]
+    report = _parity(parity_run(tmp_path_factory, parity_models, nproc, *args))
     assert report["cp"] == 2
     for mt in ("qwen2", "llama", "qwen3"):
         assert report[mt]["logits_max_abs"] < 1e-5 and report[mt]["grad_max_abs"] < 1e-5, (mt, report[mt])
-    reference = _parity(run_torchrun("model_parity.py", 2, "--grads", "--workdir", str(models), "--models", "qwen2",
-                                     timeout=600))
-    assert reference["qwen2"]["grad_max_abs"] < 1e-5
+    assert cp1_reference["qwen2"]["grad_max_abs"] < 1e-5
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [(1, 1, 1, False, 1), (1, 1, 2, False, 1), (2, 1, 1, True, 1),
                                     (1, 2, 2, False, 1), (1, 1, 2, False, 2)],
                          ids=["tp1pp1ep1", "tp1pp1ep2", "tp2pp1ep1-sp", "tp1pp2ep2", "cp2ep2"])
-def test_moe_logits_and_gradients_match_hf(models, layout):
+def test_moe_logits_and_gradients_match_hf(parity_models, layout):
     """Qwen3-MoE, Mixtral and Qwen2-MoE (shared expert): logits, log-probs and every parameter's gradient (routed
     experts on their EP rank, through Megatron's alltoall token dispatcher over gloo) equal HF's within 1e-5; routing
     replay records HF's routing and, replaying other experts, gives HF's logits with its routers forced to them."""
@@ -71,7 +84,7 @@ def test_moe_logits_and_gradients_match_hf(models, layout):
     nproc = max(2, tp * pp * max(ep, cp))  # ep ranks come out of tp·cp·dp
     args = ["--tp", str(tp), "--pp", str(pp), "--ep", str(ep), "--cp", str(cp), "--grads", "--replay",
             "--models", ",".join(MOE),
-            "--workdir", str(models)] + (["--sp"] if sp else [])
+            "--workdir", str(parity_models)] + (["--sp"] if sp else [])
     report = _parity(run_torchrun("model_parity.py", nproc, *args, timeout=600))
     assert report["ep"] == ep
     for mt in MOE:
@@ -82,11 +95,11 @@ def test_moe_logits_and_gradients_match_hf(models, layout):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
-def test_moe_convert_roundtrip_and_reshard(models, tmp_path, model_type):
+def test_moe_convert_roundtrip_and_reshard(parity_models, tmp_path, model_type):
     """HF → mcore (one CPU process, validated for tp=2, ep=2) → HF is bit-exact; for Qwen3-MoE the layout-free
     checkpoint also loads at (tp, pp, ep) = (1, 2, 2) with HF's logits, is saved again there (experts sharded over 2
     EP ranks, layers over 2 stages) and converts back to the same HF tensors bit for bit."""
-    src, mcore, back = models / model_type, tmp_path / "mcore", tmp_path / "hf"
+    src, mcore, back = parity_models / model_type, tmp_path / "mcore", tmp_path / "hf"
     tools = ROOT / "tools"
     run_captured([sys.executable, str(tools / "convert_hf_to_mcore.py"), "--hf-path", str(src), "--output",
                  str(mcore), "--tp", "2", "--ep", "2"], env=dict(os.environ), timeout=300, check=True)
@@ -94,7 +107,7 @@ def test_moe_convert_roundtrip_and_reshard(models, tmp_path, model_type):
                  "--output", str(back)], env=dict(os.environ), timeout=300, check=True)
     outputs = [back]
     if model_type == "qwen3_moe":  # the 4-rank reshard costs a minute on 2 cores: one model family is enough
-        outputs.append(_reshard_through_ep2(models, model_type, mcore, tmp_path))
+        outputs.append(_reshard_through_ep2(parity_models, model_type, mcore, tmp_path))
     a = HFCheckpointReader(src)
     for out in outputs:
         b = HFCheckpointReader(out)
@@ -103,19 +116,19 @@ def test_moe_convert_roundtrip_and_reshard(models, tmp_path, model_type):
             assert torch.equal(a.get(name), b.get(name)), name  # bit-exact
 
 
-def _reshard_through_ep2(models, model_type, mcore, tmp_path):
+def _reshard_through_ep2(parity_models, model_type, mcore, tmp_path):
     resaved, back2 = tmp_path / "mcore_ep2", tmp_path / "hf2"
     report = _parity(run_torchrun("model_parity.py", 4, "--tp", "1", "--pp", "2", "--ep", "2", "--workdir",
-                                  str(models), "--models", model_type, "--mcore-ckpt", str(mcore), "--save-ckpt",
-                                  str(resaved), timeout=600))
+                                  str(parity_models), "--models", model_type, "--mcore-ckpt", str(mcore),
+                                  "--save-ckpt", str(resaved), timeout=600))
     assert report[model_type]["logits_max_abs"] < 1e-5
     run_captured([sys.executable, str(ROOT / "tools" / "convert_mcore_to_hf.py"), "--mcore-path", str(resaved),
                  "--output", str(back2)], env=dict(os.environ), timeout=300, check=True)
     return back2
 
 
-def test_convert_roundtrip_and_reshard(models, tmp_path):
-    src = models / "qwen2"
+def test_convert_roundtrip_and_reshard(parity_models, tmp_path):
+    src = parity_models / "qwen2"
     mcore = tmp_path / "mcore"
     back = tmp_path / "hf"
     tools = ROOT / "tools"
@@ -129,25 +142,26 @@ def test_convert_roundtrip_and_reshard(models, tmp_path):
         assert torch.equal(a.get(name), b.get(name)), name  # bit-exact
     # the converted checkpoint loads at other layouts and gives HF's logits
     for tp, pp in (("1", "1"), ("2", "1"), ("1", "2")):
-        report = _parity(run_torchrun("model_parity.py", 2, "--tp", tp, "--pp", pp, "--workdir", str(models),
+        report = _parity(run_torchrun("model_parity.py", 2, "--tp", tp, "--pp", pp, "--workdir", str(parity_models),
                                       "--models", "qwen2", "--mcore-ckpt", str(mcore), timeout=300))
         assert report["qwen2"]["logits_max_abs"] < 1e-5
 
 
-def test_converter_errors_leave_no_output(models, tmp_path):
+def test_converter_errors_leave_no_output(parity_models, tmp_path):
     out = tmp_path / "out"
     r = run_captured([sys.executable, str(ROOT / "tools" / "convert_hf_to_mcore.py"), "--hf-path",
-                     str(models / "qwen2"), "--output", str(out), "--tp", "3"], env=dict(os.environ), timeout=300)
+                     str(parity_models / "qwen2"), "--output", str(out), "--tp", "3"], env=dict(os.environ),
+                     timeout=300)
     assert r.returncode == 2
     assert "parallel.tp=3 must divide num_attention_heads=4" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     assert not out.exists() and not list(tmp_path.glob(".out.tmp-*"))
     r = run_captured([sys.executable, str(ROOT / "tools" / "convert_hf_to_mcore.py"), "--hf-path",
-                     str(models / "qwen3_moe"), "--output", str(out), "--ep", "3"], env=dict(os.environ),
+                     str(parity_models / "qwen3_moe"), "--output", str(out), "--ep", "3"], env=dict(os.environ),
                      timeout=300)
     assert r.returncode == 2 and "parallel.ep=3 does not divide the model's 8 experts" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and not out.exists()
     r = run_captured([sys.executable, str(ROOT / "tools" / "convert_mcore_to_hf.py"), "--mcore-path",
-                     str(models / "qwen2"), "--output", str(out)], env=dict(os.environ), timeout=300)
+                     str(parity_models / "qwen2"), "--output", str(out)], env=dict(os.environ), timeout=300)
     assert r.returncode == 2 and "verl_mega_model.json is missing" in r.stderr
     assert not out.exists()

@@ -1,26 +1,14 @@
 """The README's main job, as a user runs it: GRPO on the generated addition task with the bundled tiny model.
-The mean reward must rise clearly: first 10 steps < 0.3, last 10 steps > 0.6 (measured: 0.19 → 0.87)."""
-
-import json
-import os
-import sys
-from pathlib import Path
+The mean reward must rise clearly: first 10 steps < 0.3, last 10 steps > 0.6 (measured: 0.19 → 0.87).
+The runs are the session's whole runs (conftest.py), which other tests may read too."""
 
 import pytest
-from torchrun_util import run_in_session
-
-ROOT = Path(__file__).resolve().parents[2]
+from runs import metric_rows
 
 
-def test_quickstart_reward_rises(tmp_path):
-    out = tmp_path / "out"
-    env = {**os.environ, "VERL_MEGA_CACHE": os.environ.get("VERL_MEGA_CACHE", str(tmp_path / "cache"))}
-    cmd = [sys.executable, "-m", "verl_mega.train", "--config", str(ROOT / "configs" / "quickstart_cpu.yaml"),
-           f"trainer.output_dir={out}", "logging.progress_bar=false"]
-    log = tmp_path / "train.log"
-    rc = run_in_session(cmd, env=env, log=log, timeout=900, cwd=ROOT)
-    assert rc == 0, log.read_text()[-5000:]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+def test_quickstart_reward_rises(quickstart_run):
+    out = quickstart_run
+    rows = metric_rows(out)
     assert [r["step"] for r in rows] == list(range(1, 151))
     assert all("reward/mean" in r and "timing/step_s" in r for r in rows)
     first = sum(r["reward/mean"] for r in rows[:10]) / 10
@@ -33,18 +21,11 @@ def test_quickstart_reward_rises(tmp_path):
 
 
 @pytest.mark.slow
-def test_quickstart_moe_reward_rises(tmp_path):
+def test_quickstart_moe_reward_rises(moe_quickstart_run):
     """configs/quickstart_moe_cpu.yaml: the same job with a tiny Qwen3-MoE actor (8 experts, top-2; Megatron's MoE
     layer in training, vLLM-CPU's fused-MoE kernel in rollout, expert weights synced by the 3D-HybridEngine) and
     routing replay (R2) meets the same bar (measured on a 2-core box: 0.19 → 0.92 in 3 min 16 s)."""
-    out = tmp_path / "out"
-    env = {**os.environ, "VERL_MEGA_CACHE": os.environ.get("VERL_MEGA_CACHE", str(tmp_path / "cache"))}
-    cmd = [sys.executable, "-m", "verl_mega.train", "--config", str(ROOT / "configs" / "quickstart_moe_cpu.yaml"),
-           f"trainer.output_dir={out}", "logging.progress_bar=false", "trainer.save_every=0", "logging.plot=false"]
-    log = tmp_path / "train.log"
-    rc = run_in_session(cmd, env=env, log=log, timeout=900, cwd=ROOT)
-    assert rc == 0, log.read_text()[-5000:]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(moe_quickstart_run)
     assert [r["step"] for r in rows] == list(range(1, 151))
     first = sum(r["reward/mean"] for r in rows[:10]) / 10
     last = sum(r["reward/mean"] for r in rows[-10:]) / 10

@@ -4,7 +4,6 @@ time reproduces the per-step metrics of an uninterrupted run exactly (determinis
 for background saves (checkpoint.async_save), whose checkpoints equal the synchronous ones bit for bit."""
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -15,25 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from runs import RESUME_RUN, RESUME_STEPS, resume_env
 from torchrun_util import run_in_session, run_torchrun, start
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 6
-FAST = [f"trainer.total_steps={STEPS}", "trainer.save_every=2", "checkpoint.keep_last=2", "logging.progress_bar=false",
-        "logging.tensorboard=false", "logging.plot=false", "data.train_batch_size=8", "actor.ppo_mini_batch_size=4",
-        "actor.micro_batch_size_per_gpu=8", "rollout.n=4", "rollout.max_response_length=6",
-        "rollout.kv_cache_memory_bytes=33554432"]
+STEPS, FAST = RESUME_STEPS, RESUME_RUN  # the reference run's settings (conftest.py: resume_reference)
 # counters of syncs performed and wall-clock figures legitimately differ between runs
 VOLATILE = ("timing/", "overlap/", "perf/", "weight_sync/seconds", "weight_sync/version", "rollout/weight_version")
 
 
-def _env(cache: str, fault: str | None = None) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "VLLM_CPU_CI_ENV": "1",
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VERL_MEGA_CACHE": cache}
-    env.pop("VERL_MEGA_FAULT_INJECT", None)
-    if fault:
-        env["VERL_MEGA_FAULT_INJECT"] = fault
-    return env
+_env = resume_env
 
 
 def _train(out: Path, cache: str, fault: str | None = None, *extra: str) -> subprocess.CompletedProcess:
@@ -61,12 +51,11 @@ def _check_checkpoints(out: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ref")
-    cache = str(root / "cache")
-    proc = _train(root / "run", cache)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return _rows(root / "run"), cache, root / "run"
+def reference(resume_reference):
+    """The uninterrupted run (made once per session, conftest.py): its metrics, its model cache, its directory."""
+    run, cache = resume_reference
+    _check_checkpoints(run)
+    return _rows(run), cache, run
 
 
 def test_kill9_at_many_points_then_resume_matches(reference, tmp_path):

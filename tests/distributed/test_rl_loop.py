@@ -11,6 +11,8 @@ import pytest
 
 from torchrun_util import run_torchrun
 
+from shared_runs import shared_dir
+
 sys.path.insert(0, str(Path(__file__).parent / "jobs"))
 from rl_steps import check  # noqa: E402
 
@@ -22,14 +24,21 @@ SMALL = ["trainer.total_steps=3", "trainer.save_every=0", "logging.progress_bar=
 
 @pytest.mark.parametrize("recipe,critic", [("quickstart_cpu.yaml", False), ("ppo_cpu.yaml", True)], ids=["grpo", "ppo"])
 @pytest.mark.parametrize("layout", [("2", "1"), ("1", "2")], ids=["tp2pp1", "tp1pp2"])
-def test_rl_steps(tmp_path, recipe, critic, layout):
-    tp, pp = layout
-    out = tmp_path / "run"
-    run_torchrun("rl_steps.py", 2, str(ROOT / "configs" / recipe), str(out), f"parallel.tp={tp}",
-                 f"parallel.pp={pp}", f"rollout.gen_tp={tp}", *SMALL,
-                 env={"VERL_MEGA_CACHE": os.environ.get("VERL_MEGA_CACHE", str(tmp_path / "cache"))}, timeout=600)
+def test_rl_steps(tmp_path_factory, recipe, critic, layout):
+    out = rl_steps_run(tmp_path_factory, recipe, *layout)
     last = check(str(out), 3, critic=critic)
     assert last["kl/actor_ref"] != 0.0 or not critic  # the policy moved away from the reference
+
+
+def rl_steps_run(factory, recipe: str, tp: str, pp: str) -> Path:
+    """The 3 steps of ``recipe`` at (tp, pp) that test_rl_steps checks, made once per session (the packing test
+    compares its first step too)."""
+    def make(d: Path) -> None:
+        run_torchrun("rl_steps.py", 2, str(ROOT / "configs" / recipe), str(d / "run"), f"parallel.tp={tp}",
+                     f"parallel.pp={pp}", f"rollout.gen_tp={tp}", *SMALL,
+                     env={"VERL_MEGA_CACHE": os.environ.get("VERL_MEGA_CACHE", str(d / "cache"))}, timeout=600)
+
+    return shared_dir(factory, f"rl-steps-{recipe.split('.')[0]}-tp{tp}pp{pp}", make) / "run"
 
 
 def test_rl_steps_data_parallel(tmp_path):
@@ -94,19 +103,21 @@ def test_rl_steps_context_parallel(tmp_path):
     assert last["kl/actor_ref"] != 0.0
 
 
-def test_packed_run_reproduces_padded_losses(tmp_path):
+def test_packed_run_reproduces_padded_losses(tmp_path, tmp_path_factory):
     """PPO at tp=1, pp=2: one step with padded micro-batches and one with packed sequences under a token budget
     (which padded rows could not do with pp>1). The rollouts are the same, so the first step's losses, gradient
-    norms and critic loss agree within 1e-5 (float32)."""
-    rows = {}
-    for name, extra in (("padded", []), ("packed", ["model.use_remove_padding=true", "actor.use_dynamic_bsz=true",
-                                                    "actor.max_tokens_per_gpu=160", "critic.use_dynamic_bsz=true",
-                                                    "critic.max_tokens_per_gpu=160"])):
-        out = tmp_path / name
-        run_torchrun("rl_steps.py", 2, str(ROOT / "configs" / "ppo_cpu.yaml"), str(out), "parallel.tp=1",
-                     "parallel.pp=2", "rollout.gen_tp=1", *SMALL, "trainer.total_steps=1", *extra,
-                     env={"VERL_MEGA_CACHE": os.environ.get("VERL_MEGA_CACHE", str(tmp_path / "cache"))}, timeout=600)
-        rows[name] = check(str(out), 1, critic=True)
+    norms and critic loss agree within 1e-5 (float32). The padded step is the first of test_rl_steps[tp1pp2-ppo]'s
+    run (the LR is constant: a 1-step run's step equals it)."""
+    padded = rl_steps_run(tmp_path_factory, "ppo_cpu.yaml", "1", "2")
+    check(str(padded), 3, critic=True)
+    rows = {"padded": [json.loads(line) for line in (padded / "metrics.jsonl").read_text().splitlines()][0]}
+    out = tmp_path / "packed"
+    run_torchrun("rl_steps.py", 2, str(ROOT / "configs" / "ppo_cpu.yaml"), str(out), "parallel.tp=1",
+                 "parallel.pp=2", "rollout.gen_tp=1", *SMALL, "trainer.total_steps=1", "model.use_remove_padding=true",
+                 "actor.use_dynamic_bsz=true", "actor.max_tokens_per_gpu=160", "critic.use_dynamic_bsz=true",
+                 "critic.max_tokens_per_gpu=160",
+                 env={"VERL_MEGA_CACHE": os.environ.get("VERL_MEGA_CACHE", str(tmp_path / "cache"))}, timeout=600)
+    rows["packed"] = check(str(out), 1, critic=True)
     keys = ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm")
     assert rows["padded"]["actor/pg_loss"] != 0.0
     for k in keys:

@@ -20,8 +20,8 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
-from verl_mega.rollout.vllm_rollout import (RolloutBatch, RolloutError, SamplingSpec, VLLMRollout, sampled_logprobs,
-                                            sampling_params)
+from verl_mega.rollout.vllm_rollout import (RolloutBatch, RolloutError, SamplingSpec, VLLMRollout, engine_stance,
+                                            sampled_logprobs, sampling_params)
 
 
 @dataclass
@@ -90,7 +90,9 @@ class StreamingEngine:
             return []
         done = []
         version = self.version
-        for out in self._engine.step():
+        with engine_stance():
+            outputs = self._engine.step()
+        for out in outputs:
             key = self._owner.get(out.request_id)
             if key is None:
                 continue

@@ -202,11 +202,12 @@ class VLLMRollout:
             # global RNG differently on each rank; run vLLM's sampler from a stream shared by the engine's ranks
             # (distinct per engine and call) and give the training RNG back untouched.
             params = [sampling_params(spec, None) for spec in specs] if per_prompt else sampling_params(sampling, None)
-            with _forked_rng(hash((self.config.seed, self.engine_index, self._calls)) % (2**31)):
+            with _forked_rng(hash((self.config.seed, self.engine_index, self._calls)) % (2**31)), engine_stance():
                 outputs = self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
         else:  # explicit seeds: one per prompt, so prompts do not share noise
             params = [sampling_params(spec, spec.seed + (0 if per_prompt else i)) for i, spec in enumerate(specs)]
-            outputs = self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
+            with engine_stance():
+                outputs = self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
         batch = RolloutBatch(prompt_index=[], token_ids=[], logprobs=[] if sampling.logprobs else None,
                              finish_reasons=[], weight_version=self.weight_version)
         batch.phases = _phases(outputs, start, time.perf_counter())
@@ -314,6 +315,16 @@ def sampling_params(spec: SamplingSpec, seed: int | None, *, stream: bool = Fals
     if stream:
         kwargs["output_kind"] = RequestOutputKind.DELTA
     return SamplingParams(**kwargs)
+
+
+def engine_stance() -> contextlib.AbstractContextManager:
+    """Around calls into vLLM's engine. vLLM's sampler compiles a small helper with ``torch.compile`` on its first
+    call (the ranks of sampled tokens): 3-4 s in every process on CPU, measured on the 2-core box, more than a whole
+    quickstart step, for nothing at CPU batch sizes. On CPU those calls run eagerly (the compiler's ``force_eager``
+    stance, for vLLM's calls only); on GPU vLLM compiles as it chooses."""
+    from verl_mega.parallel.cpu_mode import cuda_available
+
+    return contextlib.nullcontext() if cuda_available() else torch.compiler.set_stance("force_eager")
 
 
 @contextlib.contextmanager

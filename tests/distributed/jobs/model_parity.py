@@ -3,7 +3,7 @@
 Args: --tp --pp [--cp] [--ep] [--sp] [--grads] --models qwen2,llama,qwen3 --workdir DIR [--mcore-ckpt DIR]
 [--save-ckpt DIR] (saves the loaded model again at this layout, as a dist checkpoint the converters read)
 [--replay] (MoE, with --grads: recorded routing equals HF's; replaying other experts gives HF's logits with its routers
-forced to them)
+forced to them) [--packing] (then packed vs padded micro-batches on qwen2 at this layout: jobs/packing_parity.py)
 
 Logits, log-probs and entropy go through the engine's forward (and, for log-probs, the actor's own path); with
 ``--grads`` one training step (lr 0) of a log-likelihood loss through the same path leaves the gradient in
@@ -31,6 +31,7 @@ def main() -> None:
     ap.add_argument("--mcore-ckpt", default=None)
     ap.add_argument("--save-ckpt", default=None)
     ap.add_argument("--replay", action="store_true")
+    ap.add_argument("--packing", action="store_true", help="also packed vs padded (jobs/packing_parity.py) on qwen2")
     args = ap.parse_args()
 
     from megatron.core.optimizer import OptimizerConfig
@@ -118,7 +119,13 @@ def main() -> None:
                 report[mt]["replay_logits_max_abs"] = _check_replay(engine, arch, groups, path, ids, pos)
     if dist.get_rank() == 0:
         print("PARITY " + json.dumps({"tp": args.tp, "pp": args.pp, "cp": args.cp, "ep": args.ep, "sp": args.sp,
-                                      **report}))
+                                      **report}), flush=True)
+    if args.packing:
+        from packing_parity import check_packing
+
+        packing = check_packing(groups, str(Path(args.workdir) / "qwen2"))
+        if dist.get_rank() == 0:
+            print("PACKING " + json.dumps(packing), flush=True)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -1,6 +1,7 @@
 """Packed (THD) against padded micro-batches on 2 ranks at one layout (--tp/--pp/--cp/--sp): log-probs, entropies and
 critic values in the forward, and the accumulated gradients of one actor update, all in float32. Prints
-``PACKING {json}`` on rank 0; any mismatch raises on the rank that sees it."""
+``PACKING {json}`` on rank 0; any mismatch raises on the rank that sees it. The tests run it inside
+jobs/model_parity.py (``--packing``), at layouts whose logits that job checks anyway."""
 
 from __future__ import annotations
 
@@ -38,32 +39,24 @@ def reduced_grads(engine) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--pp", type=int, default=1)
-    ap.add_argument("--cp", type=int, default=1)
-    ap.add_argument("--sp", action="store_true")
-    ap.add_argument("--model", required=True)
-    args = ap.parse_args()
-
+def check_packing(groups, model: str) -> dict:
+    """The packed-vs-padded comparison on an initialised layout (``groups``); raises on a mismatch, returns the
+    report. tests/distributed/jobs/model_parity.py runs it too (``--packing``), after its own checks."""
     import torch.distributed as dist
 
     from verl_mega.config import load_config
-    from verl_mega.parallel.state import init_distributed
     from verl_mega.trainer import setup
     from verl_mega.trainer.roles import Actor, Critic
 
-    groups = init_distributed(tp=args.tp, pp=args.pp, cp=args.cp, sequence_parallel=args.sp, seed=1)
     keys = ["actor.lr=1e-3", "actor.use_kl_loss=true", "model.dtype=float32", "actor.micro_batch_size_per_gpu=3",
-            "critic.micro_batch_size_per_gpu=3", f"model.path={args.model}", "data.max_prompt_length=16",
+            "critic.micro_batch_size_per_gpu=3", f"model.path={model}", "data.max_prompt_length=16",
             "rollout.max_response_length=14", "actor.entropy_coeff=0.01"]
     cfg = load_config("configs/quickstart_cpu.yaml", keys)
 
     def roles(packed: bool):
         torch.manual_seed(0)
-        a = setup.build_role_engine(cfg, groups, args.model, role_cfg=cfg.actor, total_steps=4)
-        c = setup.build_role_engine(cfg, groups, args.model, role_cfg=cfg.critic, value_head=True, total_steps=4)
+        a = setup.build_role_engine(cfg, groups, model, role_cfg=cfg.actor, total_steps=4)
+        c = setup.build_role_engine(cfg, groups, model, role_cfg=cfg.critic, value_head=True, total_steps=4)
         return (Actor(a.engine, cfg.actor, vocab_size=a.arch.vocab_size, temperature=0.9, packed=packed),
                 Critic(c.engine, cfg.critic, packed=packed))
 
@@ -89,6 +82,24 @@ def main() -> None:
     assert report["grad_scale"] > 1e-3, report
     bad = {k: v for k, v in report.items() if k != "grad_scale" and not v < 1e-5}
     assert not bad, f"rank {dist.get_rank()}: packed and padded differ: {bad}"
+    return report
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--cp", type=int, default=1)
+    ap.add_argument("--sp", action="store_true")
+    ap.add_argument("--model", required=True)
+    args = ap.parse_args()
+
+    import torch.distributed as dist
+
+    from verl_mega.parallel.state import init_distributed
+
+    groups = init_distributed(tp=args.tp, pp=args.pp, cp=args.cp, sequence_parallel=args.sp, seed=1)
+    report = check_packing(groups, args.model)
     if dist.get_rank() == 0:
         print("PACKING " + json.dumps(report), flush=True)
     dist.destroy_process_group()
