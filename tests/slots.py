@@ -3,11 +3,12 @@ oversubscribing the cores.
 
 There is one slot per core, plus one (``VERL_MEGA_TEST_SLOTS`` overrides): the ranks of a job wait on each other
 part of the time (a 2-rank job keeps 1.3 of 2 cores busy, measured on the 2-core box), so a single-process job fits
-beside it, while two multi-rank jobs never run at once. A running test holds one slot for its own process
-(a test marked ``alone`` holds them all, so nothing runs beside it); a job it starts needs a slot per rank, up to
-all of them, for as long as it runs. A process that must wait for slots gives back the slots it holds for itself
-while it waits (its own process is idle then), so two tests never wait on each other. Slots are ``flock`` locks on
-files: a process that dies gives its slots back with it. Waiting processes queue, first come first served.
+beside it, while two multi-rank jobs never run at once. A running test holds one slot for its own process (a test
+marked ``alone`` holds them all, so nothing runs beside it); a job it starts needs a slot per rank, up to one per
+core (a 4-rank job on 2 cores takes 2), for as long as it runs. A process that must wait for slots gives back the
+slots it holds for itself while it waits (its own process is idle then), so two tests never wait on each other.
+Slots are ``flock`` locks on files: a process that dies gives its slots back with it. Waiting processes queue,
+first come first served.
 
 A test that starts several jobs at once reserves their slots first (``with slots.reserve(n)``); needing more slots
 while a job runs is refused, since waiting then could deadlock.
@@ -24,7 +25,8 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-CAPACITY = int(os.environ.get("VERL_MEGA_TEST_SLOTS", (os.cpu_count() or 1) + 1))
+CORES = os.cpu_count() or 1
+CAPACITY = int(os.environ.get("VERL_MEGA_TEST_SLOTS", CORES + 1))
 DIR = Path(tempfile.gettempdir()) / f"verl_mega-test-slots-{os.getuid()}"
 
 
@@ -121,8 +123,9 @@ def reserve(n: int) -> Iterator[None]:
 
 
 def job_started(nproc: int) -> int:
-    """Take the slots of a job of ``nproc`` ranks (waits for them); returns what :func:`job_ended` gives back."""
-    n = min(CAPACITY, nproc)
+    """Take the slots of a job of ``nproc`` ranks, one per rank up to one per core (waits for them); returns what
+    :func:`job_ended` gives back."""
+    n = min(CORES, nproc)
     with LEDGER._lock:
         LEDGER.set(running=LEDGER.jobs, jobs=LEDGER.jobs + n)
     return n

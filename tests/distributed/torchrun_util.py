@@ -6,10 +6,12 @@ mpirun and Ray as launchers)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -36,13 +38,24 @@ def start(cmd: list[str], *, env: dict, log: Path, stderr: Path | None = None, c
           real: bool = False) -> Job:
     """Start ``cmd`` in a session of its own, output to ``log`` (stderr too, unless ``stderr`` is given). Waits
     for a CPU slot per rank first (tests/slots.py), held until the job has ended."""
-    taken = slots.job_started(ranks_of(cmd))
+    asked, ranks = time.monotonic(), ranks_of(cmd)
+    taken = slots.job_started(ranks)
+    started = time.monotonic()
     try:
         job = _LAUNCHER.launch(cmd, env=env, stdout=log, stderr=stderr, cwd=cwd, real=real)
     except BaseException:
         slots.job_ended(taken)
         raise
-    job.on_end(lambda: slots.job_ended(taken))
+
+    def ended() -> None:
+        slots.job_ended(taken)
+        if os.environ.get("VERL_MEGA_TEST_JOB_LOG"):  # where the slow tier's time goes: one line per job
+            with open(os.environ["VERL_MEGA_TEST_JOB_LOG"], "a") as f:
+                f.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0],
+                                    "ranks": ranks, "waited_s": round(started - asked, 2),
+                                    "ran_s": round(time.monotonic() - started, 2), "at": round(started, 2)}) + "\n")
+
+    job.on_end(ended)
     return job
 
 
