@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import warnings
 from pathlib import Path
@@ -42,14 +43,16 @@ class _OneLineParser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def _positive(kind=int):
+def _positive(kind=int, *, zero_ok: bool = False):
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+        if value < 0 or (value == 0 and not zero_ok):
+            raise argparse.ArgumentTypeError(f"{text!r} must be {'>= 0' if zero_ok else '> 0'}")
         return value
 
     return parse
@@ -65,8 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--gpus", type=_positive(), required=True, help="total GPUs")
     ap.add_argument("--gpus-per-node", type=_positive(), default=8)
     ap.add_argument("--gpu-mem-gb", type=_positive(float), default=80.0, help="memory per GPU, GiB")
-    ap.add_argument("--reserve-gb", type=float, default=2.0, help="per-GPU memory kept free (CUDA context, NCCL, "
-                                                                  "fragmentation), GiB")
+    ap.add_argument("--reserve-gb", type=_positive(float, zero_ok=True), default=2.0,
+                    help="per-GPU memory kept free (CUDA context, NCCL, fragmentation), GiB")
     ap.add_argument("--topo", default=None, help="saved `nvidia-smi topo -m` of one node (NVLink islands)")
     for name in ("tp", "pp", "gen-tp", "ep", "etp"):
         ap.add_argument(f"--{name}", type=_positive(), default=None, help=f"pin {name} (default: enumerate; ep and "
@@ -90,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--offload", default="", help="comma list of params,grads,optimizer moved to the host while "
                                                   "actor/critic are idle")
     ap.add_argument("--offload-ref", action="store_true", help="keep reference weights on the host between uses")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="vLLM's share of GPU memory")
+    ap.add_argument("--gpu-memory-utilization", type=_positive(float), default=0.5, help="vLLM's share of GPU memory")
     ap.add_argument("--kv-cache-gb", type=_positive(float), default=None, help="explicit vLLM KV budget, GiB")
     ap.add_argument("--max-num-seqs", type=_positive(), default=256)
     ap.add_argument("--max-num-batched-tokens", type=_positive(), default=8192)

@@ -67,7 +67,7 @@ def run(job) -> dict[str, float]:
             if cfg.trainer.val_every and (step % cfg.trainer.val_every == 0 or step == total_steps):
                 metrics.update(trainer.validate())
             logger.log(metrics, step)
-            reason = stop.agreed(time.monotonic() - began)
+            reason = stop.agreed(time.monotonic() - began, peer=job.rollout.stop_requested)
             if ckpt.should_save(step, total_steps) or reason:
                 ckpt.save(step)
             if reason:

@@ -79,19 +79,23 @@ def test_sigterm_to_one_rank_stops_both_at_the_same_step(tmp_path):
 
 
 @pytest.mark.alone
-def test_sigterm_to_both_pools_saves_and_stops(tmp_path):
-    """The rollout on a pool of its own, one step off-policy (configs/quickstart_async_cpu.yaml), SIGTERM to every
-    rank (a preempted node): the rollout rank keeps serving, the trainer finishes its step, saves it and stops the
-    rollout pool; the job exits cleanly."""
+@pytest.mark.parametrize("signalled", [(0, 1), (1,)], ids=["both-pools", "rollout-pool-only"])
+def test_sigterm_to_a_pool_saves_and_stops(tmp_path, signalled):
+    """The rollout on a pool of its own (rank 1), one step off-policy (configs/quickstart_async_cpu.yaml), SIGTERM
+    to every rank (a preempted node) or to the rollout rank alone (a preempted rollout node): the rollout rank passes
+    its signal on and keeps serving, the trainer finishes its step, saves it and stops the rollout pool; the job
+    exits cleanly."""
     rc, took, text, out = _sigterm_mid_run(tmp_path, str(ROOT / "configs" / "quickstart_async_cpu.yaml"),
-                                           after_steps=3, ranks_to_signal=(0, 1))
+                                           after_steps=3, ranks_to_signal=signalled)
     assert rc == 0, text[-4000:]
     last = _metric_rows(out)[-1]["step"]
-    assert f"stopping after step {last} (SIGTERM)" in text and "rollout pool: signal 15 ignored" in text, text[-4000:]
+    assert f"stopping after step {last} (SIGTERM)" in text and "rollout pool: SIGTERM received" in text, text[-4000:]
+    if signalled == (1,):  # only the rollout pool's word can have stopped the trainer
+        assert "the rollout pool received SIGTERM: the job stops after this step" in text, text[-4000:]
     saved = sorted((out / "checkpoints").glob("step_*"))
     assert [p.name for p in saved] == [f"step_{last:06d}"] and (saved[0] / "COMPLETE").exists()
     assert took < 30, f"the job took {took:.1f} s to stop after SIGTERM"
-    print(f"SIGTERM to both pools: the trainer saved step {last} and the job exited in {took:.1f} s")
+    print(f"SIGTERM to ranks {signalled}: the trainer saved step {last} and the job exited in {took:.1f} s")
 
 
 REWARDS = '''

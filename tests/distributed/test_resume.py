@@ -128,6 +128,27 @@ def test_broken_newest_checkpoint_falls_back_and_reproduces(reference, tmp_path,
     assert _rows(out) == ref_rows
 
 
+def test_fresh_run_in_a_used_directory_never_mixes_with_the_earlier_one(reference, tmp_path):
+    """trainer.resume=off where a longer run left checkpoints (steps 4 and 6) and metrics: the earlier run's records
+    are moved to earlier_runs/ (nothing deleted), the new run keeps its own checkpoints (pruning used to remove the
+    new step 1, the lowest number), and a later resume=auto continues the new run, not the old one."""
+    ref_rows, cache, ref_out = reference
+    out = tmp_path / "run"
+    shutil.copytree(ref_out, out)
+    proc = _train(out, cache, None, "trainer.resume=off", "trainer.total_steps=2", "trainer.save_every=1")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_000001", "step_000002"]
+    (earlier,) = (out / "earlier_runs").iterdir()
+    assert sorted(p.name for p in (earlier / "checkpoints").glob("step_*")) == ["step_000004", "step_000006"]
+    assert _rows(earlier) == ref_rows
+    assert _rows(out) == ref_rows[:2]  # the same seed: a fresh run repeats the reference's first steps
+    proc = _train(out, cache, None, "trainer.total_steps=3")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "step_000002 (step 2)" in (tmp_path / "train.log").read_text()
+    _check_checkpoints(out)
+    assert _rows(out) == ref_rows[:3]
+
+
 # ---------------------------------------------------------------- background saves (checkpoint.async_save=true)
 ASYNC = "checkpoint.async_save=true"
 

@@ -100,6 +100,19 @@ def test_every_checkpoint_broken_is_an_error(run):
         find_checkpoint(cfg)
 
 
+def test_a_step_directory_must_hold_its_step(run, caplog):
+    """A checkpoint renamed (or copied in from another run) under another step's name is refused, and
+    trainer.resume=auto falls back past it."""
+    cfg, (older, newest) = run
+    impostor = newest.with_name("step_000009")
+    newest.rename(impostor)
+    with caplog.at_level(logging.WARNING):
+        assert find_checkpoint(cfg) == older
+    assert f"{impostor} is named for step 9 but its trainer.json records step 4" in caplog.text
+    with pytest.raises(BrokenCheckpointError, match="rename it step_000004 or remove it"):
+        find_checkpoint(_cfg(cfg.trainer.output_dir, f"trainer.resume={impostor}"))
+
+
 @pytest.mark.parametrize("edit,pattern", [
     (lambda s: s.pop("config"), "lacks 'config'"),
     (lambda s: s.update(loader=[1]), "has a list as 'loader'"),
@@ -126,6 +139,15 @@ def test_optimizer_type_and_config_mismatch(run):
                                 "checkpoint.save_optimizer=false")) == newest
     with pytest.raises(ResumeError, match="config differs from step_000004 in result-changing keys"):
         find_checkpoint(_cfg(cfg.trainer.output_dir, "actor.lr=0.1"))
+
+
+def test_an_allowed_config_change_is_listed(run, caplog):
+    cfg, (_, newest) = run
+    allowed = _cfg(cfg.trainer.output_dir, "actor.lr=0.1", "trainer.resume_allow_config_change=true")
+    with caplog.at_level(logging.WARNING):
+        assert find_checkpoint(allowed) == newest
+    assert "config differs from step_000004 in result-changing keys (actor.lr:" in caplog.text
+    assert "resuming with the new values" in caplog.text
 
 
 def test_steps_left(run):

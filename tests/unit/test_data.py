@@ -278,3 +278,17 @@ def test_arithmetic_task(tmp_path):
     assert reward.score_batch([r["answer"] + " done" for r in recs[:5]], [r["answer"] for r in recs[:5]]) == [1.0] * 5
     with pytest.raises(ValueError, match="max_operand must be in 0..9"):
         generate_arithmetic(3, max_operand=12)
+
+
+class _DropsWhitespace:
+    """A tokenizer without BOS whose pre-tokenizer drops whitespace: a blank prompt encodes to no tokens."""
+
+    def encode(self, text, add_special_tokens=True):
+        return [ord(c) for c in text if not c.isspace()]
+
+
+def test_a_prompt_without_tokens_is_refused_with_its_line(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1=", "answer": "2"}, {"prompt": " \t ", "answer": "0"}])
+    with pytest.raises(PromptDataError, match=r"d.jsonl:line 2: prompt ' \\t ' encodes to no tokens \(whitespace "
+                                              r"only, or characters outside the tokenizer's vocabulary\)"):
+        PromptDataset(load_prompt_records(path), _DropsWhitespace(), max_prompt_length=16)

@@ -228,3 +228,24 @@ def test_corrupt_and_mismatched_checkpoints(tmp_path):
         check_checkpoint_matches(HFCheckpointReader(path), wider)
     with pytest.raises(ModelConfigError, match="no config.json"):
         load_hf_config(tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize("where", ["file", "under_a_file"])
+def test_converter_output_in_a_file_is_one_line(tmp_path, capsys, where):
+    """--output naming a file (or a path below one) is refused before any model is built, and nothing is written."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("to_mcore", Path(__file__).resolve().parents[2] / "tools" /
+                                                  "convert_hf_to_mcore.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    hf = make_tiny_hf_model(tmp_path / "m", model_type="qwen2")
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    out = blocker if where == "file" else blocker / "ckpt"
+    before = sorted(p.name for p in tmp_path.iterdir())
+    capsys.readouterr()  # the model's own save progress
+    assert tool.main(["--hf-path", str(hf), "--output", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: output: {blocker} is a file, not a directory; choose a new --output directory"
+    assert sorted(p.name for p in tmp_path.iterdir()) == before and blocker.read_text() == "x"

@@ -212,3 +212,37 @@ def test_trainer_deterministic_turns_on_deterministic_kernels(monkeypatch):
         torch.backends.cudnn.deterministic = False
         monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     assert seen == [(True, True), (False, False)]
+
+
+def _main_in_process(argv: list[str]) -> int:
+    from verl_mega.train import main
+
+    saved = dict(os.environ)
+    try:
+        return main(argv)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def test_a_missing_tool_file_is_reported_before_the_tiny_model_is_built(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("VERL_MEGA_CACHE", str(tmp_path / "cache"))
+    rc = _main_in_process(["--config", str(ROOT / "configs" / "multi_turn_calculator_cpu.yaml"),
+                           f"trainer.output_dir={tmp_path / 'out'}",
+                           f"rollout.multi_turn.tools=[{tmp_path / 'no_such_tool.py'}:calc]"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert rc == 2 and len(errors) == 1 and "no_such_tool.py" in errors[0]
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "out").exists()
+
+
+def test_a_cache_that_is_a_file_is_one_line(tmp_path, monkeypatch, capsys):
+    cache = tmp_path / "cache"
+    cache.write_text("not a directory")
+    monkeypatch.setenv("VERL_MEGA_CACHE", str(cache))
+    rc = _main_in_process(["--config", str(ROOT / "configs" / "quickstart_cpu.yaml"),
+                           f"trainer.output_dir={tmp_path / 'out'}"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert rc == 2 and len(errors) == 1
+    assert f"VERL_MEGA_CACHE='{cache}' cannot be a directory" in errors[0]
+    assert "point VERL_MEGA_CACHE at a writable directory" in errors[0] and cache.read_text() == "not a directory"
+    assert not (tmp_path / "out").exists()  # the output directory made for the job goes with it

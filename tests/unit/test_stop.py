@@ -34,3 +34,11 @@ def test_time_limit_stops_before_a_step_would_overrun_it():
     stop = StopRequest(time_limit_s=10.0, started=time.monotonic() - 7.0)
     assert stop.agreed(1.0) == ""
     assert stop.agreed(4.0) == "trainer.time_limit_s"
+
+
+def test_a_signal_another_pool_received_stops_the_run():
+    with StopRequest() as stop:
+        assert stop.agreed(0.1, peer="") == ""
+        assert stop.agreed(0.1, peer="SIGTERM") == "SIGTERM"
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.agreed(0.1, peer="SIGTERM") == "SIGTERM"  # the more severe of the two

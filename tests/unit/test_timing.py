@@ -351,3 +351,15 @@ def test_grpo_step_matches_the_measurement():
     assert pred.total == pytest.approx(9.81, rel=0.10)
     assert pred.phases["train"] == pytest.approx(3.05, rel=0.15)
     assert pred.phases["score"] == pytest.approx(2.31, rel=0.2)
+
+
+@pytest.mark.parametrize("flag,value", [("--gpu-mem-gb", "nan"), ("--gpu-mem-gb", "inf"), ("--reserve-gb", "nan"),
+                                        ("--gpu-memory-utilization", "inf")])
+def test_plan_cli_names_a_flag_that_is_not_a_finite_number(capsys, flag, value):
+    spec = importlib.util.spec_from_file_location("plan_cli", REPO / "tools" / "plan.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--model", str(CONFIGS / "qwen2.5-7b.json"), "--gpus", "8", flag, value])
+    err = capsys.readouterr().err.strip()
+    assert info.value.code == 2 and err == f"error: argument {flag}: '{value}' is not a finite number; see --help"

@@ -35,7 +35,8 @@ class TrainerConfig(ConfigSection):
                    "seconds: after the first step that ends less than one step's duration before the limit. null: "
                    "no limit. SIGTERM and SIGINT stop the same way (docs/checkpointing.md).", affects_results=False)
     resume: str = option(RESUME_AUTO, help="`auto` resumes from the newest complete checkpoint in output_dir, `off` "
-                                           "starts fresh, anything else is a checkpoint directory.",
+                                           "starts fresh (an earlier run's records in output_dir are moved to "
+                                           "earlier_runs/), anything else is a checkpoint directory.",
                          affects_results=False)
     resume_allow_config_change: bool = option(
         False, help="Resume even if result-changing keys differ from the checkpoint's config (they are still "

@@ -285,6 +285,9 @@ class PromptDataset(Sequence[PromptItem]):
         ids_list = self._tokenize(tokenizer, rendered)
         self.items: list[PromptItem] = []
         for record, (text, _), ids in zip(records, rendered, ids_list):
+            if not ids:  # the engine refuses an empty prompt, and only when its batch comes up
+                raise PromptDataError(f"{record.source}: prompt {text[:40]!r} encodes to no tokens (whitespace only, "
+                                      f"or characters outside the tokenizer's vocabulary); remove the record or fix it")
             if len(ids) > max_prompt_length:
                 if not filter_overlong:
                     raise PromptDataError(

@@ -109,6 +109,11 @@ class AtomicDir:
     def __init__(self, final: str | Path, overwrite: bool = False) -> None:
         self.final = Path(final)
         self.overwrite = overwrite
+        parent = self.final
+        while not parent.exists():
+            parent = parent.parent
+        if not parent.is_dir():
+            raise CheckpointError(f"output: {parent} is a file, not a directory; choose a new --output directory")
         if self.final.exists() and any(self.final.iterdir()) and not overwrite:
             raise CheckpointError(f"output: {self.final} exists and is not empty; choose a new --output directory")
 

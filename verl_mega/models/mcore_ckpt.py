@@ -82,6 +82,7 @@ def convert_hf_to_mcore(hf_path: str | Path, out_dir: str | Path, *, tp: int = 1
     routed experts on load)."""
     from verl_mega.models.loader import check_checkpoint_matches, load_hf_weights
 
+    target = AtomicDir(out_dir)  # a bad --output fails first
     hf_path = Path(hf_path)
     hf_cfg = load_hf_config(hf_path)
     arch = arch_from_hf(hf_cfg)
@@ -90,7 +91,7 @@ def convert_hf_to_mcore(hf_path: str | Path, out_dir: str | Path, *, tp: int = 1
     reader = HFCheckpointReader(hf_path)
     check_checkpoint_matches(reader, arch)
     dtype = dtype or _dtype_name(reader.dtype("model.embed_tokens.weight"))
-    with AtomicDir(out_dir) as tmp:
+    with target as tmp:
         chunks, groups = _single_process_model(arch, dtype)
         load_hf_weights(chunks, reader, arch, groups)
         save_model_dist(chunks, tmp, groups)
@@ -107,11 +108,12 @@ def convert_mcore_to_hf(mcore_path: str | Path, out_dir: str | Path) -> Path:
 
     from verl_mega.models.safe_ckpt import check_dist_checkpoint
 
+    target = AtomicDir(out_dir)  # a bad --output fails first
     mcore_path = Path(mcore_path)
     meta = read_model_meta(mcore_path)
     arch = arch_from_hf(meta["hf_config"])
     check_dist_checkpoint(mcore_path)  # a refused or broken file fails here, before the model is built
-    with AtomicDir(out_dir) as tmp:
+    with target as tmp:
         chunks, groups = _single_process_model(arch, meta["dtype"])
         load_model_dist(chunks, mcore_path, groups)
         write_hf_checkpoint(tmp, iter_hf_tensors(chunks, arch, groups))

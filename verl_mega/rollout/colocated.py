@@ -56,7 +56,10 @@ class Generated:
 
 class Rollout(Protocol):
     """What the trainer needs from a rollout, wherever its engines run: ``generate`` takes the global prompt batch
-    and returns, on every rank of an engine, that engine's share of the samples."""
+    and returns, on every rank of an engine, that engine's share of the samples. ``stop_requested``: a signal
+    (``SIGTERM``, ``SIGINT``) that ranks the trainer does not share received, '' when none."""
+
+    stop_requested: str
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], specs: Sequence[SamplingSpec]) -> list[Generated]: ...
 
@@ -86,6 +89,7 @@ class ColocatedRollout:
         self.engine, self.weight_sync, self.engine_ranks = engine, weight_sync, tuple(engine_ranks)
         self.offload, self.free_cache, self.profiler = offload, free_cache, profiler
         self.multi_turn = multi_turn
+        self.stop_requested = ""  # its engines run on the trainer's ranks, whose signals the trainer handles
         self._streaming = None  # a StreamingEngine over ``engine``, made on the first streamed generation
 
     # ---- availability ------------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ class RemoteRollout:
         self.leader = bridge.rank == 0
         self.server = bridge.placement.pool_of("rollout").ranks[0]
         self.weight_version = 0  # updates sent to the pool
+        self.stop_requested = ""  # a signal a rank of the pool received (known to the leader)
         self._next_id = 0
         self._pending: OrderedDict[int, tuple] = OrderedDict()  # requests sent, results not received yet
         self._results: dict[int, dict] = {}
@@ -129,6 +130,10 @@ class RemoteRollout:
         box = [None]
         if self.leader:
             box[0] = self.bridge.recv(self.server, RESULT_TAG, f"generating batch request {request}")
+            while box[0].get("op") == "signal":  # a preempted rollout node: the job stops after this step
+                log.warning("the rollout pool received %s: the job stops after this step", box[0]["name"])
+                self.stop_requested = box[0]["name"]
+                box[0] = self.bridge.recv(self.server, RESULT_TAG, f"generating batch request {request}")
             if box[0]["id"] != request:
                 raise RuntimeError(f"the rollout pool answered request {box[0]['id']}, expected {request}")
         dist.broadcast_object_list(box, src=0)  # over the training pool
@@ -167,12 +172,19 @@ class RolloutServer:
         self.outbox: _Outbox | None = None
 
     def serve(self) -> None:
-        """Run commands until ``stop``. SIGTERM and SIGINT are ignored here: the training pool decides when the job
-        stops (it finishes its step, saves, then sends ``stop``), and a training pool that is gone ends this loop
-        through the bridge."""
+        """Run commands until ``stop``. SIGTERM and SIGINT on any rank of the pool are passed on to the training
+        pool, which decides when the job stops (it finishes its step, saves it, then sends ``stop``); a training
+        pool that is gone ends this loop through the bridge."""
+        received = [0]  # the most severe signal any rank of the pool has received: an index into SIGNALS
+
+        def on_signal(signum: int, frame) -> None:  # noqa: ARG001
+            received[0] = max(received[0], SIGNALS.index(signal.Signals(signum).name))
+            log.warning("rollout pool: %s received; the training pool stops the job after its step, with a checkpoint",
+                        signal.Signals(signum).name)
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda signum, frame: log.warning(
-                "rollout pool: signal %d ignored; the training pool stops the job after its step", signum))
+            signal.signal(sig, on_signal)
+        passed_on = 0
         inbox = _Inbox(self.bridge, self.trainer) if self.leader else None
         self.outbox = _Outbox(self.bridge, self.trainer) if self.leader else None
         queue: deque[dict] = deque()  # commands not started yet (the same on every rank)
@@ -184,11 +196,14 @@ class RolloutServer:
             oldest = min((key[0] for key in open_keys), default=_NONE_OPEN)
             if self.outbox is not None:
                 self.outbox.check()
-            mine = [int(self.stream.busy), int(swap_ready), oldest, len(inbox.drain()) if inbox else 0]
+            mine = [int(self.stream.busy), int(swap_ready), oldest, len(inbox.drain()) if inbox else 0, received[0]]
             states = torch.tensor(mine, dtype=torch.long)
             everyone = [torch.empty_like(states) for _ in range(dist.get_world_size())]
             dist.all_gather(everyone, states, group=self.group)
-            busy, ready, oldest, arrived = torch.stack(everyone).T.tolist()
+            busy, ready, oldest, arrived, signalled = torch.stack(everyone).T.tolist()
+            if self.outbox is not None and max(signalled) > passed_on:  # ahead of the batches not sent yet
+                passed_on = max(signalled)
+                self.outbox.put({"op": "signal", "name": SIGNALS[passed_on]})
             # batches every engine has finished go back, in the order they were asked for
             for request in [r for r in started if r < min(oldest)]:
                 self._answer(started.pop(request))
@@ -247,6 +262,7 @@ class RolloutServer:
 
 
 _NONE_OPEN = 2**62  # no batch generating on this engine
+SIGNALS = ("", "SIGINT", "SIGTERM")  # by severity, as the training pool ranks stop reasons
 _STOPPED = {"op": "stopped"}  # the rollout pool's last answer
 
 

@@ -136,6 +136,10 @@ def inspect_checkpoint(path: Path, cfg) -> dict[str, Any]:
     from verl_mega.models.safe_ckpt import UnsafeCheckpointError, check_dist_checkpoint
 
     state = read_trainer_state(path)
+    named = path.name.removeprefix("step_")
+    if named.isdigit() and int(named) != state["step"]:  # a directory renamed, or copied in from another run
+        raise BrokenCheckpointError(f"resume: {path} is named for step {int(named)} but its trainer.json records step "
+                                    f"{state['step']}; rename it step_{state['step']:06d} or remove it")
     manifest = read_manifest(path)
     if manifest is not None:
         check_sizes(path, manifest)
@@ -147,6 +151,9 @@ def inspect_checkpoint(path: Path, cfg) -> dict[str, Any]:
     if changes and not cfg.trainer.resume_allow_config_change:
         raise ResumeError(f"resume: config differs from {path.name} in result-changing keys ({'; '.join(changes)}); "
                           "restore them or set trainer.resume_allow_config_change=true")
+    if changes:
+        log.warning("resume: config differs from %s in result-changing keys (%s); resuming with the new values "
+                    "(trainer.resume_allow_config_change=true)", path.name, "; ".join(changes))
     saved_optim = state["config"].get("checkpoint", {}).get("save_optimizer", True)
     saved_dist = state["config"].get("parallel", {}).get("use_distributed_optimizer")
     now_dist = cfg.parallel.use_distributed_optimizer

@@ -55,7 +55,11 @@ def resolve_model_path(cfg: TrainConfig) -> Path:
     steps = cfg.model.tiny_warmstart_steps
     arch = "" if cfg.model.tiny_arch == "qwen2" else f"-{cfg.model.tiny_arch}"
     target = root / f"tiny{arch}-{entry.split(':')[-1]}-s{seed}-w{steps}"
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file in the way, or no permission
+        raise ConfigError(f"VERL_MEGA_CACHE={str(root)!r} cannot be a directory ({exc.strerror}); point "
+                          f"VERL_MEGA_CACHE at a writable directory (the tiny model is built there)") from None
     with open(root / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # every local rank waits while one builds
         if not (target / "warmstart.json").exists():
@@ -340,6 +344,7 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
     from verl_mega.trainer.preflight import probe_output_dir
     from verl_mega.trainer.profiler import StageProfiler, detect_peak_flops
     from verl_mega.trainer.rl_trainer import RLTrainer
+    from verl_mega.trainer.run_dir import lock_output_dir, set_aside_earlier_run
     from verl_mega.trainer.roles import Actor, Critic, PolicyRole, RewardModel
     from verl_mega.trainer.transfer import SamplePath
 
@@ -347,6 +352,12 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
     env = launch_env.discover()
     env.export_to_os_environ()
     set_deterministic(cfg.trainer.deterministic)  # before any CUDA kernel
+    reward_fn = load_reward_fn(cfg.reward.function, reward_kwargs=dict(cfg.reward.kwargs))
+    if cfg.rollout.multi_turn.enable:
+        from verl_mega.rollout.tools import load_tool
+
+        for spec in cfg.rollout.multi_turn.tools:  # a bad tool fails here, before the tiny model is built
+            load_tool(spec)
     if cfg.parallel.layout == "auto":  # the planner's best layout for this model, world and workload
         from verl_mega.planning.auto import resolve_auto_layout
 
@@ -365,6 +376,9 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
     device = assign_device(placement, env, cfg.parallel.topology_file)  # before anything initialises CUDA
     cfg.validate_runtime(placement)
     probe_output_dir(cfg.trainer.output_dir)
+    records_rank = env.rank == actor_pool.ranks[0]  # writes metrics.jsonl and finalises checkpoints
+    if records_rank:  # one job per output_dir (trainer/run_dir.py)
+        lock_output_dir(cfg.trainer.output_dir, resources)
     path = resolve_model_path(cfg)
     arch = model_arch(path)
     check_rollout_architecture(load_hf_config(path), path)
@@ -378,12 +392,6 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
                     *([Path(cfg.reward.reward_model_path)] if cfg.reward.reward_model_path else [])}:
         check_checkpoint_matches(HFCheckpointReader(weights), model_arch(weights))  # headers only
     resume_path = find_checkpoint(cfg)  # a bad resume target fails here, before anything is built
-    reward_fn = load_reward_fn(cfg.reward.function, reward_kwargs=dict(cfg.reward.kwargs))
-    if cfg.rollout.multi_turn.enable:
-        from verl_mega.rollout.tools import load_tool
-
-        for spec in cfg.rollout.multi_turn.tools:  # a bad tool fails here, before anything is built
-            load_tool(spec)
     tokenizer = load_tokenizer(Path(cfg.model.tokenizer_path) if cfg.model.path != "tiny" else path,
                                trust_remote_code=cfg.model.trust_remote_code, model_vocab_size=arch.vocab_size)
 
@@ -488,6 +496,8 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
     start_step = ckpt.maybe_resume(resume_path)
     if start_step:
         rollout.update_weights()
+    elif records_rank:  # a fresh run's records never mix with an earlier run's
+        set_aside_earlier_run(cfg.trainer.output_dir)
     write_placement_json(placement, device, Path(cfg.trainer.output_dir) / "placement.json",  # all was built
                          records=records)
     return Job(cfg=cfg, trainer=trainer, loader=loader, ckpt=ckpt, profiler=profiler, reward_pool=reward_pool,

@@ -1,9 +1,10 @@
 """Stopping a run cleanly on SIGTERM, SIGINT (Ctrl-C) or ``trainer.time_limit_s``, agreed by every rank.
 
 A signal may reach only some ranks: preempting one node of a job signals its processes only. Each rank notes what it
-received; at the end of every step all ranks combine their notes (an all-reduce of one number over the world), so
-either every rank saves that step and exits, or none does: no rank waits in a collective that the others never
-join. A second SIGINT on a rank aborts it at once (KeyboardInterrupt).
+received (a rollout pool of its own passes its signals on to the trainer's first rank); at the end of every step all
+ranks combine their notes (an all-reduce of one number over the world), so either every rank saves that step and
+exits, or none does: no rank waits in a collective that the others never join. A second SIGINT on a
+rank aborts it at once (KeyboardInterrupt).
 """
 
 from __future__ import annotations
@@ -51,10 +52,11 @@ class StopRequest:
         log.warning("%s received: the current step finishes, every rank saves a checkpoint, then the run exits%s",
                     name, hint)
 
-    def agreed(self, last_step_s: float) -> str:
+    def agreed(self, last_step_s: float, *, peer: str = "") -> str:
         """Collective, once per step on every rank: the stop reason all ranks agree on ('' = go on). The time limit
-        stops the run when another step of the last one's duration would end past it."""
-        local = _REASONS.index(self.received)
+        stops the run when another step of the last one's duration would end past it. ``peer``: a signal that ranks
+        outside this world received (a rollout pool of its own), as this rank has heard of it."""
+        local = max(_REASONS.index(self.received), _REASONS.index(peer))
         if self.time_limit_s is not None and time.monotonic() - self.started + last_step_s > self.time_limit_s:
             local = max(local, _REASONS.index("trainer.time_limit_s"))
         if dist.is_initialized() and dist.get_world_size() > 1:

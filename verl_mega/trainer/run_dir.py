@@ -1,0 +1,85 @@
+"""The output directory of a run: one job at a time, and one run's records in it.
+
+* **One job at a time.** Rank 0 holds an exclusive ``flock`` on ``<output_dir>/.lock`` from before anything is built
+  until the job ends; a second job in the same directory is refused with the holder's pid and host. The kernel drops
+  the lock when the process dies, so a killed job leaves none behind.
+* **One run's records.** A run that starts fresh (``trainer.resume=off``, or ``auto`` with no checkpoint to resume)
+  in a directory that holds an earlier run's records first moves them into ``<output_dir>/earlier_runs/<time>/``:
+  its checkpoints would otherwise outrank the new ones (pruning and ``resume=auto`` keep the highest step numbers)
+  and its metrics would mix with the new run's. Nothing is deleted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+
+log = logging.getLogger("verl_mega.checkpoint")
+
+__all__ = ["LOCK_FILE", "EARLIER_RUNS", "RUN_RECORDS", "lock_output_dir", "set_aside_earlier_run"]
+
+LOCK_FILE = ".lock"
+EARLIER_RUNS = "earlier_runs"
+# everything a run writes into its output_dir (metrics.METRICS_FILE, TENSORBOARD_DIR, CURVES_FILE, SUMMARY_FILE)
+RUN_RECORDS = ("checkpoints", "metrics.jsonl", "tensorboard", "curves.png", "summary.txt", "placement.json")
+
+
+def lock_output_dir(output_dir: str, resources: contextlib.ExitStack) -> None:
+    """Take the directory's lock for the life of `resources` (rank 0 only). A directory made here and still holding
+    nothing but the lock when `resources` closes is removed again, so a job refused later leaves nothing behind."""
+    path = Path(output_dir)
+    made = not path.exists()
+    path.mkdir(parents=True, exist_ok=True)
+    lock = path / LOCK_FILE
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise ValueError(f"trainer.output_dir={output_dir!r}: cannot lock {lock} ({exc.strerror}); use a "
+                             f"directory on a file system with file locks") from None
+        raise ValueError(f"trainer.output_dir={output_dir!r} is in use by another job ({holder}); wait for it to end "
+                         f"or choose another trainer.output_dir") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+
+    def release() -> None:
+        os.close(fd)
+        if made and [p.name for p in path.iterdir()] == [LOCK_FILE]:
+            lock.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                path.rmdir()
+
+    resources.callback(release)
+
+
+def set_aside_earlier_run(output_dir: str) -> Path | None:
+    """Move an earlier run's records out of the way of a fresh run (rank 0, under the lock); returns where they went,
+    or None when there were none."""
+    root = Path(output_dir)
+    found = [root / name for name in RUN_RECORDS if (root / name).exists()]
+    if not found:
+        return None
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    dest = root / EARLIER_RUNS / stamp
+    n = 1
+    while dest.exists():
+        n += 1
+        dest = root / EARLIER_RUNS / f"{stamp}-{n}"
+    dest.mkdir(parents=True)
+    for item in found:
+        os.replace(item, dest / item.name)
+    steps = sorted(p.name for p in (dest / "checkpoints").glob("step_*")) if (dest / "checkpoints").is_dir() else []
+    held = ", ".join(([f"checkpoints {steps[0]}..{steps[-1]}"] if steps else [])
+                     + [p.name for p in found if p.name != "checkpoints"])
+    log.warning("trainer.output_dir=%s held an earlier run (%s); this run starts fresh, so it was moved to %s",
+                output_dir, held or "an empty checkpoints/", dest)
+    return dest
