@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     from verl_mega.parallel.pools import PoolPeerError
     from verl_mega.rewards import RewardFunctionFailed
+    from verl_mega.rollout.tools import ToolsFailed
     from verl_mega.trainer.checkpoint import NonFiniteError
     from verl_mega.trainer.preflight import describe_os_error, disk_full_error
 
@@ -98,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         configure_console(cfg.logging.verbose)
         train(cfg)
-    except (ConfigError, ValueError, FileNotFoundError, NonFiniteError, RewardFunctionFailed, PoolPeerError) as exc:
+    except (ConfigError, ValueError, FileNotFoundError, NonFiniteError, RewardFunctionFailed, PoolPeerError,
+            ToolsFailed) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except BaseException as exc:  # torch's CheckpointException is a BaseException

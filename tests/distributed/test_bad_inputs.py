@@ -113,7 +113,7 @@ def assets(tmp_path_factory, resume_reference):
     ckpts.mkdir()
     variants = {name: _copy(ck, ckpts / name) for name in (
         "intact", "trunc", "flip", "norank", "noconfig", "schema", "garbage_json", "garbage_manifest", "nocommon",
-        "evil_metadata", "evil_common")}
+        "evil_metadata", "evil_common", "evil_rank")}
     shard = _shard(variants["trunc"])
     shard.write_bytes(shard.read_bytes()[:1000])
     shard = _shard(variants["flip"])
@@ -132,6 +132,8 @@ def assets(tmp_path_factory, resume_reference):
     _forge_manifest(variants["evil_metadata"])
     torch.save({"optimizer": _Payload(root / "marker")}, variants["evil_common"] / "actor" / "common.pt")
     _forge_manifest(variants["evil_common"])
+    torch.save({"torch": _Payload(root / "marker")}, variants["evil_rank"] / "rank_00000.pt")
+    _forge_manifest(variants["evil_rank"])
     broken_run = _copy(run, root / "broken_run")  # resume=auto with no intact checkpoint left
     for step in sorted((broken_run / "checkpoints").glob("step_*")):
         shard = _shard(step)
@@ -229,6 +231,8 @@ def cases(a: Path) -> list[Case]:
                                       "never holds; refusing to load it", watch=ck / "evil_metadata", sub=True),
         Case(resume("evil_common"), "actor/common.pt holds objects a weights-only load refuses",
              watch=ck / "evil_common"),
+        Case(resume("evil_rank"), "evil_rank/rank_00000.pt holds objects a weights-only load refuses",
+             watch=ck / "evil_rank"),  # before the build: the in-process case would build the model otherwise
         Case(resume("intact", "parallel.use_distributed_optimizer=false"),
              "holds the state of the distributed optimizer, which the plain one cannot load", watch=ck / "intact"),
         Case([*SMALL, f"trainer.total_steps={CKPT_STEP - 1}", f"trainer.resume={ck / 'intact'}"],

@@ -2,9 +2,11 @@
 
 - SIGTERM that reaches one rank of two (as when one node of a job is preempted): both ranks save the same step and
   exit cleanly within 30 s. With the rollout on a pool of its own, SIGTERM to every rank: the trainer saves its
-  step and stops the rollout pool.
+  step and stops the rollout pool; SIGTERM to the rollout rank alone does the same. SIGSTOP to the rollout rank: the
+  trainer reports it once its heartbeat has stood still for trainer.pool_heartbeat_timeout_s.
 - A reward function that hangs: the step ends one time limit later, and the run stops with an error naming the
   function and its first failure (reward.max_error_frac). A function that ends its process (os._exit): a clear error.
+- A tool that hangs: its calls are cut off, the step's calls are bounded as a whole, and the run stops with an error.
 - A disk that fills up during a save: the error names it.
 """
 
@@ -98,6 +100,38 @@ def test_sigterm_to_a_pool_saves_and_stops(tmp_path, signalled):
     print(f"SIGTERM to ranks {signalled}: the trainer saved step {last} and the job exited in {took:.1f} s")
 
 
+@pytest.mark.alone
+def test_a_stopped_rollout_rank_ends_the_job_after_its_heartbeat_timeout(tmp_path):
+    """SIGSTOP to the rollout pool's rank (a frozen node): the trainer, waiting for its samples, sees its heartbeat
+    stand still and ends the job with one error naming the rank, after trainer.pool_heartbeat_timeout_s (8 s), not
+    after trainer.collective_timeout_s (120 s here, 1800 s by default)."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", f"--master-port={free_port()}",
+           "-m", "verl_mega.train", "--config", str(ROOT / "configs" / "quickstart_async_cpu.yaml"),
+           f"trainer.output_dir={out}", *SMALL, "trainer.total_steps=500", "trainer.save_every=0",
+           "trainer.collective_timeout_s=120", "trainer.pool_heartbeat_timeout_s=8"]
+    log = tmp_path / "train.log"
+    job = start(cmd, env=_env(tmp_path), log=log)
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and len(_metric_rows(out)) < 2 and job.poll() is None:
+            time.sleep(0.5)
+        assert job.poll() is None and len(_metric_rows(out)) >= 2, log.read_text()[-4000:]
+        os.kill(job.ranks[1], signal.SIGSTOP)
+        stopped = time.monotonic()
+        while time.monotonic() - stopped < 100 and "\nerror: " not in log.read_text():  # the trainer's last word
+            time.sleep(0.5)
+        took = time.monotonic() - stopped
+    finally:
+        job.kill_session()
+    text = log.read_text()
+    errors = [line for line in text.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "rank 1 of pool 'rollout' sent no heartbeat for" in errors[0], text[-4000:]
+    assert "trainer.pool_heartbeat_timeout_s=8" in errors[0]
+    assert took < 60, f"the stopped rank was reported {took:.1f} s after SIGSTOP"
+    print(f"SIGSTOP to the rollout rank: reported {took:.1f} s later (heartbeat timeout 8 s)")
+
+
 REWARDS = '''
 import os
 import time
@@ -143,6 +177,37 @@ def test_misbehaving_reward_function_stops_the_run(tmp_path, function, first_err
         took = ended - float(first_call.read_text())
         assert took < 3 + 20, f"{took:.1f} s from the first reward call to the end of the job"
         print(f"hanging reward function: the job ended {took:.1f} s after the first call (time limit 3 s)")
+
+
+HANGING_TOOL = '''
+import time
+
+def calc(arguments):
+    time.sleep(10**6)
+'''
+
+
+def test_a_hanging_tool_stops_the_run_within_its_budget(tmp_path):
+    """configs/multi_turn_calculator_cpu.yaml with a calc tool that never answers: each call is cut off at
+    tool_timeout_s, the turn stops calling it once more than half its calls failed, the step's calls end within
+    step_tool_time_s, and the run stops after step 1 with one error line."""
+    tools = tmp_path / "stuck_tools.py"
+    tools.write_text(HANGING_TOOL)
+    recipe = str(ROOT / "configs" / "multi_turn_calculator_cpu.yaml")
+    cmd = [sys.executable, "-m", "verl_mega.train", "--config", recipe,
+           f"trainer.output_dir={tmp_path / 'run'}", "trainer.total_steps=3", "trainer.save_every=0",
+           "logging.progress_bar=false", "logging.tensorboard=false", "logging.plot=false",
+           f"rollout.multi_turn.tools=[{tools}:calc]", "rollout.multi_turn.tool_timeout_s=1",
+           "rollout.multi_turn.step_tool_time_s=20"]
+    log = tmp_path / "train.log"
+    rc = run_in_session(cmd, env=_env(tmp_path), log=log, timeout=600)
+    text = log.read_text()
+    errors = [line for line in text.splitlines() if line.startswith("error: ")]
+    assert rc == 2 and len(errors) == 1, text[-4000:]
+    assert "tool calls failed (timed out, crashed, raised or not run), more than rollout.multi_turn." \
+           "max_tool_failure_frac=0.5" in errors[0], errors[0]
+    assert "multi-turn: tool call calc(" in text and "failed: error: calc timed out after 1 s" in text
+    assert not _metric_rows(tmp_path / "run")  # it stopped in the first step
 
 
 def test_disk_full_during_a_save_is_named(tmp_path):

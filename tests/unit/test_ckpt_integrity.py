@@ -141,6 +141,21 @@ def test_optimizer_type_and_config_mismatch(run):
         find_checkpoint(_cfg(cfg.trainer.output_dir, "actor.lr=0.1"))
 
 
+class _Payload:
+    def __reduce__(self):
+        return (print, ("unpickled",))
+
+
+def test_a_rank_file_that_would_run_code_is_refused_before_the_build(run):
+    from verl_mega.models.safe_ckpt import UnsafeCheckpointError
+
+    cfg, (_, newest) = run
+    torch.save({"torch": _Payload()}, newest / "rank_00000.pt")
+    write_manifest(newest, digest_files(newest, checkpoint_files(newest)))  # as an attacker would
+    with pytest.raises(UnsafeCheckpointError, match="rank_00000.pt holds objects a weights-only load refuses"):
+        find_checkpoint(cfg)  # the cheap checks, which run before anything is built
+
+
 def test_an_allowed_config_change_is_listed(run, caplog):
     cfg, (_, newest) = run
     allowed = _cfg(cfg.trainer.output_dir, "actor.lr=0.1", "trainer.resume_allow_config_change=true")

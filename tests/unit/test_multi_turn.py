@@ -9,8 +9,8 @@ import pytest
 
 from verl_mega.models.tiny import build_char_tokenizer
 from verl_mega.config.rl import MultiTurnConfig
-from verl_mega.rollout.multi_turn import MultiTurn, _template_parts
-from verl_mega.rollout.tools import ToolRunner
+from verl_mega.rollout.multi_turn import MultiTurn, _template_parts, check_tool_failures
+from verl_mega.rollout.tools import ToolRunner, ToolsFailed
 from verl_mega.rollout.vllm_rollout import SamplingSpec
 
 SPEC = dict(tool_call_start="(", tool_call_end=")", observation_start="=", observation_end=".")
@@ -106,6 +106,49 @@ def test_turn_limit_token_limit_and_tool_errors(tok):
     text = tok.decode(bad.ids).replace("<unk>", "?")
     assert (bad.tool_calls, bad.tool_errors) == (1, 1) and text == "(calc:9**99)=error: ?alue?rr0<eos>", text
     mt.close()
+
+
+def _hanging(tok, tmp_path, **spec):
+    (tmp_path / "slow_tools.py").write_text("import time\n\ndef hang(arguments):\n    time.sleep(600)\n")
+    cfg = MultiTurnConfig(**{**SPEC, "enable": True, "tools": (f"{tmp_path / 'slow_tools.py'}:hang",), "max_turns": 2,
+                             "max_observation_tokens": 150, **spec})
+    return MultiTurn(tok, ToolRunner(list(cfg.tools), 0.3), cfg, max_response_tokens=200)
+
+
+def test_the_tool_calls_of_a_step_are_bounded_as_a_whole(tok, tmp_path):
+    """A tool that hangs: the first call is cut off, and the step's budget (step_tool_time_s) answers the others
+    without running them; every one counts as a failure."""
+    mt = _hanging(tok, tmp_path, step_tool_time_s=1.0, max_tool_failure_frac=1.0)
+    engine = ScriptedEngine(tok, lambda t: "0#" if "=" in t else "(hang:1)")
+    try:
+        episodes = mt.run(engine, [tok.encode("x")] * 6, SamplingSpec(n=1, max_tokens=200))
+    finally:
+        mt.close()
+    assert [(e.tool_calls, e.tool_errors, e.tool_failures) for e in episodes] == [(1, 1, 1)] * 6
+    texts = [tok.decode(e.ids).replace("<unk>", "?") for e in episodes]
+    assert texts[0].startswith("(hang:1)=error: hang timed out after 0.3 s")
+    assert all(t.startswith("(hang:1)=error: not run: the tool calls of this step took") for t in texts[1:])
+    assert mt.first_failure == "hang: error: hang timed out after 0.3 s"
+
+
+def test_a_turn_stops_calling_a_failing_tool(tok, tmp_path):
+    """Past max_tool_failure_frac of a turn's calls failed, the turn's other calls are not run; past it over the
+    step, the run stops with one error."""
+    mt = _hanging(tok, tmp_path, max_tool_failure_frac=0.3)
+    engine = ScriptedEngine(tok, lambda t: "0#" if "=" in t else "(hang:1)")
+    try:
+        episodes = mt.run(engine, [tok.encode("x")] * 6, SamplingSpec(n=1, max_tokens=200))
+    finally:
+        mt.close()
+    texts = [tok.decode(e.ids).replace("<unk>", "?") for e in episodes]
+    assert sum("timed out" in t for t in texts) == 2  # 2 of 6 is more than 0.3: the other 4 are not run
+    assert sum("not run: 2 of the 6 tool calls of this turn failed" in t for t in texts) == 4
+    failures = sum(e.tool_failures for e in episodes)
+    with pytest.raises(ToolsFailed, match="6 of the step's 6 tool calls failed .* more than rollout.multi_turn."
+                                          "max_tool_failure_frac=0.3"):
+        check_tool_failures(6.0, float(failures), 0.3)
+    check_tool_failures(10.0, 3.0, 0.3)  # 0.3 of the calls is not more than 0.3
+    check_tool_failures(0.0, 0.0, 0.0)
 
 
 def test_an_answer_without_a_call_ends_the_episode(tok):

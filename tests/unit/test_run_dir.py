@@ -38,7 +38,8 @@ def test_a_directory_made_for_a_refused_job_is_removed(tmp_path):
     existing.mkdir()
     with contextlib.ExitStack() as job:
         lock_output_dir(str(existing), job)
-    assert existing.is_dir()  # the user's directory stays, with the lock file
+        assert (existing / LOCK_FILE).exists()
+    assert existing.is_dir() and not any(existing.iterdir())  # the user's directory stays, as it was
 
 
 def test_the_trainer_refuses_a_locked_directory_before_building(tmp_path, capsys):

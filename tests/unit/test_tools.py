@@ -4,7 +4,10 @@ import time
 
 import pytest
 
-from verl_mega.rollout.tools import MAX_OUTPUT_CHARS, ToolRunner, calc, load_tool, parse_call
+import logging
+
+from verl_mega.rollout.tools import (MAX_OUTPUT_CHARS, PYTHON_TOOL_RISK, Answer, ToolError, ToolRunner, calc,
+                                     load_tool, parse_call)
 
 MISBEHAVING = '''
 import os, sys, time
@@ -25,6 +28,13 @@ def huge(arguments):
 
 def add(a, b):
     return a + b
+
+def boom(arguments):
+    raise RuntimeError("the tool itself is broken")
+
+def picky(arguments):
+    from verl_mega.rollout.tools import ToolError
+    raise ToolError(f"cannot use {arguments!r}")
 '''
 
 
@@ -40,10 +50,14 @@ def test_calc_is_exact_and_refuses_code():
     assert calc(" (2+3)*4 - 6/3 ") == "18"
     assert calc("7/2") == "3.5"
     assert calc("-2**10") == "-1024"
-    with pytest.raises(ValueError, match="not arithmetic"):
+    with pytest.raises(ToolError, match="ValueError: not arithmetic"):  # an answer to the policy, not a failure
         calc("__import__('os').system('true')")
-    with pytest.raises(ValueError, match="exponent too large"):
+    with pytest.raises(ToolError, match="ValueError: exponent too large"):
         calc("9**9999")
+    with pytest.raises(ToolError, match="SyntaxError"):
+        calc("2+")
+    with pytest.raises(ToolError, match="ZeroDivisionError"):
+        calc("1/0")
 
 
 @pytest.mark.parametrize("body, expected", [
@@ -65,40 +79,51 @@ def test_unknown_tool_spec_fails_at_start_up():
         load_tool("no_such_module_xyz:fn")
 
 
-def test_misbehaving_tools_are_cut_off_and_the_runner_goes_on(tools_file):
+def test_misbehaving_tools_are_cut_off_and_the_runner_goes_on(tools_file, caplog):
     specs = ["calc", "python", f"{tools_file}:hang", f"{tools_file}:crash", f"{tools_file}:chatty",
-             f"{tools_file}:huge", f"{tools_file}:add"]
-    runner = ToolRunner(specs, timeout_s=1.5, python_memory_mb=256)
+             f"{tools_file}:huge", f"{tools_file}:add", f"{tools_file}:boom", f"{tools_file}:picky"]
+    with caplog.at_level(logging.WARNING):
+        runner = ToolRunner(specs, timeout_s=1.5, python_memory_mb=256)
+    assert PYTHON_TOOL_RISK in caplog.text  # the python tool is no sandbox, and the run says so
     try:
-        assert runner.call("calc", "12*12") == (True, "144")
+        assert runner.call("calc", "12*12") == Answer(True, "144")
+        assert runner.call("calc", "2+") == Answer(False, "error: SyntaxError: invalid syntax (<unknown>, line 1)")
 
         start = time.monotonic()
-        ok, text = runner.call("hang", "")
-        assert not ok and "hang timed out after 1.5 s" in text
+        assert runner.call("hang", "") == Answer(False, "error: hang timed out after 1.5 s", failed=True)
         assert time.monotonic() - start < 5
-        assert runner.call("calc", "2+2") == (True, "4")  # a fresh worker answers
+        assert runner.call("calc", "2+2") == Answer(True, "4")  # a fresh worker answers
+        start = time.monotonic()
+        assert runner.call("hang", "", timeout_s=0.2) == Answer(False, "error: hang timed out after 0.2 s",
+                                                                failed=True)
+        assert time.monotonic() - start < 3
 
-        ok, text = runner.call("crash", "")
-        assert not ok and "crash crashed (exit code 3)" in text
-        assert runner.call("add", {"a": 2, "b": 3}) == (True, "5")  # JSON arguments as keywords
+        assert runner.call("crash", "") == Answer(False, "error: crash crashed (exit code 3)", failed=True)
+        assert runner.call("add", {"a": 2, "b": 3}) == Answer(True, "5")  # JSON arguments as keywords
+        assert runner.call("boom", "") == Answer(False, "error: RuntimeError: the tool itself is broken", failed=True)
+        assert runner.call("picky", "x") == Answer(False, "error: cannot use 'x'")  # the tool's answer
 
-        assert runner.call("chatty", "") == (True, "fine")
-        ok, text = runner.call("huge", "")
-        assert not ok and len(text) < MAX_OUTPUT_CHARS + 100 and "cut at" in text
+        assert runner.call("chatty", "") == Answer(True, "fine")
+        ok, text, failed = runner.call("huge", "")
+        assert not ok and not failed and len(text) < MAX_OUTPUT_CHARS + 100 and "cut at" in text
 
-        ok, text = runner.call("python", "while True: print('spam' * 10000)")
-        assert not ok and "output exceeded" in text
-        ok, text = runner.call("python", "while True: pass")
+        ok, text, failed = runner.call("python", "while True: print('spam' * 10000)")
+        assert not ok and not failed and "output exceeded" in text
+        ok, text, _ = runner.call("python", "while True: pass")
         assert not ok and "timed out" in text
-        ok, text = runner.call("python", "x = bytearray(1 << 30)")
+        ok, text, _ = runner.call("python", "x = bytearray(1 << 30)")
         assert not ok and "MemoryError" in text
-        ok, text = runner.call("python", "import os\nprint(sorted(os.environ))")
-        assert ok and text.strip() in ("[]", "['LC_CTYPE']")  # no environment leaks into the sandbox
-        ok, text = runner.call("python", "raise SystemExit('bye')")
+        ok, text, _ = runner.call("python", "import os\nprint(sorted(os.environ))")
+        assert ok and text.strip() in ("[]", "['LC_CTYPE']")  # no environment reaches the code
+        code = "import os\nprint(os.path.basename(os.getcwd()), os.listdir('.'), os.getsid(0) == os.getpid())"
+        ok, text, _ = runner.call("python", code)
+        cwd, rest = text.split(" ", 1)
+        assert ok and cwd.startswith("verl_mega-python-tool-") and rest == "[] True\n"  # scratch dir, own session
+        ok, text, _ = runner.call("python", "raise SystemExit('bye')")
         assert not ok and "bye" in text
 
-        ok, text = runner.call("rm", "-rf /")
-        assert not ok and "unknown tool 'rm'" in text
-        assert runner.call("python", {"code": "print(6*7)"}) == (True, "42\n")
+        assert runner.call("rm", "-rf /") == Answer(False, "error: unknown tool 'rm'; tools: add, boom, calc, chatty, "
+                                                           "crash, hang, huge, picky, python")
+        assert runner.call("python", {"code": "print(6*7)"}) == Answer(True, "42\n")
     finally:
         runner.close()

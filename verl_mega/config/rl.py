@@ -25,11 +25,20 @@ class MultiTurnConfig(ConfigSection):
     max_tokens_per_turn: int | None = option(None, help="Tokens the policy may write in one turn; null: up to "
                                                         "rollout.max_response_length for the whole episode.")
     tools: tuple[str, ...] = option(("calc",), help="Tools the policy may call: built-ins `calc` (exact arithmetic) "
-                                                   "and `python` (sandboxed interpreter), or `pkg.module:fn` / "
+                                                   "and `python` (an interpreter with limits, not a sandbox), or "
+                                                   "`pkg.module:fn` / "
                                                    "`file.py:fn` (called with the argument text, or keyword "
                                                    "arguments for a JSON call).")
     tool_timeout_s: float = option(5.0, help="Time limit per tool call; a call past it is cut off and answered with "
                                              "an error.")
+    step_tool_time_s: float = option(300.0, help="Time all tool calls of one generation (a step, or a DAPO round) "
+                                                 "may take on one engine; calls past it are answered with an error "
+                                                 "without running (failed calls).")
+    max_tool_failure_frac: float = option(
+        0.5, help="Stop the run with an error when more than this fraction of a step's tool calls failed (timed out, "
+                  "crashed the worker, raised anything but ToolError, or were not run); past it within a turn, the "
+                  "turn's other calls are not run. An error the tool answers (ToolError) is not a failure. 1.0 never "
+                  "stops.")
     python_memory_mb: int = option(512, help="Address-space limit of the `python` tool's interpreter.")
     max_observation_tokens: int = option(64, help="A tool's answer is cut to this many tokens.")
     tool_call_start: str = option("<tool_call>", help="Text that opens a tool call.")
@@ -44,6 +53,11 @@ class MultiTurnConfig(ConfigSection):
         self._check_range("max_turns", ge=1, example=4)
         self._check_range("max_tokens_per_turn", ge=1, example=256)
         self._check_range("tool_timeout_s", gt=0.0, example=5.0)
+        self._check_range("step_tool_time_s", gt=0.0, example=300.0)
+        self._check_range("max_tool_failure_frac", ge=0.0, example=0.5)
+        self._require(self.max_tool_failure_frac <= 1.0, f"rollout.multi_turn.max_tool_failure_frac="
+                                                         f"{self.max_tool_failure_frac} is a fraction of the calls; "
+                                                         f"set it in [0, 1] (1.0 never stops)")
         self._check_range("python_memory_mb", ge=16, example=512)
         self._check_range("max_observation_tokens", ge=1, example=64)
         self._require(not self.enable or bool(self.tools),

@@ -49,6 +49,10 @@ class TrainerConfig(ConfigSection):
     collective_timeout_s: float = option(
         1800.0, help="Abort with a message naming the stage when a collective hangs longer than this.",
         affects_results=False)
+    pool_heartbeat_timeout_s: float = option(
+        60.0, help="With a rollout pool of its own: a rank of the other pool whose heartbeat (every 2 s) stops for "
+                   "this long while this rank waits for its answer is reported as stopped or hung, and the job ends "
+                   "with an error. 0 waits trainer.collective_timeout_s instead.", affects_results=False)
     profile: bool = option(False, help="Print the per-stage time / overlap profile every step (and collect vLLM's "
                                        "per-request stats for the prefill / decode split).",
                            affects_results=False)
@@ -78,6 +82,7 @@ class TrainerConfig(ConfigSection):
         self._check_range("log_every", ge=1)
         self._check_range("max_consecutive_nonfinite", ge=1, example=3)
         self._check_range("collective_timeout_s", gt=0.0, example=1800)
+        self._check_range("pool_heartbeat_timeout_s", ge=0.0, example=60)
         self._check_range("peak_tflops", gt=0.0, example=989)
         self._check_range("time_limit_s", gt=0.0, example=3600)
 

@@ -9,6 +9,11 @@ receivers for the weights (NCCL on GPU, gloo on CPU).
 
 The training pool comes first in rank order, so its pool ranks equal the job's ranks and everything built for a
 colocated job (Megatron groups, checkpoints, the sample path) runs unchanged on it.
+
+Every rank beats a heartbeat (a counter in the job's store, every ``HEARTBEAT_S``) from a thread of its own. A rank
+waiting for another pool's answer checks the sender's counter: a peer whose counter stands still for
+``trainer.pool_heartbeat_timeout_s`` is stopped (SIGSTOP, a frozen node) or hung, and the job ends with an error
+instead of waiting out ``trainer.collective_timeout_s``.
 """
 
 from __future__ import annotations
@@ -17,6 +22,9 @@ import contextlib
 import datetime
 import os
 import pickle
+import threading
+import time
+from queue import Empty, Queue
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -27,6 +35,7 @@ from verl_mega.parallel import cpu_mode
 from verl_mega.parallel.placement import Placement, PlacementError, Pool
 
 CONTROL_TAG, RESULT_TAG = 1, 2  # trainer → rollout commands; rollout → trainer samples
+HEARTBEAT_S = 2.0
 
 
 class PoolPeerError(RuntimeError):
@@ -44,7 +53,18 @@ class Bridge:
     store: Any = field(repr=False)
     timeout: datetime.timedelta
     control: Any = field(repr=False)  # gloo over every rank of the job
+    heartbeat_timeout_s: float = 0.0  # 0: no heartbeat checks
     _subgroups: dict[tuple[int, ...], Any] = field(default_factory=dict, repr=False)
+
+    def start_heartbeat(self) -> None:
+        """Beat this rank's heartbeat until the process ends (a daemon thread)."""
+        def beat() -> None:
+            while self.control is not None:
+                with contextlib.suppress(Exception):  # a store that is gone: the job is ending
+                    self.store.add(f"verl_mega/alive/{self.rank}", 1)
+                time.sleep(HEARTBEAT_S)
+
+        threading.Thread(target=beat, daemon=True, name="heartbeat").start()
 
     @property
     def pool(self) -> Pool:
@@ -98,20 +118,67 @@ class Bridge:
         with self._answering(dst, what):
             return [self.control.send([size], dst, tag), self.control.send([payload], dst, tag)]
 
-    def recv(self, src: int, tag: int, what: str) -> Any:
-        """The next object job rank ``src`` sent with ``tag``; a peer that died or stays silent past the collective
-        timeout raises :class:`PoolPeerError` naming it."""
-        size = torch.zeros(1, dtype=torch.long)
-        with self._answering(src, what):
+    def recv(self, src: int, tag: int, what: str, *, watch: tuple[int, ...] = ()) -> Any:
+        """The next object job rank ``src`` sent with ``tag``; a peer that died, stays silent past the collective
+        timeout, or whose heartbeat stops raises :class:`PoolPeerError` naming it. ``watch``: the ranks whose
+        heartbeats to check (default: ``src``'s)."""
+        def receive() -> Any:
+            size = torch.zeros(1, dtype=torch.long)
             self.control.recv([size], src, tag).wait(self.timeout)
             payload = torch.empty(int(size), dtype=torch.uint8)
             self.control.recv([payload], src, tag).wait(self.timeout)
-        return pickle.loads(payload.numpy().tobytes())
+            return pickle.loads(payload.numpy().tobytes())
 
-    def wait(self, works: list[Any], peer: int, what: str) -> None:
-        with self._answering(peer, what):
+        return self.watching(watch or (src,), what, receive, peer=src)
+
+    def wait(self, works: list[Any], peer: int, what: str, *, watch: tuple[int, ...] = ()) -> None:
+        def complete() -> None:
             for work in works:
                 work.wait(self.timeout)
+
+        if works:
+            self.watching(watch or (peer,), what, complete, peer=peer)
+
+    def watching(self, ranks: tuple[int, ...], what: str, fn, *, peer: int | None = None) -> Any:
+        """``fn()``, which waits on other ranks (``peer``: the one named when it fails); with heartbeat checks it
+        runs in a thread (on this thread's device) while this one watches the heartbeats of ``ranks``."""
+        peer = ranks[0] if peer is None else peer
+        if not self.heartbeat_timeout_s:
+            with self._answering(peer, what):
+                return fn()
+        device = torch.cuda.current_device() if torch.cuda.is_available() else None
+
+        def run() -> None:
+            if device is not None:
+                torch.cuda.set_device(device)  # the current device is per thread
+            box.put(_outcome(fn))
+
+        box: Queue = Queue()
+        threading.Thread(target=run, daemon=True, name="waiting-on-pool").start()
+        beats = {rank: self._beats(rank) for rank in ranks}
+        since = dict.fromkeys(ranks, time.monotonic())
+        while True:
+            try:
+                ok, value = box.get(timeout=HEARTBEAT_S)
+            except Empty:
+                for rank in ranks:
+                    now = self._beats(rank)
+                    if now != beats[rank]:
+                        beats[rank], since[rank] = now, time.monotonic()
+                    elif time.monotonic() - since[rank] > self.heartbeat_timeout_s:
+                        pool = self.placement.pool_of_rank(rank).name
+                        raise PoolPeerError(f"rank {rank} of pool {pool!r} sent no heartbeat for "
+                                            f"{time.monotonic() - since[rank]:.0f} s while {what}: it is stopped "
+                                            f"(SIGSTOP, a frozen node) or hung (trainer.pool_heartbeat_timeout_s="
+                                            f"{self.heartbeat_timeout_s:g})") from None
+                continue
+            if ok:
+                return value
+            with self._answering(peer, what):
+                raise value
+
+    def _beats(self, rank: int) -> int:
+        return int(self.store.add(f"verl_mega/alive/{rank}", 0))
 
     @contextlib.contextmanager
     def _answering(self, peer: int, what: str) -> Iterator[None]:
@@ -163,8 +230,16 @@ def check_disaggregated(placement: Placement) -> None:
     transfer_plan(placement)  # the two pools' generation TP agree (the trainer builds exactly the engines' slices)
 
 
-def init_pool_worlds(placement: Placement, timeout_s: float) -> Bridge:
-    """One rendezvous for the job; then this rank's pool as the default world and the bridge over the job."""
+def _outcome(fn) -> tuple[bool, Any]:
+    try:
+        return True, fn()
+    except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+        return False, exc
+
+
+def init_pool_worlds(placement: Placement, timeout_s: float, heartbeat_timeout_s: float = 0.0) -> Bridge:
+    """One rendezvous for the job; then this rank's pool as the default world and the bridge over the job (beating
+    this rank's heartbeat, and checking the peers' while waiting on them when ``heartbeat_timeout_s`` > 0)."""
     use_cpu = cpu_mode.enable_cpu_mode()
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialised; a disaggregated job initialises its pools")
@@ -182,4 +257,6 @@ def init_pool_worlds(placement: Placement, timeout_s: float) -> Bridge:
     # vLLM's external launcher reads these: on a rollout pool they are the pool's own
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank - pool.ranks[0]), str(len(pool.ranks))
     control = dist.ProcessGroupGloo(dist.PrefixStore("verl_mega/bridge/control/", store), rank, world, timeout)
-    return Bridge(placement, rank, world, store, timeout, control)
+    bridge = Bridge(placement, rank, world, store, timeout, control, heartbeat_timeout_s)
+    bridge.start_heartbeat()
+    return bridge

@@ -155,7 +155,8 @@ class ColocatedRollout:
                 local.append([Sample(mine[e.prompt], e.ids, e.logprobs, e.mask) for e in episodes])
                 counts.append({"episodes": float(len(episodes)), "turns": float(sum(e.turns for e in episodes)),
                                "tool_calls": float(sum(e.tool_calls for e in episodes)),
-                               "tool_errors": float(sum(e.tool_errors for e in episodes))})
+                               "tool_errors": float(sum(e.tool_errors for e in episodes)),
+                               "tool_failures": float(sum(e.tool_failures for e in episodes))})
                 continue
             if on_finished is not None:
                 gen = self._stream(engine, mine, mine_prompts, spec, on_finished, len(specs))

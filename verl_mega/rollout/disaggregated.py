@@ -49,6 +49,7 @@ class RemoteRollout:
         self.engine_index, self.num_engines, self.engine_leader = engine_index, num_engines, engine_leader
         self.leader = bridge.rank == 0
         self.server = bridge.placement.pool_of("rollout").ranks[0]
+        self.pool_ranks = tuple(bridge.placement.pool_of("rollout").ranks)  # whose heartbeats a wait checks
         self.weight_version = 0  # updates sent to the pool
         self.stop_requested = ""  # a signal a rank of the pool received (known to the leader)
         self._next_id = 0
@@ -87,7 +88,8 @@ class RemoteRollout:
     def update_weights(self) -> dict[str, float]:
         self._post({"op": "weights"})
         try:
-            metrics = self.weight_sync.sync()
+            metrics = self.bridge.watching(self.pool_ranks, "sending weights to the rollout pool",
+                                           self.weight_sync.sync)
         except PoolPeerError:
             raise
         except RuntimeError as exc:  # a receiver's connection dropped mid-transfer
@@ -123,17 +125,18 @@ class RemoteRollout:
         if self.leader:
             # one command in flight: the pool reads them in order, so this never waits on work of its own
             what = f"sending {command['op']!r} to the rollout pool"
-            self.bridge.wait(self._sends, self.server, what)
+            self.bridge.wait(self._sends, self.server, what, watch=self.pool_ranks)
             self._sends = self.bridge.send(command, self.server, CONTROL_TAG, what)
 
     def _receive(self, request: int) -> dict:
         box = [None]
         if self.leader:
-            box[0] = self.bridge.recv(self.server, RESULT_TAG, f"generating batch request {request}")
+            what = f"generating batch request {request}"
+            box[0] = self.bridge.recv(self.server, RESULT_TAG, what, watch=self.pool_ranks)
             while box[0].get("op") == "signal":  # a preempted rollout node: the job stops after this step
                 log.warning("the rollout pool received %s: the job stops after this step", box[0]["name"])
                 self.stop_requested = box[0]["name"]
-                box[0] = self.bridge.recv(self.server, RESULT_TAG, f"generating batch request {request}")
+                box[0] = self.bridge.recv(self.server, RESULT_TAG, what, watch=self.pool_ranks)
             if box[0]["id"] != request:
                 raise RuntimeError(f"the rollout pool answered request {box[0]['id']}, expected {request}")
         dist.broadcast_object_list(box, src=0)  # over the training pool

@@ -10,11 +10,17 @@ template, as ``observation_start + answer + observation_end``; it is cut to ``ma
 
 All episodes of one vLLM engine advance together, one generate call per turn. Every rank of the engine runs the same
 episodes; the engine's first rank calls the tools and broadcasts the answers, so its ranks never diverge.
+
+The tool calls of one generation (a step, or a DAPO round) are bounded as a whole: once ``step_tool_time_s`` has gone
+by, the remaining calls are answered with an error without running; and once more than ``max_tool_failure_frac`` of
+a turn's calls have failed (timed out, crashed, raised), the rest of that turn's calls are not run either. Both count
+as failed calls; the trainer stops the run when more than that fraction of a step's calls failed.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -22,11 +28,20 @@ import torch.distributed as dist
 
 from verl_mega.config.rl import MultiTurnConfig
 from verl_mega.rollout.colocated import SEED_MODULUS
-from verl_mega.rollout.tools import ToolRunner, parse_call
+from verl_mega.rollout.tools import Answer, ToolRunner, ToolsFailed, parse_call
 from verl_mega.rollout.vllm_rollout import SamplingSpec, VLLMRollout
 
 log = logging.getLogger("verl_mega.rollout")
 _PLACEHOLDER = "\x00tool answer\x00"
+
+
+def check_tool_failures(calls: float, failed: float, max_failure_frac: float) -> None:
+    """Raise :class:`ToolsFailed` when more than ``max_failure_frac`` of a step's tool calls failed."""
+    if calls and failed / calls > max_failure_frac:
+        raise ToolsFailed(f"{failed:g} of the step's {calls:g} tool calls failed (timed out, crashed, raised or not "
+                          f"run), more than rollout.multi_turn.max_tool_failure_frac={max_failure_frac:g} (the first "
+                          f"is logged as 'multi-turn: tool call ... failed'); fix the tool, or raise "
+                          f"rollout.multi_turn.tool_timeout_s, step_tool_time_s or max_tool_failure_frac")
 
 
 @dataclass
@@ -39,6 +54,7 @@ class Episode:
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
+    tool_failures: int = 0  # calls that timed out, crashed, raised, or were not run
     done: bool = False
 
 
@@ -63,6 +79,8 @@ class MultiTurn:
         """``sampling.n`` episodes per prompt, prompt-major."""
         spec = self.spec
         episodes = [Episode(i // sampling.n, i) for i in range(len(prompt_ids) * sampling.n)]
+        deadline = time.monotonic() + spec.step_tool_time_s
+        self.first_failure = None
         for turn in range(spec.max_turns):
             active = [e for e in episodes if not e.done]
             if not active:
@@ -88,7 +106,7 @@ class MultiTurn:
                     e.done = True
                 else:
                     calls.append((e, call, bool(ids) and ids[-1] == self.tokenizer.eos_token_id))
-            for (e, _, eos), (ok, answer) in zip(calls, self._answers([c for _, c, _ in calls])):
+            for (e, _, eos), (ok, answer, failed) in zip(calls, self._answers([c for _, c, _ in calls], deadline)):
                 obs = self._observation(answer, eos)[:spec.max_observation_tokens]
                 obs = obs[:self.max_tokens - len(e.ids)]
                 e.ids += obs
@@ -96,6 +114,7 @@ class MultiTurn:
                 e.mask += [0] * len(obs)
                 e.tool_calls += 1
                 e.tool_errors += not ok
+                e.tool_failures += failed
                 e.done = len(e.ids) >= self.max_tokens
         return episodes
 
@@ -110,11 +129,28 @@ class MultiTurn:
             return None
         return parse_call(text[start + len(self.spec.tool_call_start):end])
 
-    def _answers(self, calls: list[tuple[str, Any]]) -> list[tuple[bool, str]]:
-        """The engine's first rank calls the tools; the others receive its answers."""
+    def _answers(self, calls: list[tuple[str, Any]], deadline: float) -> list[Answer]:
+        """The engine's first rank calls the tools; the others receive its answers. Calls past `deadline`, and the
+        rest of the turn once more than max_tool_failure_frac of its calls failed, are answered without running."""
         answers = None
         if self.engine_group is None or dist.get_rank() == self.leader_rank:
-            answers = [self.tools.call(name, arguments) for name, arguments in calls]
+            answers, failed = [], 0
+            for name, arguments in calls:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    answer = Answer(False, f"error: not run: the tool calls of this step took "
+                                           f"rollout.multi_turn.step_tool_time_s={self.spec.step_tool_time_s:g} s",
+                                    failed=True)
+                elif failed > self.spec.max_tool_failure_frac * len(calls):
+                    answer = Answer(False, f"error: not run: {failed} of the {len(calls)} tool calls of this turn "
+                                           f"failed", failed=True)
+                else:
+                    answer = self.tools.call(name, arguments, timeout_s=left)
+                    failed += answer.failed
+                if answer.failed and self.first_failure is None:
+                    self.first_failure = f"{name}: {answer.text}"
+                    log.warning("multi-turn: tool call %s(%.60r) failed: %s", name, arguments, answer.text)
+                answers.append(answer)
         if self.engine_group is not None and dist.get_world_size(self.engine_group) > 1:
             box = [answers]
             dist.broadcast_object_list(box, src=self.leader_rank, group=self.engine_group)

@@ -1,4 +1,4 @@
-"""Tools a policy can call in a multi-turn episode: a registry of Python functions, and a sandboxed interpreter.
+"""Tools a policy can call in a multi-turn episode: a registry of Python functions, and an interpreter with limits.
 
 A tool is a function ``fn(arguments) -> str`` (``arguments`` is the call's text, or keyword arguments when the call
 is JSON). Built-ins: ``calc`` (exact arithmetic on an expression, no ``eval``) and ``python`` (runs the code in a
@@ -7,14 +7,21 @@ given as ``pkg.module:fn`` or ``file.py:fn``.
 
 Every call runs in a worker process (:class:`ToolRunner`): a call that hangs past the time limit, crashes the worker
 or prints megabytes is cut off, reported as an error string the policy sees as the tool's answer (and counted), and
-the episode goes on.
+the episode goes on. A tool answers an error by raising :class:`ToolError` (bad arguments: the policy's mistake);
+a call that times out, crashes its worker or raises anything else has *failed* (the tool's fault), which
+``rollout.multi_turn.max_tool_failure_frac`` bounds.
+
+The ``python`` tool is not a sandbox: the code runs as this process's user, with no environment, in an empty
+scratch directory and under CPU-time, memory and output limits, but it can read and write what that user can, open
+sockets and signal processes. It is off unless listed, and the run warns when it is.
 """
 
 from __future__ import annotations
 
 import ast
-import json
 import functools
+import json
+import logging
 import operator
 import os
 import select
@@ -22,8 +29,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
+log = logging.getLogger("verl_mega.rollout")
+PYTHON_TOOL_RISK = ("rollout.multi_turn.tools lists `python`: model-written code runs as this process's user (it can "
+                    "read and write that user's files, open network connections and signal processes); only CPU time, "
+                    "memory and output are limited. Run such jobs in a container or VM that holds nothing else")
 MAX_OUTPUT_CHARS = 4096  # a tool's answer is cut here (and again to the token limit of the episode)
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
         ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow, ast.USub: operator.neg,
@@ -44,18 +55,33 @@ def calc(expression: str) -> str:
             return _OPS[type(node.op)](left, right)
         raise ValueError(f"not arithmetic: {ast.dump(node)[:40]}")
 
-    result = value(ast.parse(expression.strip(), mode="eval").body)
+    try:
+        result = value(ast.parse(expression.strip(), mode="eval").body)
+    except (ValueError, SyntaxError, ArithmeticError, TypeError) as exc:  # the expression's fault, not the tool's
+        raise ToolError(f"{type(exc).__name__}: {exc}") from None
     return str(int(result)) if isinstance(result, float) and result.is_integer() else str(result)
 
 
 class ToolError(Exception):
-    """A tool's failure, shown to the policy as ``error: <message>``."""
+    """An error the tool answers (for example to arguments it cannot use), shown to the policy as
+    ``error: <message>``; any other exception is a failure of the tool."""
+
+
+class ToolsFailed(RuntimeError):
+    """More than rollout.multi_turn.max_tool_failure_frac of a step's tool calls failed."""
+
+
+class Answer(NamedTuple):
+    ok: bool  # the tool answered, without an error
+    text: str  # what the policy reads
+    failed: bool = False  # the call failed: it timed out, crashed its worker, raised, or was not run
 
 
 def python(code: str, *, timeout_s: float = 5.0, memory_mb: int = 512) -> str:
-    """Run ``code`` in a new isolated interpreter (``python -I``, empty environment, limits on CPU time, address
-    space and output size) and return what it printed; raises :class:`ToolError` with stderr's last line, or the
-    limit it hit."""
+    """Run ``code`` in a new interpreter (``python -I``, empty environment, an empty scratch directory as its working
+    directory, a session of its own, limits on CPU time, address space and output size) and return what it printed;
+    raises :class:`ToolError` with stderr's last line, or the limit it hit. Not a sandbox: see the module
+    docstring."""
     limit = MAX_OUTPUT_CHARS * 4  # bytes a print may write before the kernel stops the process (SIGXFSZ)
 
     def limits() -> None:
@@ -65,10 +91,11 @@ def python(code: str, *, timeout_s: float = 5.0, memory_mb: int = 512) -> str:
         resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
+            tempfile.TemporaryDirectory(prefix="verl_mega-python-tool-") as scratch:
         try:  # output goes to files, not pipes: a runaway print is stopped by RLIMIT_FSIZE, not held in memory
             code_ = subprocess.run([sys.executable, "-I", "-c", code], stdout=out, stderr=err, timeout=timeout_s,
-                                   env={}, preexec_fn=limits).returncode
+                                   env={}, cwd=scratch, start_new_session=True, preexec_fn=limits).returncode
         except subprocess.TimeoutExpired:
             raise ToolError(f"timed out after {timeout_s:g} s") from None
         if code_ == -signal.SIGXFSZ or out.seek(0, os.SEEK_END) >= limit:
@@ -100,17 +127,18 @@ def tool_name(spec: str) -> str:
     return spec if spec in BUILTIN_TOOLS else spec.rpartition(":")[2] or spec.rpartition(".")[2]
 
 
-def _answer(tools: dict[str, Callable[..., str]], name: str, arguments: Any) -> tuple[bool, str]:
+def _answer(tools: dict[str, Callable[..., str]], name: str, arguments: Any) -> Answer:
     try:
         fn = tools[name]
         out = str(fn(**arguments) if isinstance(arguments, dict) else fn(arguments))
     except ToolError as exc:
-        return False, f"error: {exc}"[:MAX_OUTPUT_CHARS]
+        return Answer(False, f"error: {exc}"[:MAX_OUTPUT_CHARS])
     except Exception as exc:  # noqa: BLE001 - the policy sees the error as the tool's answer
-        return False, f"error: {type(exc).__name__}: {exc}"[:MAX_OUTPUT_CHARS]
+        return Answer(False, f"error: {type(exc).__name__}: {exc}"[:MAX_OUTPUT_CHARS], failed=True)
     if len(out) > MAX_OUTPUT_CHARS:
-        return False, f"{out[:MAX_OUTPUT_CHARS]} ... error: answer cut at {MAX_OUTPUT_CHARS} of {len(out)} characters"
-    return True, out
+        return Answer(False, f"{out[:MAX_OUTPUT_CHARS]} ... error: answer cut at {MAX_OUTPUT_CHARS} of {len(out)} "
+                             f"characters")
+    return Answer(True, out)
 
 
 def _serve(setup: str) -> None:
@@ -141,6 +169,8 @@ class ToolRunner:
         self.names = {tool_name(s) for s in specs}
         for spec in self.specs:  # fail at start-up, in this process, on a bad spec
             load_tool(spec)
+        if "python" in self.specs:
+            log.warning(PYTHON_TOOL_RISK)
         self._proc: subprocess.Popen | None = None
 
     def _start(self) -> subprocess.Popen:
@@ -149,12 +179,14 @@ class ToolRunner:
         return subprocess.Popen([sys.executable, "-m", "verl_mega.rollout.tools", setup], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
 
-    def call(self, name: str, arguments: Any) -> tuple[bool, str]:
-        """(ok, answer) of one call; never raises for what the tool does."""
+    def call(self, name: str, arguments: Any, *, timeout_s: float | None = None) -> Answer:
+        """The answer to one call, cut off after ``timeout_s`` (default: the runner's); never raises for what the
+        tool does."""
         if name not in self.names:
-            return False, f"error: unknown tool {name!r}; tools: {', '.join(sorted(self.names))}"
+            return Answer(False, f"error: unknown tool {name!r}; tools: {', '.join(sorted(self.names))}")
         if not isinstance(arguments, (str, dict)):
-            return False, "error: arguments must be text or a JSON object"
+            return Answer(False, "error: arguments must be text or a JSON object")
+        timeout_s = self.timeout_s if timeout_s is None else min(timeout_s, self.timeout_s)
         if self._proc is None or self._proc.poll() is not None:
             self._proc = self._start()
         proc = self._proc
@@ -163,19 +195,19 @@ class ToolRunner:
             proc.stdin.flush()
             # the worker's start-up counts too; the python tool stops itself at timeout_s, the margin lets its own,
             # clearer message arrive first
-            ready, _, _ = select.select([proc.stdout], [], [], self.timeout_s + 1.0)
+            ready, _, _ = select.select([proc.stdout], [], [], timeout_s + 1.0)
             line = proc.stdout.readline() if ready else None
         except (BrokenPipeError, OSError):
             line = ""
         if line is None:
             self.close()
-            return False, f"error: {name} timed out after {self.timeout_s:g} s"
+            return Answer(False, f"error: {name} timed out after {timeout_s:g} s", failed=True)
         if not line:
             code = proc.wait(5)
             self._proc = None
-            return False, f"error: {name} crashed (exit code {code})"
-        ok, text = json.loads(line)
-        return bool(ok), text
+            return Answer(False, f"error: {name} crashed (exit code {code})", failed=True)
+        ok, text, failed = json.loads(line)
+        return Answer(bool(ok), text, bool(failed))
 
     def close(self) -> None:
         if self._proc is not None:
@@ -198,5 +230,7 @@ def parse_call(body: str) -> tuple[str, Any]:
 
 
 
-if __name__ == "__main__":
-    _serve(sys.argv[1])
+if __name__ == "__main__":  # the module a tool imports ToolError from, not this __main__ copy of it
+    from verl_mega.rollout import tools as _module
+
+    _module._serve(sys.argv[1])

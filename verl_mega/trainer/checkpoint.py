@@ -321,7 +321,7 @@ class CheckpointManager:
                 log.warning("resume: %s was saved without optimizer state (checkpoint.save_optimizer=false); the "
                             "weights load, the optimizer state restarts", path.name)
             elif self.cfg.checkpoint.save_optimizer:
-                if fmt == optim_state.FORMAT or state.get("layout") == _layout(engine):
+                if fmt in optim_state.RESHARDABLE or state.get("layout") == _layout(engine):
                     sd["optimizer"] = optim_state.sharded_state_dict(engine.optimizer, _flat(model_sd),
                                                                      is_loading=True, fmt=fmt)
                 else:

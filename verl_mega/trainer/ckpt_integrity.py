@@ -133,7 +133,7 @@ def _roles(cfg) -> list[str]:
 
 def inspect_checkpoint(path: Path, cfg) -> dict[str, Any]:
     """The cheap checks of the module docstring; returns trainer.json's content."""
-    from verl_mega.models.safe_ckpt import UnsafeCheckpointError, check_dist_checkpoint
+    from verl_mega.models.safe_ckpt import UnsafeCheckpointError, check_dist_checkpoint, weights_only_load
 
     state = read_trainer_state(path)
     named = path.name.removeprefix("step_")
@@ -167,6 +167,13 @@ def inspect_checkpoint(path: Path, cfg) -> dict[str, Any]:
             raise ResumeError(f"resume: {path} has no {role}/ state; it was saved by a run without that role")
         try:
             check_dist_checkpoint(path / role)
+        except UnsafeCheckpointError:
+            raise
+        except CheckpointError as exc:
+            raise BrokenCheckpointError(str(exc).replace("checkpoint: ", "resume: ", 1)) from None
+    for rank_file in sorted(path.glob("rank_*.pt")):  # small (RNG states): read them all now, not after the build
+        try:
+            weights_only_load(rank_file, what=str(rank_file))
         except UnsafeCheckpointError:
             raise
         except CheckpointError as exc:

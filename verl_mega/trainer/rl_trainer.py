@@ -16,6 +16,7 @@ import torch.distributed as dist
 from verl_mega import algos
 from verl_mega.config import TrainConfig
 from verl_mega.rollout.colocated import SEED_MODULUS
+from verl_mega.rollout.multi_turn import check_tool_failures
 from verl_mega.rollout.vllm_rollout import SamplingSpec
 from verl_mega.trainer.batch import Batch, pack_sequences
 from verl_mega.trainer.dataflow import DataflowBuilder
@@ -202,7 +203,7 @@ class RLTrainer:
         """The step's prompts, its rows' table and this engine's rows: one generation of the prompt batch or, with
         DAPO dynamic sampling, generations of further batches until data.train_batch_size groups have rewards that
         differ (dropped groups fill a batch still short after algorithm.filter_groups.max_num_gen_batches)."""
-        fcfg = self.cfg.algorithm.filter_groups
+        fcfg, frac = self.cfg.algorithm.filter_groups, self.cfg.rollout.multi_turn.max_tool_failure_frac
         specs = self._specs(prompt_batch)
         self._prefetch(prompt_batch)
         n = specs[0].n
@@ -226,7 +227,7 @@ class RLTrainer:
                 self.baseline_scores = self._engine_scores(generated[1], items, offset, len(batch.items))
             if not fcfg.enable:
                 self.prescored = None
-                return items, table, local, _episode_metrics(counts)
+                return items, table, local, _episode_metrics(counts, frac)
             scores = self._engine_scores(gen, items, offset, len(table), rows_of=rows_of)
             candidates.append((table, local, scores))
             keep = algos.dynamic_sampling_keep(scores, table.prompt).rows
@@ -237,7 +238,7 @@ class RLTrainer:
         table, local, self.prescored, metrics = _filter_groups(candidates, len(prompt_batch))
         metrics["dapo/gen_batches"] = float(rounds)
         metrics["dapo/kept_group_frac"] = metrics.pop("kept_groups") / max(1, len(items))
-        return items, table, local, {**metrics, **_episode_metrics(counts)}
+        return items, table, local, {**metrics, **_episode_metrics(counts, frac)}
 
     def _generate(self, batch, specs):
         """The rollout of one prompt batch; with rollout.stream_scoring its samples are scored as they finish."""
@@ -555,10 +556,12 @@ def _rollout_routing(samples, width: int, shape: tuple[int, int]) -> torch.Tenso
     return out
 
 
-def _episode_metrics(counts: dict[str, float]) -> dict[str, float]:
-    """Multi-turn rollouts: turns and tool calls per episode, and the share of tool calls that failed."""
+def _episode_metrics(counts: dict[str, float], max_failure_frac: float) -> dict[str, float]:
+    """Multi-turn rollouts: turns and tool calls per episode, and the share of tool calls that answered an error.
+    Past rollout.multi_turn.max_tool_failure_frac failed calls (counted over the pool) the run stops, on every rank."""
     if not counts.get("episodes"):
         return {}
+    check_tool_failures(counts["tool_calls"], counts.get("tool_failures", 0.0), max_failure_frac)
     episodes = counts["episodes"]
     return {"rollout/turns": counts["turns"] / episodes, "rollout/tool_calls": counts["tool_calls"] / episodes,
             "rollout/tool_error_frac": counts["tool_errors"] / max(counts["tool_calls"], 1.0)}

@@ -1,8 +1,9 @@
 """The output directory of a run: one job at a time, and one run's records in it.
 
 * **One job at a time.** Rank 0 holds an exclusive ``flock`` on ``<output_dir>/.lock`` from before anything is built
-  until the job ends; a second job in the same directory is refused with the holder's pid and host. The kernel drops
-  the lock when the process dies, so a killed job leaves none behind.
+  until the job ends, and removes the file when it ends; a second job in the same directory is refused with the
+  holder's pid and host. The kernel drops the lock when the process dies, so a killed job holds none (its file stays
+  until the next job's end).
 * **One run's records.** A run that starts fresh (``trainer.resume=off``, or ``auto`` with no checkpoint to resume)
   in a directory that holds an earlier run's records first moves them into ``<output_dir>/earlier_runs/<time>/``:
   its checkpoints would otherwise outrank the new ones (pruning and ``resume=auto`` keep the highest step numbers)
@@ -31,30 +32,37 @@ RUN_RECORDS = ("checkpoints", "metrics.jsonl", "tensorboard", "curves.png", "sum
 
 
 def lock_output_dir(output_dir: str, resources: contextlib.ExitStack) -> None:
-    """Take the directory's lock for the life of `resources` (rank 0 only). A directory made here and still holding
-    nothing but the lock when `resources` closes is removed again, so a job refused later leaves nothing behind."""
+    """Take the directory's lock for the life of `resources` (rank 0 only). The lock file goes with the lock, and a
+    directory made here that holds nothing else then is removed too, so a job refused later leaves nothing behind."""
     path = Path(output_dir)
     made = not path.exists()
     path.mkdir(parents=True, exist_ok=True)
     lock = path / LOCK_FILE
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise ValueError(f"trainer.output_dir={output_dir!r}: cannot lock {lock} ({exc.strerror}); use a "
+                                 f"directory on a file system with file locks") from None
+            raise ValueError(f"trainer.output_dir={output_dir!r} is in use by another job ({holder}); wait for it "
+                             f"to end or choose another trainer.output_dir") from None
+        try:  # the holder before us may have removed the file between our open and our lock: lock the new one
+            if os.stat(lock).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:
+            pass
         os.close(fd)
-        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-            raise ValueError(f"trainer.output_dir={output_dir!r}: cannot lock {lock} ({exc.strerror}); use a "
-                             f"directory on a file system with file locks") from None
-        raise ValueError(f"trainer.output_dir={output_dir!r} is in use by another job ({holder}); wait for it to end "
-                         f"or choose another trainer.output_dir") from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
 
     def release() -> None:
+        lock.unlink(missing_ok=True)  # while holding it (see above)
         os.close(fd)
-        if made and [p.name for p in path.iterdir()] == [LOCK_FILE]:
-            lock.unlink(missing_ok=True)
+        if made and not any(path.iterdir()):
             with contextlib.suppress(OSError):
                 path.rmdir()
 

@@ -420,7 +420,7 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
     else:  # each pool a world of its own (vLLM's groups span its world), joined by a bridge
         from verl_mega.parallel.pools import init_pool_worlds
 
-        bridge = init_pool_worlds(placement, cfg.trainer.collective_timeout_s)
+        bridge = init_pool_worlds(placement, cfg.trainer.collective_timeout_s, cfg.trainer.pool_heartbeat_timeout_s)
         resources.callback(bridge.close)
         records = bridge.all_gather_object(device)
     # every file's checksum, each rank hashing a share; a broken newest checkpoint falls back (resume=auto)

@@ -1,12 +1,9 @@
 """Packed (THD) against padded micro-batches on 2 ranks at one layout (--tp/--pp/--cp/--sp): log-probs, entropies and
-critic values in the forward, and the accumulated gradients of one actor update, all in float32. Prints
-``PACKING {json}`` on rank 0; any mismatch raises on the rank that sees it. The tests run it inside
-jobs/model_parity.py (``--packing``), at layouts whose logits that job checks anyway."""
+critic values in the forward, and the accumulated gradients of one actor update, all in float32; any mismatch raises
+on the rank that sees it. :func:`check_packing` runs inside jobs/model_parity.py (``--packing``, which prints
+``PACKING {json}`` on rank 0), at layouts whose logits that job checks anyway."""
 
 from __future__ import annotations
-
-import argparse
-import json
 
 import torch
 
@@ -84,26 +81,3 @@ def check_packing(groups, model: str) -> dict:
     assert not bad, f"rank {dist.get_rank()}: packed and padded differ: {bad}"
     return report
 
-
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--pp", type=int, default=1)
-    ap.add_argument("--cp", type=int, default=1)
-    ap.add_argument("--sp", action="store_true")
-    ap.add_argument("--model", required=True)
-    args = ap.parse_args()
-
-    import torch.distributed as dist
-
-    from verl_mega.parallel.state import init_distributed
-
-    groups = init_distributed(tp=args.tp, pp=args.pp, cp=args.cp, sequence_parallel=args.sp, seed=1)
-    report = check_packing(groups, args.model)
-    if dist.get_rank() == 0:
-        print("PACKING " + json.dumps(report), flush=True)
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()
