@@ -4,7 +4,9 @@ run's records aside, deleting nothing)."""
 import contextlib
 import logging
 import os
+import signal
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +28,31 @@ def test_a_second_job_in_the_directory_is_refused(tmp_path):
         lock_output_dir(str(out), second)
         (out / "metrics.jsonl").write_text("")
     assert out.is_dir() and (out / "metrics.jsonl").exists()  # a directory with records stays
+
+
+def test_a_forked_helper_that_outlives_the_job_does_not_hold_the_lock(tmp_path):
+    """A trainer killed while its forked checkpoint writer still runs: the next job gets the directory."""
+    out = tmp_path / "run"
+    ready, helper_pid = tmp_path / "ready", tmp_path / "helper.pid"
+    job = os.fork()
+    if job == 0:  # the trainer: takes the lock, forks a long-lived helper, then dies
+        try:
+            lock_output_dir(str(out), contextlib.ExitStack())
+            helper = os.fork()
+            if helper == 0:
+                time.sleep(60)
+                os._exit(0)
+            helper_pid.write_text(str(helper))
+            ready.touch()
+        finally:
+            os._exit(0)  # as if killed: nothing released
+    os.waitpid(job, 0)
+    assert ready.exists()
+    try:
+        with contextlib.ExitStack() as next_job:
+            lock_output_dir(str(out), next_job)
+    finally:
+        os.kill(int(helper_pid.read_text()), signal.SIGKILL)
 
 
 def test_a_directory_made_for_a_refused_job_is_removed(tmp_path):

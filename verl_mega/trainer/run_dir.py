@@ -3,7 +3,7 @@
 * **One job at a time.** Rank 0 holds an exclusive ``flock`` on ``<output_dir>/.lock`` from before anything is built
   until the job ends, and removes the file when it ends; a second job in the same directory is refused with the
   holder's pid and host. The kernel drops the lock when the process dies, so a killed job holds none (its file stays
-  until the next job's end).
+  until the next job's end); processes it forked (a background checkpoint writer) do not hold it.
 * **One run's records.** A run that starts fresh (``trainer.resume=off``, or ``auto`` with no checkpoint to resume)
   in a directory that holds an earlier run's records first moves them into ``<output_dir>/earlier_runs/<time>/``:
   its checkpoints would otherwise outrank the new ones (pruning and ``resume=auto`` keep the highest step numbers)
@@ -26,6 +26,19 @@ log = logging.getLogger("verl_mega.checkpoint")
 __all__ = ["LOCK_FILE", "EARLIER_RUNS", "RUN_RECORDS", "lock_output_dir", "set_aside_earlier_run"]
 
 LOCK_FILE = ".lock"
+# flock belongs to the open file, which a forked child shares (mcore's background checkpoint writer is one): a child
+# that outlived a killed trainer would hold the directory. Forked children close their copy at once.
+_HELD: set[int] = set()
+
+
+def _close_held_in_child() -> None:
+    for fd in _HELD:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_close_held_in_child)
 EARLIER_RUNS = "earlier_runs"
 # everything a run writes into its output_dir (metrics.METRICS_FILE, TENSORBOARD_DIR, CURVES_FILE, SUMMARY_FILE)
 RUN_RECORDS = ("checkpoints", "metrics.jsonl", "tensorboard", "curves.png", "summary.txt", "placement.json")
@@ -58,9 +71,11 @@ def lock_output_dir(output_dir: str, resources: contextlib.ExitStack) -> None:
         os.close(fd)
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    _HELD.add(fd)
 
     def release() -> None:
         lock.unlink(missing_ok=True)  # while holding it (see above)
+        _HELD.discard(fd)
         os.close(fd)
         if made and not any(path.iterdir()):
             with contextlib.suppress(OSError):
