@@ -45,7 +45,8 @@ def _long_tailed_vllm() -> None:
     """Give every prompt of a vLLM call its own max_tokens from :data:`LENGTHS`."""
     from dataclasses import replace
 
-    from verl_mega.rollout.vllm_rollout import SamplingSpec, VLLMRollout
+    from verl_mega.rollout.base import SamplingSpec
+    from verl_mega.rollout.vllm_rollout import VLLMRollout
 
     plain = VLLMRollout.generate
 
@@ -91,7 +92,7 @@ class HFGenerateRollout:
 
     @torch.no_grad()
     def generate(self, prompt_ids, specs):
-        from verl_mega.rollout.colocated import Generated, Sample
+        from verl_mega.rollout.base import Generated, Sample
 
         (spec,) = specs
         world, rank = dist.get_world_size(), dist.get_rank()

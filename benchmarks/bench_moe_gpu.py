@@ -119,7 +119,7 @@ def bench_sync(producer, rollout, repeats: int) -> dict:
 
 
 def bench_vllm(rollout, prompts, args) -> dict:
-    from verl_mega.rollout.vllm_rollout import SamplingSpec
+    from verl_mega.rollout.base import SamplingSpec
 
     spec = SamplingSpec(max_tokens=args.max_tokens, temperature=1.0, ignore_eos=True)
     rollout.generate(prompts[:2], SamplingSpec(max_tokens=4))  # warm-up

@@ -89,7 +89,8 @@ def main() -> None:
     from verl_mega.models.build import build_model_chunks
     from verl_mega.models.hf_config import arch_from_hf, load_hf_config, transformer_config
     from verl_mega.parallel.state import init_distributed
-    from verl_mega.rollout.vllm_rollout import SamplingSpec, VLLMRollout, VLLMRolloutConfig
+    from verl_mega.rollout.base import SamplingSpec
+    from verl_mega.rollout.vllm_rollout import VLLMRollout, VLLMRolloutConfig
 
     groups = init_distributed(tp=args.tp, pp=1, gen_tp=args.gen_tp, seed=1)
     layout = groups.pool

@@ -11,7 +11,7 @@ from verl_mega.models.tiny import build_char_tokenizer
 from verl_mega.config.rl import MultiTurnConfig
 from verl_mega.rollout.multi_turn import MultiTurn, _template_parts, check_tool_failures
 from verl_mega.rollout.tools import ToolRunner, ToolsFailed
-from verl_mega.rollout.vllm_rollout import SamplingSpec
+from verl_mega.rollout.base import SamplingSpec
 
 SPEC = dict(tool_call_start="(", tool_call_end=")", observation_start="=", observation_end=".")
 

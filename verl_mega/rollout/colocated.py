@@ -1,8 +1,7 @@
-"""The ``Rollout`` protocol and its colocated implementation (HybridFlow's 3D-HybridEngine timeline).
+"""The colocated :class:`~verl_mega.rollout.base.Rollout` (HybridFlow's 3D-HybridEngine timeline).
 
-A rollout turns the global prompt batch into samples tagged with the weight version that generated them, receives
-new weights after every update, and releases / restores its memory. :class:`ColocatedRollout` runs vLLM in-process
-on the training ranks and owns the switch between training and generation::
+:class:`ColocatedRollout` runs vLLM in-process on the training ranks and owns the switch between training and
+generation::
 
     offload idle training state → wake vLLM → generate this engine's share → gather every engine's samples
     → vLLM sleeps (KV cache freed) → training state returns
@@ -16,60 +15,15 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field, replace
-from typing import Any, Callable, NamedTuple, Protocol, Sequence
+from dataclasses import replace
+from typing import Any, Callable, Sequence
 
 import torch
 
-from verl_mega.rollout.vllm_rollout import RolloutError, SamplingSpec, VLLMRollout
+from verl_mega.rollout.base import SEED_MODULUS, Generated, Request, RolloutError, Sample, SamplingSpec
+from verl_mega.rollout.vllm_rollout import VLLMRollout
 
 logger = logging.getLogger(__name__)
-SEED_MODULUS = 2**31 - 1
-
-
-
-class Sample(NamedTuple):
-    prompt: int  # index in the global prompt batch
-    ids: list[int]  # the response: generated tokens and, in multi-turn episodes, the tools' answers
-    logprobs: list[float]  # of the sampled tokens (0 for a tool's tokens)
-    mask: list[int] | None = None  # multi-turn: 1 where the policy wrote the token, 0 for a tool's answer
-    #: routing replay R3: the experts each prompt and response token was routed to in the rollout,
-    #: ``[tokens, model layers, top-k]`` int16 (-1: unknown, e.g. the last token, which vLLM never runs)
-    routing: torch.Tensor | None = None
-    #: partial rollouts: the weight version that sampled each response token (None: all by the batch's version)
-    versions: list[int] | None = None
-
-
-@dataclass
-class Generated:
-    """One engine's samples for one sampling spec, prompt-major, with the prompt indices of the global batch; the
-    engine's weight version, and counts (multi-turn: episodes, turns, tool_calls, tool_errors). ``engine``: which
-    engine made them; ``leader``: whether this rank is the engine's first (every rank of an engine holds the same
-    samples; :mod:`verl_mega.trainer.transfer` moves them to the ranks that train on them)."""
-
-    samples: list[Sample]
-    version: int
-    engine: int = 0
-    leader: bool = True
-    counts: dict[str, float] = field(default_factory=dict)
-
-
-class Rollout(Protocol):
-    """What the trainer needs from a rollout, wherever its engines run: ``generate`` takes the global prompt batch
-    and returns, on every rank of an engine, that engine's share of the samples. ``stop_requested``: a signal
-    (``SIGTERM``, ``SIGINT``) that ranks the trainer does not share received, '' when none."""
-
-    stop_requested: str
-
-    def generate(self, prompt_ids: Sequence[Sequence[int]], specs: Sequence[SamplingSpec]) -> list[Generated]: ...
-
-    def update_weights(self) -> dict[str, float]: ...
-
-    def release_memory(self) -> None: ...
-
-    def restore_memory(self) -> None: ...
-
-    def shutdown(self) -> None: ...
 
 
 class ColocatedRollout:
@@ -203,6 +157,9 @@ class ColocatedRollout:
         prof.record("engine_steps", start, prof.now(), parent="rollout")
         prof.add_counter("engine_steps", float(steps))
         return stream.take("batch")
+
+    def prefetch(self, requests: Sequence[Request]) -> None:
+        """Nothing to send ahead: the engines run on the trainer's ranks, between its steps."""
 
     def update_weights(self) -> dict[str, float]:
         """Write the actor's new weights into vLLM (collective over the pool)."""

@@ -29,14 +29,15 @@ import torch
 import torch.distributed as dist
 
 from verl_mega.parallel.pools import CONTROL_TAG, RESULT_TAG, Bridge, PoolPeerError
-from verl_mega.rollout.colocated import SEED_MODULUS, Generated, Sample
-from verl_mega.rollout.vllm_rollout import SamplingSpec, VLLMRollout, engine_share
+from verl_mega.rollout.base import (SEED_MODULUS, STOP_REASONS, Generated, Request, RolloutError, Sample, SamplingSpec,
+                                    engine_share)
+from verl_mega.rollout.vllm_rollout import VLLMRollout
 
 log = logging.getLogger(__name__)
 
 
 class RemoteRollout:
-    """The :class:`~verl_mega.rollout.colocated.Rollout` protocol on the training pool, for engines on another pool.
+    """The :class:`~verl_mega.rollout.base.Rollout` protocol on the training pool, for engines on another pool.
 
     Every training rank calls every method together (the samples are shared over the training pool, the weights
     sent collectively). :meth:`generate` returns, on each rank, the share of the samples that its generation
@@ -59,22 +60,27 @@ class RemoteRollout:
         self.closed = False
 
     # ---- the protocol ------------------------------------------------------------------------------------
-    def submit(self, prompt_ids: Sequence[Sequence[int]], specs: Sequence[SamplingSpec]) -> None:
-        """Ask the pool for a batch now (prefetch); a later :meth:`generate` of the same batch collects it."""
-        key = _key(prompt_ids, specs)
+    def prefetch(self, requests: Sequence[Request]) -> None:
+        """Ask the pool now for every request it has not been asked for yet, in order; a later :meth:`generate`
+        of the same batch collects it. Weights sent after a request do not reach it: that is the staleness."""
+        for prompt_ids, specs in requests:
+            key = _key(prompt_ids, specs)
+            if not any(k == key for k in self._pending.values()):
+                self._submit(key)
+
+    def _submit(self, key: tuple) -> None:
         self._pending[self._next_id] = key
-        self._post({"op": "generate", "id": self._next_id, "prompts": key[0], "specs": list(specs)})
+        self._post({"op": "generate", "id": self._next_id, "prompts": key[0], "specs": key[1]})
         self._next_id += 1
 
-    def submitted(self, prompt_ids: Sequence[Sequence[int]], specs: Sequence[SamplingSpec]) -> bool:
-        key = _key(prompt_ids, specs)
-        return any(k == key for k in self._pending.values())
-
-    def generate(self, prompt_ids: Sequence[Sequence[int]], specs: Sequence[SamplingSpec]) -> list[Generated]:
+    def generate(self, prompt_ids: Sequence[Sequence[int]], specs: Sequence[SamplingSpec], *,
+                 on_finished=None) -> list[Generated]:
+        if on_finished is not None:
+            raise RolloutError("a rollout pool of its own returns whole batches: it cannot stream finished samples")
         key = _key(prompt_ids, specs)
         wanted = next((i for i, k in self._pending.items() if k == key), None)
         if wanted is None:
-            self.submit(prompt_ids, specs)
+            self._submit(key)
             wanted = self._next_id - 1
         while wanted not in self._results:  # results come back in the order the requests went out
             first = next(iter(self._pending))
@@ -178,10 +184,10 @@ class RolloutServer:
         """Run commands until ``stop``. SIGTERM and SIGINT on any rank of the pool are passed on to the training
         pool, which decides when the job stops (it finishes its step, saves it, then sends ``stop``); a training
         pool that is gone ends this loop through the bridge."""
-        received = [0]  # the most severe signal any rank of the pool has received: an index into SIGNALS
+        received = [0]  # the most severe signal any rank of the pool has received: an index into STOP_REASONS
 
         def on_signal(signum: int, frame) -> None:  # noqa: ARG001
-            received[0] = max(received[0], SIGNALS.index(signal.Signals(signum).name))
+            received[0] = max(received[0], STOP_REASONS.index(signal.Signals(signum).name))
             log.warning("rollout pool: %s received; the training pool stops the job after its step, with a checkpoint",
                         signal.Signals(signum).name)
 
@@ -206,7 +212,7 @@ class RolloutServer:
             busy, ready, oldest, arrived, signalled = torch.stack(everyone).T.tolist()
             if self.outbox is not None and max(signalled) > passed_on:  # ahead of the batches not sent yet
                 passed_on = max(signalled)
-                self.outbox.put({"op": "signal", "name": SIGNALS[passed_on]})
+                self.outbox.put({"op": "signal", "name": STOP_REASONS[passed_on]})
             # batches every engine has finished go back, in the order they were asked for
             for request in [r for r in started if r < min(oldest)]:
                 self._answer(started.pop(request))
@@ -265,7 +271,6 @@ class RolloutServer:
 
 
 _NONE_OPEN = 2**62  # no batch generating on this engine
-SIGNALS = ("", "SIGINT", "SIGTERM")  # by severity, as the training pool ranks stop reasons
 _STOPPED = {"op": "stopped"}  # the rollout pool's last answer
 
 

@@ -27,9 +27,9 @@ from typing import Any
 import torch.distributed as dist
 
 from verl_mega.config.rl import MultiTurnConfig
-from verl_mega.rollout.colocated import SEED_MODULUS
+from verl_mega.rollout.base import SEED_MODULUS, SamplingSpec
 from verl_mega.rollout.tools import Answer, ToolRunner, ToolsFailed, parse_call
-from verl_mega.rollout.vllm_rollout import SamplingSpec, VLLMRollout
+from verl_mega.rollout.vllm_rollout import VLLMRollout
 
 log = logging.getLogger("verl_mega.rollout")
 _PLACEHOLDER = "\x00tool answer\x00"

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from verl_mega.rollout.vllm_rollout import RolloutError
+from verl_mega.rollout.base import RolloutError
 
 
 def routed_experts_support() -> tuple[str | None, str]:

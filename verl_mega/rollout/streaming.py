@@ -20,8 +20,8 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
-from verl_mega.rollout.vllm_rollout import (RolloutBatch, RolloutError, SamplingSpec, VLLMRollout, engine_stance,
-                                            sampled_logprobs, sampling_params)
+from verl_mega.rollout.base import RolloutError, SamplingSpec
+from verl_mega.rollout.vllm_rollout import RolloutBatch, VLLMRollout, engine_stance, sampled_logprobs, sampling_params
 
 
 @dataclass

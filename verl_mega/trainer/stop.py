@@ -17,10 +17,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-log = logging.getLogger("verl_mega")
+from verl_mega.rollout.base import STOP_REASONS  # by severity: the all-reduce keeps the largest
 
-# severity of each reason: the all-reduce keeps the largest, so every rank reports the same one
-_REASONS = ("", "trainer.time_limit_s", "SIGINT", "SIGTERM")
+log = logging.getLogger("verl_mega")
 
 
 class StopRequest:
@@ -46,7 +45,7 @@ class StopRequest:
         name = signal.Signals(signum).name
         if signum == signal.SIGINT and "SIGINT" in self.received:
             raise KeyboardInterrupt  # the second Ctrl-C: stop now, without the checkpoint
-        if _REASONS.index(name) > _REASONS.index(self.received):
+        if STOP_REASONS.index(name) > STOP_REASONS.index(self.received):
             self.received = name
         hint = " (Ctrl-C again aborts at once)" if signum == signal.SIGINT else ""
         log.warning("%s received: the current step finishes, every rank saves a checkpoint, then the run exits%s",
@@ -56,13 +55,13 @@ class StopRequest:
         """Collective, once per step on every rank: the stop reason all ranks agree on ('' = go on). The time limit
         stops the run when another step of the last one's duration would end past it. ``peer``: a signal that ranks
         outside this world received (a rollout pool of its own), as this rank has heard of it."""
-        local = max(_REASONS.index(self.received), _REASONS.index(peer))
+        local = max(STOP_REASONS.index(self.received), STOP_REASONS.index(peer))
         if self.time_limit_s is not None and time.monotonic() - self.started + last_step_s > self.time_limit_s:
-            local = max(local, _REASONS.index("trainer.time_limit_s"))
+            local = max(local, STOP_REASONS.index("trainer.time_limit_s"))
         if dist.is_initialized() and dist.get_world_size() > 1:
             from verl_mega.parallel.cpu_mode import comm_device
 
             flag = torch.tensor([local], dtype=torch.int32, device=comm_device())
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             local = int(flag.item())
-        return _REASONS[local]
+        return STOP_REASONS[local]

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from verl_mega.parallel.cpu_mode import comm_device
-from verl_mega.rollout.colocated import Sample
+from verl_mega.rollout.base import Sample
 
 
 @dataclass(frozen=True)

@@ -138,7 +138,8 @@ def main() -> None:
     from verl_mega.models.loader import iter_hf_tensors, load_hf_weights
     from verl_mega.parallel.state import init_distributed
     from verl_mega.rollout.colocated import ColocatedRollout, HybridEngine
-    from verl_mega.rollout.vllm_rollout import RolloutError, SamplingSpec, VLLMRollout, VLLMRolloutConfig
+    from verl_mega.rollout.base import RolloutError, SamplingSpec
+    from verl_mega.rollout.vllm_rollout import VLLMRollout, VLLMRolloutConfig
     from verl_mega.trainer.profiler import StageProfiler
 
     groups = init_distributed(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, gen_tp=args.gen_tp, seed=1)

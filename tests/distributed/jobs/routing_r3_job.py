@@ -33,8 +33,8 @@ def main() -> None:
     from verl_mega.models.hf_io import HFCheckpointReader
     from verl_mega.models.loader import load_hf_weights
     from verl_mega.parallel.state import init_distributed
-    from verl_mega.rollout.colocated import Sample
-    from verl_mega.rollout.vllm_rollout import SamplingSpec, VLLMRollout, VLLMRolloutConfig
+    from verl_mega.rollout.base import Sample, SamplingSpec
+    from verl_mega.rollout.vllm_rollout import VLLMRollout, VLLMRolloutConfig
     from verl_mega.trainer.batch import Batch, pack_sequences
     from verl_mega.trainer.rl_trainer import _rollout_routing
     from verl_mega.trainer.roles import PolicyRole

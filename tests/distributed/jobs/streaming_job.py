@@ -24,7 +24,8 @@ def main() -> None:
     work = Path(ap.parse_args().workdir)
 
     from verl_mega.rollout.streaming import StreamingEngine
-    from verl_mega.rollout.vllm_rollout import SamplingSpec, VLLMRollout, VLLMRolloutConfig
+    from verl_mega.rollout.base import SamplingSpec
+    from verl_mega.rollout.vllm_rollout import VLLMRollout, VLLMRolloutConfig
 
     rollout = VLLMRollout(VLLMRolloutConfig(model_path=str(work / "a"), dtype="float32", max_model_len=128,
                                             max_num_seqs=16, kv_cache_memory_bytes=64 << 20))
