@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import pickle
 import re
@@ -643,7 +644,10 @@ def test_recipe_files_are_all_loadable():
 
 
 def test_check_cli(capsys):
-    from verl_mega.config.__main__ import main
+    spec = importlib.util.spec_from_file_location("check_config", REPO / "tools" / "check_config.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    main = cli.main
 
     qwen = str(CONFIGS / "grpo_qwen2.5_7b.yaml")
     assert main([qwen, "--world-size", "8", "--model-shape", "28,28,4", "--no-check-paths"]) == 0

@@ -183,7 +183,7 @@ def _render(messages, tokenize=False, add_generation_prompt=False):
 def test_calculator_task_reward_and_demonstrations(tok):
     from verl_mega.data.calculator import calculator_score, generate_calculator
     from verl_mega.data.tasks import generated_task
-    from verl_mega.models.tiny import encode_demonstration
+    from verl_mega.data.warm_start import encode_demonstration
     from verl_mega.rewards import load_reward_fn
 
     records = generate_calculator(50, seed=3)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from verl_mega.hybrid.pool_sync import transfer_plan
+from verl_mega.parallel.placement import transfer_plan
 from verl_mega.parallel.placement import Placement, PlacementError, Pool
 
 

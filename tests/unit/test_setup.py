@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from verl_mega.models.tiny import build_char_tokenizer
-from verl_mega.trainer.setup import load_tokenizer
+from verl_mega.models.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,7 +9,8 @@ import torch
 from verl_mega.algos import masked_whiten
 from verl_mega.parallel.placement import Placement
 from verl_mega.rollout.base import Sample
-from verl_mega.trainer.transfer import RowTable, assign_rows, exchange, imbalance, plan_routes
+from verl_mega.parallel.rows import RowTable, assign_rows, imbalance, plan_routes
+from verl_mega.trainer.transfer import exchange
 
 
 def _long_tailed(rows: int, seed: int = 0) -> torch.Tensor:
@@ -139,7 +140,8 @@ def test_wire_format_carries_routed_experts():
     """Routing replay R3: each row's routed experts [prompt + response, layers, k] ride in its int32 words, two int16
     to a word, cut with the response at max_response_length; tokens vLLM never ran travel as -1. Without routing the
     rows' words are what they were."""
-    from verl_mega.trainer.transfer import pack_routing, routing_words, unpack_routing
+    from verl_mega.parallel.rows import routing_words
+    from verl_mega.trainer.transfer import pack_routing, unpack_routing
 
     layers, k = 3, 2  # 6 int16 per token: a row of 3 tokens has an odd count → one pad half-word
     g = torch.Generator().manual_seed(0)

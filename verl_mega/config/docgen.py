@@ -51,7 +51,7 @@ cfg = load_config("configs/quickstart_cpu.yaml", ["actor.lr=1e-6", "parallel.tp=
   (see the rules at the end; the saved config records the derived value), otherwise "none" or "library default".
 - `to_yaml(cfg)` writes the resolved config (saved with every checkpoint); `load_config` of that file gives an
   equal config.
-- `python -m verl_mega.config RECIPE [overrides] --world-size 1024 [--model-shape 80,64,8] [--no-check-paths]`
+- `python tools/check_config.py RECIPE [overrides] --world-size 1024 [--model-shape 80,64,8] [--no-check-paths]`
   prints the resolved config and runs the start-up layout and batch checks for that world size without starting
   anything, so a large-cluster recipe can be checked on a laptop.
 - Result-changing: whether a difference between the checkpoint's config and the new one is reported on resume

@@ -2,7 +2,7 @@
 
 The 3D-HybridEngine's rule carried across pools: the training pool runs the same producer as when colocated, with
 its generation TP set to the rollout engines' (``tg``), so every training rank builds one generation block j of the
-model in vLLM's layout. Per block j (:func:`transfer_plan`):
+model in vLLM's layout. Per block j (:func:`~verl_mega.parallel.placement.transfer_plan`):
 
 - one **source**: the lowest training rank that builds block j;
 - the **receivers**: rank j of every rollout engine.
@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -25,41 +24,7 @@ import torch.distributed as dist
 from verl_mega.hybrid.producer import WeightProducer
 from verl_mega.hybrid.transport import (BucketSender, InPlaceTransport, RolloutLayout, device_synchronize,
                                         receive_buckets)
-from verl_mega.parallel.placement import Placement, PlacementError
-
-
-@dataclass(frozen=True)
-class TransferPlan:
-    """Who sends generation block j (``sources[j]``) and who receives it (``receivers[j]``, one rank per engine)."""
-
-    sources: tuple[int, ...]
-    receivers: tuple[tuple[int, ...], ...]
-
-    def block_of(self, rank: int) -> int | None:
-        """The block ``rank`` sends or receives; None for a training rank that does neither."""
-        for j, (src, dst) in enumerate(zip(self.sources, self.receivers)):
-            if rank == src or rank in dst:
-                return j
-        return None
-
-
-def transfer_plan(placement: Placement) -> TransferPlan:
-    """The sources and receivers of every generation block, for a placement whose rollout has its own pool."""
-    if placement.colocated:
-        raise PlacementError("the rollout runs on the actor's pool (colocated): weights are synced in place there, "
-                             "not across pools; give the rollout its own pool in placement.roles")
-    train, gen = placement.pool_of("actor"), placement.pool_of("rollout")
-    if gen.trains:
-        raise PlacementError(f"placement.pools.{gen.name} both trains and generates for another pool; give the "
-                             f"rollout a pool of its own")
-    if train.gen_tp != gen.gen_tp:
-        raise PlacementError(f"placement.pools.{train.name}.gen_tp={train.gen_tp} differs from the rollout pool's "
-                             f"gen_tp={gen.gen_tp}: the trainer builds exactly the rollout engines' slices; set "
-                             f"placement.pools.{train.name}.gen_tp={gen.gen_tp}")
-    blocks = range(gen.gen_tp)
-    sources = tuple(min(r for r in train.ranks if train.coords(r)["gen_tp"] == j) for j in blocks)
-    receivers = tuple(tuple(engine[j] for engine in gen.groups("gen_tp")) for j in blocks)
-    return TransferPlan(sources, receivers)
+from verl_mega.parallel.placement import Placement, transfer_plan
 
 
 class WorldComm:

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from verl_mega.parallel import cpu_mode
-from verl_mega.parallel.placement import Placement, PlacementError, Pool
+from verl_mega.parallel.placement import Placement, PlacementError, Pool, transfer_plan
 
 CONTROL_TAG, RESULT_TAG = 1, 2  # trainer → rollout commands; rollout → trainer samples
 HEARTBEAT_S = 2.0
@@ -225,8 +225,6 @@ def check_disaggregated(placement: Placement) -> None:
     if len(placement.pools) != 2:
         raise PlacementError(f"a disaggregated placement has a training pool and a rollout pool, got "
                              f"{[p.name for p in placement.pools]}; map every training role to one pool")
-    from verl_mega.hybrid.pool_sync import transfer_plan
-
     transfer_plan(placement)  # the two pools' generation TP agree (the trainer builds exactly the engines' slices)
 
 

@@ -222,14 +222,14 @@ def _build_meta_model(arch: ModelArch, groups, report: DryRunReport, *, value_he
 
 def sample_path_report(placement: Placement, *, samples_per_rank: int, n: int, max_response_length: int,
                        prompt_length: int, mean_response_length: float | None = None, seed: int = 0) -> dict:
-    """The rollout → train sample path of one step on ``placement``'s actor pool (verl_mega/trainer/transfer.py):
+    """The rollout → train sample path of one step on ``placement``'s actor pool (verl_mega/parallel/rows.py):
     bytes each rank sends and receives for ``samples_per_rank`` × dp rows with long-tailed (lognormal, sigma 1,
     capped) response lengths, assigned and routed exactly as the trainer does, plus the metadata all-reduce."""
     import random
 
     import torch
 
-    from verl_mega.trainer.transfer import RowTable, assign_rows, imbalance, route_bytes, table_bytes
+    from verl_mega.parallel.rows import RowTable, assign_rows, imbalance, route_bytes, table_bytes
 
     pool = placement.pool_of("actor")
     rows = samples_per_rank * pool.dp

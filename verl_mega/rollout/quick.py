@@ -26,8 +26,8 @@ def rollout_only(model_path: str | Path, env: Iterable[str] | PromptEnv, *, n: i
     import torch
 
     from verl_mega.models.hf_config import load_hf_config
+    from verl_mega.models.tokenizer import load_tokenizer
     from verl_mega.rollout.vllm_rollout import SamplingSpec, VLLMRollout, VLLMRolloutConfig
-    from verl_mega.trainer.setup import load_tokenizer
 
     model_path = Path(model_path)
     load_hf_config(model_path)  # clear error for a wrong path before vLLM starts

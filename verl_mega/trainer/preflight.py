@@ -8,7 +8,6 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
 
 _PROBE_BYTES = 1 << 20  # a full disk fails on a write of this size even when a few blocks are left
 
@@ -53,25 +52,6 @@ def describe_os_error(exc: OSError) -> str:
     if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return f"permission denied{where} ({exc.strerror})"
     return f"{exc.strerror or type(exc).__name__}{where}"
-
-
-def check_tokenizer(tokenizer: Any, path: str, *, model_vocab_size: int) -> None:
-    """The tokenizer encodes text to tokens, has an end-of-sequence token, and its vocabulary fits the model's:
-    no id beyond the embedding, and not less than half of it (a sign of another model family's tokenizer)."""
-    if not tokenizer.encode("The answer is 42.", add_special_tokens=False):
-        raise ValueError(f"model.tokenizer_path={path!r} has no tokenizer files (tokenizer.json or a vocabulary); "
-                         f"point model.tokenizer_path at the model's tokenizer")
-    if tokenizer.eos_token_id is None:
-        raise ValueError(f"model.tokenizer_path={path!r}: the tokenizer has no end-of-sequence token, so generation "
-                         f"could never stop; set eos_token in its tokenizer_config.json")
-    size = len(tokenizer)
-    if size > model_vocab_size:
-        raise ValueError(f"model.tokenizer_path={path!r}: the tokenizer has {size} tokens but the model's vocabulary "
-                         f"has {model_vocab_size} (vocab_size in config.json); use the model's own tokenizer")
-    if size < model_vocab_size // 2:
-        raise ValueError(f"model.tokenizer_path={path!r}: the tokenizer has {size} tokens, less than half of the "
-                         f"model's vocabulary of {model_vocab_size}; it belongs to another model: use the model's "
-                         f"own tokenizer")
 
 
 def disk_full_error(exc: BaseException) -> OSError | None:

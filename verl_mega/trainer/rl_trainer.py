@@ -20,7 +20,7 @@ from verl_mega.rollout.multi_turn import check_tool_failures
 from verl_mega.trainer.batch import Batch, pack_sequences
 from verl_mega.trainer.dataflow import DataflowBuilder
 from verl_mega.trainer.stream_scoring import StreamScorer, gather_rows
-from verl_mega.trainer.transfer import RowTable, imbalance
+from verl_mega.parallel.rows import RowTable, imbalance
 
 
 class RLTrainer:

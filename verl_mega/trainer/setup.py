@@ -24,6 +24,7 @@ from verl_mega.models.hf_config import (ModelArch, arch_from_hf, check_arch_layo
                                         load_hf_config, transformer_config)
 from verl_mega.models.hf_io import HFCheckpointReader
 from verl_mega.models.loader import check_checkpoint_matches, load_hf_weights
+from verl_mega.models.tokenizer import load_tokenizer
 from verl_mega.parallel.state import RankGroups
 
 log = logging.getLogger("verl_mega")
@@ -47,7 +48,8 @@ def resolve_model_path(cfg: TrainConfig) -> Path:
     if cfg.model.path != "tiny":
         return Path(cfg.model.path)
     from verl_mega.data.tasks import generated_task, is_generated
-    from verl_mega.models.tiny import make_tiny_hf_model, warm_start
+    from verl_mega.data.warm_start import warm_start
+    from verl_mega.models.tiny import make_tiny_hf_model
 
     entry = next((f for f in cfg.data.train_files if is_generated(f)), "generated:arithmetic")
     seed = cfg.trainer.seed
@@ -253,24 +255,6 @@ def offload_trainers(cfg: TrainConfig, actor, critic, ref):
         if ref is not None and cfg.ref.offload_params:
             ref.engine.offload() if out else ref.engine.onload()
     return offload
-
-
-def load_tokenizer(path: Path, *, trust_remote_code: bool = False, model_vocab_size: int | None = None):
-    """The tokenizer of `path`, checked (trainer/preflight.py): one-line error when the directory has none (every
-    prompt would encode to []), it has no EOS token, or (given the model's vocab size) its vocabulary does not fit."""
-    from transformers import AutoTokenizer
-
-    from verl_mega.trainer.preflight import check_tokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-    except ValueError as exc:
-        if "trust_remote_code" in str(exc):
-            raise ValueError(f"model.tokenizer_path={str(path)!r} ships its own tokenizer code; set "
-                             f"model.trust_remote_code=true if you trust that directory") from None
-        raise
-    check_tokenizer(tokenizer, str(path), model_vocab_size=model_vocab_size or len(tokenizer))
-    return tokenizer
 
 
 def resolve_critic_path(cfg: TrainConfig, actor_path: Path) -> Path:

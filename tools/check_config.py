@@ -1,6 +1,6 @@
 """Check a recipe without starting a run: print the resolved config, optionally check it for a given world size.
 
-    python -m verl_mega.config configs/grpo_qwen2.5_7b.yaml parallel.tp=4 --world-size 1024 --no-check-paths
+    python tools/check_config.py configs/grpo_qwen2.5_7b.yaml parallel.tp=4 --world-size 1024 --no-check-paths
 
 The layout check needs the model shape: it is read from `model.path`/config.json when that exists, or given as
 `--model-shape LAYERS,HEADS,KV_HEADS`.
@@ -12,9 +12,11 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
-from verl_mega.config.base import ConfigError
-from verl_mega.config.loader import load_config, to_yaml
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from verl_mega.config import ConfigError, load_config, to_yaml  # noqa: E402
 
 
 def _model_shape(arg: str | None, model_path: str) -> tuple[int, int, int] | None:
@@ -34,7 +36,7 @@ def _model_shape(arg: str | None, model_path: str) -> tuple[int, int, int] | Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m verl_mega.config", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="tools/check_config.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("recipe", nargs="?", help="YAML recipe (omit for the built-in defaults)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.lr=1e-6")
     parser.add_argument("--world-size", type=int, help="check the layout and batch sizes for this many ranks")
