@@ -210,7 +210,7 @@ def summarise(steps: list[dict[str, float]], world: int, arch=None, samples: int
     res["decode_step_ms"] = mean("timing/decode_step_ms")
     if arch is not None and samples:
         # model FLOPs (6N + 12·L·H·s per token, s = the mean sequence length) of the stages over the batch's tokens
-        from verl_mega.trainer.profiler import transformer_flops_per_token
+        from verl_mega.models.flops import transformer_flops_per_token
 
         tokens, context = gen + prompt, (gen + prompt) / samples
         for stage, training in (("actor_update", True), ("old_logprob", False), ("ref_logprob", False)):

@@ -214,7 +214,7 @@ def throughput(args) -> dict:
     from verl_mega.models.hf_config import arch_from_hf
     from verl_mega.parallel.state import init_distributed
     from verl_mega.trainer.micro_batching import first_fit_decreasing
-    from verl_mega.trainer.profiler import transformer_flops_per_token
+    from verl_mega.models.flops import transformer_flops_per_token
 
     groups = init_distributed(tp=1, pp=1)
     arch = arch_from_hf(QWEN25_1_5B)

@@ -46,7 +46,7 @@ TINY = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_k
             max_position_embeddings=1024, torch_dtype="float32", bos_token_id=1, eos_token_id=2)
 FLOPS_FORMULA = ("per token, training (fwd+bwd = 3x fwd), active parameters only: 6*N_active + 12*L*heads*head_dim*s "
                  "+ 6*L*h*E, with N_active = L*[h*(heads+2*kv_heads)*head_dim + heads*head_dim*h + 3*h*(k*f_moe)] + "
-                 "h*V (trainer.profiler.transformer_flops_per_token with ffn = k*f_moe, plus the router's h*E "
+                 "h*V (models.flops.transformer_flops_per_token with ffn = k*f_moe, plus the router's h*E "
                  "matmul); the embedding lookup, norms, softmax and the causal half of attention are not discounted")
 
 
@@ -60,7 +60,7 @@ def write_config(directory: Path, layers: int, smoke: bool) -> dict:
 
 
 def active_flops_per_token(arch, seq_len: int) -> float:
-    from verl_mega.trainer.profiler import transformer_flops_per_token
+    from verl_mega.models.flops import transformer_flops_per_token
 
     ffn = arch.moe_topk * arch.moe_ffn_hidden_size + arch.shared_expert_ffn_hidden_size
     dense = transformer_flops_per_token(arch.num_layers, arch.hidden_size, ffn, arch.num_heads, arch.num_kv_heads,

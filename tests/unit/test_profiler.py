@@ -5,14 +5,8 @@ import threading
 
 import pytest
 
-from verl_mega.trainer.profiler import (
-    StageProfiler,
-    intersect,
-    subtract,
-    total_length,
-    transformer_flops_per_token,
-    union,
-)
+from verl_mega.models.flops import transformer_flops_per_token
+from verl_mega.trainer.profiler import StageProfiler, intersect, subtract, total_length, union
 
 
 def test_interval_arithmetic_hand_computed():
@@ -283,7 +277,8 @@ def test_step_flops_hand_computed():
     N = 1·[4·(2+2)·2 + 2·2·4 + 3·4·8] + 4·10 = 184; per token fwd = 2N + 4·L·H·d·s = 368 + 16s,
     train = 6N + 12·L·H·d·s = 1104 + 48s. Rows of 4 and 8 tokens → s = 6: fwd 464, train 1392.
     Old log-prob (fwd) + actor update (train, 1 epoch) + reference (fwd) = 2320 per token × 12 tokens = 27840;
-    generation: 6 generated tokens at mean context int(mean(2+1, 4+2)) = 4 → 6 · (368 + 64) = 2592. Total 30432."""
+    generation: 6 generated tokens at mean context int(mean(2+1, 4+2)) = 4 → 6 · (368 + 64) = 2592. Total 30432.
+    A critic ends in a value head: N = 184 − 4·10 + 4 = 148, fwd 296 + 16·6 = 392, train 1176."""
     from types import SimpleNamespace
 
     import torch
@@ -296,19 +291,20 @@ def test_step_flops_hand_computed():
     fake = SimpleNamespace(arch=arch, cfg=cfg, ref=object(), critic=None, reward_model=None)
     flops = RLTrainer._step_flops(fake, torch.tensor([2, 4]), torch.tensor([2, 4]))
     assert flops == 30432.0
-    # a critic adds one forward and one forward+backward per token: 12 · (464 + 1392) more
+    # a critic adds one forward and one forward+backward per token, with its value head: 12 · (392 + 1176) more
     fake.critic = object()
-    assert RLTrainer._step_flops(fake, torch.tensor([2, 4]), torch.tensor([2, 4])) == 30432.0 + 12 * (464 + 1392)
-    # MoE: a token runs k=2 routed experts of width 3 plus a shared expert of width 2, i.e. an MLP of width 8, so
-    # the step costs what the dense width-8 model's does (dense ffn_hidden_size is then unused)
+    assert RLTrainer._step_flops(fake, torch.tensor([2, 4]), torch.tensor([2, 4])) == 30432.0 + 12 * (392 + 1176)
+    # MoE: a token runs k=2 routed experts of width 3 plus a shared expert of width 2, i.e. an MLP of width 8 (the
+    # dense ffn_hidden_size is then unused), and its router over E=4 experts: E·h = 16 more weights, 2·16 = 32 more
+    # FLOPs per forward. 12 tokens × (fwd + train + fwd = 1 + 3 + 1 forwards) + 6 generated tokens × 1 forward
     fake.critic = None
     fake.arch = SimpleNamespace(**{**vars(arch), "ffn_hidden_size": 999, "is_moe": True, "moe_topk": 2,
-                                   "moe_ffn_hidden_size": 3, "shared_expert_ffn_hidden_size": 2})
-    assert RLTrainer._step_flops(fake, torch.tensor([2, 4]), torch.tensor([2, 4])) == 30432.0
+                                   "moe_ffn_hidden_size": 3, "shared_expert_ffn_hidden_size": 2, "num_experts": 4})
+    assert RLTrainer._step_flops(fake, torch.tensor([2, 4]), torch.tensor([2, 4])) == 30432.0 + 32 * (12 * 5 + 6)
 
 
 def test_detect_peak_flops():
-    from verl_mega.trainer.profiler import detect_peak_flops
+    from verl_mega.models.flops import detect_peak_flops
 
     assert detect_peak_flops("NVIDIA H200", "bfloat16") == 989e12
     assert detect_peak_flops("NVIDIA A100-SXM4-80GB", "float16") == 312e12

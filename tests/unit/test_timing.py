@@ -16,8 +16,8 @@ from verl_mega.models.hf_config import ModelArch, arch_from_hf, load_hf_config
 from verl_mega.planning.memory import RoleSpec, RolloutSpec, Workload, default_roles, predict_memory, training_pool
 from verl_mega.planning.params import generation_params, stage_params
 from verl_mega.planning.plan import Cluster, Pins, inputs_from_config, plan_layouts
-from verl_mega.planning.timing import (H200, Hardware, StepShape, attention_flops, layer_gemm_flops, matmul_weights,
-                                       predict_time, time_bucket)
+from verl_mega.models.flops import attention_flops, matmul_weights
+from verl_mega.planning.timing import H200, Hardware, StepShape, layer_gemm_flops, predict_time, time_bucket
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "tests" / "fixtures" / "hf_configs"

@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from verl_mega.models.flops import GPU_PEAKS, attention_flops, attention_weights, matmul_weights
 from verl_mega.models.hf_config import ModelArch
 from verl_mega.parallel.placement import Pool
 from verl_mega.planning.memory import MemoryPrediction, RoleSpec, RolloutSpec, Workload
@@ -45,9 +46,9 @@ class Hardware:
     NIC per GPU). "Measured" figures are BENCHMARKS.md's, on the lent 2×H200 machine (NV18 between the GPUs)."""
 
     name: str = "H200"
-    # 8192³ bf16 matmul, measured 787.6 and 784.8 TFLOP/s (BENCHMARKS.md "Step-time model calibration"; 786.5 in the
-    # MoE run). The datasheet says 989; achieved fractions below are of this measured peak.
-    peak_tflops: float = 786.0
+    # an 8192³ bf16 matmul as measured on this GPU (models/flops.py GPU_PEAKS; the datasheet's dense bf16 peak is
+    # 989); achieved fractions below are of this measured peak
+    peak_tflops: float = GPU_PEAKS["H200"].matmul_tflops
     # Achieved fraction η of that peak for a whole forward + backward pass of our layer spec (norms, attention, LM
     # head and fp32 cross-entropy included), as a function of G, the matmul FLOPs of one layer on one GPU for one
     # micro-batch: η(G) = eta_max · min(1, G/knee)^exponent. Smaller per-GPU shards (tp) or micro-batches mean
@@ -179,33 +180,12 @@ class TimePrediction:
 # ------------------------------------------------------------------------------------------------------------
 
 
-def matmul_weights(arch: ModelArch, *, value_head: bool = False) -> tuple[int, int]:
-    """(dense, routed-expert) weights one token multiplies by: per layer Q, K, V and the attention output, the MLP
-    (SwiGLU: 3·h·f; MoE: router E·h, shared expert 3·h·f_s, and the top-k routed experts k·3·h·f_e); then the LM
-    head V·h (a value head: h). The input embedding is a lookup and costs no FLOPs."""
-    h, d, a, k = arch.hidden_size, arch.head_dim, arch.num_heads, arch.num_kv_heads
-    attn = h * (a + 2 * k) * d + a * d * h
-    if arch.is_moe:
-        mlp = arch.num_experts * h + 3 * h * arch.shared_expert_ffn_hidden_size
-        experts = arch.moe_topk * 3 * h * arch.moe_ffn_hidden_size
-    else:
-        mlp, experts = 3 * h * arch.ffn_hidden_size, 0
-    head = h if value_head else arch.vocab_size * h
-    return arch.num_layers * (attn + mlp) + head, arch.num_layers * experts
-
-
-def attention_flops(arch: ModelArch, context: float) -> float:
-    """Forward FLOPs per token of QKᵀ and A·V against `context` earlier tokens: 2 · 2·L·a·d·context (one
-    multiply-add = 2 FLOPs). Training over causal sequences of length s averages context s/2: 2·L·a·d·s."""
-    return 4.0 * arch.num_layers * arch.num_heads * arch.head_dim * context
-
-
 def layer_gemm_flops(arch: ModelArch, tokens: float, tp: int = 1) -> float:
     """G of :meth:`Hardware.efficiency`: the dense matmul FLOPs of one layer on one GPU for `tokens` tokens (the
     micro-batch, which sequence parallelism gathers back before each GEMM), 2·(attention + dense MLP weights)/t·tokens;
     for MoE layers the attention, the shared expert and the router (routed experts: ``Hardware.expert_eta``)."""
-    h, d, a, k = arch.hidden_size, arch.head_dim, arch.num_heads, arch.num_kv_heads
-    attn = h * (a + 2 * k) * d + a * d * h
+    h = arch.hidden_size
+    attn = attention_weights(h, arch.num_heads, arch.num_kv_heads, arch.head_dim)
     if not arch.is_moe:
         return 2 * (attn + 3 * h * arch.ffn_hidden_size) / tp * tokens
     return 2 * (attn + 3 * h * arch.shared_expert_ffn_hidden_size) / tp * tokens + 2 * arch.num_experts * h * tokens

@@ -30,8 +30,6 @@ from contextlib import contextmanager
 
 __all__ = [
     "StageProfiler",
-    "transformer_flops_per_token",
-    "detect_peak_flops",
     "union",
     "total_length",
     "intersect",
@@ -148,58 +146,6 @@ def subtract(a: Iterable[Interval], b: Iterable[Interval]) -> list[Interval]:
         if cursor < end:
             out.append((cursor, end))
     return out
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# FLOPs
-# ---------------------------------------------------------------------------------------------------------------------
-def transformer_flops_per_token(num_layers: int, hidden: int, ffn: int, heads: int, kv_heads: int, head_dim: int,
-                                vocab: int, seq_len: int, training: bool, *, gated_mlp: bool = True) -> float:
-    """Model FLOPs per token of a decoder-only transformer (the PaLM / Megatron MFU convention).
-
-    ``N`` counts the weights that take part in a matmul per token::
-
-        N = L·[hidden·(heads + 2·kv_heads)·head_dim      # Q, K, V projections (GQA when kv_heads < heads)
-               + heads·head_dim·hidden                   # attention output projection
-               + (3 if gated_mlp else 2)·hidden·ffn]     # SwiGLU gate/up/down, or plain up/down
-            + hidden·vocab                               # LM head (the input embedding is a lookup: no FLOPs)
-
-    Attention scores and the weighted sum add ``2·2·L·heads·head_dim·seq_len`` per token in the forward pass
-    (QKᵀ and A·V, one multiply-add = 2 FLOPs each, causal masking not discounted, as in PaLM's 6N + 12·L·H·Q·T).
-
-    * training (forward + backward = 3× forward): ``6·N + 12·L·heads·head_dim·seq_len``
-    * inference (forward only):                    ``2·N +  4·L·heads·head_dim·seq_len``
-
-    For generation with a KV cache pass the mean context length as ``seq_len``. Norms, biases, softmax and
-    activations are ignored (≪1% at these sizes). Recomputation is not counted: this is *model* FLOPs, not hardware
-    FLOPs, so MFU does not reward recomputing activations.
-    """
-    for name, value in (("num_layers", num_layers), ("hidden", hidden), ("ffn", ffn), ("heads", heads),
-                        ("kv_heads", kv_heads), ("head_dim", head_dim), ("vocab", vocab)):
-        if value < 1:
-            raise ValueError(f"transformer_flops_per_token: {name}={value} must be >= 1")
-    if seq_len < 0:
-        raise ValueError(f"transformer_flops_per_token: seq_len={seq_len} must be >= 0")
-    if heads % kv_heads:
-        raise ValueError(f"transformer_flops_per_token: heads={heads} is not a multiple of kv_heads={kv_heads}")
-    attn_proj = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
-    per_layer = attn_proj + (3 if gated_mlp else 2) * hidden * ffn
-    n_matmul = num_layers * per_layer + hidden * vocab
-    attention = num_layers * heads * head_dim * seq_len
-    return float(6 * n_matmul + 12 * attention) if training else float(2 * n_matmul + 4 * attention)
-
-
-# Datasheet bf16/fp16 dense peaks (no sparsity), FLOP/s per device.
-_PEAK_BF16 = (("H200", 989e12), ("H100", 989e12), ("H800", 989e12), ("B200", 2250e12), ("A100", 312e12),
-              ("A800", 312e12), ("L40S", 362e12))
-
-
-def detect_peak_flops(device_name: str | None, dtype: str) -> float | None:
-    """The datasheet peak of a known GPU for 16-bit training (``bfloat16``/``float16``); None when unknown or fp32
-    (MFU is then left out rather than guessed)."""
-    if not device_name or dtype not in ("bfloat16", "float16"):
-        return None
-    return next((peak for key, peak in _PEAK_BF16 if key in device_name.upper()), None)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

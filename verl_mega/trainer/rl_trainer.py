@@ -350,26 +350,22 @@ class RLTrainer:
 
     def _step_flops(self, prompt_len: torch.Tensor, response_len: torch.Tensor) -> float:
         """Model FLOPs of this step, all ranks: generation (forward per generated token at its mean context) plus
-        every forward (old/ref log-probs, values, RM) and forward+backward (updates × ppo_epochs) over the batch."""
-        from verl_mega.trainer.profiler import transformer_flops_per_token
+        every forward (old/ref log-probs, values, RM) and forward+backward (updates × ppo_epochs) over the batch;
+        the critic and the reward model end in a value head."""
+        from verl_mega.models.flops import model_flops_per_token
 
-        a = self.arch
-        # a token passes through its k routed experts (and the shared one): the MLP width it is computed at
-        ffn = a.moe_topk * a.moe_ffn_hidden_size + a.shared_expert_ffn_hidden_size if a.is_moe else a.ffn_hidden_size
-
-        def per_token(training: bool, context: float) -> float:
-            return transformer_flops_per_token(a.num_layers, a.hidden_size, ffn, a.num_heads,
-                                               a.num_kv_heads, a.head_dim, a.vocab_size, int(context), training)
+        def per_token(context: float, training: bool = False, value_head: bool = False) -> float:
+            return model_flops_per_token(self.arch, context=int(context), training=training, value_head=value_head)
 
         lengths = (prompt_len + response_len).float()
         context = float(lengths.mean())
-        fwd, train = per_token(False, context), per_token(True, context)
-        passes = fwd + train * self.cfg.actor.ppo_epochs
-        passes += fwd * ((self.ref is not None) + (self.reward_model is not None))
+        passes = per_token(context) + per_token(context, True) * self.cfg.actor.ppo_epochs
+        passes += per_token(context) * (self.ref is not None)
+        passes += per_token(context, value_head=True) * (self.reward_model is not None)
         if self.critic is not None:
-            passes += fwd + train * self.cfg.critic.ppo_epochs
+            passes += per_token(context, value_head=True) + per_token(context, True, True) * self.cfg.critic.ppo_epochs
         gen_context = float((prompt_len + response_len / 2).float().mean())
-        return float(lengths.sum()) * passes + float(response_len.sum()) * per_token(False, gen_context)
+        return float(lengths.sum()) * passes + float(response_len.sum()) * per_token(gen_context)
 
     def _reward(self, ctx) -> tuple[torch.Tensor, bool]:
         """Rewards of the rows this rank scores (its share of its replica's rows), in a vector over every row of

@@ -326,7 +326,8 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
     from verl_mega.trainer.checkpoint import CheckpointManager, find_checkpoint, verify_checkpoint
     from verl_mega.trainer.ckpt_integrity import check_steps_left
     from verl_mega.trainer.preflight import probe_output_dir
-    from verl_mega.trainer.profiler import StageProfiler, detect_peak_flops
+    from verl_mega.models.flops import detect_peak_flops
+    from verl_mega.trainer.profiler import StageProfiler
     from verl_mega.trainer.rl_trainer import RLTrainer
     from verl_mega.trainer.run_dir import lock_output_dir, set_aside_earlier_run
     from verl_mega.trainer.roles import Actor, Critic, PolicyRole, RewardModel
