@@ -56,9 +56,9 @@ def main() -> None:
     from verl_mega.config import load_config
     from verl_mega.models.tiny import make_tiny_hf_model
     from verl_mega.parallel.state import init_distributed
-    from verl_mega.trainer import checkpoint as ckpt_mod
+    from verl_mega.checkpoint import manager as ckpt_mod
     from verl_mega.trainer import setup
-    from verl_mega.trainer.ckpt_integrity import verify_checkpoint
+    from verl_mega.checkpoint.integrity import verify_checkpoint
 
     work = Path(tempfile.mkdtemp(prefix="ckpt-bench-"))
     model = make_tiny_hf_model(work / "model", hidden_size=args.hidden, intermediate_size=4 * args.hidden,

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--tp, --pp, --ep and --etp must be ≥ 1")
     from verl_mega.models.hf_config import ModelConfigError
     from verl_mega.models.hf_io import CheckpointError
-    from verl_mega.models.mcore_ckpt import convert_hf_to_mcore
+    from verl_mega.checkpoint.mcore import convert_hf_to_mcore
 
     try:
         out = convert_hf_to_mcore(args.hf_path, args.output, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp,

@@ -16,7 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from verl_mega.models.hf_config import ModelConfigError
     from verl_mega.models.hf_io import CheckpointError
-    from verl_mega.models.mcore_ckpt import convert_mcore_to_hf
+    from verl_mega.checkpoint.mcore import convert_mcore_to_hf
 
     try:
         out = convert_mcore_to_hf(args.mcore_path, args.output)

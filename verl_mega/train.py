@@ -15,7 +15,7 @@ log = logging.getLogger("verl_mega")
 
 
 def train(cfg) -> dict[str, float]:
-    from verl_mega.trainer.ckpt_integrity import RunComplete
+    from verl_mega.checkpoint.integrity import RunComplete
     from verl_mega.trainer.setup import build_job
 
     try:
@@ -39,7 +39,7 @@ def run(job) -> dict[str, float]:
 
     import torch.distributed as dist
 
-    from verl_mega.trainer.checkpoint import fault_point
+    from verl_mega.checkpoint.manager import fault_point
     from verl_mega.trainer.metrics import MetricsLogger, write_summary
     from verl_mega.trainer.stop import StopRequest
 
@@ -92,8 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     from verl_mega.parallel.pools import PoolPeerError
     from verl_mega.rewards import RewardFunctionFailed
     from verl_mega.rollout.tools import ToolsFailed
-    from verl_mega.trainer.checkpoint import NonFiniteError
-    from verl_mega.trainer.preflight import describe_os_error, disk_full_error
+    from verl_mega.checkpoint.manager import NonFiniteError
+    from verl_mega.checkpoint.safe_load import disk_full_error
+    from verl_mega.trainer.preflight import describe_os_error
 
     try:
         cfg = load_config(args.config, args.overrides)

@@ -22,7 +22,7 @@ from runs import RESUME_STEPS, SHORT
 from torchrun_util import run_captured
 
 from verl_mega.models.tiny import make_tiny_hf_model
-from verl_mega.trainer.ckpt_integrity import checkpoint_files, digest_files, write_manifest
+from verl_mega.checkpoint.integrity import checkpoint_files, digest_files, write_manifest
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = str(ROOT / "configs" / "quickstart_cpu.yaml")

@@ -10,7 +10,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from verl_mega.config import load_config, to_dict
-from verl_mega.trainer.ckpt_integrity import (MANIFEST, BrokenCheckpointError, ResumeError, RunComplete, SCHEMA,
+from verl_mega.checkpoint.integrity import (MANIFEST, BrokenCheckpointError, ResumeError, RunComplete, SCHEMA,
                                               bad_checksums, check_steps_left, checkpoint_files, digest_files,
                                               find_checkpoint, read_manifest, verify_checkpoint, write_manifest)
 
@@ -147,7 +147,7 @@ class _Payload:
 
 
 def test_a_rank_file_that_would_run_code_is_refused_before_the_build(run):
-    from verl_mega.models.safe_ckpt import UnsafeCheckpointError
+    from verl_mega.checkpoint.safe_load import UnsafeCheckpointError
 
     cfg, (_, newest) = run
     torch.save({"torch": _Payload()}, newest / "rank_00000.pt")

@@ -114,7 +114,8 @@ def test_full_disk_is_named_even_when_wrapped():
 
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from verl_mega.trainer.preflight import describe_os_error, disk_full_error
+    from verl_mega.checkpoint.safe_load import disk_full_error
+    from verl_mega.trainer.preflight import describe_os_error
 
     full = OSError(errno.ENOSPC, "No space left on device", "/out/checkpoints/.tmp-step_000002/actor/__0_0.distcp")
     try:

@@ -52,12 +52,3 @@ def describe_os_error(exc: OSError) -> str:
     if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return f"permission denied{where} ({exc.strerror})"
     return f"{exc.strerror or type(exc).__name__}{where}"
-
-
-def disk_full_error(exc: BaseException) -> OSError | None:
-    """The ENOSPC/EDQUOT OSError behind `exc`, if any: a full disk may surface wrapped, e.g. in torch's
-    CheckpointException (per-rank failures) or as the cause of another error."""
-    from verl_mega.models.safe_ckpt import exception_chain
-
-    return next((e for e in exception_chain(exc)
-                 if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)), None)

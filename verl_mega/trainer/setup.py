@@ -323,8 +323,8 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
     from verl_mega.parallel.state import build_groups, init_world, seed_everything, set_deterministic
     from verl_mega.rewards.loader import load_reward_fn
     from verl_mega.rewards.pool import RewardPool
-    from verl_mega.trainer.checkpoint import CheckpointManager, find_checkpoint, verify_checkpoint
-    from verl_mega.trainer.ckpt_integrity import check_steps_left
+    from verl_mega.checkpoint.manager import CheckpointManager, find_checkpoint, verify_checkpoint
+    from verl_mega.checkpoint.integrity import check_steps_left
     from verl_mega.trainer.preflight import probe_output_dir
     from verl_mega.models.flops import detect_peak_flops
     from verl_mega.trainer.profiler import StageProfiler

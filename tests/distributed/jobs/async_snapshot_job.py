@@ -17,7 +17,7 @@ def main() -> None:
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
     from verl_mega.parallel.state import init_distributed
-    from verl_mega.trainer.checkpoint import async_save_request
+    from verl_mega.checkpoint.manager import async_save_request
 
     init_distributed(tp=1, pp=1)
     rank, world = dist.get_rank(), dist.get_world_size()

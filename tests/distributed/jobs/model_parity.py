@@ -44,7 +44,7 @@ def main() -> None:
     from verl_mega.models.hf_config import arch_from_hf, load_hf_config, transformer_config
     from verl_mega.models.hf_io import HFCheckpointReader
     from verl_mega.models.loader import load_hf_weights, unwrap
-    from verl_mega.models.mcore_ckpt import load_model_dist
+    from verl_mega.checkpoint.mcore import load_model_dist
     from verl_mega.models.weights import hf_to_mcore_shard, rule_for
     from verl_mega.parallel.state import init_distributed
     from verl_mega.trainer.batch import Batch
@@ -65,7 +65,7 @@ def main() -> None:
         else:
             load_hf_weights(chunks, HFCheckpointReader(path), arch, groups)
         if args.save_ckpt:
-            from verl_mega.models.mcore_ckpt import META_FILE, save_model_dist
+            from verl_mega.checkpoint.mcore import META_FILE, save_model_dist
 
             Path(args.save_ckpt).mkdir(parents=True, exist_ok=True)
             save_model_dist(chunks, args.save_ckpt, groups)

@@ -124,7 +124,7 @@ def _check_losses(losses: list[float], ref: dict, layout: dict) -> None:
 
 
 def _train(run: Path, nodist: bool, build, arch, layout: dict) -> None:
-    from verl_mega.trainer import optim_state
+    from verl_mega.checkpoint import optim_state
 
     cfg, engine, ckpt = build(run, nodist)
     losses = [_train_step(engine, arch.vocab_size) for _ in range(STEPS)]
@@ -184,7 +184,7 @@ def main() -> None:
     from verl_mega.config import load_config
     from verl_mega.parallel.state import init_distributed
     from verl_mega.trainer import setup
-    from verl_mega.trainer.checkpoint import CheckpointManager
+    from verl_mega.checkpoint.manager import CheckpointManager
 
     def config(output_dir: Path, nodist: bool):
         return load_config(str(ROOT / "configs" / "quickstart_cpu.yaml"), [

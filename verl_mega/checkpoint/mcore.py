@@ -38,9 +38,9 @@ def save_model_dist(chunks: list[torch.nn.Module], out_dir: str | Path, groups) 
 
 def load_model_dist(chunks: list[torch.nn.Module], ckpt_dir: str | Path, groups) -> None:
     """Load weights saved at any tp/pp into this rank's chunks (mcore reshards on load). Metadata and objects are read
-    without running code from the checkpoint (see safe_ckpt)."""
+    without running code from the checkpoint (see safe_load)."""
     from verl_mega.models.loader import unwrap
-    from verl_mega.models.safe_ckpt import load_dist
+    from verl_mega.checkpoint.safe_load import load_dist
 
     ckpt_dir = Path(ckpt_dir)
     state = load_dist(model_sharded_state_dict(chunks, groups), ckpt_dir)
@@ -106,7 +106,7 @@ def convert_mcore_to_hf(mcore_path: str | Path, out_dir: str | Path) -> Path:
     """Megatron dist checkpoint (written by verl_mega) → HF safetensors + config.json, in one CPU process."""
     from verl_mega.models.loader import iter_hf_tensors
 
-    from verl_mega.models.safe_ckpt import check_dist_checkpoint
+    from verl_mega.checkpoint.safe_load import check_dist_checkpoint
 
     target = AtomicDir(out_dir)  # a bad --output fails first
     mcore_path = Path(mcore_path)

@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 
 from verl_mega.config import to_dict
-from verl_mega.trainer import optim_state
-from verl_mega.trainer.ckpt_integrity import (SCHEMA, BrokenCheckpointError, ResumeError, checkpoint_files,
+from verl_mega.checkpoint import optim_state
+from verl_mega.checkpoint.integrity import (SCHEMA, BrokenCheckpointError, ResumeError, checkpoint_files,
                                               digest_files, find_checkpoint, verify_checkpoint, write_manifest)
 
 if TYPE_CHECKING:
@@ -168,7 +168,7 @@ class CheckpointManager:
         try:
             return self._save(step)
         except BaseException as exc:  # torch's CheckpointException (per-rank write failures) is a BaseException
-            from verl_mega.trainer.preflight import disk_full_error
+            from verl_mega.checkpoint.safe_load import disk_full_error
 
             tmp = str(self.root / f".tmp-step_{step:06d}")
             full = disk_full_error(exc)
@@ -183,7 +183,7 @@ class CheckpointManager:
     def _save(self, step: int) -> Path:
         from megatron.core import dist_checkpointing
 
-        from verl_mega.models.mcore_ckpt import model_sharded_state_dict
+        from verl_mega.checkpoint.mcore import model_sharded_state_dict
 
         self.poll(blocking=True)  # one save in flight at a time: the previous one is finalised first
         fault_point("save_begin", step)
@@ -276,7 +276,7 @@ class CheckpointManager:
         """The actor as HF safetensors + config + tokenizer (collective over the model-parallel ranks)."""
         from verl_mega.models.hf_io import write_hf_checkpoint
         from verl_mega.models.loader import iter_hf_tensors
-        from verl_mega.models.mcore_ckpt import TOKENIZER_FILES
+        from verl_mega.checkpoint.mcore import TOKENIZER_FILES
 
         actor = self.engines["actor"]
         stream = iter_hf_tensors(actor.chunks, self.arch, actor.groups)
@@ -306,9 +306,9 @@ class CheckpointManager:
         if path is None:
             return 0
         from verl_mega.models.loader import unwrap
-        from verl_mega.models.mcore_ckpt import model_sharded_state_dict
-        from verl_mega.models.safe_ckpt import load_dist, weights_only_load
-        from verl_mega.trainer.ckpt_integrity import read_trainer_state
+        from verl_mega.checkpoint.mcore import model_sharded_state_dict
+        from verl_mega.checkpoint.safe_load import load_dist, weights_only_load
+        from verl_mega.checkpoint.integrity import read_trainer_state
 
         path = Path(path)
         state = read_trainer_state(path)

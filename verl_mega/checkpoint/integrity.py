@@ -5,7 +5,7 @@ split over the ranks). Before a resume:
 
 * on every rank, before anything is built (:func:`find_checkpoint`): ``trainer.json`` parses and has the fields of its
   schema; every file of the manifest is present with its size; each role's dist-checkpoint metadata reads through the
-  allow-list of :mod:`verl_mega.models.safe_ckpt`; result-changing config keys and the optimizer type agree;
+  allow-list of :mod:`verl_mega.checkpoint.safe_load`; result-changing config keys and the optimizer type agree;
 * once the process group exists (:func:`verify_checkpoint`, collective): every file's SHA-256 equals the manifest's,
   each rank hashing its share (``checkpoint.verify_checksums=false`` skips this).
 
@@ -133,7 +133,7 @@ def _roles(cfg) -> list[str]:
 
 def inspect_checkpoint(path: Path, cfg) -> dict[str, Any]:
     """The cheap checks of the module docstring; returns trainer.json's content."""
-    from verl_mega.models.safe_ckpt import UnsafeCheckpointError, check_dist_checkpoint, weights_only_load
+    from verl_mega.checkpoint.safe_load import UnsafeCheckpointError, check_dist_checkpoint, weights_only_load
 
     state = read_trainer_state(path)
     named = path.name.removeprefix("step_")

@@ -17,6 +17,7 @@ A dist checkpoint (``torch_dist`` backend) holds four kinds of files; this is ho
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import pickle
 from pathlib import Path
@@ -141,6 +142,13 @@ def exception_chain(exc: BaseException):
 
 
 # ------------------------------------------------------------------------------------ mcore strategies over them
+
+def disk_full_error(exc: BaseException) -> OSError | None:
+    """The ENOSPC/EDQUOT OSError behind `exc`, if any: a full disk may surface wrapped, e.g. in torch's
+    CheckpointException (per-rank failures) or as the cause of another error."""
+    return next((e for e in exception_chain(exc)
+                 if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)), None)
+
 def _safe_reader_cls():
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
