@@ -60,7 +60,6 @@ def main() -> None:
 
     from verl_mega.config import load_config
     from verl_mega.trainer import stream_scoring
-    from verl_mega.trainer.rl_trainer import build_stream_scorer
     from verl_mega.trainer.setup import build_job
 
     force_lengths(LengthDist(args.median, args.sigma, 1, args.cap))
@@ -93,9 +92,7 @@ def main() -> None:
           "rollout.enforce_eager=false"]) + list(args.overrides)
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs/quickstart_cpu.yaml", overrides)
     job = build_job(cfg)
-    trainer, scorer = job.trainer, job.trainer.scorer
-    trainer.stream_roles = False  # the same job's scorer of rollout.stream_scoring=reward
-    reward_scorer = build_stream_scorer(trainer)
+    trainer = job.trainer
     modes = args.modes.split(",")
     steps: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
     interval = stream_scoring.GIL_SWITCH_INTERVAL_S
@@ -103,8 +100,7 @@ def main() -> None:
         batch = job.loader.next_batch()
         for mode in modes[i % len(modes):] + modes[:i % len(modes)]:  # each mode leads in turn
             # the same job, scoring after or during rollout
-            trainer.scorer = {"sync": None, "stream-reward": reward_scorer}.get(mode, scorer)
-            trainer.stream_roles = mode in ("stream", "stream-gil5ms")
+            trainer.stream_scoring = {"sync": "off", "stream-reward": "reward"}.get(mode, "all")
             stream_scoring.GIL_SWITCH_INTERVAL_S = 0.005 if mode == "stream-gil5ms" else interval
             metrics = trainer.step(batch)
             if dist.get_rank() == 0:
@@ -113,7 +109,7 @@ def main() -> None:
                       f"tokens {metrics['count/tokens']:.0f}", flush=True)
             if i >= args.warmup:
                 steps[mode].append(metrics)
-    trainer.scorer, trainer.stream_roles = scorer, True
+    trainer.stream_scoring = "all"
     if dist.get_rank() == 0:
         summary = {}
         for mode, ms in steps.items():

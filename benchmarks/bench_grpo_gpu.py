@@ -91,7 +91,7 @@ class HFGenerateRollout:
         self.update_weights()
 
     @torch.no_grad()
-    def generate(self, prompt_ids, specs):
+    def generate(self, prompt_ids, specs, *, on_finished=None):
         from verl_mega.rollout.base import Generated, Sample
 
         (spec,) = specs
@@ -141,6 +141,9 @@ class HFGenerateRollout:
             torch.cuda.synchronize()
         self.weight_version += 1
         return {"sync/seconds": time.perf_counter() - t0}
+
+    def prefetch(self, requests) -> None:  # generates in the trainer's processes: nothing to send ahead
+        pass
 
     def release_memory(self) -> None:
         pass

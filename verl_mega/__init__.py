@@ -14,7 +14,7 @@ for _msg in (r".*(Apex|Transformer Engine)( and Apex)? (is|are) not installed.*"
 
 
 # The Python surface, imported on first use so `import verl_mega` stays light (no torch/vLLM/Megatron import).
-_LAZY = {"RLTrainer": "verl_mega.trainer.rl_trainer", "vLLMBackend": "verl_mega.trainer.api",
+_LAZY = {"RLTrainer": "verl_mega.trainer.api", "vLLMBackend": "verl_mega.trainer.api",
          "HybridEngine": "verl_mega.rollout.colocated", "DataflowBuilder": "verl_mega.trainer.dataflow",
          "rollout_only": "verl_mega.rollout.quick", "load_config": "verl_mega.config"}
 

@@ -33,8 +33,10 @@ def train(cfg) -> dict[str, float]:
 
 
 def run(job) -> dict[str, float]:
-    """The RL loop over a built job. SIGTERM, SIGINT and trainer.time_limit_s stop it after a step, on every rank
-    together, with a checkpoint of that step (trainer/stop.py). The summary's wall time counts from the build."""
+    """The RL loop over a built job. With rollout.max_staleness = k, a rollout pool of its own is sent each step's
+    batch and the k after it before the step trains (``prefetch``; nothing to send when colocated), so it generates
+    them meanwhile. SIGTERM, SIGINT and trainer.time_limit_s stop the loop after a step, on every rank together,
+    with a checkpoint of that step (trainer/stop.py). The summary's wall time counts from the build."""
     import time
 
     import torch.distributed as dist
@@ -62,6 +64,7 @@ def run(job) -> dict[str, float]:
             prompts = loader.next_batch()
             if prompts is None:
                 break
+            job.rollout.prefetch(job.lookahead(prompts))  # async: batches t..t+k to a rollout pool of its own
             metrics = trainer.step(prompts)
             ckpt.guard_nonfinite(metrics, step)
             if cfg.trainer.val_every and (step % cfg.trainer.val_every == 0 or step == total_steps):

@@ -1,16 +1,17 @@
 """Python entry point to the trainer, in the shape ``RLTrainer.create(actor=…, actor_backend=vLLMBackend(…))``.
 
 A thin façade over the recipe machinery: the arguments become dotted config overrides of a recipe, and
-:func:`verl_mega.train.build_job` builds exactly what ``python -m verl_mega.train`` builds::
+:func:`verl_mega.trainer.setup.build_job` builds exactly what ``python -m verl_mega.train`` builds. The façade owns
+that job (:class:`TrainingRun`) and steps it as :func:`verl_mega.train.run` does::
 
     from verl_mega import RLTrainer, vLLMBackend
 
-    trainer = RLTrainer.create(actor="tiny", actor_backend=vLLMBackend(gen_tp=1, kv_cache_memory_bytes=256 << 20),
-                               overrides={"trainer.total_steps": 20, "trainer.output_dir": "outputs/api"})
-    trainer.enable_profiling()
+    run = RLTrainer.create(actor="tiny", actor_backend=vLLMBackend(gen_tp=1, kv_cache_memory_bytes=256 << 20),
+                           overrides={"trainer.total_steps": 20, "trainer.output_dir": "outputs/api"})
+    run.enable_profiling()
     for _ in range(3):
-        metrics = trainer.step()         # next prompt batch from the recipe's data
-    trainer.close()
+        metrics = run.step()             # next prompt batch from the recipe's data
+    run.close()
 """
 
 from __future__ import annotations
@@ -18,7 +19,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from verl_mega.trainer.rl_trainer import RLTrainer as _Step
+
+if TYPE_CHECKING:
+    from verl_mega.trainer.setup import Job
 
 DEFAULT_RECIPE = Path(__file__).resolve().parents[2] / "configs" / "quickstart_cpu.yaml"
 
@@ -54,25 +60,63 @@ class vLLMBackend:  # noqa: N801 — the name users were promised
                 if f.name != "model_name" and getattr(self, f.name) is not None}
 
 
-def create_trainer(cls: type, *, actor: str | Path, actor_backend: vLLMBackend | None = None,
-                   recipe: str | Path | None = None, overrides: dict[str, Any] | None = None):
-    """Build the full job for ``actor`` (an HF model directory, or ``"tiny"``) and return its trainer, ready to
-    step. ``recipe`` defaults to configs/quickstart_cpu.yaml; ``overrides`` are dotted keys as on the command line."""
-    from verl_mega.config import load_config
-    from verl_mega.trainer.setup import build_job
+class RLTrainer(_Step):
+    """The RL step (:class:`verl_mega.trainer.rl_trainer.RLTrainer`) with the entry point users were promised:
+    :meth:`create` builds a whole job from a recipe. Subclass it to change a stage; ``MyTrainer.create(...)`` then
+    runs the job with it."""
 
-    if actor_backend is not None and not isinstance(actor_backend, vLLMBackend):
-        raise TypeError(f"actor_backend must be a vLLMBackend, got {type(actor_backend).__name__}")
-    actor = str(actor)
-    if actor_backend is not None and actor_backend.model_name not in (None, actor):
-        raise ValueError(f"vLLMBackend(model_name={actor_backend.model_name!r}) differs from actor={actor!r}; the "
-                         "rollout generates with the actor's synced weights, so leave model_name unset or equal")
-    values: dict[str, Any] = {"model.path": actor}
-    values.update(actor_backend.overrides() if actor_backend is not None else {})
-    values.update(overrides or {})
-    # JSON is YAML: every value keeps its type through the override parser (strings stay quoted)
-    texts = [f"{key}={json.dumps(str(v) if isinstance(v, Path) else v)}" for key, v in values.items()]
-    job = build_job(load_config(recipe or DEFAULT_RECIPE, texts), trainer_cls=cls)
-    job.trainer.job = job
-    job.trainer.job_step = job.start_step  # steps done so far (a resumed job starts after its checkpoint)
-    return job.trainer
+    @classmethod
+    def create(cls, *, actor: str | Path, actor_backend: vLLMBackend | None = None, recipe: str | Path | None = None,
+               overrides: dict[str, Any] | None = None) -> "TrainingRun":
+        """Build the full job for ``actor`` (an HF model directory, or ``"tiny"``), ready to step, with this class
+        as its trainer. ``recipe`` defaults to configs/quickstart_cpu.yaml; ``overrides`` are dotted keys as on the
+        command line."""
+        from verl_mega.config import load_config
+        from verl_mega.trainer.setup import build_job
+
+        if actor_backend is not None and not isinstance(actor_backend, vLLMBackend):
+            raise TypeError(f"actor_backend must be a vLLMBackend, got {type(actor_backend).__name__}")
+        actor = str(actor)
+        if actor_backend is not None and actor_backend.model_name not in (None, actor):
+            raise ValueError(f"vLLMBackend(model_name={actor_backend.model_name!r}) differs from actor={actor!r}; "
+                             "the rollout generates with the actor's synced weights, so leave model_name unset or "
+                             "equal")
+        values: dict[str, Any] = {"model.path": actor}
+        values.update(actor_backend.overrides() if actor_backend is not None else {})
+        values.update(overrides or {})
+        # JSON is YAML: every value keeps its type through the override parser (strings stay quoted)
+        texts = [f"{key}={json.dumps(str(v) if isinstance(v, Path) else v)}" for key, v in values.items()]
+        return TrainingRun(build_job(load_config(recipe or DEFAULT_RECIPE, texts), trainer_cls=cls))
+
+
+class TrainingRun:
+    """A built job driven from Python (what :meth:`RLTrainer.create` returns): it owns the job (data loader,
+    checkpoints, vLLM, reward pool) and steps its trainer on the job's data, the look-ahead first."""
+
+    def __init__(self, job: Job) -> None:
+        self.job, self.trainer = job, job.trainer
+        self.steps_done = job.start_step  # a resumed job starts after its checkpoint
+
+    def step(self, prompt_batch=None) -> dict[str, float]:
+        """One RL step on ``prompt_batch`` (by default the next batch of the job's data loader)."""
+        if prompt_batch is None:
+            if self.steps_done < self.job.total_steps:
+                prompt_batch = self.job.loader.next_batch()
+            if prompt_batch is None:
+                raise StopIteration(f"trainer.total_steps={self.job.total_steps} (or the data) is exhausted")
+            self.steps_done += 1
+        self.job.rollout.prefetch(self.job.lookahead(prompt_batch))  # the asynchronous window, as train.run sends it
+        return self.trainer.step(prompt_batch)
+
+    def validate(self) -> dict[str, float]:
+        return self.trainer.validate()
+
+    def enable_profiling(self) -> None:
+        self.trainer.enable_profiling()
+
+    def print_profiling_summary(self) -> None:
+        self.trainer.print_profiling_summary()
+
+    def close(self) -> None:
+        """Finish pending checkpoint writes and release vLLM, the reward pool and torch.distributed."""
+        self.job.close()

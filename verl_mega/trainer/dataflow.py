@@ -1,10 +1,12 @@
-"""The RL step as a small dataflow graph.
+"""The RL step as a small dataflow graph: the :class:`DataflowBuilder` façade.
 
-Stages declare what they depend on. Device stages (Megatron / vLLM work with collectives) run in the main thread
-in declaration order — every SPMD rank must issue collectives in the same order. Host stages (reward functions,
-sandboxes, anything CPU-only) start in a thread as soon as their inputs exist and overlap the device stages that
-follow; a stage that needs a host stage's output waits for it. Each stage's wall interval goes to the profiler,
-which turns the intervals into overlap figures.
+:meth:`RLTrainer.dataflow() <verl_mega.trainer.rl_trainer.RLTrainer.dataflow>` declares the stages that
+``RLTrainer.step()`` runs, each depending on the stages whose results it reads; a user adds or replaces stages and
+runs the graph. Device stages (Megatron / vLLM work with collectives) run in the main thread in declaration order:
+every SPMD rank must issue collectives in the same order. Host stages (reward functions, sandboxes, anything
+CPU-only) start in a thread as soon as their inputs exist and overlap the device stages that follow; a stage that
+needs a host stage's output waits for it. Each stage's wall interval goes to the profiler, which turns the
+intervals into overlap figures.
 
     flow = (DataflowBuilder(profiler)
             .add_rollout(actor=rollout_fn, env=prompts_fn)
@@ -66,23 +68,28 @@ class Dataflow:
         return results
 
     def _timed(self, stage: Stage, ctx: dict[str, Any]) -> Any:
-        try:
-            if self.profiler is None:
-                return stage.fn(ctx)
-            # host stages run in threads: a device synchronize there would only inflate their time
-            with self.profiler.stage(stage.name, sync=not stage.host):
-                return stage.fn(ctx)
-        except Exception as exc:
-            # a timed-out collective surfaces here: say which stage of the step it belonged to
-            exc.add_note(f"(in RL stage '{stage.name}')")
-            log.error("RL stage '%s' failed: %s: %s", stage.name, type(exc).__name__, str(exc).splitlines()[0][:300]
-                      if str(exc) else "")
-            raise
+        return run_stage(self.profiler, stage.name, stage.fn, ctx, host=stage.host)
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+def run_stage(profiler: Any, name: str, fn: Callable, *args: Any, host: bool = False) -> Any:
+    """``fn(*args)`` as stage ``name`` of the step: its wall interval goes to ``profiler`` (a host stage's without
+    a device synchronize, which in a thread would only inflate its time), and an error says which stage it came
+    from (a timed-out collective surfaces here)."""
+    try:
+        if profiler is None:
+            return fn(*args)
+        with profiler.stage(name, sync=not host):
+            return fn(*args)
+    except Exception as exc:
+        exc.add_note(f"(in RL stage '{name}')")
+        log.error("RL stage '%s' failed: %s: %s", name, type(exc).__name__, str(exc).splitlines()[0][:300]
+                  if str(exc) else "")
+        raise
 
 
 class DataflowBuilder:
@@ -104,11 +111,13 @@ class DataflowBuilder:
             self.add_stage("prompts", env, host=False)
         return self.add_stage("rollout", actor, deps=("prompts",) if env is not None else ())
 
-    def add_critic_update(self, *, critic: StageFn, data: str) -> "DataflowBuilder":
-        return self.add_stage("critic_update", critic, deps=(data,))
+    def add_critic_update(self, *, critic: StageFn, data: str | tuple[str, ...]) -> "DataflowBuilder":
+        """`data`: the stage (or stages) whose results the update reads."""
+        return self.add_stage("critic_update", critic, deps=(data,) if isinstance(data, str) else data)
 
-    def add_policy_update(self, *, actor: StageFn, data: str) -> "DataflowBuilder":
-        return self.add_stage("actor_update", actor, deps=(data,))
+    def add_policy_update(self, *, actor: StageFn, data: str | tuple[str, ...]) -> "DataflowBuilder":
+        """`data`: the stage (or stages) whose results the update reads."""
+        return self.add_stage("actor_update", actor, deps=(data,) if isinstance(data, str) else data)
 
     def build(self, *, max_host_workers: int = 4) -> Dataflow:
         seen: set[str] = set()

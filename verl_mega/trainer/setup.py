@@ -266,7 +266,7 @@ def resolve_critic_path(cfg: TrainConfig, actor_path: Path) -> Path:
 
 @dataclass
 class Job:
-    """Everything one RL run needs, built and ready: the loop in :func:`verl_mega.train.train` only drives it.
+    """Everything one RL run needs, built and ready: the loop in :func:`verl_mega.train.run` only drives it.
     ``close()`` releases it in the right order (checkpoint writers, reward pool, vLLM, then torch.distributed)."""
 
     cfg: Any
@@ -283,6 +283,17 @@ class Job:
     server: Any = None  # a rank of a rollout pool of its own: it serves the trainer instead of training
     started: float = field(default_factory=time.monotonic)  # when build_job began (trainer.time_limit_s counts)
     resources: contextlib.ExitStack = field(default_factory=contextlib.ExitStack, repr=False)
+
+    def lookahead(self, prompts) -> list:
+        """The asynchronous window: with rollout.max_staleness = k, this step's prompt batch and the next k (never
+        past trainer.total_steps), as the rollout requests of their steps. ``rollout.prefetch`` sends a rollout pool
+        of its own those it has not been sent yet, to generate while this step trains; none when k = 0."""
+        k, loader = self.cfg.rollout.max_staleness, self.loader
+        if not k:
+            return []
+        taken = loader.total_batches - len(loader)  # batches served so far, this step's included
+        ahead = [loader.peek(i) for i in range(1, k + 1) if taken + i <= self.total_steps]
+        return self.trainer.requests([prompts, *(batch for batch in ahead if batch is not None)])
 
     def close(self, *, after_error: bool = False) -> None:
         _close(self.resources, after_error=after_error)
@@ -314,26 +325,97 @@ def build_job(cfg: TrainConfig, trainer_cls: type | None = None) -> Job:
         raise
 
 
+@dataclass
+class _Checked:
+    """What the checks before any heavy allocation decided: the (resolved) config, where this rank runs, the
+    model, the data, and the checkpoint to resume from."""
+
+    cfg: TrainConfig
+    placement: Any
+    device: Any
+    records_rank: bool  # writes metrics.jsonl and finalises checkpoints
+    reward_fn: Any
+    path: Path
+    arch: ModelArch
+    tokenizer: Any
+    loader: Any
+    val_prompts: Any
+    total_steps: int
+    resume_path: Path | None
+
+
 def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -> Job:
     from verl_mega import algos
-    from verl_mega.data.prompts import PromptBatch, PromptDataset, PromptLoader
+    from verl_mega.checkpoint.integrity import check_steps_left
+    from verl_mega.checkpoint.manager import CheckpointManager, verify_checkpoint
+    from verl_mega.parallel.scheduler import write_placement_json
+    from verl_mega.parallel.state import build_groups, seed_everything
+    from verl_mega.trainer.rl_trainer import RLTrainer
+    from verl_mega.trainer.run_dir import set_aside_earlier_run
+
+    c = _check(cfg, resources)
+    cfg, placement, path, arch, loader, total_steps = c.cfg, c.placement, c.path, c.arch, c.loader, c.total_steps
+    bridge, records = _init_worlds(cfg, placement, c.device, resources)
+    resume_path = c.resume_path
+    # every file's checksum, each rank hashing a share; a broken newest checkpoint falls back (resume=auto)
+    if bridge is None or bridge.trains:
+        resume_path = verify_checkpoint(cfg, resume_path)
+    if bridge is not None:  # the rollout pool learns the training pool's decision
+        resume_path = bridge.broadcast_object(resume_path, 0)
+    if resume_path is not None:
+        check_steps_left(resume_path, total_steps)  # a complete run ends here, before anything is built
+    if bridge is not None and not bridge.trains:
+        server = build_rollout_server(cfg, placement, bridge, path)
+        resources.callback(server.shutdown)
+        return Job(cfg=cfg, trainer=None, loader=loader, ckpt=None, profiler=None, reward_pool=None,
+                   rollout=server.rollout, total_steps=total_steps, start_step=0, arch=arch, placement=placement,
+                   resources=resources, server=server)
+    groups = build_groups(placement, timeout_s=cfg.trainer.collective_timeout_s)
+    seed_everything(cfg.trainer.seed, groups)
+    actor_m, actor, ref, critic, reward_model = _build_roles(cfg, groups, path, arch, total_steps)
+    profiler = _profiler(cfg, placement)
+    rollout = build_rollout(cfg, groups, path, actor_m, placement, offload=offload_trainers(cfg, actor, critic, ref),
+                            profiler=profiler, tokenizer=c.tokenizer, bridge=bridge)
+    resources.callback(rollout.shutdown)  # vLLM's process groups go before torch.distributed's
+    rollout.update_weights()  # vLLM starts from the actor's exact weights (and version 1)
+    reward_pool = resources.enter_context(contextlib.closing(_reward_pool(cfg, c.reward_fn)))
+    kc = cfg.algorithm.kl_ctrl
+    kl_ctrl = algos.make_kl_controller(kc.type, kc.kl_coef, kc.target_kl or 0.1, kc.horizon)
+    trainer = (trainer_cls or RLTrainer)(
+        cfg, actor=actor, ref=ref, critic=critic, reward_model=reward_model, rollout=rollout, reward_pool=reward_pool,
+        tokenizer=c.tokenizer, profiler=profiler, kl_ctrl=kl_ctrl, sample_path=_sample_path(cfg, groups, arch),
+        arch=arch, val_prompts=c.val_prompts, more_prompts=loader.next_batch)
+    if cfg.trainer.profile:
+        trainer.enable_profiling()
+    ckpt = CheckpointManager(cfg, engines={"actor": actor_m.engine, "critic": critic and critic.engine},
+                             loader=loader, kl_ctrl=kl_ctrl, hf_source=path, arch=arch)
+    resources.callback(ckpt.close)  # a background save becomes complete and visible
+    start_step = ckpt.maybe_resume(resume_path)
+    if start_step:
+        rollout.update_weights()
+    elif c.records_rank:  # a fresh run's records never mix with an earlier run's
+        set_aside_earlier_run(cfg.trainer.output_dir)
+    write_placement_json(placement, c.device, Path(cfg.trainer.output_dir) / "placement.json",  # all was built
+                         records=records)
+    return Job(cfg=cfg, trainer=trainer, loader=loader, ckpt=ckpt, profiler=profiler, reward_pool=reward_pool,
+               rollout=rollout, total_steps=total_steps, start_step=start_step, arch=arch, placement=placement,
+               resources=resources)
+
+
+def _check(cfg: TrainConfig, resources: contextlib.ExitStack) -> _Checked:
+    """Everything that can be checked before any heavy allocation: the launcher, the reward function and tools,
+    the layout (`parallel.layout=auto` resolved), the placement, this rank's device, the output directory, the
+    model, the checkpoint to resume from, the tokenizer and the data."""
+    from verl_mega.checkpoint.integrity import check_steps_left
+    from verl_mega.checkpoint.manager import find_checkpoint
     from verl_mega.parallel import launch_env
     from verl_mega.parallel.placement import Placement
-    from verl_mega.parallel.scheduler import assign_device, write_placement_json
-    from verl_mega.parallel.state import build_groups, init_world, seed_everything, set_deterministic
+    from verl_mega.parallel.scheduler import assign_device
+    from verl_mega.parallel.state import set_deterministic
     from verl_mega.rewards.loader import load_reward_fn
-    from verl_mega.rewards.pool import RewardPool
-    from verl_mega.checkpoint.manager import CheckpointManager, find_checkpoint, verify_checkpoint
-    from verl_mega.checkpoint.integrity import check_steps_left
     from verl_mega.trainer.preflight import probe_output_dir
-    from verl_mega.models.flops import detect_peak_flops
-    from verl_mega.trainer.profiler import StageProfiler
-    from verl_mega.trainer.rl_trainer import RLTrainer
-    from verl_mega.trainer.run_dir import lock_output_dir, set_aside_earlier_run
-    from verl_mega.trainer.roles import Actor, Critic, PolicyRole, RewardModel
-    from verl_mega.trainer.transfer import SamplePath
+    from verl_mega.trainer.run_dir import lock_output_dir
 
-    # --- validate everything that can be validated before any heavy allocation
     env = launch_env.discover()
     env.export_to_os_environ()
     set_deterministic(cfg.trainer.deterministic)  # before any CUDA kernel
@@ -361,10 +443,25 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
     device = assign_device(placement, env, cfg.parallel.topology_file)  # before anything initialises CUDA
     cfg.validate_runtime(placement)
     probe_output_dir(cfg.trainer.output_dir)
-    records_rank = env.rank == actor_pool.ranks[0]  # writes metrics.jsonl and finalises checkpoints
+    records_rank = env.rank == actor_pool.ranks[0]
     if records_rank:  # one job per output_dir (trainer/run_dir.py)
         lock_output_dir(cfg.trainer.output_dir, resources)
     path = resolve_model_path(cfg)
+    arch = _check_model(cfg, path, placement)
+    resume_path = find_checkpoint(cfg)  # a bad resume target fails here, before anything is built
+    tokenizer = load_tokenizer(Path(cfg.model.tokenizer_path) if cfg.model.path != "tiny" else path,
+                               trust_remote_code=cfg.model.trust_remote_code, model_vocab_size=arch.vocab_size)
+    loader, val_prompts, total_steps = _data(cfg, tokenizer)
+    if resume_path is not None:
+        check_steps_left(resume_path, total_steps, complete_ok=True)
+    return _Checked(cfg=cfg, placement=placement, device=device, records_rank=records_rank, reward_fn=reward_fn,
+                    path=path, arch=arch, tokenizer=tokenizer, loader=loader, val_prompts=val_prompts,
+                    total_steps=total_steps, resume_path=resume_path)
+
+
+def _check_model(cfg: TrainConfig, path: Path, placement) -> ModelArch:
+    """The model's architecture, checked against the rollout, the layout, routing replay and every checkpoint's
+    headers (actor, critic, reward model)."""
     arch = model_arch(path)
     check_rollout_architecture(load_hf_config(path), path)
     check_arch_layout(placement.pool_of("actor"), arch)
@@ -376,9 +473,13 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
     for weights in {path, resolve_critic_path(cfg, path) if cfg.critic.enable else path,
                     *([Path(cfg.reward.reward_model_path)] if cfg.reward.reward_model_path else [])}:
         check_checkpoint_matches(HFCheckpointReader(weights), model_arch(weights))  # headers only
-    resume_path = find_checkpoint(cfg)  # a bad resume target fails here, before anything is built
-    tokenizer = load_tokenizer(Path(cfg.model.tokenizer_path) if cfg.model.path != "tiny" else path,
-                               trust_remote_code=cfg.model.trust_remote_code, model_vocab_size=arch.vocab_size)
+    return arch
+
+
+def _data(cfg: TrainConfig, tokenizer):
+    """The training prompts' loader, the validation prompts and the number of steps. Every rank sees the global
+    prompt batch: vLLM engines split it, DP ranks split the samples."""
+    from verl_mega.data.prompts import PromptBatch, PromptDataset, PromptLoader
 
     def dataset(files):
         return PromptDataset.from_files(files, tokenizer, max_prompt_length=cfg.data.max_prompt_length,
@@ -387,42 +488,34 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
                                         filter_overlong=cfg.data.filter_overlong_prompts, generated_seed=cfg.data.seed)
     train_set = dataset(cfg.data.train_files)
     val_prompts = PromptBatch(dataset(cfg.data.val_files).items, 0, 0) if cfg.data.val_files else None
-    # every rank sees the global prompt batch: vLLM engines split it, DP ranks split the samples
     # trainer.total_steps, when set, wins over trainer.total_epochs: the loader then cycles epochs as needed
     batches_per_step = cfg.algorithm.filter_groups.max_num_gen_batches if cfg.algorithm.filter_groups.enable else 1
     epochs = cfg.trainer.total_epochs if not cfg.trainer.total_steps else 1 + cfg.trainer.total_steps * \
         batches_per_step * cfg.data.train_batch_size // max(len(train_set), 1)
     loader = PromptLoader(train_set, global_batch_size=cfg.data.train_batch_size, seed=cfg.data.seed,
                           shuffle=cfg.data.shuffle, num_epochs=epochs or 1)
-    total_steps = cfg.trainer.total_steps or loader.total_batches
-    if resume_path is not None:
-        check_steps_left(resume_path, total_steps, complete_ok=True)
+    return loader, val_prompts, cfg.trainer.total_steps or loader.total_batches
 
-    # --- build groups, roles, rollout and the 3D-HybridEngine
-    bridge = records = None
+
+def _init_worlds(cfg: TrainConfig, placement, device, resources: contextlib.ExitStack):
+    """torch.distributed: one world (colocated), or each pool a world of its own joined by a bridge (vLLM's groups
+    span its world). Returns the bridge (None when colocated) and every rank's device record for placement.json."""
+    from verl_mega.parallel.state import init_world
+
     if placement.colocated:
         init_world(cfg.trainer.collective_timeout_s)
-    else:  # each pool a world of its own (vLLM's groups span its world), joined by a bridge
-        from verl_mega.parallel.pools import init_pool_worlds
+        return None, None
+    from verl_mega.parallel.pools import init_pool_worlds
 
-        bridge = init_pool_worlds(placement, cfg.trainer.collective_timeout_s, cfg.trainer.pool_heartbeat_timeout_s)
-        resources.callback(bridge.close)
-        records = bridge.all_gather_object(device)
-    # every file's checksum, each rank hashing a share; a broken newest checkpoint falls back (resume=auto)
-    if bridge is None or bridge.trains:
-        resume_path = verify_checkpoint(cfg, resume_path)
-    if bridge is not None:  # the rollout pool learns the training pool's decision
-        resume_path = bridge.broadcast_object(resume_path, 0)
-    if resume_path is not None:
-        check_steps_left(resume_path, total_steps)  # a complete run ends here, before anything is built
-    if bridge is not None and not bridge.trains:
-        server = build_rollout_server(cfg, placement, bridge, path)
-        resources.callback(server.shutdown)
-        return Job(cfg=cfg, trainer=None, loader=loader, ckpt=None, profiler=None, reward_pool=None,
-                   rollout=server.rollout, total_steps=total_steps, start_step=0, arch=arch, placement=placement,
-                   resources=resources, server=server)
-    groups = build_groups(placement, timeout_s=cfg.trainer.collective_timeout_s)
-    seed_everything(cfg.trainer.seed, groups)
+    bridge = init_pool_worlds(placement, cfg.trainer.collective_timeout_s, cfg.trainer.pool_heartbeat_timeout_s)
+    resources.callback(bridge.close)
+    return bridge, bridge.all_gather_object(device)
+
+
+def _build_roles(cfg: TrainConfig, groups: RankGroups, path: Path, arch: ModelArch, total_steps: int):
+    """The actor (and its engine), and the reference, critic and reward model that the config enables."""
+    from verl_mega.trainer.roles import Actor, Critic, PolicyRole, RewardModel
+
     actor_m = build_role_engine(cfg, groups, path, role_cfg=cfg.actor, total_steps=total_steps)
     if cfg.actor.routing_replay in ("r2", "r3"):
         actor_m.engine.enable_routing_replay()
@@ -444,50 +537,42 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
         reward_model = RewardModel(build_role_engine(cfg, groups, Path(cfg.reward.reward_model_path),
                                                      value_head=True).engine,
                                    micro_batch_size=cfg.actor.micro_batch_size_per_gpu, packed=packed)
-    # the tokens/flops counters are global (all ranks' samples), so per-device rates divide by the world size
+    return actor_m, actor, ref, critic, reward_model
+
+
+def _profiler(cfg: TrainConfig, placement):
+    """The step's profiler. Its tokens/flops counters are global (all ranks' samples), so per-device rates divide
+    by the world size."""
+    from verl_mega.models.flops import detect_peak_flops
+    from verl_mega.trainer.profiler import StageProfiler
+
     cuda = torch.cuda.is_available()
     peak = cfg.trainer.peak_tflops * 1e12 if cfg.trainer.peak_tflops else \
         detect_peak_flops(torch.cuda.get_device_name() if cuda else None, cfg.model.dtype)
-    profiler = StageProfiler(n_devices=placement.world_size, peak_flops=peak,
-                             synchronize=torch.cuda.synchronize if cuda else None)
-    rollout = build_rollout(cfg, groups, path, actor_m, placement, offload=offload_trainers(cfg, actor, critic, ref),
-                            profiler=profiler, tokenizer=tokenizer, bridge=bridge)
-    resources.callback(rollout.shutdown)  # vLLM's process groups go before torch.distributed's
-    rollout.update_weights()  # vLLM starts from the actor's exact weights (and version 1)
-    reward_pool = resources.enter_context(contextlib.closing(
-        RewardPool(reward_fn, num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s,
-                   max_error_frac=cfg.reward.max_error_frac)))
-    kc = cfg.algorithm.kl_ctrl
-    kl_ctrl = algos.make_kl_controller(kc.type, kc.kl_coef, kc.target_kl or 0.1, kc.horizon)
+    return StageProfiler(n_devices=placement.world_size, peak_flops=peak,
+                         synchronize=torch.cuda.synchronize if cuda else None)
+
+
+def _reward_pool(cfg: TrainConfig, reward_fn):
+    from verl_mega.rewards.pool import RewardPool
+
+    return RewardPool(reward_fn, num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s,
+                      max_error_frac=cfg.reward.max_error_frac)
+
+
+def _sample_path(cfg: TrainConfig, groups: RankGroups, arch: ModelArch):
+    """The rollout → train sample path of this rank (trainer/transfer.py)."""
+    from verl_mega.trainer.transfer import SamplePath
+
     path_group = groups["pool"]
     if cfg.rollout.stream_scoring == "all":
         # the path's collectives run while the scoring thread uses the roles' groups, one of which may be the pool
         # group itself (groups are shared by rank set): the path gets a group of its own
         path_group = dist.new_group(list(groups.pool.ranks), use_local_synchronization=True,
                                     timeout=datetime.timedelta(seconds=cfg.trainer.collective_timeout_s))
-    path = SamplePath(groups.pool, groups.rank, group=path_group, max_length=cfg.rollout.max_response_length,
+    return SamplePath(groups.pool, groups.rank, group=path_group, max_length=cfg.rollout.max_response_length,
                       balance=cfg.trainer.balance_batch, transport=cfg.trainer.sample_transport,
                       routing=(arch.num_layers, arch.moe_topk) if cfg.actor.routing_replay == "r3" else None)
-    trainer = (trainer_cls or RLTrainer)(
-        cfg, actor=actor, ref=ref, critic=critic, reward_model=reward_model, rollout=rollout, reward_pool=reward_pool,
-        tokenizer=tokenizer, profiler=profiler, kl_ctrl=kl_ctrl, sample_path=path, arch=arch,
-        val_prompts=val_prompts, more_prompts=loader.next_batch,
-        upcoming=lambda k: loader.peek(k) if loader.total_batches - len(loader) + k <= total_steps else None)
-    if cfg.trainer.profile:
-        trainer.enable_profiling()
-    ckpt = CheckpointManager(cfg, engines={"actor": actor_m.engine, "critic": critic and critic.engine},
-                             loader=loader, kl_ctrl=kl_ctrl, hf_source=path, arch=arch)
-    resources.callback(ckpt.close)  # a background save becomes complete and visible
-    start_step = ckpt.maybe_resume(resume_path)
-    if start_step:
-        rollout.update_weights()
-    elif records_rank:  # a fresh run's records never mix with an earlier run's
-        set_aside_earlier_run(cfg.trainer.output_dir)
-    write_placement_json(placement, device, Path(cfg.trainer.output_dir) / "placement.json",  # all was built
-                         records=records)
-    return Job(cfg=cfg, trainer=trainer, loader=loader, ckpt=ckpt, profiler=profiler, reward_pool=reward_pool,
-               rollout=rollout, total_steps=total_steps, start_step=start_step, arch=arch, placement=placement,
-               resources=resources)
 
 
 def _destroy_distributed() -> None:

@@ -54,6 +54,8 @@ class StreamScorer:
         self._error: BaseException | None = None
         self._scored: dict[str, dict[int, torch.Tensor]] = {}
         self._chunks = self._live_chunks = 0
+        self._collect = threading.Lock()
+        self._outcome: tuple[bool, Any] | None = None  # what results() gave this step, for outputs()
 
     @property
     def active(self) -> bool:
@@ -64,7 +66,7 @@ class StreamScorer:
         """A new step: forget the last one's results and start the scoring thread."""
         if self._thread is not None:
             raise RuntimeError("StreamScorer.start: the previous step's scoring was not collected with results()")
-        self._scored, self._error, self._chunks, self._live_chunks = {}, None, 0, 0
+        self._scored, self._error, self._chunks, self._live_chunks, self._outcome = {}, None, 0, 0, None
         # vLLM's loop and this thread share the GIL; a shorter switch interval hands it back to the engine
         # sooner after each of its device waits (the interval is restored in results())
         self._switch_interval = sys.getswitchinterval()
@@ -100,6 +102,19 @@ class StreamScorer:
             raise RuntimeError(f"scoring during generation failed: {type(self._error).__name__}: "
                                f"{self._error}") from self._error
         return self._scored
+
+    def outputs(self) -> dict[str, dict[int, torch.Tensor]]:
+        """:meth:`results`, waited for by whichever thread asks first; the others get the same outputs (or error)."""
+        with self._collect:
+            if self._outcome is None:
+                try:
+                    self._outcome = (True, self.results())
+                except BaseException as exc:
+                    self._outcome = (False, exc)
+        ok, value = self._outcome
+        if not ok:
+            raise value
+        return value
 
     @property
     def chunks(self) -> int:

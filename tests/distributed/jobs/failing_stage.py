@@ -15,10 +15,10 @@ def main() -> None:
 
     original = RLTrainer._advantage
 
-    def failing(self, ctx):
+    def failing(self, *args):
         if self.actor.engine.version >= 1:
             raise RuntimeError("advantage stage failed on purpose")
-        return original(self, ctx)
+        return original(self, *args)
 
     RLTrainer._advantage = failing
     train(load_config(recipe, [f"trainer.output_dir={out}", *overrides]))
