@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from verl_mega.config import (ActorConfig, TrainConfig, config_from_dict, diff_configs,
+from verl_mega.config import (ActorConfig, ConfigError, TrainConfig, config_from_dict, diff_configs,
                               load_config, to_dict, to_yaml)
 from verl_mega.config.docgen import generate_reference
 
@@ -603,6 +603,19 @@ def test_diff_configs_accepts_saved_dicts_with_unknown_keys():
     saved["actor"]["old_option"] = 1  # a key a later version no longer knows counts as result-changing
     assert diff_configs(saved, cfg) == ["actor.old_option: 1 -> <absent>"]
     assert config_from_dict(to_dict(cfg)) == cfg
+
+
+def test_retired_rollout_backend():
+    """rollout.backend was accepted and never read: it is gone, and a checkpoint whose config holds its only value
+    resumes as if it were absent."""
+    cfg = load_config(QUICKSTART)
+    saved = to_dict(cfg)
+    saved["rollout"]["backend"] = "vllm"
+    assert diff_configs(saved, cfg) == []
+    saved["rollout"]["backend"] = "sglang"
+    assert diff_configs(saved, cfg) == ["rollout.backend: 'sglang' -> <absent>"]
+    with pytest.raises(ConfigError, match="rollout.backend"):
+        load_config(QUICKSTART, ["rollout.backend=vllm"])
 
 
 def test_configuration_reference_is_current():

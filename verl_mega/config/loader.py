@@ -269,10 +269,15 @@ def _run_length_sets_schedule(flat: Mapping[str, Any]) -> bool:
     return False
 
 
+#: keys that earlier versions accepted and never read, with the one value they could take: a checkpoint whose config
+#: holds it resumes as if the key were absent
+_RETIRED = {"rollout.backend": "vllm"}
+
+
 def diff_configs(a: TrainConfig | Mapping, b: TrainConfig | Mapping) -> list[str]:
     """Result-changing differences between two configs, as `key: old -> new` lines (empty when compatible).
 
-    Not result-changing (ignored): `parallel.*` and `rollout.tg` (a layout change reshards on load), `logging.*`,
+    Not result-changing (ignored): `parallel.*` and `rollout.gen_tp` (a layout change reshards on load), `logging.*`,
     `checkpoint.*`, the trainer's run-control keys (output_dir, total_steps, total_epochs, save_every, resume*,
     log_every, val_every, profile, max_consecutive_nonfinite, collective_timeout_s), and performance-only keys
     (micro-batch sizes, dynamic batching, offload, recompute, use_te, vLLM memory and scheduling knobs,
@@ -293,7 +298,7 @@ def diff_configs(a: TrainConfig | Mapping, b: TrainConfig | Mapping) -> list[str
         old, new = flat_a.get(key, missing), flat_b.get(key, missing)
         if old == new or key.partition(".")[0] in unused_roles:
             continue
-        if old is missing and new == _default_of(key, missing):
+        if old is missing and new == _default_of(key, missing) or new is missing and _RETIRED.get(key) == old:
             continue
         if not (_affects_results(key) or (key in _RUN_LENGTH_KEYS and length_matters)):
             continue

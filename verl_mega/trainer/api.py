@@ -17,7 +17,7 @@ that job (:class:`TrainingRun`) and steps it as :func:`verl_mega.train.run` does
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,35 +29,39 @@ if TYPE_CHECKING:
 DEFAULT_RECIPE = Path(__file__).resolve().parents[2] / "configs" / "quickstart_cpu.yaml"
 
 
-@dataclass(frozen=True, kw_only=True)
 class vLLMBackend:  # noqa: N801 — the name users were promised
-    """Rollout on in-process vLLM through the 3D-HybridEngine. Every field left None keeps the recipe's value.
+    """Rollout on in-process vLLM through the 3D-HybridEngine: ``vLLMBackend(model_name=None, **settings)``. The
+    settings are vLLM's engine settings of the config (:class:`~verl_mega.config.rl.VLLMConfig`: gen_tp,
+    gpu_memory_utilization, kv_cache_memory_bytes, max_num_seqs, max_num_batched_tokens, enforce_eager,
+    sleep_level), checked as the config checks them; every setting left out (or None) keeps the recipe's value.
 
     ``model_name`` may only name the actor's own model: vLLM generates with the actor's weights, synced after every
     update, so a different model would be a different policy.
     """
 
-    model_name: str | None = None
-    gen_tp: int | None = None
-    gpu_memory_utilization: float | None = None
-    kv_cache_memory_bytes: int | None = None
-    max_num_seqs: int | None = None
-    enforce_eager: bool | None = None
+    def __init__(self, *, model_name: str | None = None, **settings: Any) -> None:
+        from verl_mega.config import ConfigError
+        from verl_mega.config.rl import VLLMConfig
 
-    def __post_init__(self) -> None:
-        if self.gen_tp is not None and self.gen_tp < 1:
-            raise ValueError(f"vLLMBackend(gen_tp={self.gen_tp}): the generation TP size must be >= 1")
-        if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"vLLMBackend(gpu_memory_utilization={self.gpu_memory_utilization}) must be in (0, 1]")
-        for name in ("kv_cache_memory_bytes", "max_num_seqs"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"vLLMBackend({name}={value}) must be positive")
+        self._names = [f.name for f in fields(VLLMConfig)]
+        unknown = sorted(set(settings) - set(self._names))
+        if unknown:
+            raise TypeError(f"vLLMBackend got unknown settings {unknown}; its settings are {', '.join(self._names)}")
+        self.model_name = model_name
+        for name in self._names:
+            setattr(self, name, settings.get(name))
+        try:
+            VLLMConfig(**self._given())
+        except ConfigError as exc:
+            raise ValueError(f"vLLMBackend({', '.join(f'{k}={v!r}' for k, v in self._given().items())}): {exc}") \
+                from None
+
+    def _given(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self._names if getattr(self, name) is not None}
 
     def overrides(self) -> dict[str, Any]:
-        """The set fields as `rollout.<field>` config keys (every field but model_name has that name there)."""
-        return {f"rollout.{f.name}": getattr(self, f.name) for f in fields(self)
-                if f.name != "model_name" and getattr(self, f.name) is not None}
+        """The given settings as `rollout.<setting>` config keys."""
+        return {f"rollout.{name}": value for name, value in self._given().items()}
 
 
 class RLTrainer(_Step):

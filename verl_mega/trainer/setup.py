@@ -25,6 +25,7 @@ from verl_mega.models.hf_config import (ModelArch, arch_from_hf, check_arch_layo
 from verl_mega.models.hf_io import HFCheckpointReader
 from verl_mega.models.loader import check_checkpoint_matches, load_hf_weights
 from verl_mega.models.tokenizer import load_tokenizer
+from verl_mega.parallel.cpu_mode import comm_device
 from verl_mega.parallel.state import RankGroups
 
 log = logging.getLogger("verl_mega")
@@ -143,18 +144,18 @@ def check_routed_experts_support() -> None:
 
 
 def vllm_config(cfg: TrainConfig, path: Path, gen_tp: int):
-    """The vLLM engine of a rollout: same on the actor's pool and on a rollout pool of its own."""
+    """The vLLM engine of a rollout: same on the actor's pool and on a rollout pool of its own. Its engine
+    settings are the config's (rollout.*, declared once in VLLMConfig); ``gen_tp``: the pool's."""
+    from verl_mega.config.rl import VLLMConfig
     from verl_mega.rollout.vllm_rollout import VLLMRolloutConfig
 
     rcfg = cfg.rollout
-    extra = {k: v for k, v in (("max_num_batched_tokens", rcfg.max_num_batched_tokens),) if v is not None}
+    settings = {f.name: getattr(rcfg, f.name) for f in dataclasses.fields(VLLMConfig)}
     return VLLMRolloutConfig(
-        model_path=str(path), gen_tp=gen_tp, dtype=cfg.model.dtype,
-        max_model_len=cfg.data.max_prompt_length + rcfg.max_response_length,
-        max_num_seqs=rcfg.max_num_seqs or 256, gpu_memory_utilization=rcfg.gpu_memory_utilization,
-        kv_cache_memory_bytes=rcfg.kv_cache_memory_bytes, enforce_eager=rcfg.enforce_eager,
-        seed=rcfg.seed, trust_remote_code=cfg.model.trust_remote_code, request_stats=cfg.trainer.profile,
-        return_routed_experts=cfg.actor.routing_replay == "r3", engine_kwargs=extra)
+        **{**settings, "gen_tp": gen_tp}, model_path=str(path), dtype=cfg.model.dtype,
+        max_model_len=cfg.data.max_prompt_length + rcfg.max_response_length, seed=rcfg.seed,
+        trust_remote_code=cfg.model.trust_remote_code, request_stats=cfg.trainer.profile,
+        return_routed_experts=cfg.actor.routing_replay == "r3")
 
 
 def build_rollout(cfg: TrainConfig, groups: RankGroups, path: Path, actor: RoleModel, placement, *, offload=None,
@@ -172,7 +173,7 @@ def build_rollout(cfg: TrainConfig, groups: RankGroups, path: Path, actor: RoleM
         from verl_mega.hybrid.pool_sync import PoolWeightSync
         from verl_mega.rollout.disaggregated import RemoteRollout
 
-        sync = PoolWeightSync(placement, bucket_bytes=rcfg.weight_bucket_mb << 20, device=_device(),
+        sync = PoolWeightSync(placement, bucket_bytes=rcfg.weight_bucket_mb << 20, device=comm_device(),
                               producer=producer, comm=bridge)
         return RemoteRollout(bridge, sync, engine_index=groups.coords["engine"], num_engines=pool.size // pool.gen_tp,
                              engine_leader=groups.rank == groups.ranks("gen_tp")[0])
@@ -194,15 +195,11 @@ def build_rollout_server(cfg: TrainConfig, placement, bridge, path: Path):
 
     pool = placement.pool_of("rollout")
     engine = VLLMRollout(vllm_config(cfg, path, pool.gen_tp))  # engines of consecutive ranks of the pool
-    sync = PoolWeightSync(placement, bucket_bytes=cfg.rollout.weight_bucket_mb << 20, device=_device(),
+    sync = PoolWeightSync(placement, bucket_bytes=cfg.rollout.weight_bucket_mb << 20, device=comm_device(),
                           model=engine.model, repacks=engine.is_cpu, comm=bridge)
     first = dist.get_rank() - dist.get_rank() % pool.gen_tp
     return RolloutServer(bridge, engine, sync, engine_ranks=range(first, first + pool.gen_tp),
                          partial=cfg.rollout.partial_rollouts)
-
-
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def resolve_free_cache(cfg: TrainConfig, placement, arch: ModelArch) -> bool:
@@ -350,6 +347,7 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
     from verl_mega.checkpoint.manager import CheckpointManager, verify_checkpoint
     from verl_mega.parallel.scheduler import write_placement_json
     from verl_mega.parallel.state import build_groups, seed_everything
+    from verl_mega.rewards.pool import RewardPool
     from verl_mega.trainer.rl_trainer import RLTrainer
     from verl_mega.trainer.run_dir import set_aside_earlier_run
 
@@ -378,7 +376,9 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
                             profiler=profiler, tokenizer=c.tokenizer, bridge=bridge)
     resources.callback(rollout.shutdown)  # vLLM's process groups go before torch.distributed's
     rollout.update_weights()  # vLLM starts from the actor's exact weights (and version 1)
-    reward_pool = resources.enter_context(contextlib.closing(_reward_pool(cfg, c.reward_fn)))
+    reward_pool = resources.enter_context(contextlib.closing(RewardPool(
+        c.reward_fn, num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s,
+        max_error_frac=cfg.reward.max_error_frac)))
     kc = cfg.algorithm.kl_ctrl
     kl_ctrl = algos.make_kl_controller(kc.type, kc.kl_coef, kc.target_kl or 0.1, kc.horizon)
     trainer = (trainer_cls or RLTrainer)(
@@ -551,13 +551,6 @@ def _profiler(cfg: TrainConfig, placement):
         detect_peak_flops(torch.cuda.get_device_name() if cuda else None, cfg.model.dtype)
     return StageProfiler(n_devices=placement.world_size, peak_flops=peak,
                          synchronize=torch.cuda.synchronize if cuda else None)
-
-
-def _reward_pool(cfg: TrainConfig, reward_fn):
-    from verl_mega.rewards.pool import RewardPool
-
-    return RewardPool(reward_fn, num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s,
-                      max_error_frac=cfg.reward.max_error_frac)
 
 
 def _sample_path(cfg: TrainConfig, groups: RankGroups, arch: ModelArch):
