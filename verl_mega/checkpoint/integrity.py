@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from verl_mega.config import diff_configs
 from verl_mega.models.hf_io import CheckpointError
+from verl_mega.parallel.state import pool_group
 
 log = logging.getLogger("verl_mega.checkpoint")
 
@@ -233,7 +234,7 @@ def verify_checkpoint(cfg, path: Path | None) -> Path | None:
         bad = bad_checksums(path, manifest, sorted(manifest)[rank::world])
         if world > 1:
             everyone: list = [None] * world
-            dist.all_gather_object(everyone, bad)
+            dist.all_gather_object(everyone, bad, group=pool_group())
             bad = [m for part in everyone for m in part]
         if not bad:
             return path

@@ -35,10 +35,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from verl_mega.config import to_dict
 from verl_mega.checkpoint import optim_state
 from verl_mega.checkpoint.integrity import (SCHEMA, BrokenCheckpointError, ResumeError, checkpoint_files,
-                                              digest_files, find_checkpoint, verify_checkpoint, write_manifest)
+                                            digest_files, find_checkpoint, verify_checkpoint, write_manifest)
+from verl_mega.config import to_dict
+from verl_mega.parallel.state import pool_group
 
 if TYPE_CHECKING:
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
@@ -72,7 +73,7 @@ def _rank() -> int:
 
 def _barrier() -> None:
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=pool_group())
 
 
 def rng_state() -> dict[str, Any]:
@@ -260,13 +261,13 @@ class CheckpointManager:
         world = dist.get_world_size() if dist.is_initialized() else 1
         names = [checkpoint_files(tmp) if _rank() == 0 else None]
         if world > 1:  # one listing, so that every file is hashed exactly once
-            dist.broadcast_object_list(names, src=0)
+            dist.broadcast_object_list(names, src=0, group=pool_group())
         begin = time.perf_counter()
         mine = digest_files(tmp, names[0][_rank()::world])
         parts = [mine]
         if world > 1:
             parts = [None] * world
-            dist.all_gather_object(parts, mine)
+            dist.all_gather_object(parts, mine, group=pool_group())
         entries = {k: v for part in parts for k, v in part.items()}
         log.debug("checkpoint %s: SHA-256 of %d files (%.1f MB on this rank) in %.3f s", tmp.name, len(mine),
                   sum(e["size"] for e in mine.values()) / 1e6, time.perf_counter() - begin)

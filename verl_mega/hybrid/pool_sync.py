@@ -38,7 +38,7 @@ class WorldComm:
 
     def broadcast_object(self, obj: object, src: int) -> object:
         box = [obj]
-        dist.broadcast_object_list(box, src=src)
+        dist.broadcast_object_list(box, src=src, group=dist.group.WORLD)  # the pools' one world
         return box[0]
 
 

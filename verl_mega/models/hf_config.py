@@ -12,6 +12,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from verl_mega.parallel.placement import divisors
+
 MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe")
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *MOE_MODEL_TYPES)
 # the HF class vLLM instantiates for each supported model_type (vLLM picks its model class by `architectures`)
@@ -241,7 +243,7 @@ def _moe_fields(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
 
 
 def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+    return ", ".join(map(str, divisors(n)))
 
 
 def check_layout(pool, *, num_layers: int, num_heads: int, num_kv_heads: int, ffn_hidden_size: int | None = None,

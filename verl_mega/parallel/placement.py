@@ -46,7 +46,8 @@ class PlacementError(ValueError):
     """An impossible placement; the message is one line naming the pool or key and the fix."""
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n``, ascending: the sizes a layout may split ``n`` into."""
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -135,16 +136,16 @@ class Pool:
         if dense_replica % (self.etp * self.ep):
             raise PlacementError(f"{self._where}: etp·ep = {self.etp}·{self.ep} must divide tp·cp·dp = {dense_replica} "
                                  f"(experts are laid over the same ranks); choose {k('ep')} among "
-                                 f"{_divisors(dense_replica // self.etp)}")
+                                 f"{divisors(dense_replica // self.etp)}")
         if self.trains and self.tp % self.gen_tp:
             raise PlacementError(f"{k('gen_tp')}={self.gen_tp} must divide {k('tp')}={self.tp} (generation TP groups "
-                                 f"are carved out of each training TP group); choose among {_divisors(self.tp)}")
+                                 f"are carved out of each training TP group); choose among {divisors(self.tp)}")
         if self.gen_ep != 1:  # vLLM shards every expert over its TP group; the hybrid sync writes that layout
             raise PlacementError(f"{k('gen_ep')}={self.gen_ep}: expert parallelism inside vLLM is not supported (each "
                                  f"generation rank holds 1/gen_tp of every expert); set {k('gen_ep')}=1")
         if self.size % (self.gen_tp * self.gen_ep):
             raise PlacementError(f"{self._where}: gen_tp·gen_ep = {self.gen_tp}·{self.gen_ep} must divide its "
-                                 f"{self.size} ranks; choose {k('gen_tp')} among {_divisors(self.size)}")
+                                 f"{self.size} ranks; choose {k('gen_tp')} among {divisors(self.size)}")
 
     @property
     def _where(self) -> str:

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from verl_mega.parallel import cpu_mode
 from verl_mega.parallel.placement import Placement, PlacementError, Pool, transfer_plan
+from verl_mega.parallel.state import init_process_group
 
 CONTROL_TAG, RESULT_TAG = 1, 2  # trainer → rollout commands; rollout → trainer samples
 HEARTBEAT_S = 2.0
@@ -238,7 +239,7 @@ def _outcome(fn) -> tuple[bool, Any]:
 def init_pool_worlds(placement: Placement, timeout_s: float, heartbeat_timeout_s: float = 0.0) -> Bridge:
     """One rendezvous for the job; then this rank's pool as the default world and the bridge over the job (beating
     this rank's heartbeat, and checking the peers' while waiting on them when ``heartbeat_timeout_s`` > 0)."""
-    use_cpu = cpu_mode.enable_cpu_mode()
+    cpu_mode.enable_cpu_mode()
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialised; a disaggregated job initialises its pools")
     check_disaggregated(placement)
@@ -246,12 +247,9 @@ def init_pool_worlds(placement: Placement, timeout_s: float, heartbeat_timeout_s
     store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
     if world != placement.world_size:
         raise PlacementError(f"placement covers {placement.world_size} ranks but the job has {world}")
-    if not use_cpu:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     pool = placement.pool_of_rank(rank)
-    dist.init_process_group(backend="gloo" if use_cpu else "nccl", timeout=timeout,
-                            store=dist.PrefixStore(f"verl_mega/pool/{pool.name}/", store),
-                            rank=rank - pool.ranks[0], world_size=len(pool.ranks))
+    init_process_group(timeout, store=dist.PrefixStore(f"verl_mega/pool/{pool.name}/", store),
+                       rank=rank - pool.ranks[0], world_size=len(pool.ranks))
     # vLLM's external launcher reads these: on a rollout pool they are the pool's own
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank - pool.ranks[0]), str(len(pool.ranks))
     control = dist.ProcessGroupGloo(dist.PrefixStore("verl_mega/bridge/control/", store), rank, world, timeout)

@@ -415,8 +415,10 @@ def write_placement_json(placement: Placement, device: dict, path, records: list
     import torch.distributed as dist
 
     if records is None:
+        from verl_mega.parallel.state import pool_group
+
         records = [None] * dist.get_world_size()
-        dist.all_gather_object(records, device)
+        dist.all_gather_object(records, device, group=pool_group())
     if dist.get_rank() != 0:
         return
     path = Path(path)

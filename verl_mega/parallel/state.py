@@ -29,13 +29,27 @@ def init_world(timeout_s: float = 600.0) -> None:
     process is a world of one)."""
     from verl_mega.parallel import launch_env
 
-    use_cpu = cpu_mode.enable_cpu_mode()
+    cpu_mode.enable_cpu_mode()
     if dist.is_initialized():
         return
     launch_env.discover().export_to_os_environ()  # a plain process is a world of one, on a free port
+    init_process_group(datetime.timedelta(seconds=timeout_s))
+
+
+def init_process_group(timeout: datetime.timedelta, **world: Any) -> None:
+    """torch.distributed's default group, over gloo in CPU mode and NCCL on GPUs (this rank's GPU chosen first,
+    LOCAL_RANK). ``world``: the store, rank and world size of a pool's own world (default: the launcher's)."""
+    use_cpu = cpu_mode.enable_cpu_mode()
     if not use_cpu:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group(backend="gloo" if use_cpu else "nccl", timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(backend="gloo" if use_cpu else "nccl", timeout=timeout, **world)
+
+
+def pool_group() -> Any:
+    """This rank's pool, as the group of a collective over it. Each pool is a torch.distributed world of its own
+    (:func:`~verl_mega.parallel.pools.init_pool_worlds`; colocated, the one pool is the whole job), so it is the
+    default group: collectives over the pool name it rather than rely on that."""
+    return dist.group.WORLD
 
 
 @dataclass

@@ -2,8 +2,10 @@
 and generation tg for a cluster, predict per-GPU memory of every phase (:mod:`verl_mega.planning.memory`) and the
 time of one RL step (:mod:`verl_mega.planning.timing`), and rank them.
 
-All roles (actor, critic, reference) are colocated on every GPU and share one training layout (the config has one
-``parallel`` section); the critic differs by its value head, the reference by being frozen.
+It plans one pool of every GPU, the placement ``parallel.layout=auto`` runs: the training roles (actor, critic,
+reference) share one training layout there, the critic differing by its value head, the reference by being frozen,
+and the rollout generates on the same GPUs at tg (colocated). A rollout pool of its own is not planned here;
+``tools/plan.py --dry-run`` checks the groups of such a placement.
 
 **Feasibility** (a layout breaking one is listed as rejected, with the reason):
 tp divides the GPUs of a node (TP groups never cross nodes) and the model's heads, key/value heads and FFN width;
@@ -52,7 +54,7 @@ from verl_mega.planning.memory import (
     training_pool,
 )
 from verl_mega.planning.params import PlanningError
-from verl_mega.parallel.placement import Placement, Pool
+from verl_mega.parallel.placement import Placement, Pool, divisors
 from verl_mega.planning.timing import H200, Hardware, StepShape, TimePrediction, predict_time, time_bucket
 
 PHASES = ("train", "rollout", "reshard", "score")
@@ -199,10 +201,6 @@ class Plan:
         return lines
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def _island_report(topology: NodeTopology | None, tp: int, gen_tp: int, cache: dict) -> tuple[int, int]:
     """(training TP groups, generation TP groups) per node that leave an NVLink island."""
     if topology is None:
@@ -276,10 +274,10 @@ def plan_layouts(arch: ModelArch, cluster: Cluster, work: Workload, *, global_ba
         raise PlanningError(f"--global-batch={global_batch} must be >= 1")
     step = step or StepShape.for_workload(work, global_batch)
     node = cluster.node_gpus
-    tps = [pins.tp] if pins.tp else _divisors(node)
+    tps = [pins.tp] if pins.tp else divisors(node)
     if pins.tp and pins.tp > node:
         raise PlanningError(f"--tp={pins.tp} exceeds the {node} GPUs of a node; TP groups must stay inside a node")
-    pps = [pins.pp] if pins.pp else _divisors(arch.num_layers)
+    pps = [pins.pp] if pins.pp else divisors(arch.num_layers)
     recomputes = [pins.recompute] if pins.recompute else ["none", "full"]
     plans: list[Plan] = []
     rejected: list[Rejected] = []
@@ -290,9 +288,9 @@ def plan_layouts(arch: ModelArch, cluster: Cluster, work: Workload, *, global_ba
         if pins.vpp is not None:
             vpps: list[int | None] = [None if pins.vpp == 1 else pins.vpp]
         else:
-            vpps = [None] + ([v for v in _divisors(arch.num_layers // pp) if v > 1] if pp > 1 and
+            vpps = [None] + ([v for v in divisors(arch.num_layers // pp) if v > 1] if pp > 1 and
                              arch.num_layers % pp == 0 else [])
-        gen_tps = [pins.gen_tp] if pins.gen_tp else _divisors(tp)
+        gen_tps = [pins.gen_tp] if pins.gen_tp else divisors(tp)
         for vpp, (ep, etp) in product(vpps, _expert_layouts(arch, cluster, tp, pp, pins)):
             allowed = []
             for gen_tp in gen_tps:
@@ -334,7 +332,7 @@ def _expert_layouts(arch: ModelArch, cluster: Cluster, tp: int, pp: int, pins: P
     if not arch.is_moe:
         return [(1, tp)]
     stage = cluster.gpus // pp if cluster.gpus % pp == 0 else 1
-    eps = [pins.ep] if pins.ep else [e for e in _divisors(arch.num_experts) if stage % e == 0]
+    eps = [pins.ep] if pins.ep else [e for e in divisors(arch.num_experts) if stage % e == 0]
     etps = [pins.etp] if pins.etp else sorted({1, tp})
     return [(e, t) for e in eps for t in etps]
 

@@ -150,7 +150,8 @@ class TimeTerm:
 
 @dataclass(frozen=True)
 class TimePrediction:
-    """Predicted seconds of one RL step, phase by phase (every GPU runs every phase: the roles are colocated)."""
+    """Predicted seconds of one RL step, phase by phase, on one pool (the rollout colocated with the training roles,
+    every GPU running every phase, as :mod:`verl_mega.planning.plan` plans)."""
 
     terms: tuple[TimeTerm, ...]
     notes: tuple[str, ...] = ()

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from verl_mega.parallel.pools import CONTROL_TAG, RESULT_TAG, Bridge, PoolPeerError
+from verl_mega.parallel.state import pool_group
 from verl_mega.rollout.base import (SEED_MODULUS, STOP_REASONS, Generated, Request, RolloutError, Sample, SamplingSpec,
                                     engine_share)
 from verl_mega.rollout.vllm_rollout import VLLMRollout
@@ -145,7 +146,7 @@ class RemoteRollout:
                 box[0] = self.bridge.recv(self.server, RESULT_TAG, what, watch=self.pool_ranks)
             if box[0]["id"] != request:
                 raise RuntimeError(f"the rollout pool answered request {box[0]['id']}, expected {request}")
-        dist.broadcast_object_list(box, src=0)  # over the training pool
+        dist.broadcast_object_list(box, src=0, group=pool_group())  # over the training pool
         return box[0]
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from verl_mega.parallel.state import pool_group
 from verl_mega.rollout.base import STOP_REASONS  # by severity: the all-reduce keeps the largest
 
 log = logging.getLogger("verl_mega")
@@ -62,6 +63,6 @@ class StopRequest:
             from verl_mega.parallel.cpu_mode import comm_device
 
             flag = torch.tensor([local], dtype=torch.int32, device=comm_device())
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=pool_group())
             local = int(flag.item())
         return STOP_REASONS[local]
