@@ -11,8 +11,8 @@ import torch.distributed.checkpoint as dcp
 
 from verl_mega.config import load_config, to_dict
 from verl_mega.checkpoint.integrity import (MANIFEST, BrokenCheckpointError, ResumeError, RunComplete, SCHEMA,
-                                              bad_checksums, check_steps_left, checkpoint_files, digest_files,
-                                              find_checkpoint, read_manifest, verify_checkpoint, write_manifest)
+                                            bad_checksums, check_steps_left, checkpoint_files, digest_files,
+                                            find_checkpoint, read_manifest, verify_checkpoint, write_manifest)
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -10,7 +10,7 @@ import torch.distributed.checkpoint as dcp
 
 from verl_mega.models.hf_io import CheckpointError
 from verl_mega.checkpoint.safe_load import (UnsafeCheckpointError, _safe_planner_cls, _safe_reader_cls,
-                                        check_dist_checkpoint, exception_chain, read_dist_metadata)
+                                            check_dist_checkpoint, exception_chain, read_dist_metadata)
 
 
 class _Payload:
