@@ -13,7 +13,6 @@ import pytest
 
 from verl_mega.config import (ActorConfig, ConfigError, TrainConfig, config_from_dict, diff_configs,
                               load_config, to_dict, to_yaml)
-from verl_mega.config.docgen import generate_reference
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"
@@ -620,10 +619,9 @@ def test_retired_rollout_backend():
 
 def test_configuration_reference_is_current():
     doc = REPO / "docs" / "configuration.md"
-    assert doc.is_file(), "docs/configuration.md missing; run python -m verl_mega.config.docgen > " \
-                          "docs/configuration.md"
-    assert doc.read_text() == generate_reference(), \
-        "docs/configuration.md is stale; run python -m verl_mega.config.docgen > docs/configuration.md"
+    assert doc.is_file(), "docs/configuration.md missing; run python tools/docgen.py > docs/configuration.md"
+    assert doc.read_text() == _tool("docgen").generate_reference(), \
+        "docs/configuration.md is stale; run python tools/docgen.py > docs/configuration.md"
     # Every leaf key of the schema is documented.
     documented = set(re.findall(r"^\| `([\w.]+)` \|", doc.read_text(), flags=re.M))
     leaves = {k for k, v in _flat_keys(to_dict(TrainConfig())) if not isinstance(v, dict) or k.endswith("kwargs")}
@@ -656,11 +654,16 @@ def test_recipe_files_are_all_loadable():
             load_config(str(CONFIGS / recipe), check_paths=False)
 
 
+def _tool(name: str):
+    """tools/<name>.py, imported."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_check_cli(capsys):
-    spec = importlib.util.spec_from_file_location("check_config", REPO / "tools" / "check_config.py")
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
-    main = cli.main
+    main = _tool("check_config").main
 
     qwen = str(CONFIGS / "grpo_qwen2.5_7b.yaml")
     assert main([qwen, "--world-size", "8", "--model-shape", "28,28,4", "--no-check-paths"]) == 0

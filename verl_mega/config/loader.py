@@ -269,8 +269,7 @@ def _run_length_sets_schedule(flat: Mapping[str, Any]) -> bool:
     return False
 
 
-#: keys that earlier versions accepted and never read, with the one value they could take: a checkpoint whose config
-#: holds it resumes as if the key were absent
+#: keys earlier versions accepted and never read, with their one value: a saved config holding it is compatible
 _RETIRED = {"rollout.backend": "vllm"}
 
 

@@ -159,8 +159,7 @@ def local_address(environ: Mapping[str, str] | None = None) -> str:
     return host
 
 
-def free_port() -> int:
-    """A TCP port no process listens on now (the operating system picks it)."""
+def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         return s.getsockname()[1]
@@ -179,7 +178,7 @@ def _mpi_rendezvous(env: Mapping[str, str], need_addr: bool, need_port: bool) ->
     comm = MPI.COMM_WORLD
     payload = None
     if comm.Get_rank() == 0:
-        payload = (local_address(env) if need_addr else None, free_port() if need_port else None)
+        payload = (local_address(env) if need_addr else None, _free_port() if need_port else None)
     return comm.bcast(payload, root=0)
 
 
@@ -263,7 +262,7 @@ def discover(environ: Mapping[str, str] | None = None) -> DistEnv:
         rank, world, local_rank, local_world, node_rank = 0, 1, 0, 1, 0
         master_addr = master_addr or "127.0.0.1"
         # a single process is a private world: a free port keeps two such jobs on one box from colliding
-        master_port = master_port or free_port()
+        master_port = master_port or _free_port()
 
     if mpi_like and (master_addr is None or master_port is None):
         addr, port = _mpi_rendezvous(env, master_addr is None, master_port is None)
