@@ -33,10 +33,9 @@ def train(cfg) -> dict[str, float]:
 
 
 def run(job) -> dict[str, float]:
-    """The RL loop over a built job. With rollout.max_staleness = k, a rollout pool of its own is sent each step's
-    batch and the k after it before the step trains (``prefetch``; nothing to send when colocated), so it generates
-    them meanwhile. SIGTERM, SIGINT and trainer.time_limit_s stop the loop after a step, on every rank together,
-    with a checkpoint of that step (trainer/stop.py). The summary's wall time counts from the build."""
+    """The RL loop over a built job: per step, the asynchronous look-ahead (docs/async.md), then the step.
+    SIGTERM, SIGINT and trainer.time_limit_s stop it after a step, on every rank together, with a checkpoint of
+    that step (trainer/stop.py). The summary's wall time counts from the build."""
     import time
 
     import torch.distributed as dist

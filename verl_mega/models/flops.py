@@ -25,9 +25,8 @@ def attention_weights(hidden: int, heads: int, kv_heads: int, head_dim: int) -> 
 
 
 def matmul_weights(arch: Any, *, value_head: bool = False) -> tuple[int, int]:
-    """(dense, routed-expert) weights one token multiplies by: per layer Q, K, V and the attention output, the MLP
-    (SwiGLU: 3·h·f; MoE: router E·h, shared expert 3·h·f_s, and the top-k routed experts k·3·h·f_e); then the LM
-    head V·h (a value head: h). ``arch``: a :class:`~verl_mega.models.hf_config.ModelArch`."""
+    """(dense, routed-expert) weights one token of ``arch`` (a :class:`~verl_mega.models.hf_config.ModelArch`)
+    multiplies by, as tabled above."""
     h = arch.hidden_size
     if arch.is_moe:
         mlp = arch.num_experts * h + 3 * h * arch.shared_expert_ffn_hidden_size
@@ -84,9 +83,8 @@ def _per_token(weights: int, attention: float, training: bool) -> float:
 # ---------------------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class GpuPeak:
-    """One GPU's 16-bit matmul peak, TFLOP/s: the datasheet's dense (no sparsity) bf16/fp16 figure, which MFU is
-    measured against, and, where we have run one, an 8192³ bf16 matmul as measured (BENCHMARKS.md), which the
-    planner's achieved fractions are fitted against."""
+    """One GPU's 16-bit matmul peak, TFLOP/s: the datasheet's dense bf16/fp16 figure (MFU's), and an 8192³ bf16
+    matmul as measured where we ran one (BENCHMARKS.md; the planner's efficiencies are fractions of it)."""
 
     dense_bf16_tflops: float
     matmul_tflops: float | None = None

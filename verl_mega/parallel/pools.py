@@ -216,17 +216,14 @@ def group_broadcast(tensor: torch.Tensor, group: Any, group_src: int, async_op: 
 def check_disaggregated(placement: Placement) -> None:
     """The shapes the split worlds need, before anything is built: the training pool first, the rollout on a pool of
     its own that trains nothing, no third pool, and the same generation TP on both pools."""
-    train, gen = placement.pool_of("actor"), placement.pool_of("rollout")
+    train = placement.pool_of("actor")
     if train.ranks[0] != 0:
         raise PlacementError(f"placement.pools: the training pool {train.name!r} starts at rank {train.ranks[0]}; "
                              f"list it first in placement.pools")
-    if gen.trains:
-        raise PlacementError(f"placement.pools.{gen.name} both trains and generates; give the rollout a pool of its "
-                             f"own in placement.roles")
     if len(placement.pools) != 2:
         raise PlacementError(f"a disaggregated placement has a training pool and a rollout pool, got "
                              f"{[p.name for p in placement.pools]}; map every training role to one pool")
-    transfer_plan(placement)  # the two pools' generation TP agree (the trainer builds exactly the engines' slices)
+    transfer_plan(placement)  # the rollout's pool only generates, and both pools' generation TP agree
 
 
 def _outcome(fn) -> tuple[bool, Any]:

@@ -46,9 +46,8 @@ def init_process_group(timeout: datetime.timedelta, **world: Any) -> None:
 
 
 def pool_group() -> Any:
-    """This rank's pool, as the group of a collective over it. Each pool is a torch.distributed world of its own
-    (:func:`~verl_mega.parallel.pools.init_pool_worlds`; colocated, the one pool is the whole job), so it is the
-    default group: collectives over the pool name it rather than rely on that."""
+    """This rank's pool, as the group of a collective over it: each pool is a torch.distributed world of its own
+    (colocated, the one pool is the job; pools.init_pool_worlds), so it is the default group, named here."""
     return dist.group.WORLD
 
 

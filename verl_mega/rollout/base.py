@@ -1,11 +1,7 @@
 """What every rollout shares: the :class:`Rollout` protocol the trainer drives, the types that cross it, and the
-table of stop reasons that a rollout pool of its own passes on to the trainer.
-
-A rollout turns the global prompt batch into samples tagged with the weight version that generated them, receives
-new weights after every update, and releases / restores its memory. Implementations: the colocated
+table of stop reasons that a rollout pool of its own passes on to the trainer. Implementations: the colocated
 :class:`~verl_mega.rollout.colocated.ColocatedRollout` (vLLM on the training ranks) and the disaggregated
-:class:`~verl_mega.rollout.disaggregated.RemoteRollout` (vLLM on a pool of its own).
-"""
+:class:`~verl_mega.rollout.disaggregated.RemoteRollout` (vLLM on a pool of its own)."""
 
 from __future__ import annotations
 
@@ -97,25 +93,18 @@ class Rollout(Protocol):
       finish, while the engine still generates the rest (one spec; a rollout that cannot stream refuses it).
     - ``prefetch``: the asynchronous look-ahead. The requests a later ``generate`` will ask for, in order, sent
       now so that a rollout pool of its own generates them while the trainer trains (a no-op when colocated).
-    - ``weight_version``: the number of weight updates the rollout has received.
-    - ``stop_requested``: a signal (``SIGTERM``, ``SIGINT``) that ranks the trainer does not share received, ''
-      when none.
+    - ``weight_version``: the weight updates it has received; ``stop_requested``: a signal (``SIGTERM``,
+      ``SIGINT``) that ranks the trainer does not share received, '' when none.
     """
 
     stop_requested: str
 
     @property
     def weight_version(self) -> int: ...
-
     def generate(self, prompt_ids: Sequence[Sequence[int]], specs: Sequence[SamplingSpec], *,
                  on_finished: Callable[[list[Sample], int], None] | None = None) -> list[Generated]: ...
-
     def prefetch(self, requests: Sequence[Request]) -> None: ...
-
-    def update_weights(self) -> dict[str, float]: ...
-
+    def update_weights(self) -> dict[str, float]: ...  # new weights from the trainer (collective)
     def release_memory(self) -> None: ...
-
     def restore_memory(self) -> None: ...
-
     def shutdown(self) -> None: ...

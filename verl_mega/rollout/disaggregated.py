@@ -67,12 +67,9 @@ class RemoteRollout:
         for prompt_ids, specs in requests:
             key = _key(prompt_ids, specs)
             if not any(k == key for k in self._pending.values()):
-                self._submit(key)
-
-    def _submit(self, key: tuple) -> None:
-        self._pending[self._next_id] = key
-        self._post({"op": "generate", "id": self._next_id, "prompts": key[0], "specs": key[1]})
-        self._next_id += 1
+                self._pending[self._next_id] = key
+                self._post({"op": "generate", "id": self._next_id, "prompts": key[0], "specs": key[1]})
+                self._next_id += 1
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], specs: Sequence[SamplingSpec], *,
                  on_finished=None) -> list[Generated]:
@@ -80,8 +77,8 @@ class RemoteRollout:
             raise RolloutError("a rollout pool of its own returns whole batches: it cannot stream finished samples")
         key = _key(prompt_ids, specs)
         wanted = next((i for i, k in self._pending.items() if k == key), None)
-        if wanted is None:
-            self._submit(key)
+        if wanted is None:  # not asked for ahead: now
+            self.prefetch([(prompt_ids, specs)])
             wanted = self._next_id - 1
         while wanted not in self._results:  # results come back in the order the requests went out
             first = next(iter(self._pending))

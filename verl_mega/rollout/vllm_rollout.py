@@ -40,14 +40,10 @@ class VLLMRolloutConfig(VLLMConfig):
     enable_prefix_caching: bool = option(True, help="Reuse the KV cache of shared prefixes.")
     load_format: str = option("auto", help="`dummy`: random weights, the real ones arrive through the weight sync.")
     seed: int | None = option(0, help="vLLM's own seed (requests carry explicit seeds).")
-    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = option("raw_logprobs", help="Log-probs vLLM "
-                                                                          "reports.")
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = option("raw_logprobs", help="What vLLM reports.")
     trust_remote_code: bool = option(False, help="Run the model's own code in model_path (trusted directories only).")
-    request_stats: bool = option(False, help="vLLM's per-request timestamps (prefill/decode split; they cost engine "
-                                             "time).")
-    return_routed_experts: bool = option(False, help="MoE: return the experts every prompt and response token was "
-                                                     "routed to (routing replay R3; routing_capture.py says how each "
-                                                     "vLLM build provides them).")
+    request_stats: bool = option(False, help="Per-request timestamps: the prefill/decode split (cost engine time).")
+    return_routed_experts: bool = option(False, help="MoE: each token's routed experts (R3; routing_capture.py).")
     engine_kwargs: Mapping[str, Any] = option(factory=dict, help="Passed to vllm.LLM as they are.")
 
     def validate(self) -> None:
@@ -346,15 +342,10 @@ def _prepare_env(rank: int) -> None:
         os.environ.setdefault("LOCAL_RANK", str(rank % max(1, torch.cuda.device_count() or 1)))
         if int(os.environ["RANK"]) != rank:
             raise RolloutError(f"env RANK={os.environ['RANK']} differs from torch.distributed rank {rank}")
-    else:
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
-        os.environ.setdefault("LOCAL_RANK", "0")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in os.environ:
-            from verl_mega.parallel.launch_env import free_port
+    else:  # a plain process is a world of one, on a free port
+        from verl_mega.parallel import launch_env
 
-            os.environ["MASTER_PORT"] = str(free_port())
+        launch_env.discover().export_to_os_environ()
 
 
 def _build_llm(config: VLLMRolloutConfig, is_cpu: bool, routing_mode: str | None = None):

@@ -17,7 +17,6 @@ that job (:class:`TrainingRun`) and steps it as :func:`verl_mega.train.run` does
 from __future__ import annotations
 
 import json
-from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +32,7 @@ class vLLMBackend:  # noqa: N801 — the name users were promised
     """Rollout on in-process vLLM through the 3D-HybridEngine: ``vLLMBackend(model_name=None, **settings)``. The
     settings are vLLM's engine settings of the config (:class:`~verl_mega.config.rl.VLLMConfig`: gen_tp,
     gpu_memory_utilization, kv_cache_memory_bytes, max_num_seqs, max_num_batched_tokens, enforce_eager,
-    sleep_level), checked as the config checks them; every setting left out (or None) keeps the recipe's value.
+    sleep_level), checked as the config checks them; a setting left out (or None) keeps the recipe's value.
 
     ``model_name`` may only name the actor's own model: vLLM generates with the actor's weights, synced after every
     update, so a different model would be a different policy.
@@ -43,25 +42,23 @@ class vLLMBackend:  # noqa: N801 — the name users were promised
         from verl_mega.config import ConfigError
         from verl_mega.config.rl import VLLMConfig
 
-        self._names = [f.name for f in fields(VLLMConfig)]
-        unknown = sorted(set(settings) - set(self._names))
-        if unknown:
-            raise TypeError(f"vLLMBackend got unknown settings {unknown}; its settings are {', '.join(self._names)}")
-        self.model_name = model_name
-        for name in self._names:
-            setattr(self, name, settings.get(name))
+        self.model_name, self.settings = model_name, {k: v for k, v in settings.items() if v is not None}
         try:
-            VLLMConfig(**self._given())
+            VLLMConfig(**self.settings)  # an unknown setting is a TypeError naming it
         except ConfigError as exc:
-            raise ValueError(f"vLLMBackend({', '.join(f'{k}={v!r}' for k, v in self._given().items())}): {exc}") \
+            raise ValueError(f"vLLMBackend({', '.join(f'{k}={v!r}' for k, v in self.settings.items())}): {exc}") \
                 from None
 
-    def _given(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self._names if getattr(self, name) is not None}
+    def __getattr__(self, name: str) -> Any:  # a setting reads None when not given (the recipe's value stands)
+        from verl_mega.config.rl import VLLMConfig
+
+        if name not in VLLMConfig.__dataclass_fields__:
+            raise AttributeError(name)
+        return self.__dict__.get("settings", {}).get(name)
 
     def overrides(self) -> dict[str, Any]:
         """The given settings as `rollout.<setting>` config keys."""
-        return {f"rollout.{name}": value for name, value in self._given().items()}
+        return {f"rollout.{name}": value for name, value in self.settings.items()}
 
 
 class RLTrainer(_Step):
@@ -112,14 +109,8 @@ class TrainingRun:
         self.job.rollout.prefetch(self.job.lookahead(prompt_batch))  # the asynchronous window, as train.run sends it
         return self.trainer.step(prompt_batch)
 
-    def validate(self) -> dict[str, float]:
-        return self.trainer.validate()
-
-    def enable_profiling(self) -> None:
-        self.trainer.enable_profiling()
-
-    def print_profiling_summary(self) -> None:
-        self.trainer.print_profiling_summary()
+    def __getattr__(self, name: str) -> Any:  # validate(), enable_profiling(), the profiler: the trainer's
+        return getattr(self.__dict__.get("trainer"), name)
 
     def close(self) -> None:
         """Finish pending checkpoint writes and release vLLM, the reward pool and torch.distributed."""

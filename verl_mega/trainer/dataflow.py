@@ -1,12 +1,9 @@
-"""The RL step as a small dataflow graph: the :class:`DataflowBuilder` façade.
-
-:meth:`RLTrainer.dataflow() <verl_mega.trainer.rl_trainer.RLTrainer.dataflow>` declares the stages that
-``RLTrainer.step()`` runs, each depending on the stages whose results it reads; a user adds or replaces stages and
-runs the graph. Device stages (Megatron / vLLM work with collectives) run in the main thread in declaration order:
-every SPMD rank must issue collectives in the same order. Host stages (reward functions, sandboxes, anything
-CPU-only) start in a thread as soon as their inputs exist and overlap the device stages that follow; a stage that
-needs a host stage's output waits for it. Each stage's wall interval goes to the profiler, which turns the
-intervals into overlap figures.
+"""The RL step as a small dataflow graph: the :class:`DataflowBuilder` façade (``RLTrainer.dataflow()`` declares
+the stages its step runs, each depending on the stages whose results it reads). Device stages (Megatron / vLLM
+work with collectives) run in the main thread in declaration order: every SPMD rank must issue collectives in the
+same order. Host stages (reward functions, sandboxes, anything CPU-only) start in a thread as soon as their inputs
+exist and overlap the device stages that follow; a stage that needs a host stage's output waits for it. Each
+stage's wall interval goes to the profiler, which turns the intervals into overlap figures.
 
     flow = (DataflowBuilder(profiler)
             .add_rollout(actor=rollout_fn, env=prompts_fn)
@@ -22,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 StageFn = Callable[[dict[str, Any]], Any]
@@ -42,38 +39,23 @@ class Dataflow:
     stages: list[Stage]
     profiler: Any = None
     max_host_workers: int = 4
-    _pool: ThreadPoolExecutor | None = field(default=None, repr=False)
 
     def run(self, inputs: dict[str, Any] | None = None) -> dict[str, Any]:
         """Run every stage once; returns {stage name: its result} (plus `inputs`)."""
         results: dict[str, Any] = dict(inputs or {})
         futures: dict[str, Future] = {}
-        if self._pool is None and any(s.host for s in self.stages):
-            self._pool = ThreadPoolExecutor(max_workers=self.max_host_workers, thread_name_prefix="host-stage")
-
-        def ready(stage: Stage) -> dict[str, Any]:
-            for dep in stage.deps:
-                if dep in futures:
-                    results[dep] = futures.pop(dep).result()  # re-raises a host stage's error here
-            return results
-
-        for stage in self.stages:
-            if stage.host:
-                deps_view = ready(stage)
-                futures[stage.name] = self._pool.submit(self._timed, stage, dict(deps_view))
-            else:
-                results[stage.name] = self._timed(stage, ready(stage))
-        for name, fut in futures.items():
-            results[name] = fut.result()
+        with ThreadPoolExecutor(self.max_host_workers, thread_name_prefix="host-stage") as pool:
+            for stage in self.stages:
+                for dep in stage.deps:
+                    if dep in futures:
+                        results[dep] = futures.pop(dep).result()  # re-raises a host stage's error here
+                if stage.host:
+                    futures[stage.name] = pool.submit(run_stage, self.profiler, stage.name, stage.fn, dict(results),
+                                                      host=True)
+                else:
+                    results[stage.name] = run_stage(self.profiler, stage.name, stage.fn, results)
+            results.update({name: future.result() for name, future in futures.items()})
         return results
-
-    def _timed(self, stage: Stage, ctx: dict[str, Any]) -> Any:
-        return run_stage(self.profiler, stage.name, stage.fn, ctx, host=stage.host)
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
 
 
 def run_stage(profiler: Any, name: str, fn: Callable, *args: Any, host: bool = False) -> Any:

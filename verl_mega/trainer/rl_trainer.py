@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -17,12 +17,11 @@ import torch.distributed as dist
 from verl_mega import algos
 from verl_mega.config import TrainConfig
 from verl_mega.parallel.rows import RowTable, imbalance
-from verl_mega.rollout.base import SEED_MODULUS, Request, Sample, SamplingSpec
+from verl_mega.rollout.base import SEED_MODULUS, Sample, SamplingSpec
 from verl_mega.trainer.batch import Batch, pack_sequences
 from verl_mega.trainer.dataflow import DataflowBuilder, run_stage
-from verl_mega.trainer.sampling import (build_stream_scorer, episode_metrics, filter_groups, kept_groups, occurrence,
-                                        rollout_routing)
-from verl_mega.trainer.stream_scoring import gather_rows
+from verl_mega.rollout.multi_turn import check_tool_failures
+from verl_mega.trainer.stream_scoring import build_stream_scorer, gather_rows
 
 
 @dataclass
@@ -124,11 +123,6 @@ class RLTrainer:
         b.add_policy_update(actor=lambda c: self._actor_update(c["rollout"]), data=policy)
         return b.add_stage("weight_sync", lambda c: self._weight_sync(), deps=("actor_update",))
 
-    def requests(self, batches: Sequence[Any]) -> list[Request]:
-        """The rollout requests (prompt ids, sampling specs) that the steps on these prompt batches will make: what
-        ``rollout.prefetch`` takes."""
-        return [([p.prompt_ids for p in batch.items], self._specs(batch)) for batch in batches]
-
     def enable_profiling(self) -> None:
         """Print the per-stage profile tree after every step (same as trainer.profile=true)."""
         self.print_each_step = True
@@ -175,7 +169,7 @@ class RLTrainer:
                 packed["response_mask"][i, : len(s.mask)] *= torch.as_tensor(s.mask, dtype=torch.float32)
         staleness = self._token_staleness(samples, packed) if table.versioned else {}
         if self.path.routing is not None:  # R3: the experts vLLM routed each token to, replayed in training
-            packed["rollout_routing"] = rollout_routing(samples, packed["input_ids"].shape[1], self.path.routing)
+            packed["rollout_routing"] = _rollout_routing(samples, packed["input_ids"].shape[1], self.path.routing)
         data.batch = Batch(packed, {"row": mine, "group": [s.prompt for s in samples]})
         tokens = table.length
         self.profiler.record("postprocess", packing_from, self.profiler.now(), parent="rollout")
@@ -197,7 +191,7 @@ class RLTrainer:
         groups have rewards that differ (dropped groups fill a batch still short after
         algorithm.filter_groups.max_num_gen_batches)."""
         fcfg, frac = self.cfg.algorithm.filter_groups, self.cfg.rollout.multi_turn.max_tool_failure_frac
-        specs = self._specs(data.prompts)
+        specs = self.specs(data.prompts)
         n = specs[0].n
         rounds, batch, counts, candidates = 0, data.prompts, {}, []
         while batch is not None:
@@ -206,7 +200,7 @@ class RLTrainer:
             offset = len(data.items)
             data.items += batch.items
             gen = generated[0]
-            rows_of = [s.prompt * n + k for k, s in zip(occurrence(s.prompt for s in gen.samples), gen.samples)]
+            rows_of = [s.prompt * n + k for k, s in zip(_occurrence(s.prompt for s in gen.samples), gen.samples)]
             table, c = self.path.table(gen, rows_of, [offset + i // n for i in range(len(batch.items) * n)],
                                        counts=True)
             counts = {k: counts.get(k, 0.0) + v for k, v in c.items()}
@@ -215,18 +209,18 @@ class RLTrainer:
                 data.baselines = self._engine_scores(generated[1], data, offset, len(batch.items))
             if not fcfg.enable:
                 data.table = table
-                return local, episode_metrics(counts, frac)
+                return local, _episode_metrics(counts, frac)
             scores = self._engine_scores(gen, data, offset, len(table), rows_of=rows_of)
             candidates.append((table, local, scores))
             keep = algos.dynamic_sampling_keep(scores, table.prompt).rows
-            if len(set(table.prompt[keep].tolist()) | kept_groups(candidates[:-1])) >= len(data.prompts) or \
+            if len(set(table.prompt[keep].tolist()) | _kept_groups(candidates[:-1])) >= len(data.prompts) or \
                     rounds >= fcfg.max_num_gen_batches:
                 break
             batch = self.more_prompts() if self.more_prompts is not None else None
-        data.table, local, data.scores, metrics = filter_groups(candidates, len(data.prompts))
+        data.table, local, data.scores, metrics = _filter_groups(candidates, len(data.prompts))
         metrics["dapo/gen_batches"] = float(rounds)
         metrics["dapo/kept_group_frac"] = metrics.pop("kept_groups") / max(1, len(data.items))
-        return local, {**metrics, **episode_metrics(counts, frac)}
+        return local, {**metrics, **_episode_metrics(counts, frac)}
 
     def _generate(self, batch, specs, data: StepData):
         """The rollout of one prompt batch; with rollout.stream_scoring its samples are scored as they finish."""
@@ -239,7 +233,7 @@ class RLTrainer:
         data.streamed = scorer.outputs  # the first stage to ask waits for the last micro-batch
 
         def finished(samples, running: int) -> None:  # a prompt's samples are rows prompt·n … prompt·n + n − 1
-            rows = [s.prompt * n + seen for seen, s in zip(occurrence(s.prompt for s in samples), samples)]
+            rows = [s.prompt * n + seen for seen, s in zip(_occurrence(s.prompt for s in samples), samples)]
             # once fewer samples than a micro-batch are still generating, waiting for a full one is waiting for
             # the end: the tail is scored as it finishes
             scorer.add(list(zip(rows, samples)), flush=running < chunk, generating=running)
@@ -273,7 +267,8 @@ class RLTrainer:
         return {"rollout/token_staleness_mean": self._dp_reduce(algos.masked_mean(lag, mask), "mean"),
                 "rollout/partial_frac": self._dp_reduce(spans.mean(), "mean")}
 
-    def _specs(self, prompt_batch) -> list[SamplingSpec]:
+    def specs(self, prompt_batch) -> list[SamplingSpec]:
+        """The sampling specs of the step on ``prompt_batch`` (a rollout request is its prompts and these)."""
         specs = [self._sampling(prompt_batch)]
         if self.cfg.algorithm.adv_estimator == "remax":  # ReMax's baseline: one greedy answer per prompt
             specs.append(SamplingSpec(n=1, max_tokens=self.cfg.rollout.max_response_length, temperature=0.0,
@@ -504,3 +499,66 @@ class RLTrainer:
             passes += per_token(context, value_head=True) + per_token(context, True, True) * self.cfg.critic.ppo_epochs
         gen_context = float((prompt_len + response_len / 2).float().mean())
         return float(lengths.sum()) * passes + float(response_len.sum()) * per_token(gen_context)
+
+
+def _occurrence(keys):
+    """For each key, how many times it came before (0, 1, … per key)."""
+    seen: dict = {}
+    for key in keys:
+        seen[key] = seen.get(key, -1) + 1
+        yield seen[key]
+
+
+def _rollout_routing(samples, width: int, shape: tuple[int, int]) -> torch.Tensor:
+    """The samples' routed experts in the packed layout [rows, width, model layers, k] (int16, -1: unknown)."""
+    out = torch.full((len(samples), width, *shape), -1, dtype=torch.int16)
+    for i, s in enumerate(samples):
+        if s.routing is not None:
+            m = min(width, s.routing.shape[0])
+            out[i, :m] = s.routing[:m]
+    return out
+
+
+def _episode_metrics(counts: dict[str, float], max_failure_frac: float) -> dict[str, float]:
+    """Multi-turn rollouts: turns and tool calls per episode, and the share of tool calls that answered an error.
+    Past rollout.multi_turn.max_tool_failure_frac failed calls (counted over the pool) the run stops, on every rank."""
+    if not counts.get("episodes"):
+        return {}
+    check_tool_failures(counts["tool_calls"], counts.get("tool_failures", 0.0), max_failure_frac)
+    episodes = counts["episodes"]
+    return {"rollout/turns": counts["turns"] / episodes, "rollout/tool_calls": counts["tool_calls"] / episodes,
+            "rollout/tool_error_frac": counts["tool_errors"] / max(counts["tool_calls"], 1.0)}
+
+
+def _kept_groups(candidates) -> set[int]:
+    """Groups that dynamic sampling kept in earlier rounds."""
+    return {g for table, _, scores in candidates
+            for g in table.prompt[algos.dynamic_sampling_keep(scores, table.prompt).rows].tolist()}
+
+
+def _filter_groups(candidates, num_groups: int):
+    """DAPO's batch from the rounds' (table, rows, scores): the first ``num_groups`` groups whose rewards differ,
+    then, if short, groups that were dropped; whole groups, kept ones first. Returns the new table, this engine's
+    rows renumbered, every row's score and metrics."""
+    kept, dropped = [], []
+    for k, (table, _, scores) in enumerate(candidates):
+        keep = algos.dynamic_sampling_keep(scores, table.prompt).rows.tolist()
+        for row, ok in enumerate(keep):
+            (kept if ok else dropped).append((k, row))
+    groups: dict[int, list[tuple[int, int]]] = {}
+    for k, row in kept + dropped:
+        g = int(candidates[k][0].prompt[row])
+        if g in groups or len(groups) < num_groups:
+            groups.setdefault(g, []).append((k, row))
+    chosen = [x for rows in groups.values() for x in rows]
+    pick = {name: torch.stack([getattr(candidates[k][0], name)[row] for k, row in chosen])
+            for name in ("prompt", "length", "version", "engine")}
+    table = RowTable(**pick, masked=any(t.masked for t, _, _ in candidates),
+                     versioned=any(t.versioned for t, _, _ in candidates))
+    local = {new: candidates[k][1][row] for new, (k, row) in enumerate(chosen) if row in candidates[k][1]}
+    scores = torch.stack([candidates[k][2][row] for k, row in chosen])
+    kept_groups = {int(candidates[k][0].prompt[row]) for k, row in kept}
+    metrics = {"kept_groups": float(len(kept_groups)),
+               "dapo/generated_reward_mean": float(torch.cat([s for _, _, s in candidates]).mean()),
+               "dapo/filled_groups": float(num_groups - len(kept_groups & set(groups)))}
+    return table, local, scores, metrics

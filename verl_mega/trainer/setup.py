@@ -271,7 +271,6 @@ class Job:
     loader: Any
     ckpt: Any
     profiler: Any
-    reward_pool: Any
     rollout: Any
     total_steps: int
     start_step: int
@@ -282,15 +281,13 @@ class Job:
     resources: contextlib.ExitStack = field(default_factory=contextlib.ExitStack, repr=False)
 
     def lookahead(self, prompts) -> list:
-        """The asynchronous window: with rollout.max_staleness = k, this step's prompt batch and the next k (never
-        past trainer.total_steps), as the rollout requests of their steps. ``rollout.prefetch`` sends a rollout pool
-        of its own those it has not been sent yet, to generate while this step trains; none when k = 0."""
+        """The asynchronous window, as rollout requests: with rollout.max_staleness = k, this step's prompt batch
+        and the next k (never past trainer.total_steps), for a rollout pool of its own to generate while this step
+        trains (``rollout.prefetch`` sends those not sent yet); none when k = 0."""
         k, loader = self.cfg.rollout.max_staleness, self.loader
-        if not k:
-            return []
         taken = loader.total_batches - len(loader)  # batches served so far, this step's included
-        ahead = [loader.peek(i) for i in range(1, k + 1) if taken + i <= self.total_steps]
-        return self.trainer.requests([prompts, *(batch for batch in ahead if batch is not None)])
+        window = [prompts] + [loader.peek(i) for i in range(1, k + 1) if taken + i <= self.total_steps] if k else []
+        return [([p.prompt_ids for p in b.items], self.trainer.specs(b)) for b in window if b is not None]
 
     def close(self, *, after_error: bool = False) -> None:
         _close(self.resources, after_error=after_error)
@@ -322,39 +319,31 @@ def build_job(cfg: TrainConfig, trainer_cls: type | None = None) -> Job:
         raise
 
 
-@dataclass
-class _Checked:
-    """What the checks before any heavy allocation decided: the (resolved) config, where this rank runs, the
-    model, the data, and the checkpoint to resume from."""
-
-    cfg: TrainConfig
-    placement: Any
-    device: Any
-    records_rank: bool  # writes metrics.jsonl and finalises checkpoints
-    reward_fn: Any
-    path: Path
-    arch: ModelArch
-    tokenizer: Any
-    loader: Any
-    val_prompts: Any
-    total_steps: int
-    resume_path: Path | None
-
-
 def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -> Job:
     from verl_mega import algos
     from verl_mega.checkpoint.integrity import check_steps_left
-    from verl_mega.checkpoint.manager import CheckpointManager, verify_checkpoint
+    from verl_mega.checkpoint.manager import CheckpointManager, find_checkpoint, verify_checkpoint
+    from verl_mega.models.flops import detect_peak_flops
     from verl_mega.parallel.scheduler import write_placement_json
     from verl_mega.parallel.state import build_groups, seed_everything
     from verl_mega.rewards.pool import RewardPool
+    from verl_mega.trainer.profiler import StageProfiler
     from verl_mega.trainer.rl_trainer import RLTrainer
     from verl_mega.trainer.run_dir import set_aside_earlier_run
 
-    c = _check(cfg, resources)
-    cfg, placement, path, arch, loader, total_steps = c.cfg, c.placement, c.path, c.arch, c.loader, c.total_steps
-    bridge, records = _init_worlds(cfg, placement, c.device, resources)
-    resume_path = c.resume_path
+    # --- check everything that can be checked before any heavy allocation
+    cfg, placement, device, records_rank, reward_fn = _check_placement(cfg, resources)
+    path = resolve_model_path(cfg)
+    arch = _check_model(cfg, path, placement)
+    resume_path = find_checkpoint(cfg)  # a bad resume target fails here, before anything is built
+    tokenizer = load_tokenizer(Path(cfg.model.tokenizer_path) if cfg.model.path != "tiny" else path,
+                               trust_remote_code=cfg.model.trust_remote_code, model_vocab_size=arch.vocab_size)
+    loader, val_prompts, total_steps = _data(cfg, tokenizer)
+    if resume_path is not None:
+        check_steps_left(resume_path, total_steps, complete_ok=True)
+
+    # --- worlds, the checkpoint to resume from, and a rollout pool's own server
+    bridge, records = _init_worlds(cfg, placement, device, resources)
     # every file's checksum, each rank hashing a share; a broken newest checkpoint falls back (resume=auto)
     if bridge is None or bridge.trains:
         resume_path = verify_checkpoint(cfg, resume_path)
@@ -365,26 +354,32 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
     if bridge is not None and not bridge.trains:
         server = build_rollout_server(cfg, placement, bridge, path)
         resources.callback(server.shutdown)
-        return Job(cfg=cfg, trainer=None, loader=loader, ckpt=None, profiler=None, reward_pool=None,
+        return Job(cfg=cfg, trainer=None, loader=loader, ckpt=None, profiler=None,
                    rollout=server.rollout, total_steps=total_steps, start_step=0, arch=arch, placement=placement,
                    resources=resources, server=server)
+
+    # --- groups, roles, rollout and the 3D-HybridEngine, reward pool, trainer, checkpoints
     groups = build_groups(placement, timeout_s=cfg.trainer.collective_timeout_s)
     seed_everything(cfg.trainer.seed, groups)
     actor_m, actor, ref, critic, reward_model = _build_roles(cfg, groups, path, arch, total_steps)
-    profiler = _profiler(cfg, placement)
+    cuda = torch.cuda.is_available()  # the profiler's counters are global: per-device rates divide by the world
+    peak = cfg.trainer.peak_tflops * 1e12 if cfg.trainer.peak_tflops else \
+        detect_peak_flops(torch.cuda.get_device_name() if cuda else None, cfg.model.dtype)
+    profiler = StageProfiler(n_devices=placement.world_size, peak_flops=peak,
+                             synchronize=torch.cuda.synchronize if cuda else None)
     rollout = build_rollout(cfg, groups, path, actor_m, placement, offload=offload_trainers(cfg, actor, critic, ref),
-                            profiler=profiler, tokenizer=c.tokenizer, bridge=bridge)
+                            profiler=profiler, tokenizer=tokenizer, bridge=bridge)
     resources.callback(rollout.shutdown)  # vLLM's process groups go before torch.distributed's
     rollout.update_weights()  # vLLM starts from the actor's exact weights (and version 1)
     reward_pool = resources.enter_context(contextlib.closing(RewardPool(
-        c.reward_fn, num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s,
+        reward_fn, num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s,
         max_error_frac=cfg.reward.max_error_frac)))
     kc = cfg.algorithm.kl_ctrl
     kl_ctrl = algos.make_kl_controller(kc.type, kc.kl_coef, kc.target_kl or 0.1, kc.horizon)
     trainer = (trainer_cls or RLTrainer)(
         cfg, actor=actor, ref=ref, critic=critic, reward_model=reward_model, rollout=rollout, reward_pool=reward_pool,
-        tokenizer=c.tokenizer, profiler=profiler, kl_ctrl=kl_ctrl, sample_path=_sample_path(cfg, groups, arch),
-        arch=arch, val_prompts=c.val_prompts, more_prompts=loader.next_batch)
+        tokenizer=tokenizer, profiler=profiler, kl_ctrl=kl_ctrl, sample_path=_sample_path(cfg, groups, arch),
+        arch=arch, val_prompts=val_prompts, more_prompts=loader.next_batch)
     if cfg.trainer.profile:
         trainer.enable_profiling()
     ckpt = CheckpointManager(cfg, engines={"actor": actor_m.engine, "critic": critic and critic.engine},
@@ -393,21 +388,19 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
     start_step = ckpt.maybe_resume(resume_path)
     if start_step:
         rollout.update_weights()
-    elif c.records_rank:  # a fresh run's records never mix with an earlier run's
+    elif records_rank:  # a fresh run's records never mix with an earlier run's
         set_aside_earlier_run(cfg.trainer.output_dir)
-    write_placement_json(placement, c.device, Path(cfg.trainer.output_dir) / "placement.json",  # all was built
+    write_placement_json(placement, device, Path(cfg.trainer.output_dir) / "placement.json",  # all was built
                          records=records)
-    return Job(cfg=cfg, trainer=trainer, loader=loader, ckpt=ckpt, profiler=profiler, reward_pool=reward_pool,
+    return Job(cfg=cfg, trainer=trainer, loader=loader, ckpt=ckpt, profiler=profiler,
                rollout=rollout, total_steps=total_steps, start_step=start_step, arch=arch, placement=placement,
                resources=resources)
 
 
-def _check(cfg: TrainConfig, resources: contextlib.ExitStack) -> _Checked:
-    """Everything that can be checked before any heavy allocation: the launcher, the reward function and tools,
-    the layout (`parallel.layout=auto` resolved), the placement, this rank's device, the output directory, the
-    model, the checkpoint to resume from, the tokenizer and the data."""
-    from verl_mega.checkpoint.integrity import check_steps_left
-    from verl_mega.checkpoint.manager import find_checkpoint
+def _check_placement(cfg: TrainConfig, resources: contextlib.ExitStack):
+    """The launcher, the reward function and tools, the layout (`parallel.layout=auto` resolved), the placement,
+    this rank's device and the output directory. Returns the (resolved) config, the placement, the device, whether
+    this rank writes the run's records (metrics.jsonl, finalised checkpoints) and the reward function."""
     from verl_mega.parallel import launch_env
     from verl_mega.parallel.placement import Placement
     from verl_mega.parallel.scheduler import assign_device
@@ -446,17 +439,7 @@ def _check(cfg: TrainConfig, resources: contextlib.ExitStack) -> _Checked:
     records_rank = env.rank == actor_pool.ranks[0]
     if records_rank:  # one job per output_dir (trainer/run_dir.py)
         lock_output_dir(cfg.trainer.output_dir, resources)
-    path = resolve_model_path(cfg)
-    arch = _check_model(cfg, path, placement)
-    resume_path = find_checkpoint(cfg)  # a bad resume target fails here, before anything is built
-    tokenizer = load_tokenizer(Path(cfg.model.tokenizer_path) if cfg.model.path != "tiny" else path,
-                               trust_remote_code=cfg.model.trust_remote_code, model_vocab_size=arch.vocab_size)
-    loader, val_prompts, total_steps = _data(cfg, tokenizer)
-    if resume_path is not None:
-        check_steps_left(resume_path, total_steps, complete_ok=True)
-    return _Checked(cfg=cfg, placement=placement, device=device, records_rank=records_rank, reward_fn=reward_fn,
-                    path=path, arch=arch, tokenizer=tokenizer, loader=loader, val_prompts=val_prompts,
-                    total_steps=total_steps, resume_path=resume_path)
+    return cfg, placement, device, records_rank, reward_fn
 
 
 def _check_model(cfg: TrainConfig, path: Path, placement) -> ModelArch:
@@ -538,19 +521,6 @@ def _build_roles(cfg: TrainConfig, groups: RankGroups, path: Path, arch: ModelAr
                                                      value_head=True).engine,
                                    micro_batch_size=cfg.actor.micro_batch_size_per_gpu, packed=packed)
     return actor_m, actor, ref, critic, reward_model
-
-
-def _profiler(cfg: TrainConfig, placement):
-    """The step's profiler. Its tokens/flops counters are global (all ranks' samples), so per-device rates divide
-    by the world size."""
-    from verl_mega.models.flops import detect_peak_flops
-    from verl_mega.trainer.profiler import StageProfiler
-
-    cuda = torch.cuda.is_available()
-    peak = cfg.trainer.peak_tflops * 1e12 if cfg.trainer.peak_tflops else \
-        detect_peak_flops(torch.cuda.get_device_name() if cuda else None, cfg.model.dtype)
-    return StageProfiler(n_devices=placement.world_size, peak_flops=peak,
-                         synchronize=torch.cuda.synchronize if cuda else None)
 
 
 def _sample_path(cfg: TrainConfig, groups: RankGroups, arch: ModelArch):

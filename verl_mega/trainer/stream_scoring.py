@@ -27,7 +27,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from verl_mega.trainer.batch import Batch
+from verl_mega.parallel.cpu_mode import comm_device
+from verl_mega.trainer.batch import Batch, pack_sequences
 
 #: a scoring stage: its profiler name and a function from a micro-batch to per-row tensors (first dim: its rows)
 ScoreStage = tuple[str, Callable[[Batch], dict[str, torch.Tensor]]]
@@ -185,6 +186,48 @@ class StreamScorer:
         return self.profiler.now() if self.profiler is not None else time.perf_counter()
 
 
+def build_stream_scorer(trainer: Any, items: list, tally: Any, *, roles: bool) -> StreamScorer:
+    """The scoring stages of rollout.stream_scoring for one generation of ``items`` (the prompts), over
+    micro-batches of finished samples: the same reward function (its errors counted in ``tally``) and, with
+    ``roles`` (``all``), the same roles as the synchronous stages, per micro-batch."""
+    limit, pad = trainer.cfg.rollout.max_response_length, trainer.tokenizer.pad_token_id or 0
+
+    def pack(pairs) -> Batch:
+        samples = [s for _, s in pairs]
+        packed = pack_sequences([items[s.prompt].prompt_ids for s in samples], [s.ids for s in samples], pad_id=pad,
+                                max_response_length=limit, multiple_of=trainer.actor.engine.seq_multiple)
+        return Batch(packed, {"row": [row for row, _ in pairs], "group": [s.prompt for s in samples]})
+
+    def old_logprob(b: Batch):
+        out = trainer.actor.compute_logprobs(b, with_entropy=True)
+        return {"old_logprobs": out["logprobs"], "entropy": out["entropy"]}
+
+    def reward(b: Batch):  # this rank's share of the micro-batch; the other ranks of its engine score the rest
+        rows = b.meta["row"]
+        share = set(trainer.path.engine_share(rows))
+        mine = [i for i, row in enumerate(rows) if row in share]
+        out = torch.zeros(len(rows), dtype=torch.float32)
+        if mine:
+            lengths = b["response_len"][mine].tolist()
+            out[mine] = trainer._scores([trainer._text(b["responses"][i, :n]) for i, n in zip(mine, lengths)],
+                                        [items[b.meta["group"][i]].ground_truth for i in mine], lengths, tally)
+        return {"reward": out}
+
+    stages = []
+    if roles:  # rollout.stream_scoring=all: the roles' forward passes too
+        stages.append(("old_logprob", old_logprob))
+        if trainer.ref is not None:
+            stages.append(("ref_logprob", lambda b: {"ref_logprobs": trainer.ref.compute_logprobs(b)["logprobs"]}))
+        if trainer.critic is not None:
+            stages.append(("values", lambda b: {"values": trainer.critic.compute_values(b)}))
+        if trainer.reward_model is not None:
+            stages.append(("rm_score", lambda b: {"rm_score": trainer.reward_model.score(b)}))
+    stages.append(("reward", reward))
+    device = comm_device() if roles and torch.cuda.is_available() else None  # the reward function alone: no device
+    return StreamScorer(stages=stages, pack=pack, chunk_rows=trainer.cfg.rollout.stream_chunk,
+                        profiler=trainer.profiler, device=device)
+
+
 def gather_rows(scored: dict[int, torch.Tensor], rows: Sequence[int]) -> torch.Tensor:
     """The scored rows ``rows``, stacked in that order (every one of them must have been scored)."""
     missing = [r for r in rows if r not in scored]
@@ -193,4 +236,4 @@ def gather_rows(scored: dict[int, torch.Tensor], rows: Sequence[int]) -> torch.T
     return torch.stack([scored[r] for r in rows])
 
 
-__all__ = ["StreamScorer", "ScoreStage", "gather_rows"]
+__all__ = ["StreamScorer", "ScoreStage", "build_stream_scorer", "gather_rows"]

@@ -198,13 +198,11 @@ class SamplePath:
 
     def engine_share(self, rows: Sequence[int]) -> list[int]:
         """The rows, of those this rank's engine holds, that this rank scores."""
-        k, g = self.engine_ranks.index(self.rank), len(self.engine_ranks)
-        return [row for i, row in enumerate(rows) if i % g == k]
+        return list(rows)[self.engine_ranks.index(self.rank)::len(self.engine_ranks)]
 
     def replica_share(self, rows: Sequence[int]) -> list[int]:
         """The rows, of those this rank's data-parallel replica trains on, that this rank scores."""
-        k, g = self.replica.index(self.rank), len(self.replica)
-        return [row for i, row in enumerate(rows) if i % g == k]
+        return list(rows)[self.replica.index(self.rank)::len(self.replica)]
 
     def sum_over_pool(self, values: torch.Tensor) -> torch.Tensor:
         """Each row's value from the one rank that computed it (zeros elsewhere)."""
