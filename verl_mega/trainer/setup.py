@@ -52,9 +52,9 @@ def resolve_model_path(cfg: TrainConfig) -> Path:
     entry = next((f for f in cfg.data.train_files if is_generated(f)), "generated:arithmetic")
     seed = cfg.trainer.seed
     root = Path(os.environ.get("VERL_MEGA_CACHE", Path.home() / ".cache" / "verl_mega"))
-    steps = cfg.model.tiny_warmstart_steps
+    steps, skill = cfg.model.tiny_warmstart_steps, cfg.model.tiny_warmstart_target
     arch = "" if cfg.model.tiny_arch == "qwen2" else f"-{cfg.model.tiny_arch}"
-    target = root / f"tiny{arch}-{entry.split(':')[-1]}-s{seed}-w{steps}"
+    target = root / (f"tiny{arch}-{entry.split(':')[-1]}-s{seed}-w{steps}" + (f"-p{skill:g}" if skill else ""))
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as exc:  # a file in the way, or no permission
@@ -66,11 +66,12 @@ def resolve_model_path(cfg: TrainConfig) -> Path:
             tmp = target.with_name(target.name + f".tmp{os.getpid()}")
             make_tiny_hf_model(tmp, seed=seed, **tiny_sizes(cfg.model.tiny_arch))
             records = generated_task(entry).generate(1024, seed=seed)
-            stats = warm_start(tmp, records, steps=steps, seed=seed)
+            stats = warm_start(tmp, records, steps=steps, seed=seed, target=skill)
             (tmp / "warmstart.json").write_text(json.dumps(stats))
             os.replace(tmp, target)
-            log.info("built the tiny model and warm-started it for %d steps on %s (%s) -> %s", steps, entry,
-                     ", ".join(f"{k.replace('_', ' ')} {v:.3f}" for k, v in stats.items()), target)
+            log.info("built the tiny model and warm-started it for %d steps on %s (%s) -> %s", stats["steps"],
+                     entry, ", ".join(f"{k.replace('_', ' ')} {v:.3f}" for k, v in stats.items() if k != "steps"),
+                     target)
     return target
 
 
