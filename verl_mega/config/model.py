@@ -37,8 +37,9 @@ class ModelConfig(ConfigSection):
     fused_kernels: Literal["auto"] | bool = option(
         "auto", help="Compile the element-wise work between the GEMMs: Megatron's fused SwiGLU "
                      "(`bias_activation_fusion`, also for the experts) and our spec's RMSNorm, each one kernel "
-                     "forward and one backward (`torch.compile`). `auto`: on CUDA. Same operations; bf16 rounding "
-                     "of intermediates can differ in the last bit.", affects_results=False)
+                     "forward and one backward (`torch.compile`). `auto`: on CUDA, unless trainer.deterministic (torch "
+                     "refuses inductor's autotuning in deterministic mode). Same operations; bf16 rounding of "
+                     "intermediates can differ in the last bit.", affects_results=False)
 
     use_remove_padding: bool = option(
         False, help="Pack each micro-batch's sequences back to back in one row (THD, `cu_seqlens`) instead of padding "

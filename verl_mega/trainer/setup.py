@@ -75,6 +75,14 @@ def resolve_model_path(cfg: TrainConfig) -> Path:
     return target
 
 
+def fused_kernels(cfg: TrainConfig, cuda: bool) -> bool:
+    """model.fused_kernels resolved: `auto` compiles on CUDA, but not under trainer.deterministic, where torch's
+    inductor raises at its first autotuning benchmark (seen on an H200 with torch 2.11)."""
+    if cfg.model.fused_kernels == "auto":
+        return cuda and not cfg.trainer.deterministic
+    return bool(cfg.model.fused_kernels)
+
+
 def model_arch(path: Path) -> ModelArch:
     return arch_from_hf(load_hf_config(path))
 
@@ -98,8 +106,7 @@ def build_role_engine(cfg: TrainConfig, groups: RankGroups, path: Path, *, role_
     tcfg = transformer_config(arch, tp=pool.tp, pp=pool.pp, vpp=pool.vpp, cp=pool.cp, ep=pool.ep, etp=pool.etp,
                               sequence_parallel=pool.sequence_parallel, dtype=cfg.model.dtype,
                               recompute=cfg.model.recompute, use_cpu_initialization=not torch.cuda.is_available(),
-                              fused_kernels=cfg.model.fused_kernels is True or (cfg.model.fused_kernels == "auto"
-                                                                                and torch.cuda.is_available()),
+                              fused_kernels=fused_kernels(cfg, torch.cuda.is_available()),
                               **moe_options(cfg, arch))
     use_te = {True: "true", False: "false"}.get(cfg.model.use_te, cfg.model.use_te)
     chunks = build_model_chunks(arch, tcfg, groups, value_head=value_head, use_te=use_te,
