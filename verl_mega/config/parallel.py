@@ -78,8 +78,8 @@ class ParallelConfig(ConfigSection):
                       f"parallel.vpp must be >= 2 virtual stages, got {self.vpp}; set parallel.vpp=null to disable "
                       f"interleaving")
         self._require(self.dp_hierarchy == "off" or self.use_distributed_optimizer,
-                      f"parallel.dp_hierarchy={self.dp_hierarchy} shards the optimizer inside each island and needs the "
-                      f"distributed optimizer; set parallel.use_distributed_optimizer=true or "
+                      f"parallel.dp_hierarchy={self.dp_hierarchy} shards the optimizer inside each island and needs "
+                      f"the distributed optimizer; set parallel.use_distributed_optimizer=true or "
                       f"parallel.dp_hierarchy=off")
         self._require(self.dp_cross_island_dtype == "fp32" or self.dp_hierarchy != "off",
                       f"parallel.dp_cross_island_dtype={self.dp_cross_island_dtype} compresses the step between "

@@ -1,4 +1,4 @@
-"""The step between islands of the data-parallel gradient sync, in a lower precision (``parallel.dp_cross_island_dtype``).
+"""The data-parallel gradient sync's step between islands in a lower precision (``parallel.dp_cross_island_dtype``).
 
 With data-parallel islands (``parallel.dp_hierarchy``) Megatron-Core's partial distributed optimizer reduce-scatters
 each gradient bucket inside an island, then all-reduces every rank's shard across the islands (its
