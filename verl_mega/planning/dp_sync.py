@@ -23,6 +23,7 @@ that in-network reduction can serve. bf16 across sends 2/3 of the flat bytes, fp
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from verl_mega.parallel.placement import wire_bytes
@@ -83,8 +84,11 @@ def dp_sync_traffic(*, elements: int, group: int, per_island: int, islands: int 
         raise ValueError(f"{islands} islands do not divide a data-parallel group of {m}")
     k = m // islands
     inside = (k - 1) / k * both * elements
-    cross = 2 * (islands - 1) / islands * wire_bytes(elements // k, cross_dtype) if elements % k == 0 else \
-        2 * (islands - 1) / islands * wire_bytes(elements, cross_dtype) / k
+    shard = math.ceil(elements / k)
+    if cross_dtype == "fp32":  # Megatron's ring all-reduce of the shard
+        cross = 2 * (islands - 1) / islands * wire_bytes(shard, "fp32")
+    else:  # all-to-all out and all-gather back of I encoded pieces of ceil(shard/I) values
+        cross = 2 * (islands - 1) * wire_bytes(math.ceil(shard / islands), cross_dtype)
     how = (f"hierarchical: (k−1)/k × ({grad_bytes} + {param_bytes}) B × {elements:,} inside, k={k}; "
            f"2·(I−1)/I × {cross_dtype} shard of N/k across, I={islands}")
     return DPSyncTraffic(elements, m, k, islands, inside + cross, cross, cross_dtype, how)
