@@ -71,6 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--reserve-gb", type=_positive(float, zero_ok=True), default=2.0,
                     help="per-GPU memory kept free (CUDA context, NCCL, fragmentation), GiB")
     ap.add_argument("--topo", default=None, help="saved `nvidia-smi topo -m` of one node (NVLink islands)")
+    ap.add_argument("--dp-hierarchy", choices=("off", "node", "island"), default="off",
+                    help="data-parallel sync inside nodes / NVLink islands, shards all-reduced across (as "
+                         "parallel.dp_hierarchy; island needs --topo)")
+    ap.add_argument("--dp-cross-island-dtype", choices=("fp32", "bf16", "fp8"), default="fp32",
+                    help="wire format between islands (as parallel.dp_cross_island_dtype)")
     for name in ("tp", "pp", "gen-tp", "ep", "etp"):
         ap.add_argument(f"--{name}", type=_positive(), default=None, help=f"pin {name} (default: enumerate; ep and "
                                                                           f"etp for MoE models)")
@@ -138,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         pins = Pins(tp=args.tp, pp=args.pp, vpp=args.vpp, gen_tp=args.gen_tp, recompute=args.recompute,
                     ep=args.ep, etp=args.etp)
         global_batch, sequence_parallel = args.global_batch, not args.no_sequence_parallel
+        islands = dict(dp_hierarchy=args.dp_hierarchy, cross_island_dtype=args.dp_cross_island_dtype)
         response = args.response_len or max(1, work.seq_len - work.seq_len // 2)
         if response >= work.seq_len:
             raise PlanningError(f"--response-len={response} must be below --seq-len={work.seq_len}")
@@ -165,12 +171,13 @@ def main(argv: list[str] | None = None) -> int:
                                   gpu_mem_gib=args.gpu_mem_gb, reserve_gib=args.reserve_gb, topology=topology)
             pins, work, roles, rollout = given.pins, given.workload, given.roles, given.rollout
             global_batch, sequence_parallel, step = given.global_batch, given.sequence_parallel, given.step
+            islands = dict(dp_hierarchy=given.dp_hierarchy, cross_island_dtype=given.cross_island_dtype)
         if auto is not None:
             plans, rejected = auto.plans, auto.rejected
         else:
             plans, rejected = plan_layouts(arch, cluster, work, global_batch=global_batch, roles=roles,
                                            rollout=rollout, pins=pins, sequence_parallel=sequence_parallel,
-                                           step=step)
+                                           step=step, **islands)
         if not plans:
             reason = rejected[0].reason if rejected else "no tp/pp combination divides the cluster"
             raise PlanningError(f"no feasible layout (first reason: {reason}); relax the pinned flags")
@@ -183,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
                 best = plans[0].layout
                 placement = Placement.single(cluster.gpus, tp=best.tp, pp=best.pp, vpp=best.vpp, gen_tp=best.gen_tp,
                                              ep=best.ep, etp=best.etp, sequence_parallel=best.sequence_parallel)
+            placement = placement.with_dp_hierarchy(  # the run's data-parallel islands, as the planner cut them
+                islands["dp_hierarchy"], cluster.dp_island_ranks(islands["dp_hierarchy"]),
+                islands["cross_island_dtype"])
             reports["dry_run"] = dry_run(arch, placement, ranks=args.rank, dtype=work.dtype)
             if cfg is not None:  # one step's rows as the recipe makes them, else the flags' global batch
                 rows, n = cfg.data.train_batch_size * cfg.rollout.n, cfg.rollout.n

@@ -465,7 +465,7 @@ class Placement:
         if not u or u < 1:
             raise PlacementError(f"{key}={level}: the size of an island is unknown; give parallel.topology_file or "
                                  f"run where nvidia-smi works, or set {key}=node")
-        where = f"{key}={level} ({u} ranks per {level})"
+        where = f"{key}={level}, {u} ranks per {level}"
         pools = []
         for pool in self.pools:
             if not pool.trains:

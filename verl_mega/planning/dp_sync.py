@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from verl_mega.parallel.placement import wire_bytes
+from verl_mega.parallel.placement import Pool, wire_bytes
 
 
 @dataclass(frozen=True)
@@ -92,3 +92,17 @@ def dp_sync_traffic(*, elements: int, group: int, per_island: int, islands: int 
     how = (f"hierarchical: (k−1)/k × ({grad_bytes} + {param_bytes}) B × {elements:,} inside, k={k}; "
            f"2·(I−1)/I × {cross_dtype} shard of N/k across, I={islands}")
     return DPSyncTraffic(elements, m, k, islands, inside + cross, cross, cross_dtype, how)
+
+
+def pool_dp_sync(pool: Pool, *, dense: int, experts: int = 0, param_bytes: int = 2, island_gpus: int
+                 ) -> tuple[DPSyncTraffic, DPSyncTraffic]:
+    """(dense, routed-expert) sync of one rank of ``pool`` holding ``dense`` and ``experts`` parameters, with
+    islands of ``island_gpus`` GPUs: the dense values over the dp·cp group (stride tp), the experts over the expert
+    data-parallel group (stride etp·ep), both cut into ``pool.dp_islands`` islands."""
+    kw = dict(islands=pool.dp_islands, grad_bytes=4, param_bytes=param_bytes, cross_dtype=pool.dp_cross_island_dtype)
+    group = pool.dp * pool.cp
+    dense_sync = dp_sync_traffic(elements=dense, group=group, per_island=max(1, island_gpus // pool.tp), **kw)
+    expert_sync = dp_sync_traffic(elements=experts, group=pool.edp if experts else 1,
+                                  per_island=max(1, island_gpus // (pool.etp * pool.ep)), **kw) if experts else \
+        dp_sync_traffic(elements=0, group=1, per_island=1)
+    return dense_sync, expert_sync
