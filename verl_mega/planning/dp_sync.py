@@ -77,8 +77,8 @@ def dp_sync_traffic(*, elements: int, group: int, per_island: int, islands: int 
             raise ValueError(f"cross_dtype={cross_dtype} needs a hierarchical sync (islands > 1)")
         sent = (m - 1) / m * both * elements
         cross = 0.0 if k >= m else sent / k
-        how = (f"flat: (m−1)/m × ({grad_bytes} B grads + {param_bytes} B params) × {elements:,} per GPU, m={m}"
-               + (f"; 1/k of it leaves the island, k={k}" if k < m else ", inside one island"))
+        how = (f"flat: (m−1)/m × ({grad_bytes} B grads + {param_bytes} B params) × {elements:,}, m={m}"
+               + (f", 1/k of it leaving the island, k={k}" if k < m else ", inside one island"))
         return DPSyncTraffic(elements, m, k, 1, sent, cross, "fp32", how)
     if m % islands:
         raise ValueError(f"{islands} islands do not divide a data-parallel group of {m}")

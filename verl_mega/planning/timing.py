@@ -338,11 +338,12 @@ def predict_time(arch: ModelArch, layout: Pool, work: Workload, step: StepShape,
         if seconds:
             dense, experts = syncs
             across = sum(x.cross_bytes for x in syncs)
+            sent = sum(x.sent_bytes for x in syncs) / 2**30
             terms.append(TimeTerm("train", f"{role} DP grad/param sync", opt_steps * seconds,
                                   f"{opt_steps} optimizer step(s) × {dense.formula}"
                                   + (f"; experts: {experts.formula}" if experts.group > 1 else "")
-                                  + f" — {sum(x.sent_bytes for x in syncs) / 2**30:.2f} GiB per GPU, "
-                                  f"{across / 2**30:.2f} GiB of it over {cross_link}"))
+                                  + (f": {sent:.2f} GiB per GPU, {across / 2**30:.2f} GiB of it over {cross_link}"
+                                     if across else f": {sent:.2f} GiB per GPU over NVLink")))
         adam = 30 * sp.total / shard + 4 * sp.total
         terms.append(TimeTerm("train", f"{role} optimizer step", opt_steps * adam / (hw.hbm_gbps * GB),
                               f"{opt_steps} × (30 B × P/{'dp' if shard == dp else '(dp/islands)'} (fp32 grad, master, "
