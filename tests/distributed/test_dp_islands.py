@@ -2,8 +2,8 @@
 with flat data-parallel groups and with two islands of two ranks taken from a recorded topology, the step between
 the islands in fp32, bf16 and fp8. The job asserts the numbers (reduced gradients within their wire format's
 rounding bound of a float64 reference, islands in agreement, parameters as close to the flat mode's as AdamW makes
-their gradients); here the bytes it counted are compared with the planner's communication model, and its
-placement.json with the islands the scheduler chose."""
+their gradients, a flat actor resuming the islands' checkpoint exactly); here the bytes it counted are compared with
+the planner's communication model, and its placement.json with the islands the scheduler chose."""
 
 import json
 from pathlib import Path
@@ -73,3 +73,11 @@ def test_placement_json_records_the_islands(job):
         assert rank["groups"]["intra_dp"] == [[0, 1], [2, 3]][rank["rank"] // 2]
         assert rank["groups"]["inter_dp"] == [[0, 2], [1, 3]][rank["rank"] % 2]
     assert any("data-parallel islands (island)" in d for d in placement["decisions"])
+
+
+@pytest.mark.slow
+def test_a_flat_actor_resumes_the_islands_checkpoint(job):
+    """The job saved the islands' optimizer (sharded over the 2 ranks of an island) and resumed it flat (sharded over
+    all 4): every Adam tensor of every HF-named parameter (param, exp_avg, exp_avg_sq) came back exactly."""
+    report, _ = job
+    assert report["checkpoint_tensors_compared"] == 78  # 26 HF tensors of the tiny model × 3

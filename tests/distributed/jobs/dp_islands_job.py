@@ -17,9 +17,10 @@ same global batch (8 rows, 2 per rank). The job records, independently of the co
 
 It asserts on every rank that the reduced gradients lie within the rounding bound of their wire format from the
 float64 reference, that the islands end with identical gradients and parameters, and that each mode's parameters
-differ from the flat mode's by no more than AdamW's first step makes of their gradients' difference. Rank 0 writes
-OUT_DIR/report.json (the bytes each collective moves, per mode) and OUT_DIR/placement.json (the island mode's
-placement, as a run writes it).
+differ from the flat mode's by no more than AdamW's first step makes of their gradients' difference. The island
+mode (fp32) saves a checkpoint, which a flat actor resumes: its Adam state (assembled per HF-named tensor, as
+optim_reshard_job.py does) must equal the saved one exactly. Rank 0 writes OUT_DIR/report.json (the bytes each
+collective moves, per mode) and OUT_DIR/placement.json (the island mode's placement, as a run writes it).
 """
 
 from __future__ import annotations
@@ -116,24 +117,55 @@ def _gather(t: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-def _run_mode(mode: str, dtype: str, env, arch, path, batch, out_dir: Path) -> dict:
-    from verl_mega.config import load_config
-    from verl_mega.engine.logprobs import vocab_parallel_logprobs_entropy
-    from verl_mega.models.loader import unwrap
-    from verl_mega.parallel.placement import Placement
-    from verl_mega.parallel.scheduler import place_on_devices, write_placement_json
-    from verl_mega.parallel.state import build_groups, seed_everything
-    from verl_mega.trainer import setup
+class _Stub:
+    """The data loader and KL controller of a checkpoint, which this job does not use."""
 
-    cfg = load_config(str(ROOT / "configs" / "quickstart_cpu.yaml"), [
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def _config(mode: str, dtype: str, out_dir: Path):
+    from verl_mega.config import load_config
+
+    return load_config(str(ROOT / "configs" / "quickstart_cpu.yaml"), [
         f"parallel.dp_hierarchy={mode}", f"parallel.dp_cross_island_dtype={dtype}", f"parallel.topology_file={TOPO}",
         "actor.lr_warmup_steps=0", f"actor.lr={LR}", "actor.weight_decay=0.0", "actor.grad_clip=0.0",
-        f"actor.adam_eps={EPS}"])
+        f"actor.adam_eps={EPS}", f"trainer.output_dir={out_dir / 'ckpt'}"])
+
+
+def _build(mode: str, dtype: str, env, path, out_dir: Path):
+    from verl_mega.parallel.placement import Placement
+    from verl_mega.parallel.scheduler import place_on_devices
+    from verl_mega.parallel.state import build_groups, seed_everything
+    from verl_mega.trainer import setup
+    from verl_mega.trainer.checkpoint import CheckpointManager
+
+    cfg = _config(mode, dtype, out_dir)
     placement, device = place_on_devices(Placement.from_config(cfg, env.world_size), env, str(TOPO),
                                          dp_hierarchy=mode, cross_island_dtype=dtype)
     groups = build_groups(placement)
     seed_everything(cfg.trainer.seed, groups)
     engine = setup.build_role_engine(cfg, groups, path, role_cfg=cfg.actor, total_steps=10).engine
+    ckpt = CheckpointManager(cfg, engines={"actor": engine}, loader=_Stub(), kl_ctrl=_Stub())
+    return placement, device, groups, engine, ckpt
+
+
+def _adam_state(engine, arch) -> dict:
+    import optim_reshard_job
+
+    optim_reshard_job.STEPS = 1  # the Adam step it expects every state to be at
+    return optim_reshard_job.hf_optimizer_state(engine, arch)
+
+
+def _run_mode(mode: str, dtype: str, env, arch, path, batch, out_dir: Path) -> dict:
+    from verl_mega.engine.logprobs import vocab_parallel_logprobs_entropy
+    from verl_mega.models.loader import unwrap
+    from verl_mega.parallel.scheduler import write_placement_json
+
+    placement, device, groups, engine, ckpt = _build(mode, dtype, env, path, out_dir)
     pool = groups.pool
     if mode != "off":
         write_placement_json(placement, device, out_dir / "placement.json")
@@ -149,6 +181,11 @@ def _run_mode(mode: str, dtype: str, env, arch, path, batch, out_dir: Path) -> d
     params_before = {n: p.detach().clone() for n, p in unwrap(engine.chunks[0]).named_parameters()}
     engine.train_step([{"input_ids": rows, "position_ids": torch.arange(rows.shape[1]).expand_as(rows)}], loss_fn)
     calls = CALLS[start:]
+    adam = None
+    if (mode, dtype) == ("island", "fp32"):  # a checkpoint of the islands' optimizer, for a flat actor to resume
+        adam = _adam_state(engine, arch)
+        ckpt.save(1)
+        ckpt.close()
     chunk = engine.chunks[0]
     (buffer,) = chunk.buffers  # one dtype pair, one bucket: overlap off
     (bucket,) = buffer.buckets
@@ -189,7 +226,7 @@ def _run_mode(mode: str, dtype: str, env, arch, path, batch, out_dir: Path) -> d
             "grad_elems": bucket.grad_data.numel(), "grad_bytes": bucket.grad_data.element_size(),
             "param_bytes": bucket.param_data.element_size(), "calls": calls, "worst_bound_ratio": worst,
             "island_of": {r: i for i, g in enumerate(placement.pool("main").groups("island")) for r in g},
-            "grads": grads, "params": params, "params_before": params_before}
+            "grads": grads, "params": params, "params_before": params_before, "adam": adam}
 
 
 def _adam_first_step(g: torch.Tensor) -> torch.Tensor:
@@ -202,17 +239,22 @@ def main() -> None:
     from verl_mega.parallel.state import init_world
     from verl_mega.trainer import setup
 
+    sys.path.insert(0, str(Path(__file__).parent))  # optim_reshard_job's Adam-state reference
     out_dir = Path(sys.argv[1])
     env = launch_env.discover()
     init_world(timeout_s=120)
     _wrap_collectives()
-    from verl_mega.config import load_config
-
-    path = setup.resolve_model_path(load_config(str(ROOT / "configs" / "quickstart_cpu.yaml"), []))
+    path = setup.resolve_model_path(_config("off", "fp32", out_dir))
     arch = setup.model_arch(path)
     batch = torch.randint(0, arch.vocab_size, (8, 24), generator=torch.Generator().manual_seed(0))
     runs = [_run_mode(mode, dtype, env, arch, path, batch, out_dir) for mode, dtype in MODES]
     flat = runs[0]
+    *_, engine, ckpt = _build("off", "fp32", env, path, out_dir)  # resumes the islands' checkpoint
+    assert ckpt.maybe_resume() == 1
+    resumed, saved = _adam_state(engine, arch), runs[1]["adam"]
+    assert resumed.keys() == saved.keys() and len(saved) > 0
+    bad = [k for k in saved if not torch.equal(resumed[k], saved[k])]
+    assert not bad, f"{len(bad)} Adam tensors differ after a flat actor resumed the islands' checkpoint: {bad[:3]}"
     report = {"modes": []}
     flat_islands = runs[1]["island_of"]  # the two "nodes": the islands the scheduler chose
     for run in runs:
@@ -245,6 +287,7 @@ def main() -> None:
             "collectives_rank0": [list(k) for k in groups_seen]})
     if dist.get_rank() == 0:
         report["islands"] = {str(k): v for k, v in flat_islands.items()}
+        report["checkpoint_tensors_compared"] = len(saved)
         (out_dir / "report.json").write_text(json.dumps(report, indent=1))
         print("DP_ISLANDS_OK " + json.dumps({m["dtype"] + "/" + m["mode"]: m["worst_bound_ratio"]
                                              for m in report["modes"]}))
