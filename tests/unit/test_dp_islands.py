@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import warnings
 from pathlib import Path
 
@@ -31,36 +32,71 @@ def topo(name: str):
 
 
 # ------------------------------------------------------------------------------------------------ groups
+def mcore_island_groups(spec: dict) -> dict:
+    """Megatron-Core's own groups for ``spec`` (world, dims, islands, ranks): initialize_model_parallel with
+    num_distributed_optimizer_instances, run as each rank of a fake world. Leaves mcore's globals as it found them."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from verl_mega.planning.dry_run import fake_world
+
+    def ranks(group):
+        return list(dist.get_process_group_ranks(group))
+
+    out = {}
+    saved = ps._GLOBAL_MEMORY_BUFFER  # another test's build_groups may have made mcore's scratch buffer
+    for rank in spec["ranks"]:
+        with fake_world(rank, spec["world"]):
+            ps._GLOBAL_MEMORY_BUFFER = None
+            try:
+                ps.initialize_model_parallel(**spec["dims"], create_gloo_process_groups=False)
+                out[rank] = {
+                    "intra_dp": ranks(ps.get_data_parallel_group(with_context_parallel=True,
+                                                                 partial_data_parallel=True)),
+                    "intra_edp": ranks(ps.get_expert_data_parallel_group(partial_expert_data_parallel=True)),
+                    "inter_dp": ranks(ps.get_inter_distributed_optimizer_instance_group()),
+                    "dist_opt": ranks(ps.get_intra_distributed_optimizer_instance_group())}
+            finally:
+                ps.destroy_model_parallel()
+                ps._GLOBAL_MEMORY_BUFFER = saved
+    return out
+
+
+def _mcore_groups_somewhere(spec: dict) -> dict:
+    """In this process when it has no torch.distributed state, else in a fresh one (the fake world needs that)."""
+    import subprocess
+    import sys
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return mcore_island_groups(spec)
+    code = ("import json, sys, warnings; warnings.filterwarnings('ignore'); sys.path.insert(0, sys.argv[2]); "
+            "from test_dp_islands import mcore_island_groups; "
+            "print('GROUPS ' + json.dumps(mcore_island_groups(json.loads(sys.argv[1]))))")
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(spec), str(Path(__file__).parent)],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("GROUPS "))
+    return {int(k): v for k, v in json.loads(line[len("GROUPS "):]).items()}
+
+
 @pytest.mark.parametrize("world,dims,island", [
     (16, dict(tp=2, pp=2, ep=2), 4), (32, dict(tp=1), 8), (16, dict(tp=2, cp=2), 8), (64, dict(tp=4, pp=2), 8),
     (64, dict(tp=2, pp=2, ep=4, etp=1), 8), (24, dict(tp=1, pp=3), 4)])
 def test_island_groups_equal_megatrons_partial_distributed_optimizer(world, dims, island):
     """Megatron-Core's own initialize_model_parallel(num_distributed_optimizer_instances=I), run as every rank of a
     fake world, builds the same intra-island, inter-island and optimizer-instance groups as the placement."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    from verl_mega.planning.dry_run import fake_world
-
     pool = Placement.single(world, **dims).with_dp_hierarchy("node", island).pool("main")
     mcore_dims = dict(tensor_model_parallel_size=pool.tp, pipeline_model_parallel_size=pool.pp,
                       context_parallel_size=pool.cp, expert_model_parallel_size=pool.ep,
                       expert_tensor_parallel_size=pool.etp, num_distributed_optimizer_instances=pool.dp_islands)
     assert pool.dp_islands == pool.tp * pool.cp * pool.dp // island
-    for rank in sorted({0, 1, world // 2 + 1, world - 1, island + pool.tp}):
-        with fake_world(rank, world):
-            ps.initialize_model_parallel(**mcore_dims, create_gloo_process_groups=False)
-            try:
-                def ranks(group):
-                    return tuple(dist.get_process_group_ranks(group))
-                assert ranks(ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)) \
-                    == pool.group_of("intra_dp", rank)
-                assert ranks(ps.get_expert_data_parallel_group(partial_expert_data_parallel=True)) \
-                    == pool.group_of("intra_edp", rank)
-                assert ranks(ps.get_inter_distributed_optimizer_instance_group()) == pool.group_of("inter_dp", rank)
-                assert ranks(ps.get_intra_distributed_optimizer_instance_group()) == pool.group_of("dist_opt", rank)
-            finally:
-                ps.destroy_model_parallel()
+    ranks = sorted({0, 1, world // 2 + 1, world - 1, island + pool.tp})
+    mcore = _mcore_groups_somewhere({"world": world, "dims": mcore_dims, "ranks": ranks})
+    for rank in ranks:
+        assert {k: tuple(v) for k, v in mcore[rank].items()} == {
+            k: pool.group_of(k, rank) for k in ("intra_dp", "intra_edp", "inter_dp", "dist_opt")}, rank
     # the intra-island groups lie inside islands of `island` consecutive ranks; the inter-island ones cross them
     for g in pool.groups("intra_dp") + pool.groups("intra_edp"):
         assert len({r // island for r in g}) == 1
@@ -172,8 +208,13 @@ def test_trainer_refuses_a_single_island_before_building(tmp_path, monkeypatch, 
     monkeypatch.setenv("VERL_MEGA_CACHE", str(tmp_path / "cache"))
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
-    rc = main(["--config", str(REPO / "configs" / "quickstart_cpu.yaml"), f"trainer.output_dir={tmp_path / 'out'}",
-               "parallel.dp_hierarchy=node"])
+    saved = dict(os.environ)  # the launcher variables it exports must not outlive the test
+    try:
+        rc = main(["--config", str(REPO / "configs" / "quickstart_cpu.yaml"),
+                   f"trainer.output_dir={tmp_path / 'out'}", "parallel.dp_hierarchy=node"])
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
     assert rc == 2 and len(errors) == 1, errors
     assert "parallel.dp_hierarchy=node" in errors[0] and "set parallel.dp_hierarchy=off" in errors[0]

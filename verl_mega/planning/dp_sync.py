@@ -18,7 +18,7 @@ island one after the other, so with k members per island, 1 hop in k leaves the 
 So fp32 across islands sends 2·4/(4 + pb) = 4/3 × the flat mode's bytes between islands (bf16 parameters): it does
 not save bytes; its gains are fewer ranks per ring (latency: 2·(I − 1) steps instead of 2·(m − 1)) and a collective
 that in-network reduction can serve. bf16 across sends 2/3 of the flat bytes, fp8 about 1/3.
-``tests/distributed/test_dp_islands.py`` counts what a 4-rank job sends and compares it with these numbers.
+``tests/distributed/test_dp_islands_run.py`` counts what a 4-rank job sends and compares it with these numbers.
 """
 
 from __future__ import annotations
