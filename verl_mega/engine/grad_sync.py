@@ -77,35 +77,38 @@ def sum_decoded(pieces: Iterable[torch.Tensor]) -> torch.Tensor:
 
 def error_bound(partials: torch.Tensor, dtype: str) -> torch.Tensor:
     """Per element, the largest |result − Σ_i x_i| the lossy step can give, for the islands' partial sums ``partials``
-    [I, n] (float64 math). With u the unit roundoff (bf16 2^-8, fp8 2^-4), s' = Σ_i Q(x_i) summed in fp32 and
-    γ = (I − 1)·2^-24 / (1 − (I − 1)·2^-24):
+    [I, n] (float64 math). With u the unit roundoff (bf16 2^-8, fp8 2^-4), v = 2^-24 (fp32), s' = Σ_i Q(x_i) summed
+    in fp32 and γ = (I − 1)·v / (1 − (I − 1)·v):
 
-        |Q(s') − Σ x_i| ≤ u·Σ|x_i| + γ·(1 + u)·Σ|x_i| + u·(1 + γ)(1 + u)·Σ|x_i|   (+ fp8: e·(Σ_i S_i + S'))
+        |Q(x_i) − x_i| ≤ u·|x_i| + a_i          |s' − Σ_i Q(x_i)| ≤ γ·Σ_i |Q(x_i)|          |Q(s') − s'| ≤ u·|s'| + a'
 
-    the three terms being the rounding of every x_i, the fp32 sum and the rounding of the sum; for fp8 a value below
-    e4m3's smallest normal loses up to e = 2^-10 of its block's scale S = block max / 448 (S_i of x_i's block, S' of
-    the sum's, bounded by the scale of Σ_i (1 + u)·|x_i| + e·S_i)."""
+    so |Q(s') − Σ x_i| ≤ u·M + (γ + u·(1 + γ))·Σ_i (|x_i| + u·|x_i| + a_i) + a', M = Σ|x_i|. In bf16 a = 0. In fp8 a
+    value is divided by its 128-value block's scale S (the block's largest magnitude / 448) and multiplied back in
+    fp32 (2·v relative), and a quotient below e4m3's smallest normal loses up to e = 2^-10 of S: a_i = 2v·(1 + u)·
+    |x_i| + e·S_i, with S_i the scale of x_i's block and S' that of the sum's block (bounded by the block maximum of
+    (1 + γ)·Σ_i (1 + u)·|x_i| + a_i)."""
     x = partials.double()
     islands = x.shape[0]
-    u = _UNIT_ROUNDOFF[dtype]
-    gamma = (islands - 1) * 2.0 ** -24 / (1 - (islands - 1) * 2.0 ** -24)
+    u, v = _UNIT_ROUNDOFF[dtype], 2.0 ** -24
+    gamma = (islands - 1) * v / (1 - (islands - 1) * v)
     mag = x.abs().sum(dim=0)
-    bound = (u + gamma * (1 + u) + u * (1 + gamma) * (1 + u)) * mag
-    if dtype == "fp8":
-        e = _FP8_SUBNORMAL_HALF_SPACING
+    if dtype == "bf16":
+        return u * mag + (gamma + u * (1 + gamma)) * (1 + u) * mag
+    e = _FP8_SUBNORMAL_HALF_SPACING
 
-        def block_scale(t: torch.Tensor) -> torch.Tensor:  # per element: its block's max magnitude / 448
-            n = t.shape[-1]
-            blocks = math.ceil(n / FP8_BLOCK)
-            padded = torch.zeros(*t.shape[:-1], blocks * FP8_BLOCK, dtype=t.dtype)
-            padded[..., :n] = t.abs()
-            amax = padded.view(*t.shape[:-1], blocks, FP8_BLOCK).amax(dim=-1) / E4M3_MAX
-            return amax.repeat_interleave(FP8_BLOCK, dim=-1)[..., :n]
+    def block_scale(t: torch.Tensor) -> torch.Tensor:  # per element: its block's largest magnitude / 448
+        n = t.shape[-1]
+        blocks = math.ceil(n / FP8_BLOCK)
+        padded = torch.zeros(*t.shape[:-1], blocks * FP8_BLOCK, dtype=t.dtype)
+        padded[..., :n] = t.abs()
+        amax = padded.view(*t.shape[:-1], blocks, FP8_BLOCK).amax(dim=-1) / E4M3_MAX
+        return amax.repeat_interleave(FP8_BLOCK, dim=-1)[..., :n]
 
-        scales = block_scale(x)  # [I, n]
-        sum_scale = block_scale(((1 + u) * x.abs() + e * scales).sum(dim=0) * (1 + gamma))
-        bound = bound + e * (scales.sum(dim=0) + sum_scale)
-    return bound
+    slack = 2 * v * (1 + u) * x.abs() + e * block_scale(x)  # a_i
+    decoded = ((1 + u) * x.abs() + slack).sum(dim=0)  # ≥ Σ_i |Q(x_i)|
+    sum_scale = block_scale(((1 + gamma) * decoded)[None])[0]
+    final = 2 * v * (1 + u) * (1 + gamma) * decoded + e * sum_scale  # a'
+    return u * mag + slack.sum(dim=0) + (gamma + u * (1 + gamma)) * decoded + final
 
 
 def cross_island_all_reduce(shard: torch.Tensor, group: Any, dtype: str) -> None:
