@@ -43,7 +43,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from verl_mega.rewards.loader import RewardFunction, load_reward_fn
 
-__all__ = ["RewardPool", "RewardBatchResult", "RewardFunctionFailed"]
+__all__ = ["RewardPool", "RewardBatchResult", "RewardFunctionFailed", "info_metrics"]
 
 logger = logging.getLogger("verl_mega.rewards")
 
@@ -73,6 +73,24 @@ class RewardBatchResult:
                 total, count = sums.get(key, (0.0, 0))
                 sums[key] = (total + value, count + 1)
         return sums
+
+
+# metrics the trainer logs itself: a dict value of the reward function under one of these names is logged as
+# reward/fn_<name>
+_OWN_REWARD_KEYS = ("mean", "max", "min", "errors", "timeouts", "baseline_mean")
+
+
+def info_metrics(parts: Sequence[Mapping[str, tuple[float, int]]]) -> dict[str, float]:
+    """``reward/<key>``: the mean of each value the reward function returned in its dict beside ``score``, over the
+    samples that returned it, from the (sum, count) pairs of :meth:`RewardBatchResult.info_sums` of several batches
+    or ranks."""
+    sums: dict[str, list[float]] = {}
+    for part in parts:
+        for key, (total, count) in part.items():
+            acc = sums.setdefault(key, [0.0, 0.0])
+            acc[0], acc[1] = acc[0] + total, acc[1] + count
+    return {f"reward/{'fn_' + k if k in _OWN_REWARD_KEYS else k}": total / count
+            for k, (total, count) in sorted(sums.items()) if count}
 
 
 # ------------------------------------------------------------------------------------------- worker process side
