@@ -356,3 +356,13 @@ def test_pool_returns_each_samples_dict_values(verl_file):
         result = pool.score(["3", "4", "5"], ["3", "3", "5"], [{"data_source": "ab"}] * 3)
     assert result.scores == [1.0, 0.0, 1.0]
     assert result.info_sums() == {"acc": (2.0, 3), "source_len": (6.0, 3), "split_is_train": (0.0, 3)}
+
+
+def test_dict_values_become_reward_metrics_over_ranks():
+    from verl_mega.rewards.pool import RewardBatchResult, info_metrics
+
+    a = RewardBatchResult([1.0, 0.0], 0, 0, 0.0, infos=[{"acc": 1.0, "mean": 5.0}, {"acc": 0.0}]).info_sums()
+    b = RewardBatchResult([1.0], 0, 0, 0.0, infos=[{"acc": 1.0, "len": 3.0}]).info_sums()
+    # means over the samples that returned the key, whichever rank scored them; our own names get a prefix
+    assert info_metrics([a, b]) == {"reward/acc": 2 / 3, "reward/fn_mean": 5.0, "reward/len": 3.0}
+    assert info_metrics([{}, {}]) == {}
