@@ -5,14 +5,16 @@ log-prob − vLLM's| of each sampled token, right after the weight sync) and ``a
 log-probs and the policy at the first mini-batch of the update, before any optimizer step of that step.
 
 * ``actor/ppo_kl`` at step 1 is below 1e-6 on CPU in fp32: both passes run the same weights through Megatron, so
-  only float rounding may separate them (measured: exactly 0 in every run).
-* The log-prob difference stays below ``LOGPROB_DIFF_MAX`` = 1e-4 per token and ``LOGPROB_DIFF_MEAN`` = 1e-5 on
-  average in the runs whose rollout samples with the weights being trained (every run but the asynchronous one, whose
-  batches come from the previous weights by design). Why these bounds: in fp32 the two engines compute the same
-  log-softmax with different kernels, so they differ by float rounding only; measured on these runs (150 steps
-  each): max 1.4e-6 … 5e-6 per token, mean about 2e-7 (docs/from_verl.md). A wrong weight shard, a missed sync, a
-  temperature applied on one side only or tokens shifted by one give differences of 1e-2 and more, so the bounds
-  leave 20-50x room for rounding and none for a real mismatch.
+  only float rounding may separate them (measured: exactly 0 at every step of every run below).
+* The log-prob difference stays below ``LOGPROB_DIFF_MAX`` = 1e-4 per token and ``LOGPROB_DIFF_MEAN`` = 1e-5 on a
+  step's average in the runs whose rollout samples with the weights being trained (every run but the asynchronous one,
+  whose batches come from the previous weights by design). Why these bounds: in fp32 the two engines compute the same
+  log-softmax with different kernels, so they differ by float rounding only. Measured on these runs (2-core CPU box):
+  per-token max 5.3e-6 to 6.2e-6 in the single-turn runs (quickstart, MoE, DAPO, GSPO; 150 steps each), 4.1e-5 in the
+  multi-turn calculator run, whose vLLM prefills each turn's whole context again (its bound is ``MULTI_TURN_DIFF_MAX``
+  = 1e-3); a step's mean at most 3.6e-7 in every run. A wrong weight shard, a missed sync, a temperature applied on
+  one side only or tokens shifted by one give differences of 1e-2 and more, so the bounds leave 16-28x room for
+  rounding and none for a real mismatch.
 """
 
 import math
@@ -25,9 +27,10 @@ pytestmark = pytest.mark.slow
 PPO_KL_STEP1 = 1e-6
 LOGPROB_DIFF_MAX = 1e-4
 LOGPROB_DIFF_MEAN = 1e-5
+MULTI_TURN_DIFF_MAX = 1e-3
 
 
-def _gates(out, *, on_policy_rollout: bool = True) -> list[dict]:
+def _gates(out, *, on_policy_rollout: bool = True, diff_max: float = LOGPROB_DIFF_MAX) -> list[dict]:
     rows = metric_rows(out)
     assert rows and all("actor/ppo_kl" in r and "rollout/logprob_diff_max" in r and "rollout/logprob_diff_mean" in r
                         for r in rows)
@@ -38,7 +41,7 @@ def _gates(out, *, on_policy_rollout: bool = True) -> list[dict]:
     print(f"{out.parent.name}: actor/ppo_kl at step 1 {rows[0]['actor/ppo_kl']:.2e}, log-prob difference max "
           f"{worst:.2e}, largest step mean {mean:.2e}")
     if on_policy_rollout:
-        assert worst < LOGPROB_DIFF_MAX and mean < LOGPROB_DIFF_MEAN, (worst, mean)
+        assert worst < diff_max and mean < LOGPROB_DIFF_MEAN, (worst, mean)
     return rows
 
 
@@ -59,7 +62,7 @@ def test_gspo_gates(gspo_run):
 
 
 def test_calculator_gates(calculator_run):
-    _gates(calculator_run)
+    _gates(calculator_run, diff_max=MULTI_TURN_DIFF_MAX)
 
 
 def test_async_quickstart_gates(async_quickstart_run):
