@@ -183,16 +183,31 @@ def _wandb_history(run_dir):
             partial += chunk
         elif kind == 4:
             records.append(partial + chunk)
-    history, config = {}, {}
+    history, config, ended = {}, {}, False
     for raw in records:
         record = pb.Record()
         record.ParseFromString(raw)
+        ended = ended or record.WhichOneof("record_type") == "exit"
         if record.WhichOneof("record_type") == "history":
             row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
             history[row["_step"]] = {k: v for k, v in row.items() if not k.startswith("_")}
         elif record.WhichOneof("record_type") == "run":
             config.update({item.key: json.loads(item.value_json) for item in record.run.config.update})
-    return history, config
+    return history, config, ended
+
+
+def _finished_wandb_run(run_dir):
+    """The run's history and config once wandb's service has written the run's last (exit) record: finish()
+    returns before its writer process has put everything on disk."""
+    import time
+
+    deadline = time.monotonic() + 120
+    while True:
+        history, config, ended = _wandb_history(run_dir)
+        if ended or time.monotonic() > deadline:
+            assert ended, f"{run_dir}: wandb never wrote the run's exit record"
+            return history, config
+        time.sleep(0.2)
 
 
 def _tracker(module: str):
@@ -230,10 +245,10 @@ def test_wandb_offline_gets_every_step_and_a_resume_continues_the_run(tmp_path, 
     assert json.loads((out / "trackers.json").read_text())["wandb"] == run_id
     runs = sorted((out / "wandb").glob(f"offline-run-*-{run_id}"))
     assert len(runs) == 2  # the first run and its continuation, under one id
-    first, config = _wandb_history(runs[0])
+    first, config = _finished_wandb_run(runs[0])
     assert first == {1: _step_metrics(1), 2: _step_metrics(2)}  # a NaN is not sent
     assert config["actor"] == {"lr": 0.5}
-    assert _wandb_history(runs[1])[0] == {3: _step_metrics(3)}
+    assert _finished_wandb_run(runs[1])[0] == {3: _step_metrics(3)}
 
 
 def test_mlflow_file_store_gets_every_step_and_a_resume_continues_the_run(tmp_path, monkeypatch):
