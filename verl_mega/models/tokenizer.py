@@ -6,9 +6,11 @@ from pathlib import Path
 from typing import Any
 
 
-def load_tokenizer(path: Path, *, trust_remote_code: bool = False, model_vocab_size: int | None = None):
+def load_tokenizer(path: Path, *, trust_remote_code: bool = False, model_vocab_size: int | None = None,
+                   chat_template: str | None = None):
     """The tokenizer of `path`, checked (:func:`check_tokenizer`): one-line error when the directory has none (every
-    prompt would encode to []), it has no EOS token, or (given the model's vocab size) its vocabulary does not fit."""
+    prompt would encode to []), it has no EOS token, or (given the model's vocab size) its vocabulary does not fit.
+    ``chat_template`` (model.chat_template: Jinja text, or a file of it) replaces the tokenizer's own."""
     from transformers import AutoTokenizer
 
     try:
@@ -19,6 +21,9 @@ def load_tokenizer(path: Path, *, trust_remote_code: bool = False, model_vocab_s
                              f"model.trust_remote_code=true if you trust that directory") from None
         raise
     check_tokenizer(tokenizer, str(path), model_vocab_size=model_vocab_size or len(tokenizer))
+    if chat_template is not None:
+        text = chat_template.strip()  # a .jinja file (checked by TrainConfig.check_paths), or the template itself
+        tokenizer.chat_template = Path(text).read_text() if text.endswith(".jinja") else chat_template
     return tokenizer
 
 

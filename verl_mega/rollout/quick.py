@@ -27,7 +27,8 @@ def rollout_only(model_path: str | Path, env: Iterable[str] | PromptEnv, *, n: i
 
     from verl_mega.models.hf_config import load_hf_config
     from verl_mega.models.tokenizer import load_tokenizer
-    from verl_mega.rollout.vllm_rollout import SamplingSpec, VLLMRollout, VLLMRolloutConfig
+    from verl_mega.rollout.base import SamplingSpec
+    from verl_mega.rollout.vllm_rollout import VLLMRollout, VLLMRolloutConfig
 
     model_path = Path(model_path)
     load_hf_config(model_path)  # clear error for a wrong path before vLLM starts

@@ -32,6 +32,7 @@ class RewardTally:
     timeouts: int = 0
     samples: int = 0
     first_error: str | None = None
+    infos: dict[str, tuple[float, int]] = field(default_factory=dict)  # its dict values: (sum, count) per key
 
 
 @dataclass
@@ -305,8 +306,7 @@ class RLTrainer:
         rows = self.path.replica_share(data.batch.meta["row"])
         if rows:
             samples = [data.rows[row] for row in rows]
-            partial[rows] = self._scores([self._text(s.ids) for s in samples],
-                                         [data.items[s.prompt].ground_truth for s in samples],
+            partial[rows] = self._scores([self._text(s.ids) for s in samples], [data.items[s.prompt] for s in samples],
                                          data.table.length[rows].tolist(), data.tally)
         return partial, False
 
@@ -321,13 +321,17 @@ class RLTrainer:
         if share:
             samples = [by_row[row] for row in share]
             partial[share] = self._scores([self._text(s.ids) for s in samples],
-                                          [data.items[offset + s.prompt].ground_truth for s in samples],
+                                          [data.items[offset + s.prompt] for s in samples],
                                           [min(len(s.ids), limit) for s in samples], data.tally)
         return self.path.sum_over_pool(partial)
 
-    def _scores(self, texts: list[str], truths: list, lengths, tally: RewardTally) -> torch.Tensor:
-        """Reward-function scores plus, with reward.overlong_buffer, DAPO's overlong penalty."""
-        result = self.reward_pool.score(texts, truths)
+    def _scores(self, texts: list[str], prompts: list, lengths, tally: RewardTally) -> torch.Tensor:
+        """Reward-function scores plus, with reward.overlong_buffer, DAPO's overlong penalty. ``prompts``: each
+        sample's prompt item (its ground truth, and its row's fields for the function: data_source, extra_info...)."""
+        result = self.reward_pool.score(texts, [p.ground_truth for p in prompts], [p.extra for p in prompts])
+        for key, (total, count) in result.info_sums().items():
+            mine = tally.infos.get(key, (0.0, 0))
+            tally.infos[key] = (mine[0] + total, mine[1] + count)
         tally.errors, tally.timeouts = tally.errors + result.num_errors, tally.timeouts + result.num_timeouts
         tally.samples += len(texts)
         tally.first_error = tally.first_error or result.first_error
@@ -348,21 +352,29 @@ class RLTrainer:
         rank first, so all ranks stop together."""
         from verl_mega.rewards import RewardFunctionFailed
 
-        counts = torch.tensor([tally.errors, tally.timeouts, tally.samples], dtype=torch.float64)
-        errors, timeouts, samples = self.path.sum_over_pool(counts).tolist()
+        from verl_mega.rewards.pool import info_metrics
+
+        counts = torch.tensor([tally.errors, tally.timeouts, tally.samples, len(tally.infos)], dtype=torch.float64)
+        errors, timeouts, samples, info_keys = self.path.sum_over_pool(counts).tolist()
         limit = self.cfg.reward.max_error_frac
         if samples and (errors + timeouts) / samples > limit:
-            firsts = [tally.first_error]
-            group = self.path.group
-            if group is not None and dist.get_world_size(group) > 1:
-                firsts = [None] * dist.get_world_size(group)
-                dist.all_gather_object(firsts, tally.first_error, group=group)
-            first = " ".join(str(next((f for f in firsts if f), "unknown")).split())
+            first = " ".join(str(next((f for f in self._pool_objects(tally.first_error) if f), "unknown")).split())
             raise RewardFunctionFailed(
                 f"reward function '{self.reward_pool.fn.name}' failed on {errors + timeouts:g} of {samples:g} samples "
                 f"of this step ({errors:g} errors, {timeouts:g} timeouts), more than reward.max_error_frac={limit:g}; "
                 f"first: {first}; fix the function, or raise reward.timeout_s or reward.max_error_frac")
-        return {"reward/errors": errors, "reward/timeouts": timeouts}
+        # reward/<key>: the means, over the pool, of the values the reward function returned beside its score
+        infos = info_metrics(self._pool_objects(tally.infos)) if info_keys else {}
+        return {"reward/errors": errors, "reward/timeouts": timeouts, **infos}
+
+    def _pool_objects(self, obj: Any) -> list:
+        """``obj`` of every rank of the pool (the sample path's group)."""
+        group = self.path.group
+        if group is None or dist.get_world_size(group) == 1:
+            return [obj]
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, obj, group=group)
+        return everyone
 
     def _old_logprob(self, data: StepData) -> dict[str, float]:
         """The actor's log-probs and entropy of the sampled tokens before the update; returns how far they are from
@@ -475,7 +487,8 @@ class RLTrainer:
                                                                                      validation=True)])
         by_prompt = {s.prompt: s for s in gen.samples}
         mine = [by_prompt[p] for p in self.path.engine_share(sorted(by_prompt))]
-        scores = self.reward_pool.score([self._text(s.ids) for s in mine], [items[s.prompt].ground_truth for s in mine])
+        scores = self.reward_pool.score([self._text(s.ids) for s in mine], [items[s.prompt].ground_truth for s in mine],
+                                        [items[s.prompt].extra for s in mine])
         totals = torch.tensor([float(sum(scores.scores)), float(sum(len(s.ids) for s in mine)), float(len(mine))],
                               dtype=torch.float64)
         total, tokens, count = self.path.sum_over_pool(totals).tolist()

@@ -52,7 +52,8 @@ def resolve_model_path(cfg: TrainConfig) -> Path:
     from verl_mega.data.warm_start import warm_start
     from verl_mega.models.tiny import make_tiny_hf_model
 
-    entry = next((f for f in cfg.data.train_files if is_generated(f)), "generated:arithmetic")
+    entry = f"generated:{cfg.model.tiny_task}" if cfg.model.tiny_task else \
+        next((f for f in cfg.data.train_files if is_generated(f)), "generated:arithmetic")
     seed = cfg.trainer.seed
     root = Path(os.environ.get("VERL_MEGA_CACHE", Path.home() / ".cache" / "verl_mega"))
     steps, skill = cfg.model.tiny_warmstart_steps, cfg.model.tiny_warmstart_target
@@ -345,7 +346,8 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
     arch = _check_model(cfg, path, placement)
     resume_path = find_checkpoint(cfg)  # a bad resume target fails here, before anything is built
     tokenizer = load_tokenizer(Path(cfg.model.tokenizer_path) if cfg.model.path != "tiny" else path,
-                               trust_remote_code=cfg.model.trust_remote_code, model_vocab_size=arch.vocab_size)
+                               trust_remote_code=cfg.model.trust_remote_code, model_vocab_size=arch.vocab_size,
+                               chat_template=cfg.model.chat_template)
     loader, val_prompts, total_steps = _data(cfg, tokenizer)
     if resume_path is not None:
         check_steps_left(resume_path, total_steps, complete_ok=True)
@@ -411,7 +413,7 @@ def _check_placement(cfg: TrainConfig, resources: contextlib.ExitStack):
     this rank writes the run's records (metrics.jsonl, finalised checkpoints) and the reward function."""
     from verl_mega.parallel import launch_env
     from verl_mega.parallel.placement import Placement
-    from verl_mega.parallel.scheduler import assign_device
+    from verl_mega.parallel.scheduler import place_on_devices
     from verl_mega.parallel.state import set_deterministic
     from verl_mega.rewards.loader import load_reward_fn
     from verl_mega.trainer.preflight import probe_output_dir
@@ -441,7 +443,9 @@ def _check_placement(cfg: TrainConfig, resources: contextlib.ExitStack):
         from verl_mega.parallel.pools import check_disaggregated
 
         check_disaggregated(placement)
-    device = assign_device(placement, env, cfg.parallel.topology_file)  # before anything initialises CUDA
+    placement, device = place_on_devices(  # before anything initialises CUDA; cuts data-parallel islands when asked
+        placement, env, cfg.parallel.topology_file, dp_hierarchy=cfg.parallel.dp_hierarchy,
+        cross_island_dtype=cfg.parallel.dp_cross_island_dtype)
     cfg.validate_runtime(placement)
     probe_output_dir(cfg.trainer.output_dir)
     records_rank = env.rank == actor_pool.ranks[0]
@@ -490,17 +494,26 @@ def _data(cfg: TrainConfig, tokenizer):
 
 def _init_worlds(cfg: TrainConfig, placement, device, resources: contextlib.ExitStack):
     """torch.distributed: one world (colocated), or each pool a world of its own joined by a bridge (vLLM's groups
-    span its world). Returns the bridge (None when colocated) and every rank's device record for placement.json."""
-    from verl_mega.parallel.state import init_world
+    span its world). Returns the bridge (None when colocated) and every rank's device record when they were
+    gathered (placement.json gathers them itself otherwise)."""
+    from verl_mega.parallel.scheduler import check_islands_agree
+    from verl_mega.parallel.state import init_world, pool_group
 
+    bridge = records = None
     if placement.colocated:
         init_world(cfg.trainer.collective_timeout_s)
-        return None, None
-    from verl_mega.parallel.pools import init_pool_worlds
+    else:
+        from verl_mega.parallel.pools import init_pool_worlds
 
-    bridge = init_pool_worlds(placement, cfg.trainer.collective_timeout_s, cfg.trainer.pool_heartbeat_timeout_s)
-    resources.callback(bridge.close)
-    return bridge, bridge.all_gather_object(device)
+        bridge = init_pool_worlds(placement, cfg.trainer.collective_timeout_s, cfg.trainer.pool_heartbeat_timeout_s)
+        resources.callback(bridge.close)
+        records = bridge.all_gather_object(device)
+    if placement.dp_hierarchy != "off":  # each node cut its islands from its own topology: they must agree
+        if records is None:
+            records = [None] * dist.get_world_size()
+            dist.all_gather_object(records, device, group=pool_group())
+        check_islands_agree(records)
+    return bridge, records
 
 
 def _build_roles(cfg: TrainConfig, groups: RankGroups, path: Path, arch: ModelArch, total_steps: int):

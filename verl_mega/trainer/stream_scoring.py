@@ -210,7 +210,7 @@ def build_stream_scorer(trainer: Any, items: list, tally: Any, *, roles: bool) -
         if mine:
             lengths = b["response_len"][mine].tolist()
             out[mine] = trainer._scores([trainer._text(b["responses"][i, :n]) for i, n in zip(mine, lengths)],
-                                        [items[b.meta["group"][i]].ground_truth for i in mine], lengths, tally)
+                                        [items[b.meta["group"][i]] for i in mine], lengths, tally)
         return {"reward": out}
 
     stages = []
