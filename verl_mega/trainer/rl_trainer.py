@@ -351,7 +351,6 @@ class RLTrainer:
         Past reward.max_error_frac the run stops with the function's first error; the counts are summed over every
         rank first, so all ranks stop together."""
         from verl_mega.rewards import RewardFunctionFailed
-
         from verl_mega.rewards.pool import info_metrics
 
         counts = torch.tensor([tally.errors, tally.timeouts, tally.samples, len(tally.infos)], dtype=torch.float64)
