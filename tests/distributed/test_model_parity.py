@@ -1,6 +1,6 @@
 """mcore vs HF logits over gloo at (tp,pp) ∈ {(1,1),(2,1),(1,2)}, with and without sequence parallelism, context
 parallelism (cp=2) with its gradients, Mixture-of-Experts models at (tp,pp,ep) ∈ {(1,1,1),(1,1,2),(2,1,1),(1,2,2)}
-with their gradients, and the HF → mcore dist checkpoint (converted for tp=2,pp=2) → HF round trip, reloaded at
+with their gradients (DeepSeek-V3 at (1,1,1), (1,2,2) and (2,1,2)), and the HF → mcore dist checkpoint (converted for tp=2,pp=2) → HF round trip, reloaded at
 other layouts."""
 
 import os
@@ -73,21 +73,24 @@ def test_context_parallel_logits_and_gradients(parity_models, layout, tmp_path_f
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [(1, 1, 1, False, 1), (1, 1, 2, False, 1), (2, 1, 1, True, 1),
-                                    (1, 2, 2, False, 1), (1, 1, 2, False, 2)],
-                         ids=["tp1pp1ep1", "tp1pp1ep2", "tp2pp1ep1-sp", "tp1pp2ep2", "cp2ep2"])
+@pytest.mark.parametrize("layout", [(1, 1, 1, False, 1, None, MOE + ("deepseek_v3",)), (1, 1, 2, False, 1, None, MOE),
+                                    (2, 1, 1, True, 1, None, MOE), (1, 2, 2, False, 1, None, MOE + ("deepseek_v3",)),
+                                    (1, 1, 2, False, 2, None, MOE), (2, 1, 2, True, 1, 1, ("deepseek_v3",))],
+                         ids=["tp1pp1ep1", "tp1pp1ep2", "tp2pp1ep1-sp", "tp1pp2ep2", "cp2ep2", "tp2pp1ep2etp1-sp"])
 def test_moe_logits_and_gradients_match_hf(parity_models, layout):
-    """Qwen3-MoE, Mixtral and Qwen2-MoE (shared expert): logits, log-probs and every parameter's gradient (routed
-    experts on their EP rank, through Megatron's alltoall token dispatcher over gloo) equal HF's within 1e-5; routing
-    replay records HF's routing and, replaying other experts, gives HF's logits with its routers forced to them."""
-    tp, pp, ep, sp, cp = layout
-    nproc = max(2, tp * pp * max(ep, cp))  # ep ranks come out of tp·cp·dp
+    """Qwen3-MoE, Mixtral, Qwen2-MoE (shared expert) and DeepSeek-V3 (multi-head latent attention with YaRN, a dense
+    first layer, sigmoid group-limited routing with the correction bias, a shared expert): logits, log-probs and
+    every parameter's gradient (routed experts on their EP rank, through Megatron's alltoall token dispatcher over
+    gloo) equal HF's within 1e-5; routing replay records HF's routing and, replaying other experts, gives HF's logits
+    with its routers forced to them. DeepSeek-V3 at (tp, pp, ep) = (1,1,1), (1,2,2) and (2,1,2)."""
+    tp, pp, ep, sp, cp, etp, models = layout
+    nproc = max(2, tp * pp * max(ep, cp) // (tp // (etp or tp)))  # ep ranks come out of tp·cp·dp (etp·ep of them)
     args = ["--tp", str(tp), "--pp", str(pp), "--ep", str(ep), "--cp", str(cp), "--grads", "--replay",
-            "--models", ",".join(MOE),
-            "--workdir", str(parity_models)] + (["--sp"] if sp else [])
+            "--models", ",".join(models),
+            "--workdir", str(parity_models)] + (["--sp"] if sp else []) + (["--etp", str(etp)] if etp else [])
     report = _parity(run_torchrun("model_parity.py", nproc, *args, timeout=600))
     assert report["ep"] == ep
-    for mt in MOE:
+    for mt in models:
         assert report[mt]["logits_max_abs"] < 1e-5 and report[mt]["grad_max_abs"] < 1e-5, (mt, report[mt])
         assert report[mt]["replay_logits_max_abs"] < 1e-5, (mt, report[mt])
         print(mt, layout, report[mt])

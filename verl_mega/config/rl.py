@@ -76,6 +76,11 @@ class RolloutConfig(ConfigSection):
     gen_tp: int | None = option(None, help="Generation tensor-parallel size (vLLM's TP); must divide parallel.tp "
                                            "(generation TP groups are carved out of each training TP group). null "
                                            "uses parallel.tp.", affects_results=False)
+    gen_ep: int = option(1, help="Expert-parallel generation size (Mixture-of-Experts): vLLM shards the routed experts "
+                                 "over this many ranks (its expert parallelism over gen_ep/gen_tp data-parallel "
+                                 "attention engines of rollout.gen_tp ranks each); the weight sync writes each rank "
+                                 "only its own experts. 1: every engine splits every expert over its gen_tp ranks. "
+                                 "A multiple of rollout.gen_tp; docs/moe.md.", affects_results=False)
     n: int = option(1, help="Samples generated per prompt (the group size of GRPO/RLOO).")
     temperature: float = option(1.0, help="Sampling temperature; 0 is greedy.")
     top_p: float = option(1.0, help="Nucleus sampling probability mass, in (0, 1].")
@@ -140,6 +145,7 @@ class RolloutConfig(ConfigSection):
                       "rollout.multi_turn.enable=true ends turns at EOS but rollout.ignore_eos=true; set "
                       "rollout.ignore_eos=false")
         self._check_range("gen_tp", ge=1)
+        self._check_range("gen_ep", ge=1, example=8)
         self._check_range("n", ge=1, example=8)
         self._check_range("temperature", ge=0.0, example=1.0)
         self._check_range("top_p", gt=0.0, le=1.0, example=1.0)

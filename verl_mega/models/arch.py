@@ -119,21 +119,20 @@ class ModelArch:
         return self._count(active=True)
 
     def attention_weights(self) -> dict[str, int]:
-        """One layer's attention weights by how the TP ranks hold them: ``sharded`` (split by the training and the
-        generation TP alike), ``gathered`` (MLA's down projections: split over training TP, whole on every vLLM
-        rank) and ``replicated`` (norms)."""
+        """One layer's attention weights (without the input norm) by how the TP ranks hold them: ``sharded`` (split
+        by the training and the generation TP alike) and ``replicated`` (q/k norms; MLA's latent down projections
+        and norms, whole on every training and vLLM rank)."""
         h = self.hidden_size
         if not self.is_mla:
             d = self.head_dim
             sharded = h * self.num_heads * d + 2 * h * self.num_kv_heads * d + self.num_heads * d * h
             if self.qkv_bias:
                 sharded += self.num_heads * d + 2 * self.num_kv_heads * d
-            return {"sharded": sharded, "gathered": 0, "replicated": 2 * d if self.qk_norm else 0}
-        a, qd, r = self.num_heads, self.head_dim, self.kv_lora_rank
-        q = self.q_lora_rank
+            return {"sharded": sharded, "replicated": 2 * d if self.qk_norm else 0}
+        a, qd, r, q = self.num_heads, self.head_dim, self.kv_lora_rank, self.q_lora_rank
         sharded = (q or h) * a * qd + r * a * (self.qk_nope_head_dim + self.v_head_dim) + a * self.v_head_dim * h
-        gathered = (h * q if q else 0) + h * (r + self.qk_rope_head_dim)
-        return {"sharded": sharded, "gathered": gathered, "replicated": (q or 0) + r}
+        down = (h * q + q if q else 0) + h * (r + self.qk_rope_head_dim) + r
+        return {"sharded": sharded, "replicated": down}
 
     def attention_parameters(self) -> int:
         """One layer's attention block, with its input norm."""
@@ -182,7 +181,6 @@ class ModelArch:
 
         * TP-sharded tensors: generation block j of every one (S/tg) less the rank's own shard of its own stage
           (S_stage/t) — HybridFlow Table 2, (t·p − tg)/(tg·t·p)·M, when the stages are alike;
-        * MLA's down projections (split over training TP, whole in vLLM): all of them less the own shard;
         * replicated tensors of the other stages (routers' correction biases in fp32: vLLM keeps them so);
         * routed experts: :meth:`~verl_mega.parallel.placement.Pool.expert_sync_bytes_per_rank`."""
         stage = pool.coords(rank)["pp"]
@@ -190,23 +188,19 @@ class ModelArch:
         h, last = self.hidden_size, pool.pp - 1
         attn = self.attention_weights()
         vocab = self.vocab_size * h
-        sharded = sharded_own = 0.0
-        gathered = gathered_own = replicated_other = bias_other = 0.0
+        sharded = sharded_own = replicated_other = bias_other = 0.0
         for i in range(self.num_layers):
             s = attn["sharded"] + self.mlp_weights(i)["sharded"]
             sharded += s
-            gathered += attn["gathered"]
             if i in own:
                 sharded_own += s
-                gathered_own += attn["gathered"]
             else:
                 replicated_other += self.replicated_layer_parameters(i)
                 bias_other += self.num_experts if self.moe_expert_bias and self.is_moe_layer(i) else 0
         sharded += vocab * (1 if self.tie_word_embeddings else 2)
         sharded_own += vocab * ((stage == 0) + (stage == last and not self.tie_word_embeddings))
         replicated_other += h if stage != last else 0  # the final norm
-        out = (sharded / pool.gen_tp - sharded_own / pool.tp + gathered - gathered_own / pool.tp
-               + replicated_other) * element_size + 4 * bias_other
+        out = (sharded / pool.gen_tp - sharded_own / pool.tp + replicated_other) * element_size + 4 * bias_other
         if self.is_moe:
             out += pool.expert_sync_bytes_per_rank(
                 rank, num_layers=len(self.moe_layers), own_layers=len([i for i in own if self.is_moe_layer(i)]),
@@ -215,10 +209,10 @@ class ModelArch:
 
     def generation_weight_bytes(self, gen_tp: int, gen_ep: int, element_size: int) -> float:
         """Bytes of vLLM's weights on one generation rank: the routed experts over gen_ep ranks (or sliced over
-        gen_tp when gen_ep = 1), MLA's down projections whole, the rest over gen_tp (the few replicated norms and
-        routers counted as split: the paper's M/tg)."""
+        gen_tp when gen_ep = 1), MLA's latent down projections whole, the rest over gen_tp (the few replicated norms
+        and routers counted as split: the paper's M/tg)."""
         experts = sum(self.mlp_weights(i)["experts"] for i in range(self.num_layers))
-        gathered = self.num_layers * self.attention_weights()["gathered"]
+        gathered = self.num_layers * self.attention_weights()["replicated"] if self.is_mla else 0
         rest = self.num_parameters() - experts - gathered
         # MLA: vLLM also keeps W_UK_T and W_UV, split out of kv_b_proj after loading (another kv_b_proj per rank)
         derived = self.num_layers * self.kv_lora_rank * self.num_heads * (self.qk_nope_head_dim + self.v_head_dim)

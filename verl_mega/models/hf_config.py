@@ -151,6 +151,9 @@ def check_layout(pool, *, num_layers: int, num_heads: int, num_kv_heads: int, ff
     tp, gen_tp, stages = pool.tp, pool.gen_tp, pool.pp * (pool.vpp or 1)
     if num_experts:
         _check_moe_layout(pool, num_experts, moe_ffn_hidden_size)
+    elif getattr(pool, "gen_ep", 1) > 1:
+        raise ModelConfigError("rollout.gen_ep > 1 shards routed experts in generation; this model is dense: set "
+                               "rollout.gen_ep=1")
     if num_heads % tp:
         raise ModelConfigError(f"parallel.tp={tp} does not divide the model's {num_heads} attention heads; set "
                                f"parallel.tp to one of {_divisors(num_heads)}")
@@ -179,7 +182,12 @@ def _check_moe_layout(pool, num_experts: int, width: int) -> None:
     if width % etp:
         raise ModelConfigError(f"{key('etp')}={etp} does not divide the experts' FFN width {width}; choose "
                                f"{key('etp')} among {_divisors(width)}")
-    if width % pool.gen_tp:
+    gen_ep = getattr(pool, "gen_ep", 1)
+    if gen_ep > 1 and num_experts % gen_ep:
+        raise ModelConfigError(f"{key('gen_ep')}={gen_ep} does not divide the model's {num_experts} experts (vLLM's "
+                               f"expert parallelism gives each rank E/gen_ep whole experts); choose among "
+                               f"{_divisors(num_experts)}")
+    if gen_ep == 1 and width % pool.gen_tp:
         raise ModelConfigError(f"{key('gen_tp')}={pool.gen_tp} does not divide the experts' FFN width {width} (vLLM "
                                f"splits every expert over its TP ranks); choose among {_divisors(width)}")
     if pool.tp > 1 and getattr(pool, "trains", True) and not pool.sequence_parallel:

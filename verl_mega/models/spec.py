@@ -26,6 +26,7 @@ import math
 import torch
 import torch.nn.functional as F
 from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
+from megatron.core.post_training.modelopt.layers import Linear as ReplicatedLinear
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.experts import GroupedMLP
@@ -294,11 +295,14 @@ _mcore_moe_without_te()
 def _mcore_mla_without_te() -> None:
     """megatron-core 0.16.1's MLA module imports its TE names from a module that, without transformer-engine, hands
     out mock objects, so it believes TE is present and its ``isinstance(linear_proj, TELinear)`` check raises: tell
-    it the truth when TE does not import."""
-    if importlib.util.find_spec("transformer_engine") is None:
-        from megatron.core.transformer import multi_latent_attention
+    it the truth when TE does not import. Its accepted replicated linear is the one our spec uses for the latent
+    down projections (:func:`layer_spec`); make sure it knows it whichever way that import went."""
+    from megatron.core.transformer import multi_latent_attention
 
+    if importlib.util.find_spec("transformer_engine") is None:
         multi_latent_attention.HAVE_TE = False
+    if multi_latent_attention.Linear is None:
+        multi_latent_attention.Linear = ReplicatedLinear
 
 
 _mcore_mla_without_te()
@@ -347,6 +351,12 @@ def layer_spec(*, qk_layernorm: bool, use_te: str = "auto", num_experts: int | N
     sub.pre_mlp_layernorm = norm
     attn = sub.self_attention.submodules
     attn.core_attention = SDPAttention
+    if multi_latent_attention:
+        # The latent down projections whole on every TP rank (as vLLM holds them, and as mcore's TE spec does with
+        # its duplicated linears): with sequence parallelism they see the rank's own tokens and their gradients are
+        # summed over TP (``sequence_parallel``); mcore's column-parallel variant gathers over its global TP group
+        attn.linear_q_down_proj = ReplicatedLinear
+        attn.linear_kv_down_proj = ReplicatedLinear
     if qk_layernorm:
         attn.q_layernorm = norm
         if multi_latent_attention:

@@ -43,13 +43,13 @@ _LAYER_RULES: dict[str, tuple[str, tuple[str, ...]]] = {
                                           "model.layers.{i}.mlp.up_proj.weight")),
     "mlp.linear_fc2.weight": ("row", ("model.layers.{i}.mlp.down_proj.weight",)),
 }
-# Multi-head latent attention (DeepSeek-V3): Megatron's local spec splits every projection's output rows over TP
-# ("column"), the latent down projections included; the latent norms are replicated.
+# Multi-head latent attention (DeepSeek-V3): the up projections (and a plain query projection) split their output
+# rows (heads) over TP ("column"); the latent down projections and norms are whole on every rank (our spec).
 _MLA_RULES: dict[str, tuple[str, tuple[str, ...]]] = {
     "self_attention.linear_q_proj.weight": ("column", ("model.layers.{i}.self_attn.q_proj.weight",)),
-    "self_attention.linear_q_down_proj.weight": ("column", ("model.layers.{i}.self_attn.q_a_proj.weight",)),
+    "self_attention.linear_q_down_proj.weight": ("replicated", ("model.layers.{i}.self_attn.q_a_proj.weight",)),
     "self_attention.linear_q_up_proj.weight": ("column", ("model.layers.{i}.self_attn.q_b_proj.weight",)),
-    "self_attention.linear_kv_down_proj.weight": ("column",
+    "self_attention.linear_kv_down_proj.weight": ("replicated",
                                                   ("model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight",)),
     "self_attention.linear_kv_up_proj.weight": ("column", ("model.layers.{i}.self_attn.kv_b_proj.weight",)),
     "self_attention.q_layernorm.weight": ("replicated", ("model.layers.{i}.self_attn.q_a_layernorm.weight",)),
@@ -160,10 +160,9 @@ def _ffn_width(rule: ParamRule, arch: ModelArch) -> int:
 
 
 def column_rows(rule: ParamRule, arch: ModelArch) -> int:
-    """Output rows of an MLA projection (``column`` kind), which tensor parallelism splits evenly."""
+    """Output rows of an MLA up projection (``column`` kind): whole heads, which tensor parallelism splits evenly."""
     name, a = rule.hf_names[0], arch.num_heads
-    rows = {"q_a_proj": arch.q_lora_rank, "kv_a_proj_with_mqa": arch.kv_lora_rank + arch.qk_rope_head_dim,
-            "kv_b_proj": a * (arch.qk_nope_head_dim + arch.v_head_dim), "q_b_proj": a * arch.head_dim,
+    rows = {"kv_b_proj": a * (arch.qk_nope_head_dim + arch.v_head_dim), "q_b_proj": a * arch.head_dim,
             "q_proj": a * arch.head_dim}
     return rows[name.split(".")[-2]]
 

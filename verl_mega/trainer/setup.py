@@ -140,14 +140,14 @@ def check_routed_experts_support() -> None:
         raise ConfigError(f"actor.routing_replay=r3 replays vLLM's routing, but {reason}")
 
 
-def vllm_config(cfg: TrainConfig, path: Path, gen_tp: int):
+def vllm_config(cfg: TrainConfig, path: Path, gen_tp: int, gen_ep: int = 1):
     """The vLLM engine of a rollout: same on the actor's pool and on a rollout pool of its own."""
     from verl_mega.rollout.vllm_rollout import VLLMRolloutConfig
 
     rcfg = cfg.rollout
     extra = {k: v for k, v in (("max_num_batched_tokens", rcfg.max_num_batched_tokens),) if v is not None}
     return VLLMRolloutConfig(
-        model_path=str(path), gen_tp=gen_tp, dtype=cfg.model.dtype,
+        model_path=str(path), gen_tp=gen_tp, gen_ep=gen_ep, dtype=cfg.model.dtype,
         max_model_len=cfg.data.max_prompt_length + rcfg.max_response_length,
         max_num_seqs=rcfg.max_num_seqs or 256, gpu_memory_utilization=rcfg.gpu_memory_utilization,
         kv_cache_memory_bytes=rcfg.kv_cache_memory_bytes, enforce_eager=rcfg.enforce_eager,
@@ -175,7 +175,7 @@ def build_rollout(cfg: TrainConfig, groups: RankGroups, path: Path, actor: RoleM
         return RemoteRollout(bridge, sync, engine_index=groups.coords["engine"], num_engines=pool.size // pool.gen_tp,
                              engine_leader=groups.rank == groups.ranks("gen_tp")[0])
     free_cache = resolve_free_cache(cfg, placement, actor.arch)
-    engine = VLLMRollout(vllm_config(cfg, path, pool.gen_tp), rank_order=pool.vllm_rank_order(),
+    engine = VLLMRollout(vllm_config(cfg, path, pool.gen_tp, pool.gen_ep), rank_order=pool.vllm_rank_order(),
                          engine_index=groups.coords["engine"])
     sync = WeightSync(producer, engine, mode=rcfg.weight_sync)
     return ColocatedRollout(engine, weight_sync=sync, engine_ranks=groups.ranks("gen_tp"), offload=offload,
