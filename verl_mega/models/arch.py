@@ -4,6 +4,7 @@ pure arithmetic, read from an HF config by :mod:`verl_mega.models.hf_config` and
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,7 +95,7 @@ class ModelArch:
         """Whether global layer ``layer`` (0-based) has routed experts (DeepSeek's rule, which vLLM follows)."""
         return self.is_moe and layer >= self.first_k_dense and layer % self.moe_layer_freq == 0
 
-    @property
+    @functools.cached_property
     def moe_layers(self) -> tuple[int, ...]:
         return tuple(i for i in range(self.num_layers) if self.is_moe_layer(i))
 
@@ -184,27 +185,12 @@ class ModelArch:
         * replicated tensors of the other stages (routers' correction biases in fp32: vLLM keeps them so);
         * routed experts: :meth:`~verl_mega.parallel.placement.Pool.expert_sync_bytes_per_rank`."""
         stage = pool.coords(rank)["pp"]
-        own = set(stage_layer_indices(self.num_layers, pool.pp, pool.vpp, stage))
-        h, last = self.hidden_size, pool.pp - 1
-        attn = self.attention_weights()
-        vocab = self.vocab_size * h
-        sharded = sharded_own = replicated_other = bias_other = 0.0
-        for i in range(self.num_layers):
-            s = attn["sharded"] + self.mlp_weights(i)["sharded"]
-            sharded += s
-            if i in own:
-                sharded_own += s
-            else:
-                replicated_other += self.replicated_layer_parameters(i)
-                bias_other += self.num_experts if self.moe_expert_bias and self.is_moe_layer(i) else 0
-        sharded += vocab * (1 if self.tie_word_embeddings else 2)
-        sharded_own += vocab * ((stage == 0) + (stage == last and not self.tie_word_embeddings))
-        replicated_other += h if stage != last else 0  # the final norm
+        sharded, sharded_own, replicated_other, bias_other, moe_own = _stage_sums(self, pool.pp, pool.vpp, stage)
         out = (sharded / pool.gen_tp - sharded_own / pool.tp + replicated_other) * element_size + 4 * bias_other
         if self.is_moe:
             out += pool.expert_sync_bytes_per_rank(
-                rank, num_layers=len(self.moe_layers), own_layers=len([i for i in own if self.is_moe_layer(i)]),
-                num_experts=self.num_experts, width=self.moe_ffn_hidden_size, row_bytes=h * element_size)
+                rank, num_layers=len(self.moe_layers), own_layers=moe_own, num_experts=self.num_experts,
+                width=self.moe_ffn_hidden_size, row_bytes=self.hidden_size * element_size)
         return out
 
     def generation_weight_bytes(self, gen_tp: int, gen_ep: int, element_size: int) -> float:
@@ -217,3 +203,28 @@ class ModelArch:
         # MLA: vLLM also keeps W_UK_T and W_UV, split out of kv_b_proj after loading (another kv_b_proj per rank)
         derived = self.num_layers * self.kv_lora_rank * self.num_heads * (self.qk_nope_head_dim + self.v_head_dim)
         return ((rest + derived) / gen_tp + experts / (gen_ep if gen_ep > 1 else gen_tp) + gathered) * element_size
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_sums(arch: ModelArch, pp: int, vpp: int | None, stage: int) -> tuple[int, int, int, int, int]:
+    """Element counts behind :meth:`ModelArch.hybrid_sync_bytes` for pipeline stage ``stage``: TP-sharded elements
+    of the whole model and of the stage, replicated elements and fp32 correction-bias entries of the other stages,
+    and the stage's MoE layers."""
+    own = set(stage_layer_indices(arch.num_layers, pp, vpp, stage))
+    h, last = arch.hidden_size, pp - 1
+    attn = arch.attention_weights()
+    vocab = arch.vocab_size * h
+    sharded = sharded_own = replicated_other = bias_other = moe_own = 0
+    for i in range(arch.num_layers):
+        s = attn["sharded"] + arch.mlp_weights(i)["sharded"]
+        sharded += s
+        if i in own:
+            sharded_own += s
+            moe_own += arch.is_moe_layer(i)
+        else:
+            replicated_other += arch.replicated_layer_parameters(i)
+            bias_other += arch.num_experts if arch.moe_expert_bias and arch.is_moe_layer(i) else 0
+    sharded += vocab * (1 if arch.tie_word_embeddings else 2)
+    sharded_own += vocab * ((stage == 0) + (stage == last and not arch.tie_word_embeddings))
+    replicated_other += h if stage != last else 0  # the final norm
+    return sharded, sharded_own, replicated_other, bias_other, moe_own

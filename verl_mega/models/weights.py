@@ -288,7 +288,7 @@ def expected_hf_names(arch: ModelArch) -> set[str]:
         p = f"model.layers.{i}."
         names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
         if arch.is_mla:
-            for kind, templates in _MLA_RULES.values():
+            for _kind, templates in _MLA_RULES.values():
                 names |= {t.format(i=i) for t in templates}
             drop = ("q_proj",) if arch.q_lora_rank else ("q_a_proj", "q_b_proj", "q_a_layernorm")
             names -= {p + f"self_attn.{x}.weight" for x in drop}

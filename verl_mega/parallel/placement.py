@@ -283,10 +283,22 @@ class Pool:
             for name, size in shape:
                 out[name] = rest % size
                 rest //= size
-        out["engine"] = self._index("gen_tp", rank)
-        out["gen_tp"] = self.group_of("gen_tp", rank).index(rank)
-        out["gen_ep"] = self.group_of("gen_ep", rank).index(rank)
+        out.update(self._generation_coords(index))
         return out
+
+    def _generation_coords(self, index: int) -> dict[str, int]:
+        """engine, gen_tp and gen_ep of the rank at ``index`` of the pool, by the arithmetic the groups are laid out
+        with (``Placement.check`` compares the two): training TP group g = index // tp, position p in it; engine k =
+        p mod m of that group, block j = p // m; D consecutive TP groups form one expert-parallel group."""
+        d = self.gen_dp
+        if not self.trains:
+            engine, j = divmod(index, self.gen_tp)
+            return {"engine": engine, "gen_tp": j, "gen_ep": (engine % d) * self.gen_tp + j if self.gen_ep > 1 else 0}
+        m = self.micro_dp
+        g, pos = divmod(index, self.tp)
+        k, j = pos % m, pos // m
+        engine = (g // d) * d * m + k * d + g % d
+        return {"engine": engine, "gen_tp": j, "gen_ep": (g % d) * self.gen_tp + j if self.gen_ep > 1 else 0}
 
     def vllm_rank_order(self) -> list[int]:
         """vLLM builds TP groups from consecutive ranks; position v of this list is the rank that plays vLLM rank v,
@@ -451,6 +463,13 @@ class Placement:
                 flat = sorted(r for g in pool.groups(kind) for r in g)
                 if kind != "embd" and flat != sorted(pool.ranks):
                     raise PlacementError(f"pool {pool.name!r}: {kind} groups do not partition the pool")
+            for rank in pool.ranks:  # the coordinates' arithmetic against the groups themselves
+                c = pool.coords(rank)
+                want = {"engine": pool._index("gen_tp", rank), "gen_tp": pool.group_of("gen_tp", rank).index(rank),
+                        "gen_ep": pool.group_of("gen_ep", rank).index(rank)}
+                if {k: c[k] for k in want} != want:
+                    raise PlacementError(f"pool {pool.name!r}: rank {rank}'s generation coordinates "
+                                         f"{ {k: c[k] for k in want} } differ from its groups' {want}")
             if pool.trains:
                 m = pool.micro_dp
                 for rank in pool.ranks:

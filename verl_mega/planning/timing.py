@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from verl_mega.models.hf_config import ModelArch
 from verl_mega.parallel.placement import Pool
-from verl_mega.planning.memory import MemoryPrediction, RoleSpec, RolloutSpec, Workload
+from verl_mega.planning.memory import MemoryPrediction, RoleSpec, RolloutSpec, Workload, kv_cache_bytes_per_token
 from verl_mega.planning.params import PlanningError, generation_params, stage_params
 
 GB = 1e9
@@ -183,29 +183,43 @@ def matmul_weights(arch: ModelArch, *, value_head: bool = False) -> tuple[int, i
     """(dense, routed-expert) weights one token multiplies by: per layer Q, K, V and the attention output, the MLP
     (SwiGLU: 3·h·f; MoE: router E·h, shared expert 3·h·f_s, and the top-k routed experts k·3·h·f_e); then the LM
     head V·h (a value head: h). The input embedding is a lookup and costs no FLOPs."""
-    h, d, a, k = arch.hidden_size, arch.head_dim, arch.num_heads, arch.num_kv_heads
-    attn = h * (a + 2 * k) * d + a * d * h
-    if arch.is_moe:
-        mlp = arch.num_experts * h + 3 * h * arch.shared_expert_ffn_hidden_size
-        experts = arch.moe_topk * 3 * h * arch.moe_ffn_hidden_size
-    else:
-        mlp, experts = 3 * h * arch.ffn_hidden_size, 0
+    h = arch.hidden_size
+    attn = _attention_weights(arch)
+    dense = experts = 0
+    for i in range(arch.num_layers):  # dense layers (DeepSeek's first ones) and MoE layers
+        if arch.is_moe_layer(i):
+            dense += attn + arch.num_experts * h + 3 * h * arch.shared_expert_ffn_hidden_size
+            experts += arch.moe_topk * 3 * h * arch.moe_ffn_hidden_size
+        else:
+            dense += attn + 3 * h * arch.ffn_hidden_size
     head = h if value_head else arch.vocab_size * h
-    return arch.num_layers * (attn + mlp) + head, arch.num_layers * experts
+    return dense + head, experts
+
+
+def _attention_weights(arch: ModelArch) -> int:
+    """Weights one token multiplies by in one layer's attention (MLA: its down and up projections; the latent keys
+    and values are projected per token, not absorbed)."""
+    h, d, a, k = arch.hidden_size, arch.head_dim, arch.num_heads, arch.num_kv_heads
+    if arch.is_mla:  # its weights without the latent norms (not matmuls)
+        w = arch.attention_weights()
+        return w["sharded"] + w["replicated"] - (arch.q_lora_rank or 0) - arch.kv_lora_rank
+    return h * (a + 2 * k) * d + a * d * h
 
 
 def attention_flops(arch: ModelArch, context: float) -> float:
     """Forward FLOPs per token of QKᵀ and A·V against `context` earlier tokens: 2 · 2·L·a·d·context (one
-    multiply-add = 2 FLOPs). Training over causal sequences of length s averages context s/2: 2·L·a·d·s."""
-    return 4.0 * arch.num_layers * arch.num_heads * arch.head_dim * context
+    multiply-add = 2 FLOPs; MLA: 2·L·a·(d_qk + d_v)·context). Training over causal sequences of length s averages
+    context s/2: 2·L·a·d·s."""
+    dims = arch.head_dim + arch.v_head_dim if arch.is_mla else 2 * arch.head_dim
+    return 2.0 * arch.num_layers * arch.num_heads * dims * context
 
 
 def layer_gemm_flops(arch: ModelArch, tokens: float, tp: int = 1) -> float:
     """G of :meth:`Hardware.efficiency`: the dense matmul FLOPs of one layer on one GPU for `tokens` tokens (the
     micro-batch, which sequence parallelism gathers back before each GEMM), 2·(attention + dense MLP weights)/t·tokens;
     for MoE layers the attention, the shared expert and the router (routed experts: ``Hardware.expert_eta``)."""
-    h, d, a, k = arch.hidden_size, arch.head_dim, arch.num_heads, arch.num_kv_heads
-    attn = h * (a + 2 * k) * d + a * d * h
+    h = arch.hidden_size
+    attn = _attention_weights(arch)
     if not arch.is_moe:
         return 2 * (attn + 3 * h * arch.ffn_hidden_size) / tp * tokens
     return 2 * (attn + 3 * h * arch.shared_expert_ffn_hidden_size) / tp * tokens + 2 * arch.num_experts * h * tokens
@@ -330,7 +344,8 @@ def predict_time(arch: ModelArch, layout: Pool, work: Workload, step: StepShape,
                               f"written) + 4 B × P grad zeroing) over HBM, P={sp.total:,}"))
 
     # ---- reshard: the 3D-HybridEngine switch and offload traffic
-    gen_bytes = 2 * generation_params(arch, tg)
+    gen_ep, gen_dp = layout.gen_ep, layout.gen_dp
+    gen_bytes = 2 * generation_params(arch, tg, gen_ep)
     rs_bw = min(hw.reshard_gbps, hw.inter_node_gbps if t * dp * p > node_gpus and p > 1 else math.inf) * GB
     terms.append(TimeTerm("reshard", "weight sync", memory.reshard_bytes_per_gpu / rs_bw
                           + 2 * gen_bytes / (hw.hbm_gbps * GB),
@@ -344,7 +359,7 @@ def predict_time(arch: ModelArch, layout: Pool, work: Workload, step: StepShape,
     # ---- rollout
     engines = world // tg
     per_engine = math.ceil(step.samples / engines)
-    kv_tok = 2 * L * math.ceil(arch.num_kv_heads / tg) * arch.head_dim * 2  # K and V, bf16, per GPU
+    kv_tok = kv_cache_bytes_per_token(arch, tg)  # bf16, per GPU
     fit = int(max(memory.kv_cache_bytes, 0) // (kv_tok * s))
     conc = max(1, min(rollout.max_num_seqs, per_engine, fit))
     if fit < 1:
@@ -353,15 +368,22 @@ def predict_time(arch: ModelArch, layout: Pool, work: Workload, step: StepShape,
     ctx = step.prompt_len + step.response_len / 2
     dense, experts = matmul_weights(arch)
 
+    moe_layers = len(arch.moe_layers)
+    a2a_bw, a2a_link = _link(hw, gen_ep, node_gpus)
+
     def decode_step(c: int) -> tuple[float, float, float, float]:
-        """(seconds, bytes read, FLOPs, all-reduce seconds) of one decode step of `c` sequences on one GPU."""
+        """(seconds, bytes read, FLOPs, communication seconds) of one decode step of `c` sequences on one GPU."""
         weights = gen_bytes
-        if arch.is_moe:  # a step reads only the experts its c tokens route to: E·(1 − (1 − k/E)^c) expected
-            all_experts = 2 * L * arch.num_experts * 3 * h * arch.moe_ffn_hidden_size / tg
-            weights -= all_experts * (1 - arch.moe_topk / arch.num_experts) ** c
+        if arch.is_moe:  # a step reads only the experts its tokens route to: E·(1 − (1 − k/E)^c) expected; with
+            # expert-parallel generation the tokens of the D engines of the group share the GPU's E/gen_ep experts
+            held = 2 * moe_layers * arch.num_experts * 3 * h * arch.moe_ffn_hidden_size
+            held /= gen_ep if gen_ep > 1 else tg
+            weights -= held * (1 - arch.moe_topk / arch.num_experts) ** (c * gen_dp)
         read = weights + c * ctx * kv_tok
         flops = c * (2 * (dense + experts) + attention_flops(arch, ctx)) / tg
         ar = 0.0 if tg == 1 else 2 * L * (alpha + 2 * (tg - 1) / tg * c * h * 2 / (hw.nvlink_gbps * GB))
+        if gen_ep > 1:  # the expert-parallel all-to-all: each token's hidden state to its k experts and back
+            ar += moe_layers * 2 * (alpha + c * arch.moe_topk * h * 2 * (gen_ep - 1) / gen_ep / a2a_bw)
         # small-batch GEMMs are bandwidth-bound unless the compute roof (at the wide-GEMM rate) is the higher one
         return max(read / (hw.hbm_gbps * GB), flops / (hw.eta_max * peak)) + ar + hw.decode_step_overhead_s, \
             read, flops, ar
@@ -373,8 +395,11 @@ def predict_time(arch: ModelArch, layout: Pool, work: Workload, step: StepShape,
     terms.append(TimeTerm("rollout", "decode", decode,
                           f"{waves} sequences × {step.response_len} steps × {t_step * 1e3:.2f} ms ({bound}-bound: "
                           f"max({read / 2**30:.2f} GiB / {hw.hbm_gbps:g} GB/s, {flops:.3g} FLOPs) + "
-                          f"{t_ar * 1e3:.2f} ms TP all-reduces + {hw.decode_step_overhead_s * 1e3:.2f} ms per step); "
-                          f"{engines} engine(s) of tg={tg}, {per_engine} sequences each"))
+                          f"{t_ar * 1e3:.2f} ms TP all-reduces" + (f" and expert all-to-all over {a2a_link}"
+                                                                    if gen_ep > 1 else "") +
+                          f" + {hw.decode_step_overhead_s * 1e3:.2f} ms per step); "
+                          f"{engines} engine(s) of tg={tg}" + (f" (experts over gen_ep={gen_ep})" if gen_ep > 1 else "")
+                          + f", {per_engine} sequences each"))
     prompts = math.ceil(per_engine / step.n)
     prefill = prompts * step.prompt_len * (2 * (dense + experts) + attention_flops(arch, step.prompt_len / 2))
     chunk = min(rollout.max_num_batched_tokens, prompts * step.prompt_len)  # tokens of one prefill batch

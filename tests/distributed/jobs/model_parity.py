@@ -172,7 +172,6 @@ def _check_replay(engine, arch, groups, path, ids, pos) -> float:
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
     from transformers import AutoModelForCausalLM
 
-    from verl_mega.models.loader import unwrap
 
     mbs = [{"input_ids": ids[i:i + 2], "position_ids": pos[i:i + 2]} for i in (0, 2)]
     res = engine.forward([dict(mb) for mb in mbs], lambda out, mb: {}, record_routing=True)
