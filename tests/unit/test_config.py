@@ -708,3 +708,18 @@ def test_stream_scoring_errors():
     assert _error(cfg.validate_runtime, _placement(cfg, 1), cuda_available=False).startswith(
         "rollout.stream_scoring=reward cannot run with rollout.multi_turn.enable=true")
     assert "one of" in _error(load_config, QUICKSTART, ["rollout.stream_scoring=maybe"])
+
+
+def test_deterministic_mode_runs_eager_kernels():
+    """trainer.deterministic: `auto` fused kernels stay eager (torch's inductor refuses to autotune in deterministic
+    mode, which crashed the first step on a GPU); asking for compiled kernels there is refused up front."""
+    from verl_mega.trainer.setup import fused_kernels
+
+    plain, det = load_config(QUICKSTART, ["trainer.deterministic=false"]), load_config(
+        QUICKSTART, ["trainer.deterministic=true"])
+    assert fused_kernels(plain, cuda=True) and not fused_kernels(plain, cuda=False)
+    assert not fused_kernels(det, cuda=True)
+    assert fused_kernels(load_config(QUICKSTART, ["trainer.deterministic=false", "model.fused_kernels=true"]),
+                         cuda=False)
+    with pytest.raises(ValueError, match=r"^model.fused_kernels=true compiles kernels .* model.fused_kernels=auto"):
+        load_config(QUICKSTART, ["trainer.deterministic=true", "model.fused_kernels=true"])

@@ -37,8 +37,9 @@ class ModelConfig(ConfigSection):
     fused_kernels: Literal["auto"] | bool = option(
         "auto", help="Compile the element-wise work between the GEMMs: Megatron's fused SwiGLU "
                      "(`bias_activation_fusion`, also for the experts) and our spec's RMSNorm, each one kernel "
-                     "forward and one backward (`torch.compile`). `auto`: on CUDA. Same operations; bf16 rounding "
-                     "of intermediates can differ in the last bit.", affects_results=False)
+                     "forward and one backward (`torch.compile`). `auto`: on CUDA, unless trainer.deterministic (torch "
+                     "refuses inductor's autotuning in deterministic mode). Same operations; bf16 rounding of "
+                     "intermediates can differ in the last bit.", affects_results=False)
 
     use_remove_padding: bool = option(
         False, help="Pack each micro-batch's sequences back to back in one row (THD, `cu_seqlens`) instead of padding "
@@ -63,7 +64,13 @@ class ModelConfig(ConfigSection):
                       "replay on a laptop.")
     tiny_warmstart_steps: int = option(
         20, help="With `path: tiny`: supervised warm-start steps on the generated task before RL, so that the "
-                 "policy sometimes samples a right answer (0 = start from random weights).")
+                 "policy sometimes samples a right answer (0 = start from random weights). With "
+                 "`tiny_warmstart_target` it is the most steps.")
+    tiny_warmstart_target: float | None = option(
+        None, help="With `path: tiny`: stop the warm start once the policy reproduces the task's demonstrations with "
+                   "this mean probability (teacher-forced, checked every 5 steps), so that RL starts from the same "
+                   "skill whatever the numerics of the libraries (a fixed step count lands anywhere on a steep "
+                   "learning curve). null: run all `tiny_warmstart_steps`.")
 
     def validate(self) -> None:
         self._require(bool(self.path.strip()), "model.path is empty; set model.path to an HF model directory or tiny")
@@ -71,5 +78,6 @@ class ModelConfig(ConfigSection):
             self._set("tokenizer_path", self.path)
         self._check_range("make_vocab_size_divisible_by", ge=1, example=128)
         self._check_range("tiny_warmstart_steps", ge=0, example=20)
+        self._check_range("tiny_warmstart_target", gt=0.0, lt=1.0, example=0.2)
         self._check_range("moe_aux_loss_coeff", ge=0.0, example=0.001)
         self._check_range("moe_z_loss_coeff", ge=0.0, example=0.001)

@@ -75,6 +75,10 @@ class TrainConfig(ConfigSection):
             self._require(not self.parallel.sequence_parallel or self.parallel.tp > 1,
                           "parallel.sequence_parallel=true needs tensor parallelism but parallel.tp=1; "
                           "set parallel.tp>1 or parallel.sequence_parallel=false")
+        self._require(not (self.trainer.deterministic and self.model.fused_kernels is True),
+                      "model.fused_kernels=true compiles kernels with torch.compile, whose autotuning torch refuses "
+                      "under trainer.deterministic=true (\"In the deterministic mode of Inductor ...\"); set "
+                      "model.fused_kernels=auto (eager kernels when deterministic) or trainer.deterministic=false")
         self._require(self.actor.routing_replay == "none" or self.model.recompute == "none",
                       f"actor.routing_replay={self.actor.routing_replay} replays each router once per forward, but "
                       f"model.recompute={self.model.recompute} runs the routers again in the backward pass; set "

@@ -101,7 +101,7 @@ class StreamingEngine:
             for completion in out.outputs:
                 seq = batch.sequences.setdefault((prompt, completion.index), _Sequence())
                 new = list(completion.token_ids)
-                if not self.deltas:  # a final output holds the whole sequence (and may come more than once)
+                if not self.deltas:  # a final output holds the whole sequence
                     seq.ids, seq.versions, seq.logprobs = [], [], []
                 seq.ids += new
                 seq.versions += [version] * len(new)

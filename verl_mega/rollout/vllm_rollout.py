@@ -307,7 +307,9 @@ def _phases(outputs: list, start: float, end: float) -> dict[str, float] | None:
 
 def sampling_params(spec: SamplingSpec, seed: int | None, *, stream: bool = False) -> Any:
     """vLLM's ``SamplingParams`` for ``spec`` with ``seed``; ``stream``: report new tokens after every engine step
-    (``RequestOutputKind.DELTA``) instead of once at the end."""
+    (``RequestOutputKind.DELTA``) instead of once, when the request finishes (``FINAL_ONLY``, as ``LLM.generate``
+    sets it). vLLM's own default, ``CUMULATIVE``, rebuilds every running request's whole output after every step:
+    on one H200 that made a stepped engine take 2.2x as long as ``generate`` (benchmarks/diag_stream_gpu.py)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -317,8 +319,7 @@ def sampling_params(spec: SamplingSpec, seed: int | None, *, stream: bool = Fals
                                   logprobs=0 if spec.logprobs else None, detokenize=False, seed=seed)
     if spec.top_k > 0:
         kwargs["top_k"] = spec.top_k
-    if stream:
-        kwargs["output_kind"] = RequestOutputKind.DELTA
+    kwargs["output_kind"] = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
     return SamplingParams(**kwargs)
 
 

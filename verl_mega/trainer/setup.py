@@ -52,9 +52,9 @@ def resolve_model_path(cfg: TrainConfig) -> Path:
     entry = next((f for f in cfg.data.train_files if is_generated(f)), "generated:arithmetic")
     seed = cfg.trainer.seed
     root = Path(os.environ.get("VERL_MEGA_CACHE", Path.home() / ".cache" / "verl_mega"))
-    steps = cfg.model.tiny_warmstart_steps
+    steps, skill = cfg.model.tiny_warmstart_steps, cfg.model.tiny_warmstart_target
     arch = "" if cfg.model.tiny_arch == "qwen2" else f"-{cfg.model.tiny_arch}"
-    target = root / f"tiny{arch}-{entry.split(':')[-1]}-s{seed}-w{steps}"
+    target = root / (f"tiny{arch}-{entry.split(':')[-1]}-s{seed}-w{steps}" + (f"-p{skill:g}" if skill else ""))
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as exc:  # a file in the way, or no permission
@@ -66,12 +66,21 @@ def resolve_model_path(cfg: TrainConfig) -> Path:
             tmp = target.with_name(target.name + f".tmp{os.getpid()}")
             make_tiny_hf_model(tmp, seed=seed, **tiny_sizes(cfg.model.tiny_arch))
             records = generated_task(entry).generate(1024, seed=seed)
-            stats = warm_start(tmp, records, steps=steps, seed=seed)
+            stats = warm_start(tmp, records, steps=steps, seed=seed, target=skill)
             (tmp / "warmstart.json").write_text(json.dumps(stats))
             os.replace(tmp, target)
-            log.info("built the tiny model and warm-started it for %d steps on %s (%s) -> %s", steps, entry,
-                     ", ".join(f"{k.replace('_', ' ')} {v:.3f}" for k, v in stats.items()), target)
+            log.info("built the tiny model and warm-started it for %d steps on %s (%s) -> %s", stats["steps"],
+                     entry, ", ".join(f"{k.replace('_', ' ')} {v:.3f}" for k, v in stats.items() if k != "steps"),
+                     target)
     return target
+
+
+def fused_kernels(cfg: TrainConfig, cuda: bool) -> bool:
+    """model.fused_kernels resolved: `auto` compiles on CUDA, but not under trainer.deterministic, where torch's
+    inductor raises at its first autotuning benchmark (seen on an H200 with torch 2.11)."""
+    if cfg.model.fused_kernels == "auto":
+        return cuda and not cfg.trainer.deterministic
+    return bool(cfg.model.fused_kernels)
 
 
 def model_arch(path: Path) -> ModelArch:
@@ -97,8 +106,7 @@ def build_role_engine(cfg: TrainConfig, groups: RankGroups, path: Path, *, role_
     tcfg = transformer_config(arch, tp=pool.tp, pp=pool.pp, vpp=pool.vpp, cp=pool.cp, ep=pool.ep, etp=pool.etp,
                               sequence_parallel=pool.sequence_parallel, dtype=cfg.model.dtype,
                               recompute=cfg.model.recompute, use_cpu_initialization=not torch.cuda.is_available(),
-                              fused_kernels=cfg.model.fused_kernels is True or (cfg.model.fused_kernels == "auto"
-                                                                                and torch.cuda.is_available()),
+                              fused_kernels=fused_kernels(cfg, torch.cuda.is_available()),
                               **moe_options(cfg, arch))
     use_te = {True: "true", False: "false"}.get(cfg.model.use_te, cfg.model.use_te)
     chunks = build_model_chunks(arch, tcfg, groups, value_head=value_head, use_te=use_te,

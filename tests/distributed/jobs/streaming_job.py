@@ -2,7 +2,8 @@
 ``generate``. Args: --workdir DIR (two tiny models, ``a`` and ``b``: same architecture, different weights).
 
 1. A batch stepped alone draws exactly what ``generate`` draws (sampled, n=2, explicit seed): tokens, log-probs.
-2. Partial rollout: a greedy batch runs 8 steps under model a, the weights become model b's, and it runs on. Every
+2. Stepped with final-only outputs, it draws the same, and vLLM returns a request's output only once it finished.
+3. Partial rollout: a greedy batch runs 8 steps under model a, the weights become model b's, and it runs on. Every
    token records its version: k under a, then b (k = 8 where the engine reports each step's token at once; 7 where
    vLLM schedules asynchronously and drops the token of the step in flight at the preemption). The first k tokens
    are a's greedy answer, the rest are b's greedy continuation of the context so far (a fresh ``generate`` under b
@@ -41,6 +42,25 @@ def main() -> None:
     assert got.prompt_index == want.prompt_index and got.token_ids == want.token_ids, (got.token_ids, want.token_ids)
     assert got.logprobs == want.logprobs
     assert got.versions == [[0] * len(ids) for ids in got.token_ids] and got.weight_version == 0
+
+    # 2. final-only outputs (the colocated trainer steps the engine so): the same draws, and vLLM hands over a
+    # request once, when it finishes, instead of rebuilding every running request's output after every step
+    final = StreamingEngine(rollout, deltas=False)
+    engine_step, finished_flags = final._engine.step, []
+
+    def counting_step():
+        outputs = engine_step()
+        finished_flags.extend(out.finished for out in outputs)
+        return outputs
+
+    final._engine.step = counting_step
+    final.add("final", prompts, sampled)
+    while final.busy:
+        final.step()
+    del final._engine.step
+    got = final.take("final")
+    assert got.token_ids == want.token_ids and got.logprobs == want.logprobs
+    assert finished_flags and all(finished_flags), finished_flags
 
     greedy = SamplingSpec(n=1, max_tokens=24, temperature=0.0, ignore_eos=True, stop_token_ids=())
     under_a = rollout.generate(prompts, greedy)
