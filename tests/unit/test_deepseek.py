@@ -173,3 +173,24 @@ def test_correction_bias_moves_against_the_token_counts(world, tiny):
         got = exported[f"model.layers.{layer}.mlp.gate.e_score_correction_bias"]
         assert got.dtype == torch.float32 and torch.equal(got, want), layer
 
+
+
+def test_packed_sequences_equal_one_at_a_time(world, tiny):
+    """model.use_remove_padding with MLA: sequences packed back to back (Megatron's THD path applies each
+    sequence's own rotary positions inside MLA) give each sequence's logits as computed on its own."""
+    from verl_mega.models.build import build_model_chunks, forward_packed
+    from verl_mega.models.loader import load_hf_weights
+
+    arch = arch_from_hf(load_hf_config(tiny))
+    model = build_model_chunks(arch, transformer_config(arch, use_cpu_initialization=True, moe_aux_loss_coeff=0.0),
+                               world, use_te="false")[0].eval()
+    load_hf_weights([model], HFCheckpointReader(tiny), arch, world)
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(1, arch.vocab_size, (n,), generator=g) for n in (7, 12, 5)]
+    cu = torch.tensor([0, 7, 19, 24], dtype=torch.int32)
+    with torch.no_grad():
+        alone = [model(s[None], torch.arange(len(s))[None], None)[0] for s in seqs]
+        packed = forward_packed(model, torch.cat(seqs)[None], torch.cat([torch.arange(len(s)) for s in seqs])[None],
+                                cu, 12, rope_owner=model).reshape(24, -1)
+    for (a, b), ref in zip(zip(cu[:-1].tolist(), cu[1:].tolist()), alone):
+        assert (packed[a:b] - ref).abs().max().item() < 1e-5

