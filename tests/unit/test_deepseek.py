@@ -194,3 +194,19 @@ def test_packed_sequences_equal_one_at_a_time(world, tiny):
                                 cu, 12, rope_owner=model).reshape(24, -1)
     for (a, b), ref in zip(zip(cu[:-1].tolist(), cu[1:].tolist()), alone):
         assert (packed[a:b] - ref).abs().max().item() < 1e-5
+
+
+def test_bias_update_rate_key_reaches_megatron():
+    """model.moe_router_bias_update_rate: DeepSeek's 0.001 by default, the key's value (0 freezes the bias) when
+    set; models without the bias ignore it."""
+    from verl_mega.config import load_config
+    from verl_mega.trainer.setup import moe_options
+
+    recipe = Path(__file__).parents[2] / "configs" / "quickstart_moe_cpu.yaml"
+    deepseek = arch_from_hf(json.loads((FIXTURES / "deepseek-v3.json").read_text()))
+    qwen = arch_from_hf(json.loads((FIXTURES / "qwen3-30b-a3b.json").read_text()))
+    frozen = load_config(recipe, ["model.moe_router_bias_update_rate=0"], check_paths=False)
+    default = load_config(recipe, [], check_paths=False)
+    assert transformer_config(deepseek, **moe_options(frozen, deepseek)).moe_router_bias_update_rate == 0.0
+    assert transformer_config(deepseek, **moe_options(default, deepseek)).moe_router_bias_update_rate == 1e-3
+    assert "moe_router_bias_update_rate" not in moe_options(frozen, qwen)

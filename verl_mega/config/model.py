@@ -55,6 +55,11 @@ class ModelConfig(ConfigSection):
     moe_z_loss_coeff: float = option(
         0.0, help="Mixture-of-Experts: weight of the routers' z-loss (ST-MoE; Megatron `moe_z_loss_coeff`), logged "
                   "as `actor/moe_z_loss`; 0 disables. Dense models ignore it.")
+    moe_router_bias_update_rate: float | None = option(
+        None, help="DeepSeek-V3's aux-loss-free balancing: after every optimizer step each router's correction bias "
+                   "moves by this much towards the experts that got fewer than the mean number of tokens (Megatron "
+                   "`moe_router_bias_update_rate`, from the step's token counts summed over the pool); null: "
+                   "DeepSeek's 0.001, 0 keeps the checkpoint's bias. Models without the bias ignore it.")
     moe_token_dispatcher: Literal["alltoall", "allgather"] = option(
         "alltoall", help="Mixture-of-Experts: Megatron's token dispatcher between expert-parallel ranks "
                          "(`moe_token_dispatcher_type`).", affects_results=False)
@@ -82,3 +87,4 @@ class ModelConfig(ConfigSection):
         self._check_range("tiny_warmstart_target", gt=0.0, lt=1.0, example=0.2)
         self._check_range("moe_aux_loss_coeff", ge=0.0, example=0.001)
         self._check_range("moe_z_loss_coeff", ge=0.0, example=0.001)
+        self._check_range("moe_router_bias_update_rate", ge=0.0, example=0.001)

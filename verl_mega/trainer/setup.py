@@ -133,10 +133,13 @@ def moe_options(cfg: TrainConfig, arch: ModelArch) -> dict[str, Any]:
     """The `model.moe_*` keys as Megatron's own TransformerConfig fields (none for a dense model)."""
     if not arch.is_moe:
         return {}
-    aux = cfg.model.moe_aux_loss_coeff
-    return dict(moe_aux_loss_coeff=arch.router_aux_loss_coef if aux is None else aux,
-                moe_z_loss_coeff=cfg.model.moe_z_loss_coeff or None,
-                moe_token_dispatcher_type=cfg.model.moe_token_dispatcher)
+    aux, rate = cfg.model.moe_aux_loss_coeff, cfg.model.moe_router_bias_update_rate
+    out = dict(moe_aux_loss_coeff=arch.router_aux_loss_coef if aux is None else aux,
+               moe_z_loss_coeff=cfg.model.moe_z_loss_coeff or None,
+               moe_token_dispatcher_type=cfg.model.moe_token_dispatcher)
+    if arch.moe_expert_bias and rate is not None:
+        out["moe_router_bias_update_rate"] = rate
+    return out
 
 
 def check_routed_experts_support() -> None:
