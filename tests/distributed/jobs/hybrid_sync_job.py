@@ -29,7 +29,7 @@ import torch.distributed as dist
 MAX_NEW = 8
 
 
-def perturb(chunks, arch, coords, scale: float) -> None:
+def perturb(chunks, arch, coords, scale: float = 0.3) -> None:
     """Deterministic noise keyed by the (global) parameter name, so replicated copies stay identical."""
     from verl_mega.models.loader import unwrap
 
