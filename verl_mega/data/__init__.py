@@ -1,4 +1,5 @@
-"""Prompt datasets (JSONL / JSON / parquet, chat templates, resumable DP-sharded batches) and generated tasks."""
+"""Prompt datasets (JSONL / JSON / parquet, verl's schema, chat templates, held compactly; resumable DP-sharded
+batches) and generated tasks."""
 
 from verl_mega.data.arithmetic import REWARD_SPEC as ARITHMETIC_REWARD_SPEC
 from verl_mega.data.arithmetic import generate_arithmetic, write_arithmetic_jsonl
@@ -11,6 +12,7 @@ from verl_mega.data.prompts import (
     PromptRecord,
     load_prompt_records,
 )
+from verl_mega.data.records import iter_prompt_records
 from verl_mega.data.tasks import GENERATED_TASKS, GeneratedTask, generated_task, is_generated
 
 __all__ = [
@@ -24,6 +26,7 @@ __all__ = [
     "PromptLoader",
     "PromptRecord",
     "load_prompt_records",
+    "iter_prompt_records",
     "GENERATED_TASKS",
     "GeneratedTask",
     "generated_task",

@@ -4,13 +4,23 @@ Accepted specs:
 
 * a built-in name: ``gsm8k``, ``gsm8k_flexible``, ``format``, ``arithmetic``, ``calculator``
 * ``pkg.module:fn`` or ``pkg.module.fn``
-* ``path/to/file.py:fn`` (or ``path/to/file.py``, which loads ``compute_score``)
+* ``path/to/file.py:fn`` (or ``path/to/file.py``, which loads ``compute_score``): a file and a function, as verl's
+  ``custom_reward_function.path`` and ``.name`` name them
 
-A per-sample function is called as ``fn(response, ground_truth, **extras)``; a batched one as
-``fn(responses, ground_truths, **extras)`` with lists and must return a list of floats. A function is batched when
-``batched=True`` is passed, when it carries ``fn.batched = True``, or when its first parameter is named ``responses``.
-Extras (``data_source``, ``extra_info``, ... plus fixed ``reward_kwargs``) are passed only if the function takes them
-(by name or through ``**kwargs``).
+Two contracts are accepted, each per sample or batched:
+
+* **verl's**, recognised by a parameter named ``solution_str`` (batched: ``solution_strs``):
+  ``compute_score(data_source, solution_str, ground_truth, extra_info=None)``, called by keyword as verl calls it,
+  with the row's ``data_source`` and ``extra_info`` (``{}`` when the row has none); batched:
+  ``compute_score(data_sources, solution_strs, ground_truths, extra_infos)`` with lists.
+* **ours**: ``fn(response, ground_truth, **extras)``; batched ``fn(responses, ground_truths, **extras)`` with lists,
+  when ``batched=True`` is passed, the function carries ``fn.batched = True``, or its first parameter is named
+  ``responses``. Extras (the row's other fields: ``data_source``, ``extra_info``, ...) are passed only if the
+  function takes them (by name or through ``**kwargs``).
+
+Fixed ``reward_kwargs`` are passed by keyword to either. A function returns a float, or a dict with a ``score`` and
+other values: the numeric ones are kept per sample (:meth:`RewardFunction.score_batch_info`), and the trainer logs
+their step means as ``reward/<key>``.
 """
 
 from __future__ import annotations
@@ -20,12 +30,14 @@ import importlib
 import importlib.util
 import inspect
 import math
+import numbers
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Literal, Mapping, Sequence
 
-__all__ = ["RewardFunctionError", "RewardFunction", "load_reward_fn", "BUILTIN_REWARDS", "to_score"]
+__all__ = ["RewardFunctionError", "RewardFunction", "load_reward_fn", "BUILTIN_REWARDS", "to_score", "score_info",
+           "ACCEPTED_FORMS"]
 
 BUILTIN_REWARDS = {
     "gsm8k": "verl_mega.rewards.math_reward:compute_score",
@@ -36,10 +48,27 @@ BUILTIN_REWARDS = {
 }
 _BUILTIN_KWARGS = {"gsm8k_flexible": {"method": "flexible"}}
 _DEFAULT_FN_NAME = "compute_score"
+# verl's reward functions: the names verl passes by keyword (verl/workers/reward_manager/naive.py and batch.py)
+VERL_PARAMS = ("data_source", "solution_str", "ground_truth", "extra_info")
+VERL_BATCH_PARAMS = ("data_sources", "solution_strs", "ground_truths", "extra_infos")
+ACCEPTED_FORMS = ("verl's compute_score(data_source, solution_str, ground_truth, extra_info=None) (batched: "
+                  "compute_score(data_sources, solution_strs, ground_truths, extra_infos)), called by keyword; or "
+                  "fn(response, ground_truth, **extras) (batched: fn(responses, ground_truths, **extras))")
+Contract = Literal["ours", "verl"]
 
 
 class RewardFunctionError(ValueError):
     """A reward function spec that cannot be loaded, or a function with an unusable signature."""
+
+
+def _number(value: Any) -> float | None:
+    """``value`` as a float when it is a number (bool, int, float, numpy / 0-d tensor scalar), else None."""
+    if hasattr(value, "item") and callable(value.item) and not isinstance(value, (bool, int, float)):
+        try:
+            value = value.item()
+        except (ValueError, RuntimeError):  # an array of several values
+            return None
+    return float(value) if isinstance(value, (bool, numbers.Real)) else None
 
 
 def to_score(value: Any) -> float:
@@ -48,14 +77,24 @@ def to_score(value: Any) -> float:
         if "score" not in value:
             raise TypeError(f"returned a dict without a 'score' key (keys: {sorted(value)})")
         value = value["score"]
-    if hasattr(value, "item") and callable(value.item):
-        value = value.item()
-    if not isinstance(value, (bool, int, float)):
+    score = _number(value)
+    if score is None:
         raise TypeError(f"returned {type(value).__name__}; a reward function must return a float")
-    score = float(value)
     if not math.isfinite(score):
         raise ValueError(f"returned a non-finite score ({score})")
     return score
+
+
+def score_info(value: Any) -> dict[str, float]:
+    """The other numeric, finite values of a dict return (verl's reward_extra_info), by key; {} for a float."""
+    if not isinstance(value, Mapping):
+        return {}
+    out = {}
+    for key, item in value.items():
+        number = _number(item) if key != "score" else None
+        if number is not None and math.isfinite(number):
+            out[str(key)] = number
+    return out
 
 
 @dataclass(frozen=True)
@@ -68,6 +107,7 @@ class RewardFunction:
     spec: str | None = None  # re-loadable description (None when given a callable directly)
     reward_kwargs: dict[str, Any] = field(default_factory=dict)
     accepted_extras: frozenset[str] | None = None  # None: takes **kwargs, so every extra is passed
+    contract: Contract = "ours"
 
     def _extras(self, extra: Mapping[str, Any] | None) -> dict[str, Any]:
         merged = {**(extra or {}), **self.reward_kwargs}
@@ -75,10 +115,38 @@ class RewardFunction:
             return merged
         return {k: v for k, v in merged.items() if k in self.accepted_extras}
 
+    def _verl_kwargs(self, names: Sequence[str], values: Sequence[Any]) -> dict[str, Any]:
+        kwargs = {**dict(zip(names, values)), **self.reward_kwargs}
+        if self.accepted_extras is None:
+            return kwargs
+        return {k: v for k, v in kwargs.items() if k in self.accepted_extras}
+
+    def _call_one(self, response: str, ground_truth: Any, extra: Mapping[str, Any] | None) -> Any:
+        extra = extra or {}
+        if self.contract == "verl":
+            return self.fn(**self._verl_kwargs(VERL_PARAMS, (extra.get("data_source"), response, ground_truth,
+                                                             _extra_info(extra))))
+        return self.fn(response, ground_truth, **self._extras(extra))
+
+    def _call_batch(self, responses: list[str], ground_truths: list[Any],
+                    extras: list[Mapping[str, Any]]) -> list[Any]:
+        if self.contract == "verl":
+            out = self.fn(**self._verl_kwargs(VERL_BATCH_PARAMS, (
+                [e.get("data_source") for e in extras], responses, ground_truths, [_extra_info(e) for e in extras])))
+        else:  # per-sample extras as lists under the same names
+            keys = set().union(*(e.keys() for e in extras)) if extras else set()
+            listed = {k: [e.get(k) for e in extras] for k in keys}
+            out = self.fn(responses, ground_truths, **self._extras(listed))
+        if not isinstance(out, (list, tuple)) and not hasattr(out, "tolist"):
+            raise TypeError(f"batched reward function returned {type(out).__name__}; return a list of floats (or "
+                            f"of dicts with a 'score')")
+        out = list(out.tolist() if hasattr(out, "tolist") else out)
+        if len(out) != len(responses):
+            raise ValueError(f"batched reward function returned {len(out)} scores for {len(responses)} responses")
+        return out
+
     def score_one(self, response: str, ground_truth: Any, extra: Mapping[str, Any] | None = None) -> float:
-        if self.batched:
-            return self.score_batch([response], [ground_truth], [extra or {}])[0]
-        return to_score(self.fn(response, ground_truth, **self._extras(extra)))
+        return self.score_batch([response], [ground_truth], [extra or {}])[0]
 
     def score_batch(
         self,
@@ -86,20 +154,27 @@ class RewardFunction:
         ground_truths: Sequence[Any],
         extras: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[float]:
+        return self.score_batch_info(responses, ground_truths, extras)[0]
+
+    def score_batch_info(
+        self,
+        responses: Sequence[str],
+        ground_truths: Sequence[Any],
+        extras: Sequence[Mapping[str, Any]] | None = None,
+    ) -> tuple[list[float], list[dict[str, float]]]:
+        """Scores, and each sample's other numeric values of a dict return ({} for a float return)."""
         extras = list(extras) if extras is not None else [{} for _ in responses]
-        if not self.batched:
-            return [self.score_one(r, g, e) for r, g, e in zip(responses, ground_truths, extras, strict=True)]
-        # Batched functions get per-sample extras as lists under the same names.
-        keys = set().union(*(e.keys() for e in extras)) if extras else set()
-        listed = {k: [e.get(k) for e in extras] for k in keys}
-        kwargs = self._extras(listed)
-        out = self.fn(list(responses), list(ground_truths), **kwargs)
-        if not isinstance(out, (list, tuple)) and not hasattr(out, "tolist"):
-            raise TypeError(f"batched reward function returned {type(out).__name__}; return a list of floats")
-        out = list(out.tolist() if hasattr(out, "tolist") else out)
-        if len(out) != len(responses):
-            raise ValueError(f"batched reward function returned {len(out)} scores for {len(responses)} responses")
-        return [to_score(v) for v in out]
+        if self.batched:
+            raw = self._call_batch(list(responses), list(ground_truths), extras)
+        else:
+            raw = [self._call_one(r, g, e) for r, g, e in zip(responses, ground_truths, extras, strict=True)]
+        return [to_score(v) for v in raw], [score_info(v) for v in raw]
+
+
+def _extra_info(extra: Mapping[str, Any]) -> dict[str, Any]:
+    """The row's ``extra_info`` as verl passes it: a dict of its own ({} when the row has none)."""
+    info = extra.get("extra_info")
+    return dict(info) if isinstance(info, Mapping) else ({} if info is None else info)
 
 
 def _import_module_from_file(path: str, spec_text: str, what: str):
@@ -172,29 +247,57 @@ def load_callable(spec: str, *, what: str) -> Callable[..., Any]:
     return _resolve(spec, what)[0]
 
 
-def _check_signature(fn: Callable[..., Any], name: str) -> frozenset[str] | None:
-    """Needs two positional slots and no other required parameter; returns the extras it accepts by name."""
-    if not callable(fn):
-        raise RewardFunctionError(f"reward function '{name}' is a {type(fn).__name__}, not callable")
+def _params(fn: Callable[..., Any]) -> list[inspect.Parameter] | None:
     try:
-        params = list(inspect.signature(fn).parameters.values())
+        return list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
-        return None  # builtins/C functions without a signature: trust them
+        return None  # builtins/C functions without a signature
+
+
+def _contract(fn: Callable[..., Any], params: list[inspect.Parameter] | None,
+              batched: bool | None) -> tuple[Contract, bool]:
+    """(contract, batched): verl's when a parameter is named solution_str(s), ours otherwise."""
+    names = {p.name for p in params or ()}
+    if "solution_strs" in names:
+        return "verl", True
+    if "solution_str" in names:
+        return "verl", False
+    if batched is None:
+        batched = bool(getattr(fn, "batched", False)) or (params[0].name == "responses" if params else False)
+    return "ours", batched
+
+
+def _check_signature(fn: Callable[..., Any], name: str, contract: Contract, batched: bool,
+                     params: list[inspect.Parameter] | None, given: frozenset[str]) -> frozenset[str] | None:
+    """Whether ``fn`` can be called in its contract, with ``given`` keyword arguments (reward_kwargs) on top; returns
+    the keyword names it accepts (None: any, through **kwargs)."""
+    if params is None:
+        return None  # trust it
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params)
+    if contract == "verl":
+        passed = set(VERL_BATCH_PARAMS if batched else VERL_PARAMS) | given
+        positional_only = [p.name for p in params if p.kind is p.POSITIONAL_ONLY]
+        required = [p.name for p in params if p.default is p.empty and p.kind in
+                    (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in passed]
+        if positional_only or required:
+            what = (f"positional-only parameter(s) {', '.join(positional_only)}" if positional_only else
+                    f"required parameter(s) {', '.join(required)} that verl's contract does not pass")
+            raise RewardFunctionError(f"reward function '{name}' has {what}; give them defaults or pass them via "
+                                      f"reward.kwargs. Accepted forms: {ACCEPTED_FORMS}")
+        return None if takes_any else frozenset(p.name for p in params if p.kind is not p.VAR_POSITIONAL)
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     has_varargs = any(p.kind is p.VAR_POSITIONAL for p in params)
     if len(positional) < 2 and not has_varargs:
         raise RewardFunctionError(
-            f"reward function '{name}' takes {len(positional)} positional parameter(s); it must be "
-            "fn(response: str, ground_truth, **kwargs) -> float (or the batched form with lists)"
-        )
-    required = [p.name for p in positional[2:] if p.default is p.empty]
-    required += [p.name for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
+            f"reward function '{name}' takes {len(positional)} positional parameter(s), which fits neither "
+            f"accepted form: {ACCEPTED_FORMS}")
+    required = [p.name for p in positional[2:] if p.default is p.empty and p.name not in given]
+    required += [p.name for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty and p.name not in given]
     if required:
         raise RewardFunctionError(
             f"reward function '{name}' has required parameter(s) {', '.join(required)} beyond (response, "
-            "ground_truth); give them defaults or pass them via reward_kwargs"
-        )
-    if any(p.kind is p.VAR_KEYWORD for p in params):
+            f"ground_truth); give them defaults or pass them via reward.kwargs. Accepted forms: {ACCEPTED_FORMS}")
+    if takes_any:
         return None
     return frozenset(p.name for p in params[2:] if p.kind is not p.VAR_POSITIONAL)
 
@@ -208,7 +311,7 @@ def load_reward_fn(
     """Resolve ``spec`` (see the module docstring) into a checked :class:`RewardFunction`.
 
     Raises :class:`RewardFunctionError` (a ``ValueError``) with a one-line message when the module/file/function is
-    missing or the signature does not fit.
+    missing or the signature fits neither accepted form.
     """
     kwargs = dict(reward_kwargs or {})
     if callable(spec) and not isinstance(spec, str):
@@ -218,15 +321,16 @@ def load_reward_fn(
         if spec_text in BUILTIN_REWARDS:
             kwargs = {**_BUILTIN_KWARGS.get(spec_text, {}), **kwargs}
             fn, _ = _resolve(BUILTIN_REWARDS[spec_text])
-            name = spec_text
         else:
             fn, _ = _resolve(spec_text)
-            name = spec_text
+        name = spec_text
     else:
         raise RewardFunctionError(f"reward function spec must be a string or a callable, got {type(spec).__name__}")
-    accepted = _check_signature(fn, name)
-    if batched is None:
-        batched = bool(getattr(fn, "batched", False)) or _first_param(fn) == "responses"
+    if not callable(fn):
+        raise RewardFunctionError(f"reward function '{name}' is a {type(fn).__name__}, not callable")
+    params = _params(fn)
+    contract, is_batched = _contract(fn, params, batched)
+    accepted = _check_signature(fn, name, contract, is_batched, params, frozenset(kwargs))
     if accepted is not None:
         unknown = sorted(set(kwargs) - accepted)
         if unknown:
@@ -234,13 +338,5 @@ def load_reward_fn(
                 f"reward_kwargs {', '.join(unknown)} are not parameters of reward function '{name}'; "
                 f"it accepts: {', '.join(sorted(accepted)) or 'none'}"
             )
-    return RewardFunction(
-        fn=fn, batched=batched, name=name, spec=spec_text, reward_kwargs=kwargs, accepted_extras=accepted
-    )
-
-
-def _first_param(fn: Callable[..., Any]) -> str:
-    try:
-        return next(iter(inspect.signature(fn).parameters), "")
-    except (TypeError, ValueError):
-        return ""
+    return RewardFunction(fn=fn, batched=is_batched, name=name, spec=spec_text, reward_kwargs=kwargs,
+                          accepted_extras=accepted, contract=contract)

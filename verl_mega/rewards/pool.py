@@ -43,7 +43,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from verl_mega.rewards.loader import RewardFunction, load_reward_fn
 
-__all__ = ["RewardPool", "RewardBatchResult", "RewardFunctionFailed"]
+__all__ = ["RewardPool", "RewardBatchResult", "RewardFunctionFailed", "info_metrics"]
 
 logger = logging.getLogger("verl_mega.rewards")
 
@@ -61,6 +61,36 @@ class RewardBatchResult:
     num_errors: int
     elapsed_s: float
     first_error: str | None = None
+    # each sample's other numeric values of a dict return ({} for a float, an error or a timeout)
+    infos: list[dict[str, float]] | None = None
+
+    def info_sums(self) -> dict[str, tuple[float, int]]:
+        """(sum, count) of each dict-return key over the samples that returned it: their mean is logged as
+        ``reward/<key>``."""
+        sums: dict[str, tuple[float, int]] = {}
+        for info in self.infos or ():
+            for key, value in info.items():
+                total, count = sums.get(key, (0.0, 0))
+                sums[key] = (total + value, count + 1)
+        return sums
+
+
+# metrics the trainer logs itself: a dict value of the reward function under one of these names is logged as
+# reward/fn_<name>
+_OWN_REWARD_KEYS = ("mean", "max", "min", "errors", "timeouts", "baseline_mean")
+
+
+def info_metrics(parts: Sequence[Mapping[str, tuple[float, int]]]) -> dict[str, float]:
+    """``reward/<key>``: the mean of each value the reward function returned in its dict beside ``score``, over the
+    samples that returned it, from the (sum, count) pairs of :meth:`RewardBatchResult.info_sums` of several batches
+    or ranks."""
+    sums: dict[str, list[float]] = {}
+    for part in parts:
+        for key, (total, count) in part.items():
+            acc = sums.setdefault(key, [0.0, 0.0])
+            acc[0], acc[1] = acc[0] + total, acc[1] + count
+    return {f"reward/{'fn_' + k if k in _OWN_REWARD_KEYS else k}": total / count
+            for k, (total, count) in sorted(sums.items()) if count}
 
 
 # ------------------------------------------------------------------------------------------- worker process side
@@ -75,9 +105,9 @@ def _die_with_parent() -> None:
 
 
 def _call_unit(fn: RewardFunction, responses, ground_truths, extras) -> tuple[str, Any]:
-    """Never raises: ("ok", scores) or ("error", message)."""
+    """Never raises: ("ok", (scores, infos)) or ("error", message)."""
     try:
-        return ("ok", fn.score_batch(responses, ground_truths, extras))
+        return ("ok", fn.score_batch_info(responses, ground_truths, extras))
     except Exception as exc:  # noqa: BLE001 - user code: any failure is counted and scores 0
         return ("error", f"{type(exc).__name__}: {exc}")
 
@@ -273,12 +303,13 @@ class RewardPool:
         args = [([responses[i] for i in u], [ground_truths[i] for i in u], [extras[i] for i in u]) for u in units]
         outcomes = self._run(args, sizes=[len(u) for u in units], n=len(responses))
         scores = [0.0] * len(responses)
+        infos: list[dict[str, float]] = [{} for _ in responses]
         timeouts = errors = 0
         first_error = None
         for unit, (status, value) in zip(units, outcomes):
             if status == "ok":
-                for i, s in zip(unit, value):
-                    scores[i] = s
+                for i, s, info in zip(unit, *value):
+                    scores[i], infos[i] = s, info
             elif status == "timeout":
                 timeouts += len(unit)
                 first_error = first_error or f"timed out after {self.timeout_s:g}s"
@@ -294,7 +325,7 @@ class RewardPool:
                 "(run totals: %d timeouts, %d errors); first: %s",
                 self.fn.name, timeouts, errors, len(responses), self.total_timeouts, self.total_errors, first_error,
             )
-        return RewardBatchResult(scores, timeouts, errors, time.monotonic() - start, first_error)
+        return RewardBatchResult(scores, timeouts, errors, time.monotonic() - start, first_error, infos)
 
     def _run(self, args: list[tuple], *, sizes: list[int], n: int) -> list[tuple[str, Any]]:
         """Outcome of every unit: each goes to an idle worker; a worker past its deadline is killed, a dead one

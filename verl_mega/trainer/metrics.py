@@ -1,4 +1,5 @@
-"""Metric sinks of a run (rank 0 only): metrics.jsonl, TensorBoard, console / progress bar, and a curve PNG at the end.
+"""Metric sinks of a run (rank 0 only): metrics.jsonl, TensorBoard, wandb and MLflow (trainer/trackers.py), console /
+progress bar, and a curve PNG at the end.
 
 ``metrics.jsonl`` is the record of the run: one JSON object per step with ``step`` and free-form ``a/b`` keys,
 flushed and fsync'ed line by line so a killed job loses nothing already logged. Non-finite numbers are written as
@@ -21,6 +22,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from verl_mega.trainer.trackers import check_trackers, finite_numbers, open_trackers
 
 __all__ = ["MetricsLogger", "plot_curves", "read_metrics", "write_summary", "METRICS_FILE", "CURVES_FILE",
            "TENSORBOARD_DIR", "SUMMARY_FILE"]
@@ -186,7 +189,9 @@ class MetricsLogger:
 
     def __init__(self, output_dir: str | os.PathLike, *, console: bool = True, progress_bar: bool = True,
                  jsonl: bool = True, tensorboard: bool = True, plot: bool = True, total_steps: int | None = None,
-                 rank: int = 0, resume_step: int | None = None, log_every: int = 1):
+                 rank: int = 0, resume_step: int | None = None, log_every: int = 1, wandb: bool = False,
+                 mlflow: bool = False, project: str = "verl_mega", run_name: str | None = None,
+                 config: Mapping[str, Any] | None = None):
         if plot and not jsonl:
             raise ValueError("logging.plot=true reads the curves back from metrics.jsonl; set logging.jsonl=true or "
                              "logging.plot=false")
@@ -203,10 +208,13 @@ class MetricsLogger:
         self._file = None
         self._writer = None
         self._bar = None
+        self._trackers: list = []
         self._closed = False
         self._last_step: int | None = None
         if not self.active:
             return
+        wanted = {"wandb": wandb, "mlflow": mlflow}
+        check_trackers(wanted)  # before anything is written
         self.output_dir.mkdir(parents=True, exist_ok=True)
         kept = 0
         if self.jsonl_path is not None:
@@ -223,6 +231,8 @@ class MetricsLogger:
             # purge_step makes TensorBoard drop events a killed run wrote after the checkpoint we resume from.
             self._writer = SummaryWriter(log_dir=str(self.output_dir / TENSORBOARD_DIR),
                                          purge_step=0 if resume_step is None else resume_step + 1)
+        self._trackers = open_trackers(self.output_dir, wanted=wanted, project=project, run_name=run_name,
+                                       config=config, resume=bool(resume_step))
         if progress_bar and sys.stderr.isatty():
             from tqdm.auto import tqdm
 
@@ -273,6 +283,10 @@ class MetricsLogger:
             for key, value in numbers.items():
                 self._writer.add_scalar(key, value, step)
             self._writer.flush()
+        if self._trackers:
+            finite = finite_numbers(numbers)
+            for tracker in self._trackers:
+                tracker.log(finite, step)
         self._to_console(numbers, step)
 
     def _to_console(self, numbers: Mapping[str, float], step: int) -> None:
@@ -305,6 +319,8 @@ class MetricsLogger:
             self._writer.close()
         if self._file is not None:
             self._file.close()
+        for tracker in self._trackers:
+            tracker.close()
         if self.plot and self.jsonl_path is not None and self.jsonl_path.exists():
             if not plot_curves(self.jsonl_path, self.output_dir / CURVES_FILE):
                 logger.info("no reward/KL/entropy keys in %s; %s not written", self.jsonl_path, CURVES_FILE)

@@ -43,6 +43,7 @@ class RLTrainer:
         self.prescored = self.baseline_scores = None
         self._reward_counts = [0, 0, 0]  # this step's errors, timeouts and scored samples on this rank
         self._reward_first_error: str | None = None
+        self._reward_infos: dict[str, tuple[float, int]] = {}  # the function's dict values: (sum, count) per key
         engine = actor.engine  # samples are split over the actor's data-parallel group
         self.dp, self.dp_rank = engine.dp_size, engine.dp_rank
         self.flow = self._build_flow()
@@ -105,7 +106,7 @@ class RLTrainer:
                 raise StopIteration(f"trainer.total_steps={self.job.total_steps} (or the data) is exhausted")
             self.job_step += 1
         self.profiler.reset_step()
-        self._reward_counts, self._reward_first_error = [0, 0, 0], None
+        self._reward_counts, self._reward_first_error, self._reward_infos = [0, 0, 0], None, {}
         out = self.flow.run({"prompts": prompt_batch})
         if getattr(self, "print_each_step", False) and dist.get_rank() == 0:
             self.print_profiling_summary()
@@ -125,8 +126,9 @@ class RLTrainer:
         rank first, so all ranks stop together."""
         from verl_mega.rewards import RewardFunctionFailed
 
-        totals = self.path.sum_over_pool(torch.tensor(self._reward_counts, dtype=torch.float64))
-        errors, timeouts, samples = totals.tolist()
+        totals = self.path.sum_over_pool(torch.tensor([*self._reward_counts, len(self._reward_infos)],
+                                                      dtype=torch.float64))
+        errors, timeouts, samples, info_keys = totals.tolist()
         limit = self.cfg.reward.max_error_frac
         if samples and (errors + timeouts) / samples > limit:
             firsts = [self._reward_first_error]
@@ -139,7 +141,18 @@ class RLTrainer:
                 f"reward function '{self.reward_pool.fn.name}' failed on {errors + timeouts:g} of {samples:g} samples "
                 f"of this step ({errors:g} errors, {timeouts:g} timeouts), more than reward.max_error_frac={limit:g}; "
                 f"first: {first}; fix the function, or raise reward.timeout_s or reward.max_error_frac")
-        return {"reward/errors": errors, "reward/timeouts": timeouts}
+        return {"reward/errors": errors, "reward/timeouts": timeouts,
+                **(self._reward_info_means() if info_keys else {})}
+
+    def _reward_info_means(self) -> dict[str, float]:
+        """``reward/<key>`` means of the values the reward function returned beside ``score``, over the pool."""
+        from verl_mega.rewards.pool import info_metrics
+
+        everyone, group = [self._reward_infos], self.path.group
+        if group is not None and dist.get_world_size(group) > 1:
+            everyone = [None] * dist.get_world_size(group)
+            dist.all_gather_object(everyone, self._reward_infos, group=group)
+        return info_metrics(everyone)
 
     # ------------------------------------------------------------------ stages
     def _rollout(self, ctx) -> dict[str, Any]:
@@ -302,12 +315,17 @@ class RLTrainer:
             samples = [by_row[row] for row in share]
             partial[share] = self._scores([self._text(s.ids) for s in samples],
                                           [items[offset + s.prompt].ground_truth for s in samples],
-                                          [min(len(s.ids), limit) for s in samples])
+                                          [min(len(s.ids), limit) for s in samples],
+                                          [items[offset + s.prompt].extra for s in samples])
         return self.path.sum_over_pool(partial)
 
-    def _scores(self, texts: list[str], truths: list, lengths) -> torch.Tensor:
-        """Reward-function scores plus, with reward.overlong_buffer, DAPO's overlong penalty."""
-        result = self.reward_pool.score(texts, truths)
+    def _scores(self, texts: list[str], truths: list, lengths, extras: list) -> torch.Tensor:
+        """Reward-function scores plus, with reward.overlong_buffer, DAPO's overlong penalty. ``extras``: each
+        sample's row fields (data_source, extra_info, ...) for the function."""
+        result = self.reward_pool.score(texts, truths, extras)
+        for key, (total, count) in result.info_sums().items():
+            mine = self._reward_infos.get(key, (0.0, 0))
+            self._reward_infos[key] = (mine[0] + total, mine[1] + count)
         self._reward_counts = [self._reward_counts[0] + result.num_errors,
                                self._reward_counts[1] + result.num_timeouts, self._reward_counts[2] + len(texts)]
         self._reward_first_error = self._reward_first_error or result.first_error
@@ -347,7 +365,8 @@ class RLTrainer:
                                                                                      validation=True)])
         by_prompt = {s.prompt: s for s in gen.samples}
         mine = [by_prompt[p] for p in self.path.engine_share(sorted(by_prompt))]
-        scores = self.reward_pool.score([self._text(s.ids) for s in mine], [items[s.prompt].ground_truth for s in mine])
+        scores = self.reward_pool.score([self._text(s.ids) for s in mine], [items[s.prompt].ground_truth for s in mine],
+                                        [items[s.prompt].extra for s in mine])
         totals = torch.tensor([float(sum(scores.scores)), float(sum(len(s.ids) for s in mine)), float(len(mine))],
                               dtype=torch.float64)
         total, tokens, count = self.path.sum_over_pool(totals).tolist()
@@ -392,7 +411,8 @@ class RLTrainer:
             samples = [self.rows[row] for row in rows]
             partial[rows] = self._scores([self._text(s.ids) for s in samples],
                                          [self.items[s.prompt].ground_truth for s in samples],
-                                         self.table.length[rows].tolist())
+                                         self.table.length[rows].tolist(),
+                                         [self.items[s.prompt].extra for s in samples])
         return partial, False
 
     def _old_logprob(self, ctx) -> torch.Tensor:
@@ -526,7 +546,7 @@ def build_stream_scorer(trainer: RLTrainer) -> StreamScorer:
             lengths = b["response_len"][mine].tolist()
             out[mine] = trainer._scores([trainer._text(b["responses"][i, :n]) for i, n in zip(mine, lengths)],
                                         [trainer._stream_items[b.meta["group"][i]].ground_truth for i in mine],
-                                        lengths)
+                                        lengths, [trainer._stream_items[b.meta["group"][i]].extra for i in mine])
         return {"reward": out}
 
     stages = []

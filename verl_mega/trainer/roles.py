@@ -130,7 +130,8 @@ class Actor(PolicyRole):
         self.cfg = cfg
 
     def update(self, batch: Batch, *, mini_batch_rows: int) -> dict[str, float]:
-        """PPO epochs × mini-batches over this rank's samples; one optimizer step per mini-batch."""
+        """PPO epochs × mini-batches over this rank's samples; one optimizer step per mini-batch. Metrics are means
+        over the mini-batches, except ``actor/ppo_kl``: the first mini-batch's, taken before its update."""
         cfg = self.cfg
         keys = ("input_ids", "prompt_len", "response_mask", "old_logprobs", "advantages", "ref_logprobs")
         if cfg.rollout_is is not None:
@@ -153,7 +154,12 @@ class Actor(PolicyRole):
                     sum(algos.agg_loss_normalizer(mb["response_mask"], cfg.loss_agg_mode) for mb in mbs))
                 scale = self.engine.dp_size * len(mbs)
                 history.append(self.engine.train_step(mbs, self._loss_fn(normalizer, scale)))
-        return {f"actor/{k}": sum(h[k] for h in history) / len(history) for k in history[0]} | off_policy
+        metrics = {f"actor/{k}": sum(h[k] for h in history) / len(history) for k in history[0]} | off_policy
+        if "approx_kl" in history[0]:
+            # the KL between the old log-probs and the policy at the first mini-batch, before any update of this step:
+            # 0 up to rounding on policy (the same weights as the old log-prob pass), a consistency gate
+            metrics["actor/ppo_kl"] = history[0]["approx_kl"]
+        return metrics
 
     def _off_policy(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
         """The behaviour (rollout) vs proximal (old) policy correction of the whole local batch, once per update (the

@@ -50,7 +50,8 @@ def resolve_model_path(cfg: TrainConfig) -> Path:
     from verl_mega.data.tasks import generated_task, is_generated
     from verl_mega.models.tiny import make_tiny_hf_model, warm_start
 
-    entry = next((f for f in cfg.data.train_files if is_generated(f)), "generated:arithmetic")
+    entry = f"generated:{cfg.model.tiny_task}" if cfg.model.tiny_task else \
+        next((f for f in cfg.data.train_files if is_generated(f)), "generated:arithmetic")
     seed = cfg.trainer.seed
     root = Path(os.environ.get("VERL_MEGA_CACHE", Path.home() / ".cache" / "verl_mega"))
     steps, skill = cfg.model.tiny_warmstart_steps, cfg.model.tiny_warmstart_target
@@ -267,9 +268,11 @@ def offload_trainers(cfg: TrainConfig, actor, critic, ref):
     return offload
 
 
-def load_tokenizer(path: Path, *, trust_remote_code: bool = False, model_vocab_size: int | None = None):
+def load_tokenizer(path: Path, *, trust_remote_code: bool = False, model_vocab_size: int | None = None,
+                   chat_template: str | None = None):
     """The tokenizer of `path`, checked (trainer/preflight.py): one-line error when the directory has none (every
-    prompt would encode to []), it has no EOS token, or (given the model's vocab size) its vocabulary does not fit."""
+    prompt would encode to []), it has no EOS token, or (given the model's vocab size) its vocabulary does not fit.
+    ``chat_template`` (model.chat_template: Jinja text, or a file of it) replaces the tokenizer's own."""
     from transformers import AutoTokenizer
 
     from verl_mega.trainer.preflight import check_tokenizer
@@ -282,6 +285,9 @@ def load_tokenizer(path: Path, *, trust_remote_code: bool = False, model_vocab_s
                              f"model.trust_remote_code=true if you trust that directory") from None
         raise
     check_tokenizer(tokenizer, str(path), model_vocab_size=model_vocab_size or len(tokenizer))
+    if chat_template is not None:
+        text = chat_template.strip()  # a .jinja file (checked by TrainConfig.check_paths), or the template itself
+        tokenizer.chat_template = Path(text).read_text() if text.endswith(".jinja") else chat_template
     return tokenizer
 
 
@@ -405,7 +411,8 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
         check_checkpoint_matches(HFCheckpointReader(weights), model_arch(weights))  # headers only
     resume_path = find_checkpoint(cfg)  # a bad resume target fails here, before anything is built
     tokenizer = load_tokenizer(Path(cfg.model.tokenizer_path) if cfg.model.path != "tiny" else path,
-                               trust_remote_code=cfg.model.trust_remote_code, model_vocab_size=arch.vocab_size)
+                               trust_remote_code=cfg.model.trust_remote_code, model_vocab_size=arch.vocab_size,
+                               chat_template=cfg.model.chat_template)
 
     def dataset(files):
         return PromptDataset.from_files(files, tokenizer, max_prompt_length=cfg.data.max_prompt_length,

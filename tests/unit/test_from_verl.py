@@ -1,0 +1,173 @@
+"""tools/from_verl.py: verl trainer configs (hydra composition, interpolations, dotted overrides) → verl_mega recipes,
+every key mapped or reported."""
+
+import importlib.util
+import sys
+import textwrap
+from pathlib import Path
+
+import yaml
+
+from verl_mega.config import load_config
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tools"))
+_spec = importlib.util.spec_from_file_location("from_verl_cli", REPO / "tools" / "from_verl.py")
+from_verl = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(from_verl)
+
+from verl_keys import Ctx, Map, Same, Unsupported, classify  # noqa: E402
+
+UNKNOWN = "not a key of verl's PPO trainer configs that this converter knows"
+
+
+def test_every_key_of_verls_trainer_configs_is_classified():
+    keys = [k for k in (REPO / "tests/fixtures/verl/trainer_keys.txt").read_text().splitlines()
+            if k and not k.startswith("#")]
+    assert len(keys) > 1100
+    ctx = Ctx({})
+    outcomes = {k: classify(k, None, ctx) for k in keys}
+    unknown = [k for k, o in outcomes.items() if isinstance(o, Unsupported) and o.reason.startswith(UNKNOWN)]
+    assert unknown == []
+    assert all(isinstance(o, (Map, Same, Unsupported)) and (not isinstance(o, (Same, Unsupported)) or o.reason)
+               for o in outcomes.values())
+    assert isinstance(classify("trainer.no_such_key", 1, ctx), Unsupported)
+
+
+def _write(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+
+
+# A trainer config laid out as verl's: groups placed by `group@package`, `../` groups, a `${model_engine}` choice,
+# `# @package _global_`, `override` in a child config, relative and oc.select interpolations.
+TREE = {
+    "ppo_trainer.yaml": """
+        defaults:
+          - model_engine: dp
+          - actor@actor_rollout_ref.actor: ${model_engine}_actor
+          - rollout@actor_rollout_ref.rollout: rollout
+          - _self_
+        actor_rollout_ref:
+          hybrid_engine: true
+        data:
+          train_batch_size: 1024
+          max_response_length: 512
+        trainer:
+          n_gpus_per_node: 8
+          nnodes: 1
+          project_name: p
+          experiment_name: e
+          default_local_dir: checkpoints/${trainer.project_name}/${trainer.experiment_name}
+        """,
+    "ppo_megatron_trainer.yaml": """
+        defaults:
+          - ppo_trainer
+          - override model_engine: megatron
+          - _self_
+        """,
+    "model_engine/dp.yaml": "# @package _global_\nmodel_engine: dp\n",
+    "model_engine/megatron.yaml": "# @package _global_\nmodel_engine: megatron\n",
+    "actor/actor.yaml": """
+        ppo_mini_batch_size: 256
+        rollout_n: ${oc.select:actor_rollout_ref.rollout.n,1}
+        checkpoint:
+          save_contents: [model, optimizer, extra]
+          load_contents: ${.save_contents}
+        """,
+    "actor/dp_actor.yaml": """
+        defaults:
+          - ../optim@optim: fsdp
+          - actor
+          - _self_
+        strategy: fsdp
+        fsdp_config:
+          param_offload: false
+        """,
+    "actor/megatron_actor.yaml": """
+        defaults:
+          - ../optim@optim: fsdp
+          - actor
+          - _self_
+        strategy: megatron
+        megatron:
+          tensor_model_parallel_size: 1
+          param_offload: false
+        """,
+    "optim/fsdp.yaml": "lr: 1.0e-06\nlr_warmup_steps: -1\nlr_warmup_steps_ratio: 0.0\n",
+    "rollout/rollout.yaml": "n: 1\nresponse_length: ${oc.select:data.max_response_length,512}\ntemperature: 1.0\n",
+}
+
+
+def test_hydra_composition_choices_overrides_and_interpolations(tmp_path):
+    _write(tmp_path, TREE)
+    dp = from_verl.flatten(from_verl.resolve(from_verl.compose(tmp_path / "ppo_trainer.yaml")))
+    assert dp["model_engine"] == "dp" and dp["actor_rollout_ref.actor.strategy"] == "fsdp"
+    assert dp["actor_rollout_ref.actor.optim.lr"] == 1e-6
+    assert dp["actor_rollout_ref.actor.checkpoint.load_contents"] == ["model", "optimizer", "extra"]
+    assert dp["actor_rollout_ref.rollout.response_length"] == 512 and dp["actor_rollout_ref.actor.rollout_n"] == 1
+    assert dp["trainer.default_local_dir"] == "checkpoints/p/e"
+    megatron = from_verl.flatten(from_verl.resolve(from_verl.compose(tmp_path / "ppo_megatron_trainer.yaml")))
+    assert megatron["model_engine"] == "megatron"
+    assert megatron["actor_rollout_ref.actor.megatron.tensor_model_parallel_size"] == 1
+    # the command line's group choice wins, as `main_ppo model_engine=megatron` does
+    chosen = from_verl.compose(tmp_path / "ppo_trainer.yaml", choices={"model_engine": "megatron"})
+    assert chosen["actor_rollout_ref"]["actor"]["strategy"] == "megatron"
+
+
+def _run(tmp_path, *args):
+    out, report = tmp_path / "recipe.yaml", tmp_path / "report.txt"
+    rc = from_verl.main([*map(str, args), "-o", str(out), "--report", str(report)])
+    return rc, (yaml.safe_load(out.read_text()) if out.exists() else None), \
+        (report.read_text() if report.exists() else "")
+
+
+def test_overrides_become_a_recipe_that_loads(tmp_path):
+    _write(tmp_path, TREE)
+    reward = tmp_path / "reward.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n")
+    rc, recipe, report = _run(
+        tmp_path, tmp_path / "ppo_megatron_trainer.yaml", "actor_rollout_ref.actor.optim.lr=2e-6",
+        "actor_rollout_ref.rollout.n=5", "data.train_batch_size=64", "trainer.n_gpus_per_node=4",
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2", "algorithm.adv_estimator=grpo",
+        "+actor_rollout_ref.actor.ppo_micro_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+        "data.train_files=[/data/a.parquet,/data/b.parquet]",
+        f"custom_reward_function.path={reward}", "trainer.save_freq=-1", "trainer.logger=[console,mlflow]",
+        "actor_rollout_ref.model.lora_rank=8")
+    assert rc == 0, report
+    assert recipe["actor"]["lr"] == 2e-6 and recipe["rollout"]["n"] == 5 and recipe["data"]["train_batch_size"] == 64
+    assert recipe["parallel"]["tp"] == 2 and recipe["algorithm"]["adv_estimator"] == "grpo"
+    assert recipe["actor"]["micro_batch_size_per_gpu"] == 4  # verl's global micro-batch over 4 GPUs
+    assert recipe["data"]["train_files"] == ["/data/a.parquet", "/data/b.parquet"]
+    assert recipe["reward"]["function"] == f"{reward}:compute_score"
+    assert recipe["trainer"]["output_dir"] == "checkpoints/p/e" and recipe["trainer"]["save_every"] == 0
+    assert recipe["logging"]["mlflow"] is True and recipe["logging"]["wandb"] is False
+    assert recipe["rollout"]["max_response_length"] == 512
+    # every key is reported; the LoRA rank has no counterpart, with its reason
+    assert "actor_rollout_ref.model.lora_rank=8" in report.split("unsupported:")[1].split("the same")[0]
+    assert "LoRA: verl_mega trains full weights" in report
+    assert "torchrun --nnodes 1 --nproc-per-node 4" in report
+    cfg = load_config(tmp_path / "recipe.yaml", check_paths=False)
+    assert (cfg.actor.lr, cfg.rollout.n, cfg.parallel.tp) == (2e-6, 5, 2)
+    assert cfg.reward.function == f"{reward}:compute_score"
+
+
+def test_an_override_beats_the_yaml_where_two_verl_keys_set_one_of_ours(tmp_path):
+    flat = {"actor_rollout_ref.actor.grad_clip": 1.0, "actor_rollout_ref.actor.optim.clip_grad": 0.5}
+    ours, _, notes = from_verl.convert(flat, overridden={"actor_rollout_ref.actor.optim.clip_grad"})
+    assert ours["actor.grad_clip"] == 0.5
+    assert any("both set it; kept 0.5" in n for n in notes)
+
+
+def test_bad_inputs_are_one_line(tmp_path, capsys):
+    _write(tmp_path, {"broken.yaml": "defaults:\n  - actor@actor_rollout_ref.actor: nope\n"})
+    assert _run(tmp_path, tmp_path / "broken.yaml")[0] == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "actor/nope.yaml, which does not exist" in err and "\n" not in err
+    assert _run(tmp_path, "data.train_batch_size")[0] == 2  # not key=value
+    assert "is not key=value" in capsys.readouterr().err
+    rc, recipe, report = _run(tmp_path, "actor_rollout_ref.rollout.n=4", "data.train_batch_size=2",
+                              "actor_rollout_ref.actor.ppo_mini_batch_size=3")
+    assert rc == 1 and "the recipe does not load in verl_mega" in report  # our validation, reported
