@@ -25,6 +25,7 @@ import json
 import math
 import sys
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -34,7 +35,7 @@ from verl_mega.models.hf_config import arch_from_hf, load_hf_config  # noqa: E40
 from verl_mega.planning.memory import GiB, RolloutSpec, Workload, default_roles  # noqa: E402
 from verl_mega.planning.params import PlanningError  # noqa: E402
 from verl_mega.planning.plan import Cluster, Pins, plan_layouts  # noqa: E402
-from verl_mega.planning.timing import StepShape  # noqa: E402
+from verl_mega.planning.timing import H200, StepShape  # noqa: E402
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -71,6 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--reserve-gb", type=_positive(float, zero_ok=True), default=2.0,
                     help="per-GPU memory kept free (CUDA context, NCCL, fragmentation), GiB")
     ap.add_argument("--topo", default=None, help="saved `nvidia-smi topo -m` of one node (NVLink islands)")
+    ap.add_argument("--dp-hierarchy", choices=("off", "node", "island"), default="off",
+                    help="data-parallel sync inside nodes / NVLink islands, shards all-reduced across (as "
+                         "parallel.dp_hierarchy; island needs --topo)")
+    ap.add_argument("--dp-cross-island-dtype", choices=("fp32", "bf16", "fp8"), default="fp32",
+                    help="wire format between islands (as parallel.dp_cross_island_dtype)")
+    ap.add_argument("--inter-node-gbps", type=_positive(float), default=None,
+                    help="GB/s per GPU between nodes (default: the H200 constants' 40, one 400 Gb/s NIC per GPU)")
     for name in ("tp", "pp", "gen-tp", "ep", "etp", "gen-ep"):
         ap.add_argument(f"--{name}", type=_positive(), default=None, help=f"pin {name} (default: enumerate; ep, etp "
                                                                           f"and gen-ep for MoE models)")
@@ -126,8 +134,11 @@ def main(argv: list[str] | None = None) -> int:
             from verl_mega.parallel.topology import parse_topology
 
             topology = parse_topology(Path(args.topo).read_text())
+        hardware = H200 if args.inter_node_gbps is None else replace(
+            H200, name=f"H200, {args.inter_node_gbps:g} GB/s per GPU between nodes",
+            inter_node_gbps=args.inter_node_gbps)
         cluster = Cluster(gpus=args.gpus, gpus_per_node=args.gpus_per_node, gpu_mem_gib=args.gpu_mem_gb,
-                          reserve_gib=args.reserve_gb, topology=topology)
+                          reserve_gib=args.reserve_gb, topology=topology, hardware=hardware)
         work = Workload(micro_batch=args.micro_batch, seq_len=args.seq_len, dtype=args.dtype, entropy=args.entropy)
         offload = tuple(x for x in args.offload.split(",") if x)
         roles = default_roles(critic=not args.no_critic, ref=not args.no_ref, offload=offload,
@@ -138,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         pins = Pins(tp=args.tp, pp=args.pp, vpp=args.vpp, gen_tp=args.gen_tp, recompute=args.recompute,
                     ep=args.ep, etp=args.etp, gen_ep=args.gen_ep)
         global_batch, sequence_parallel = args.global_batch, not args.no_sequence_parallel
+        islands = dict(dp_hierarchy=args.dp_hierarchy, cross_island_dtype=args.dp_cross_island_dtype)
         response = args.response_len or max(1, work.seq_len - work.seq_len // 2)
         if response >= work.seq_len:
             raise PlanningError(f"--response-len={response} must be below --seq-len={work.seq_len}")
@@ -162,15 +174,17 @@ def main(argv: list[str] | None = None) -> int:
                 given = inputs_from_config(cfg, placement)
             if len(placement.pools) > 1:  # layouts are ranked for the actor's pool
                 cluster = Cluster(gpus=placement.pool_of("actor").size, gpus_per_node=args.gpus_per_node,
-                                  gpu_mem_gib=args.gpu_mem_gb, reserve_gib=args.reserve_gb, topology=topology)
+                                  gpu_mem_gib=args.gpu_mem_gb, reserve_gib=args.reserve_gb, topology=topology,
+                                  hardware=hardware)
             pins, work, roles, rollout = given.pins, given.workload, given.roles, given.rollout
             global_batch, sequence_parallel, step = given.global_batch, given.sequence_parallel, given.step
+            islands = dict(dp_hierarchy=given.dp_hierarchy, cross_island_dtype=given.cross_island_dtype)
         if auto is not None:
             plans, rejected = auto.plans, auto.rejected
         else:
             plans, rejected = plan_layouts(arch, cluster, work, global_batch=global_batch, roles=roles,
                                            rollout=rollout, pins=pins, sequence_parallel=sequence_parallel,
-                                           step=step)
+                                           step=step, **islands)
         if not plans:
             reason = rejected[0].reason if rejected else "no tp/pp combination divides the cluster"
             raise PlanningError(f"no feasible layout (first reason: {reason}); relax the pinned flags")
@@ -184,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
                 placement = Placement.single(cluster.gpus, tp=best.tp, pp=best.pp, vpp=best.vpp, gen_tp=best.gen_tp,
                                              ep=best.ep, etp=best.etp, gen_ep=best.gen_ep,
                                              sequence_parallel=best.sequence_parallel)
+            placement = placement.with_dp_hierarchy(  # the run's data-parallel islands, as the planner cut them
+                islands["dp_hierarchy"], cluster.dp_island_ranks(islands["dp_hierarchy"]),
+                islands["cross_island_dtype"])
             reports["dry_run"] = dry_run(arch, placement, ranks=args.rank, dtype=work.dtype)
             if cfg is not None:  # one step's rows as the recipe makes them, else the flags' global batch
                 rows, n = cfg.data.train_batch_size * cfg.rollout.n, cfg.rollout.n

@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from verl_mega.parallel.placement import Placement  # noqa: E402
-from verl_mega.parallel.scheduler import TopologyAwareScheduler  # noqa: E402
+from verl_mega.parallel.scheduler import TopologyAwareScheduler, dp_island_ranks  # noqa: E402
 from verl_mega.parallel.topology import (  # noqa: E402
     TopologyParseError,
     TopologyUnavailableError,
@@ -36,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cp", type=int, default=1, help="context-parallel size")
     ap.add_argument("--gen-tp", type=int, default=None, help="generation tensor-parallel size (divides --tp)")
     ap.add_argument("--nodes", type=int, default=1, help="number of identical nodes to plan for")
+    ap.add_argument("--dp-hierarchy", choices=("off", "node", "island"), default="off",
+                    help="cut data-parallel groups at nodes or NVLink islands (parallel.dp_hierarchy)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args = ap.parse_args(argv)
     if args.nodes < 1:
@@ -45,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
         topo = parse_topology(text)
         placement = Placement.single(topo.num_gpus * args.nodes, tp=args.tp, pp=args.pp, cp=args.cp,
                                      gen_tp=args.gen_tp)
+        placement = placement.with_dp_hierarchy(args.dp_hierarchy,
+                                                dp_island_ranks(args.dp_hierarchy, topo.num_gpus, topo))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the plan carries its warnings; print them once below
             plan = TopologyAwareScheduler([topo] * args.nodes).plan(placement)
@@ -82,8 +86,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  node {node}: CUDA_VISIBLE_DEVICES={plan.cuda_visible_devices(node)}")
     if plan.num_nodes > 4:
         print(f"  ... ({plan.num_nodes - 4} more node(s))")
-    for kind in ("tp", "gen_tp", "micro_dp", "dp", "pp"):
-        reps = plan.reports[kind]
+    for kind in ("tp", "gen_tp", "micro_dp", "dp", "pp", "island", "intra_dp", "inter_dp"):
+        reps = plan.reports.get(kind)
+        if reps is None:  # the island kinds: only with --dp-hierarchy
+            continue
         shown = reps[:8]
         print(f"{kind} groups ({len(reps)}):")
         for r in shown:

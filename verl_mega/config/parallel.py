@@ -52,6 +52,18 @@ class ParallelConfig(ConfigSection):
     topology_file: str | None = option(None, help="A recorded `nvidia-smi topo -m` of the nodes; null runs "
                                                   "nvidia-smi on each node. Decides which GPU each rank drives "
                                                   "(docs/topology.md).")
+    dp_hierarchy: Literal["off", "node", "island"] = option(
+        "off", help="Data-parallel gradient sync that follows the hardware (docs/topology.md): `off` reduce-scatters "
+                    "gradients and all-gathers parameters over each whole data-parallel group; `node` or `island` "
+                    "(the node's NVLink islands, from its topology) does both inside each node/island and all-reduces "
+                    "only each rank's shard across them (Megatron's `num_distributed_optimizer_instances` = islands "
+                    "per data-parallel group; optimizer state is then sharded inside an island only). Needs the "
+                    "distributed optimizer, at least two data-parallel ranks per island and two islands.")
+    dp_cross_island_dtype: Literal["fp32", "bf16", "fp8"] = option(
+        "fp32", affects_results=True,
+        help="Wire format of the step between islands when `dp_hierarchy` is on: `fp32` (Megatron's all-reduce), "
+             "`bf16` (half the bytes) or `fp8` (e4m3 with an fp32 scale per 128 values: about a quarter). Sums "
+             "stay in fp32; the error is bounded and measured in docs/performance.md.")
 
     def validate(self) -> None:
         for name in ("tp", "pp", "cp", "dp", "ep", "etp"):
@@ -65,6 +77,14 @@ class ParallelConfig(ConfigSection):
         self._require(self.vpp is None or self.vpp >= 2,
                       f"parallel.vpp must be >= 2 virtual stages, got {self.vpp}; set parallel.vpp=null to disable "
                       f"interleaving")
+        self._require(self.dp_hierarchy == "off" or self.use_distributed_optimizer,
+                      f"parallel.dp_hierarchy={self.dp_hierarchy} shards the optimizer inside each island and needs "
+                      f"the distributed optimizer; set parallel.use_distributed_optimizer=true or "
+                      f"parallel.dp_hierarchy=off")
+        self._require(self.dp_cross_island_dtype == "fp32" or self.dp_hierarchy != "off",
+                      f"parallel.dp_cross_island_dtype={self.dp_cross_island_dtype} compresses the step between "
+                      f"islands, but parallel.dp_hierarchy=off has none; set parallel.dp_hierarchy=node or island, or "
+                      f"parallel.dp_cross_island_dtype=fp32")
         self._require(self.vpp is None or self.pp > 1,
                       f"parallel.vpp={self.vpp} needs pipeline parallelism but parallel.pp=1; "
                       f"set parallel.pp>1 or parallel.vpp=null")

@@ -19,6 +19,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 from verl_mega.engine import moe
+from verl_mega.engine.grad_sync import install_cross_island_step
 from verl_mega.models.build import forward_packed
 from verl_mega.models.loader import unwrap
 from verl_mega.parallel.cpu_mode import comm_device as _device
@@ -60,23 +61,32 @@ class MegatronEngine:
         pgs = groups.pg_collection
         self.version = 0  # bumped on every optimizer step; rollout reports the version it generated with
         if self.trainable:
+            pool = groups.pool
+            if pool.dp_islands > 1 and not optimizer_config.use_distributed_optimizer:
+                raise ValueError(f"parallel.dp_hierarchy: {pool.dp_islands} data-parallel islands shard the optimizer "
+                                 f"inside each island; set parallel.use_distributed_optimizer=true")
             ddp_cfg = DistributedDataParallelConfig(
                 grad_reduce_in_fp32=True,
                 overlap_grad_reduce=False,
                 use_distributed_optimizer=optimizer_config.use_distributed_optimizer,
+                # data-parallel islands: reduce-scatter / all-gather inside an island, shards all-reduced across
+                num_distributed_optimizer_instances=pool.dp_islands,
             )
             self.chunks = [
                 DistributedDataParallel(config=model_config, ddp_config=ddp_cfg, module=c,
                                         disable_bucketing=(i > 0), pg_collection=pgs)
                 for i, c in enumerate(chunks)
             ]
+            if pool.dp_islands > 1:  # bf16/fp8 between islands instead of Megatron's fp32 all-reduce
+                install_cross_island_step(self.chunks, groups["inter_dp"], pool.dp_cross_island_dtype)
             # mcore refuses gloo groups next to a pg_collection, but its memory-efficient checkpoint gather of the
             # distributed optimizer's state needs the gloo twin of each optimizer's DP group (the dense params' dp·cp,
             # the routed experts' expert-DP): hand it over afterwards
             self.optimizer = get_megatron_optimizer(optimizer_config, self.chunks, use_gloo_process_groups=False,
                                                     pg_collection=pgs)
-            twins = {tuple(dist.get_process_group_ranks(groups[k])): groups[f"{k}_gloo"] for k in ("dp_cp", "edp")
-                     if groups[k] is not None}
+            twins = {tuple(dist.get_process_group_ranks(groups[k])): groups[f"{k}_gloo"]
+                     for k in ("dp_cp", "edp", "intra_dp", "intra_edp")
+                     if groups.groups.get(k) is not None and f"{k}_gloo" in groups.groups}
             for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
                 if hasattr(opt, "data_parallel_group_gloo"):
                     dp_group = getattr(opt, "data_parallel_group", None) or groups["dp_cp"]

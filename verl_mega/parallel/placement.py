@@ -27,6 +27,14 @@ one training TP group: it joins the engines at the same position k of D consecut
 pipeline stage (they differ in their data-/expert-parallel coordinates), so it stays ascending in rank and every
 rank of a pipeline group keeps the same generation coordinates (its attention block j and its expert slice, EP rank
 d·gen_tp + j). Generation EP rank e serves experts [e·E/gen_ep, (e+1)·E/gen_ep) whole.
+
+**Data-parallel islands** (``parallel.dp_hierarchy``). A training pool with ``dp_islands`` = I > 1 cuts each
+pipeline stage's tp·cp·dp ranks into I consecutive blocks, one per island (an NVLink island or a node, as the
+topology scheduler orders the devices): Megatron-Core's partial distributed optimizer with
+``num_distributed_optimizer_instances`` = I. Gradients are reduce-scattered and parameters all-gathered inside a
+block (``intra_dp``, ``intra_edp``); only each rank's shard is all-reduced across the blocks, between the ranks at
+the same position in every block (``inter_dp``: one group for dense and expert parameters, as mcore requires).
+``dist_opt`` is a block over every pipeline stage: one optimizer instance, where gradient norms are reduced.
 """
 
 from __future__ import annotations
@@ -45,13 +53,36 @@ DENSE_KINDS = {"tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "pp": ("pp",), "dp_c
 EXPERT_KINDS = {"ep": ("ep",), "etp": ("etp",), "edp": ("edp",), "tp_ep": ("etp", "ep"),
                 "tp_ep_pp": ("etp", "ep", "pp")}
 GENERATION_KINDS = ("gen_tp", "micro_dp", "gen_ep")
-GROUP_KINDS = (*DENSE_KINDS, "embd", *EXPERT_KINDS, *GENERATION_KINDS)
-# What placement.json records for every rank.
+# Data-parallel islands (one island of the whole tp·cp·dp slice when the pool is flat): the island's ranks, the
+# dense and expert data-parallel ranks inside it, the ranks at the same position in every island, the optimizer
+# instance (an island over every pipeline stage).
+ISLAND_KINDS = ("island", "intra_dp", "intra_edp", "inter_dp", "dist_opt")
+GROUP_KINDS = (*DENSE_KINDS, "embd", *EXPERT_KINDS, *GENERATION_KINDS, *ISLAND_KINDS)
+# What placement.json records for every rank (and, for a pool with dp_islands > 1, ISLAND_JSON_KINDS).
 JSON_KINDS = ("tp", "pp", "dp", "cp", "ep", "gen_tp", "micro_dp", "gen_ep")
+ISLAND_JSON_KINDS = ("island", "intra_dp", "inter_dp")
+DP_HIERARCHY_LEVELS = ("off", "node", "island")
+# The cross-island step's wire format: fp32 is Megatron's own all-reduce; bf16 and fp8 (e4m3 with a scale per
+# block) are verl_mega/engine/grad_sync.py's
+CROSS_ISLAND_DTYPES = ("fp32", "bf16", "fp8")
+FP8_BLOCK = 128  # values per fp8 scale
 
 
 class PlacementError(ValueError):
     """An impossible placement; the message is one line naming the pool or key and the fix."""
+
+
+def wire_bytes(numel: int, dtype: str) -> int:
+    """Bytes that encode ``numel`` values between islands: 4 per value in fp32, 2 in bf16, in fp8 1 per value
+    (padded to whole blocks of FP8_BLOCK) plus a 4-byte scale per block."""
+    if dtype == "fp32":
+        return 4 * numel
+    if dtype == "bf16":
+        return 2 * numel
+    if dtype == "fp8":
+        blocks = -(-numel // FP8_BLOCK)
+        return blocks * FP8_BLOCK + 4 * blocks
+    raise PlacementError(f"unknown cross-island dtype {dtype!r}; one of {', '.join(CROSS_ISLAND_DTYPES)}")
 
 
 def _divisors(n: int) -> list[int]:
@@ -113,6 +144,8 @@ class Pool:
     gen_ep: int = 1
     sequence_parallel: bool = False
     trains: bool = True
+    dp_islands: int = 1
+    dp_cross_island_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ranks", tuple(self.ranks))
@@ -159,6 +192,31 @@ class Pool:
                     f"{k('gen_ep')}={self.gen_ep} must be gen_tp·D with D dividing {what} ({engines}): an expert-"
                     f"parallel generation group joins D engines of gen_tp={self.gen_tp}; choose {k('gen_ep')} among "
                     f"{[self.gen_tp * d for d in _divisors(engines)]}")
+        self._check_islands()
+
+    def _check_islands(self) -> None:
+        islands, dtype = self.dp_islands, self.dp_cross_island_dtype
+        if not isinstance(islands, int) or isinstance(islands, bool) or islands < 1:
+            raise PlacementError(f"{self._where}: dp_islands={islands!r} must be a positive int")
+        if dtype not in CROSS_ISLAND_DTYPES:
+            raise PlacementError(f"parallel.dp_cross_island_dtype={dtype!r} is not one of "
+                                 f"{', '.join(CROSS_ISLAND_DTYPES)}")
+        if islands == 1:
+            if dtype != "fp32":
+                raise PlacementError(f"parallel.dp_cross_island_dtype={dtype} compresses the step between islands, "
+                                     f"but {self._where} has one island per data-parallel group; set "
+                                     f"parallel.dp_hierarchy=node or island, or parallel.dp_cross_island_dtype=fp32")
+            return
+        if not self.trains:
+            raise PlacementError(f"{self._where}: only generates; data-parallel islands are for training pools")
+        if (self.cp * self.dp) % islands or self.edp % islands:
+            raise PlacementError(f"{self._where}: {islands} islands must divide the data-parallel sizes dp·cp = "
+                                 f"{self.dp * self.cp} and expert dp = {self.edp}; set parallel.dp_hierarchy=off")
+
+    @property
+    def island_ranks(self) -> int:
+        """Ranks of one pipeline stage in one island: tp·cp·dp / dp_islands."""
+        return self.tp * self.cp * self.dp // self.dp_islands
 
     @property
     def _where(self) -> str:
@@ -212,13 +270,15 @@ class Pool:
             return f"generation only, gen_tp={self.gen_tp}{ep} ({self.num_engines} engines)"
         parts = [f"tp={self.tp}", f"pp={self.pp}"] + ([f"vpp={self.vpp}"] if self.vpp else [])
         parts += [f"cp={self.cp}"] * (self.cp > 1) + [f"ep={self.ep}", f"etp={self.etp}"] * (self.ep > 1)
+        islands = [f"dp_islands={self.dp_islands}"] + [f"({self.dp_cross_island_dtype} across)"] * (
+            self.dp_cross_island_dtype != "fp32") if self.dp_islands > 1 else []
         return " ".join(parts + [f"dp={self.dp}", f"gen_tp={self.gen_tp}"] + [f"gen_ep={self.gen_ep}"] *
-                        (self.gen_ep > 1) + ["sp"] * self.sequence_parallel)
+                        (self.gen_ep > 1) + ["sp"] * self.sequence_parallel + islands)
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "size": self.size, "first_rank": self.ranks[0], "trains": self.trains,
                 **{k: getattr(self, k) for k in ("tp", "pp", "vpp", "cp", "ep", "etp", "dp", "gen_tp", "gen_ep",
-                                                 "sequence_parallel")}}
+                                                 "sequence_parallel", "dp_islands", "dp_cross_island_dtype")}}
 
     # ---- groups -------------------------------------------------------------------------------------------
     @cached_property
@@ -249,7 +309,27 @@ class Pool:
             out["micro_dp"] = tuple((r,) for r in self.ranks)
             blocks = [self.ranks[i:i + self.gen_tp * d] for i in range(0, self.size, self.gen_tp * d)]
         out["gen_ep"] = tuple(blocks) if self.gen_ep > 1 else tuple((r,) for r in self.ranks)
+        out.update(self._island_groups(out))
         return out
+
+    def _island_groups(self, out: dict[str, tuple[tuple[int, ...], ...]]) -> dict[str, tuple[tuple[int, ...], ...]]:
+        """Islands: consecutive blocks of ``island_ranks`` ranks of each pipeline stage (mcore cuts each data-parallel
+        group into contiguous runs, its intra-instance groups, and takes the i-th member of every run as one
+        inter-instance group); the optimizer instance is island j of every stage."""
+        block, stage = self.island_ranks, self.tp * self.cp * self.dp
+        island_of = {r: (i // stage, i % stage // block) for i, r in enumerate(self.ranks)}  # (stage, island)
+        offset = {r: i % block for i, r in enumerate(self.ranks)}
+        groups: dict[str, dict[tuple, list[int]]] = {k: {} for k in ISLAND_KINDS}
+        for r in self.ranks:
+            pp_index, island = island_of[r]
+            groups["island"].setdefault((pp_index, island), []).append(r)
+            groups["inter_dp"].setdefault((pp_index, offset[r]), []).append(r)
+            groups["dist_opt"].setdefault((island,), []).append(r)
+        for kind, parent in (("intra_dp", "dp_cp"), ("intra_edp", "edp")):
+            for g in out[parent]:
+                for r in g:
+                    groups[kind].setdefault((island_of[r], g[0]), []).append(r)
+        return {k: tuple(tuple(g) for g in v.values()) for k, v in groups.items()}
 
     def groups(self, kind: str) -> tuple[tuple[int, ...], ...]:
         """Every group of ``kind`` (see ``GROUP_KINDS``) in this pool. Engines are numbered in ``gen_tp`` order."""
@@ -354,6 +434,8 @@ class Placement:
     world_size: int
     pools: tuple[Pool, ...]
     roles: Mapping[str, str] = field(default_factory=dict)
+    # what the training pools' data-parallel islands are (``off``: flat data-parallel groups), see with_dp_hierarchy
+    dp_hierarchy: str = "off"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pools", tuple(self.pools))
@@ -425,6 +507,54 @@ class Placement:
             start += size
         return cls(world_size, tuple(pools), dict(spec.roles))
 
+    def with_dp_hierarchy(self, level: str, ranks_per_island: int | None, cross_island_dtype: str = "fp32"
+                          ) -> "Placement":
+        """This placement with every training pool's data-parallel groups cut at islands of ``ranks_per_island``
+        consecutive ranks (``level`` node: the ranks of a node; island: of an NVLink island, after the topology
+        scheduler has ordered each node's devices island by island). Each pipeline stage of a pool must cover whole
+        islands, each island hold whole TP·CP and expert (etp·ep) groups and at least two data-parallel ranks, and a
+        data-parallel group span at least two islands; otherwise a one-line error names parallel.dp_hierarchy."""
+        from dataclasses import replace
+
+        key = "parallel.dp_hierarchy"
+        if level not in DP_HIERARCHY_LEVELS:
+            raise PlacementError(f"{key}={level!r} is not one of {', '.join(DP_HIERARCHY_LEVELS)}")
+        if level == "off":
+            if cross_island_dtype != "fp32":
+                raise PlacementError(f"parallel.dp_cross_island_dtype={cross_island_dtype} needs islands; set {key}="
+                                     f"node or island, or parallel.dp_cross_island_dtype=fp32")
+            return self
+        u = ranks_per_island
+        if not u or u < 1:
+            raise PlacementError(f"{key}={level}: the size of an island is unknown; give parallel.topology_file or "
+                                 f"run where nvidia-smi works, or set {key}=node")
+        where = f"{key}={level}, {u} ranks per {level}"
+        pools = []
+        for pool in self.pools:
+            if not pool.trains:
+                pools.append(pool)
+                continue
+            stage, model = pool.tp * pool.cp * pool.dp, pool.tp * pool.cp
+            name = "the world" if pool.name == DEFAULT_POOL else f"pool {pool.name!r}"
+            if u % model or u % (pool.etp * pool.ep):
+                raise PlacementError(f"{where}: a TP·CP group of {model} ranks (expert etp·ep = "
+                                     f"{pool.etp * pool.ep}) does not fit an island a whole number of times; choose "
+                                     f"parallel.tp/cp/ep dividing {u}, or set {key}=off")
+            if u == model:
+                raise PlacementError(f"{where}: tp·cp = {model} fills an island, so each island holds one "
+                                     f"data-parallel rank and nothing is reduced inside it; lower parallel.tp or set "
+                                     f"{key}=off")
+            if stage <= u:
+                raise PlacementError(f"{where}: each data-parallel group of {name} already lies inside a single "
+                                     f"{level} (tp·cp·dp = {stage} ranks per pipeline stage); nothing crosses "
+                                     f"islands, set {key}=off")
+            if stage % u or pool.ranks[0] % u:
+                raise PlacementError(f"{where}: the {stage} ranks of each pipeline stage of {name} do not cover "
+                                     f"whole islands; make tp·cp·dp a multiple of {u} (and each pool start on an "
+                                     f"island), or set {key}=off")
+            pools.append(replace(pool, dp_islands=stage // u, dp_cross_island_dtype=cross_island_dtype))
+        return replace(self, pools=tuple(pools), dp_hierarchy=level)
+
     # ---- lookups ------------------------------------------------------------------------------------------
     def pool(self, name: str) -> Pool:
         for p in self.pools:
@@ -449,7 +579,8 @@ class Placement:
     def rank_record(self, rank: int) -> dict[str, Any]:
         """What placement.json says about one rank (devices are added by the topology scheduler)."""
         pool = self.pool_of_rank(rank)
-        groups = {kind: list(pool.group_of(kind, rank)) for kind in JSON_KINDS}
+        kinds = JSON_KINDS + (ISLAND_JSON_KINDS if pool.dp_islands > 1 else ())
+        groups = {kind: list(pool.group_of(kind, rank)) for kind in kinds}
         return {"rank": rank, "pool": pool.name, "coords": pool.coords(rank), "groups": groups}
 
     def check(self) -> list[str]:

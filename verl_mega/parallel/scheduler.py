@@ -9,7 +9,10 @@ drives. This module chooses that per-node device order so that
 * inside it, the 3D-HybridEngine generation TP groups (ranks strided by tp/gen_tp) and micro-DP groups (runs of
   tp/gen_tp consecutive ranks) get the best remaining bonds (generation TP all-reduces every decode step, the
   micro-DP all-gather runs once per train->generate switch, so generation TP is preferred);
-* DP and PP groups then cross nodes as the rank order dictates.
+* DP and PP groups then cross nodes as the rank order dictates. With ``parallel.dp_hierarchy=island`` the blocks of
+  a node are laid out island by island, so that every run of ``island size`` local ranks is one NVLink island: the
+  data-parallel reduce-scatter and all-gather of the placement's ``intra_dp`` groups stay on NVLink and only the
+  ``inter_dp`` all-reduce leaves the island (``dp_island_ranks`` decides the island size).
 
 When a TP group cannot fit an NVLink island it is placed by PCIe/NUMA locality and a warning says so. Every group
 gets a bandwidth class in the report. Pure functions over parsed topologies: 1024-GPU layouts plan in one process.
@@ -25,11 +28,11 @@ from functools import lru_cache
 from itertools import combinations, permutations
 from typing import Sequence
 
-from verl_mega.parallel.placement import Placement
+from verl_mega.parallel.placement import ISLAND_JSON_KINDS, Placement, PlacementError
 from verl_mega.parallel.topology import Link, LinkKind, NodeTopology, parse_topology
 
 __all__ = ["GroupReport", "PlacementPlan", "TopologyAwareScheduler", "TopologyFallbackWarning", "assign_device",
-           "write_placement_json"]
+           "check_islands_agree", "dp_island_ranks", "place_on_devices", "write_placement_json"]
 
 # Above this many GPUs per TP group, we do not search orderings inside a block (8! is the largest we brute-force).
 _MAX_ORDER_SEARCH = 8
@@ -88,6 +91,7 @@ class PlacementPlan:
             "device_order": [list(o) for o in self.device_order],
             "rank_to_device": [list(self.device_for(r)) for r in range(self.world_size)],
             **{f"{k}_groups": [list(g) for g in v] for k, v in self.groups.items()},
+            "dp_hierarchy": self.placement.dp_hierarchy,
             "group_links": {k: [{"ranks": list(r.ranks), "devices": [list(d) for d in r.devices], "link": r.link,
                                  "class": r.bandwidth_class, "in_nvlink_island": r.in_nvlink_island}
                                 for r in v] for k, v in self.reports.items()},
@@ -192,10 +196,12 @@ def _best_order(topo: NodeTopology, block: tuple[int, ...], gen_tp: int) -> tupl
 
 
 @lru_cache(maxsize=64)
-def _node_blocks(topo: NodeTopology, shapes: tuple[tuple[int, int], ...]) -> tuple[tuple[_Block, ...], tuple[str, ...]]:
-    """GPU blocks for the node's rank blocks ((size, gen_tp) each, in rank order), plus explanation lines."""
+def _node_blocks(topo: NodeTopology, shapes: tuple[tuple[int, int], ...], by_island: bool = False
+                 ) -> tuple[tuple[_Block, ...], tuple[str, ...]]:
+    """GPU blocks for the node's rank blocks ((size, gen_tp) each, in rank order), plus explanation lines.
+    ``by_island``: blocks island after island (data-parallel islands), else by their lowest GPU."""
     if len(set(shapes)) == 1:
-        blocks = _uniform_blocks(topo, *shapes[0])
+        blocks = _uniform_blocks(topo, *shapes[0], by_island=by_island)
     else:  # pools of different tp share the node: largest blocks first, each in the smallest island that holds it
         free, out = set(range(topo.num_gpus)), [None] * len(shapes)
         for i in sorted(range(len(shapes)), key=lambda i: -shapes[i][0]):
@@ -217,21 +223,25 @@ def _node_blocks(topo: NodeTopology, shapes: tuple[tuple[int, int], ...]) -> tup
     return blocks, tuple(notes)
 
 
-def _uniform_blocks(topo: NodeTopology, tp: int, gen_tp: int) -> tuple[_Block, ...]:
-    """Blocks of ``tp`` local GPUs covering the node (tp divides the GPU count), island blocks first."""
+def _uniform_blocks(topo: NodeTopology, tp: int, gen_tp: int, by_island: bool = False) -> tuple[_Block, ...]:
+    """Blocks of ``tp`` local GPUs covering the node (tp divides the GPU count), island blocks first: by their lowest
+    GPU, or (``by_island``) island after island, lowest GPU first inside each."""
     island_blocks: list[_Block] = []
     leftovers: list[int] = []
-    for island in topo.nvlink_islands:
+    for island in sorted(topo.nvlink_islands, key=min) if by_island else topo.nvlink_islands:
         k = len(island) // tp
         if len(island) % tp == 0:
             chosen = _best_partition(topo, island, tp)
         else:  # some GPUs of this island cannot join a full block: keep the best-connected ones together
             chosen = _greedy_blocks(topo, island, tp, count=k)
-        island_blocks.extend(_Block(_best_order(topo, b, gen_tp), True) for b in chosen)
+        ordered = [_Block(_best_order(topo, b, gen_tp), True) for b in chosen]
+        island_blocks.extend(sorted(ordered, key=lambda b: min(b.gpus)) if by_island else ordered)
         used = {g for b in chosen for g in b}
         leftovers.extend(g for g in island if g not in used)
     fallback = [_Block(_best_order(topo, b, gen_tp), False) for b in _greedy_blocks(topo, leftovers, tp)]
-    return tuple(sorted(island_blocks, key=lambda b: min(b.gpus)) + sorted(fallback, key=lambda b: min(b.gpus)))
+    if not by_island:
+        island_blocks.sort(key=lambda b: min(b.gpus))
+    return tuple(island_blocks + sorted(fallback, key=lambda b: min(b.gpus)))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -267,7 +277,8 @@ class TopologyAwareScheduler:
                 order.append(tuple(gpu for isl in topo.nvlink_islands for gpu in isl))
                 spanning = max(spanning, spans)
                 continue
-            gpu_blocks, notes = _node_blocks(topo, tuple((len(b), gen_tp) for b, gen_tp in blocks))
+            gpu_blocks, notes = _node_blocks(topo, tuple((len(b), gen_tp) for b, gen_tp in blocks),
+                                             placement.dp_hierarchy == "island")
             local = [0] * g
             for (ranks, _), gpu_block in zip(blocks, gpu_blocks):
                 for r, gpu in zip(ranks, gpu_block.gpus):
@@ -289,6 +300,13 @@ class TopologyAwareScheduler:
                                  f"GPUs and its all-reduce crosses the network; local GPUs ordered island by island")
         decisions.append("3D-HybridEngine: inside each TP group, generation TP groups take ranks strided by tp/gen_tp, "
                          "micro-DP groups are runs of tp/gen_tp consecutive ranks")
+        for pool in placement.pools:
+            if pool.dp_islands > 1:
+                decisions.append(
+                    f"data-parallel islands ({placement.dp_hierarchy}): pool {pool.name!r} cuts each pipeline stage "
+                    f"into {pool.dp_islands} islands of {pool.island_ranks} ranks; gradients are reduce-scattered "
+                    f"and parameters all-gathered inside an island, shards all-reduced across islands in "
+                    f"{pool.dp_cross_island_dtype}")
         order_t = tuple(order)
 
         def device(rank: int) -> tuple[int, int]:
@@ -297,7 +315,9 @@ class TopologyAwareScheduler:
 
         islands = tuple(t.nvlink_islands for t in self.topologies)
         island_of = [{gpu: k for k, isl in enumerate(isls) for gpu in isl} for isls in islands]
-        groups = {kind: tuple(grp for pool in placement.pools for grp in pool.groups(kind)) for kind in REPORTED_KINDS}
+        kinds = REPORTED_KINDS + (ISLAND_JSON_KINDS if any(p.dp_islands > 1 for p in placement.pools) else ())
+        groups = {kind: tuple(grp for pool in placement.pools if kind in REPORTED_KINDS or pool.dp_islands > 1
+                              for grp in pool.groups(kind)) for kind in kinds}
         reports: dict[str, tuple[GroupReport, ...]] = {}
         for kind, grps in groups.items():
             reps = []
@@ -343,12 +363,37 @@ def _rank_blocks(placement: Placement, node: int, g: int) -> tuple[list[tuple[tu
     return sorted(blocks), spans
 
 
-def assign_device(placement: Placement, env, topology_file: str | None = None) -> dict:
+def dp_island_ranks(level: str, gpus_per_node: int, topology: NodeTopology | None) -> int | None:
+    """Ranks per data-parallel island for ``parallel.dp_hierarchy=level``: the node's ranks (node), or the size of
+    the node's NVLink islands (island; every island must have the same size, and the topology is needed). None for
+    ``off``. A one-line error names the key and the fix."""
+    if level == "off":
+        return None
+    if level == "node":
+        return gpus_per_node
+    if level != "island":
+        raise PlacementError(f"parallel.dp_hierarchy={level!r} is not one of off, node, island")
+    if topology is None:
+        raise PlacementError("parallel.dp_hierarchy=island needs the node's NVLink islands, but there is no topology "
+                             "(set parallel.topology_file to a saved `nvidia-smi topo -m`, or use "
+                             "parallel.dp_hierarchy=node)")
+    sizes = sorted({len(i) for i in topology.nvlink_islands})
+    if len(sizes) > 1:
+        raise PlacementError(f"parallel.dp_hierarchy=island: the node's NVLink islands "
+                             f"{[list(i) for i in topology.nvlink_islands]} differ in size {sizes}; data-parallel "
+                             f"islands must be alike, set parallel.dp_hierarchy=node")
+    return sizes[0]
+
+
+def place_on_devices(placement: Placement, env, topology_file: str | None = None, *, dp_hierarchy: str = "off",
+                     cross_island_dtype: str = "fp32") -> tuple[Placement, dict]:
     """This rank's device, chosen from its node's topology so that TP and generation-TP groups sit inside NVLink
     islands: a recorded ``parallel.topology_file``, else ``nvidia-smi topo -m``. On CUDA it exports
     CUDA_VISIBLE_DEVICES in the chosen order, so local rank i drives its GPU as ``cuda:i`` — for torch and vLLM
     alike, under any launcher. Call it before anything initialises CUDA. Without a topology: one warning line and
-    the launcher's order. Returns what placement.json records for this rank."""
+    the launcher's order. With ``dp_hierarchy`` node or island, the training pools' data-parallel groups are cut at
+    the islands (:meth:`Placement.with_dp_hierarchy`) and, for island, each node's devices ordered island by island.
+    Returns that placement and what placement.json records for this rank."""
     import logging
     import os
     import shutil
@@ -362,6 +407,7 @@ def assign_device(placement: Placement, env, topology_file: str | None = None) -
     g, node, local_rank = env.local_world_size, env.node_rank, env.local_rank
     cuda = torch.version.cuda is not None and os.environ.get("VERL_MEGA_FORCE_CPU", "0") != "1"
     record = {"node": node, "local_rank": local_rank, "device": local_rank, "topology": None}
+    text = source = None
     if topology_file:
         path = Path(topology_file)
         if not path.is_file():
@@ -370,20 +416,27 @@ def assign_device(placement: Placement, env, topology_file: str | None = None) -
         text, source = path.read_text(), str(path)
     elif cuda and shutil.which("nvidia-smi"):
         text, source = read_local_topology_text(), "nvidia-smi topo -m"
-    else:
-        if cuda and env.rank == 0:
-            log.warning("no GPU topology (nvidia-smi not found, parallel.topology_file unset): ranks drive GPUs in "
-                        "launcher order, so TP groups may leave NVLink islands")
-        return record
-    topo = parse_topology(text)
-    visible = _visible_gpus(topo.num_gpus) if cuda else list(range(topo.num_gpus))
-    if len(visible) < g:
-        raise ValueError(f"the topology ({source}) shows {len(visible)} usable GPU(s) but {g} ranks run on each node; "
-                         f"start at most {len(visible)} ranks per node")
-    visible = visible[:g]
+    elif cuda and env.rank == 0:
+        log.warning("no GPU topology (nvidia-smi not found, parallel.topology_file unset): ranks drive GPUs in "
+                    "launcher order, so TP groups may leave NVLink islands")
+    topo = visible = None
+    if text is not None:
+        full = parse_topology(text)
+        visible = _visible_gpus(full.num_gpus) if cuda else list(range(full.num_gpus))
+        if len(visible) < g:
+            raise ValueError(f"the topology ({source}) shows {len(visible)} usable GPU(s) but {g} ranks run on each "
+                             f"node; start at most {len(visible)} ranks per node")
+        visible = visible[:g]
+        topo = full.subset(visible)
+    island = dp_island_ranks(dp_hierarchy, g, topo)
+    placement = placement.with_dp_hierarchy(dp_hierarchy, island, cross_island_dtype)
+    if island:
+        record["dp_island_ranks"] = island
+    if topo is None:
+        return placement, record
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
-        plan = TopologyAwareScheduler([topo.subset(visible)] * (placement.world_size // g)).plan(placement)
+        plan = TopologyAwareScheduler([topo] * (placement.world_size // g)).plan(placement)
     physical = [visible[i] for i in plan.device_order[node]]
     if env.rank == 0:
         for msg in plan.warnings:
@@ -391,7 +444,24 @@ def assign_device(placement: Placement, env, topology_file: str | None = None) -
     record.update(device=physical[local_rank], topology=source, decisions=list(plan.decisions))
     if cuda:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, physical))
-    return record
+    return placement, record
+
+
+def assign_device(placement: Placement, env, topology_file: str | None = None) -> dict:
+    """:func:`place_on_devices` with flat data-parallel groups: what placement.json records for this rank."""
+    return place_on_devices(placement, env, topology_file)[1]
+
+
+def check_islands_agree(records: list[dict]) -> None:
+    """Every rank must have cut its data-parallel groups at islands of the same size (each node reads only its own
+    topology): otherwise a one-line error names the nodes that differ."""
+    sizes = {}
+    for rec in records:
+        sizes.setdefault(rec.get("dp_island_ranks"), set()).add(rec["node"])
+    if len(sizes) > 1:
+        raise PlacementError("parallel.dp_hierarchy: the nodes' islands differ in size (ranks per island: nodes) "
+                             + "; ".join(f"{k}: {sorted(v)[:8]}" for k, v in sizes.items())
+                             + "; use nodes with alike NVLink islands or parallel.dp_hierarchy=node")
 
 
 def _visible_gpus(n: int) -> list[int]:
@@ -425,7 +495,24 @@ def write_placement_json(placement: Placement, device: dict, path, records: list
              for r in range(placement.world_size)]
     out = {"world_size": placement.world_size, "pools": [p.to_json() for p in placement.pools],
            "roles": dict(placement.roles), "colocated": placement.colocated, "topology": records[0]["topology"],
-           "decisions": records[0].get("decisions", []), "ranks": ranks}
+           "decisions": records[0].get("decisions", []), "dp_hierarchy": _islands_json(placement, ranks),
+           "ranks": ranks}
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(out, indent=1))
     os.replace(tmp, path)
+
+
+def _islands_json(placement: Placement, ranks: list[dict]) -> dict:
+    """placement.json's data-parallel islands: the level, and per training pool with islands the ranks and devices
+    ((node, device)) of every island, and the groups that reduce inside islands and across them."""
+    out: dict = {"level": placement.dp_hierarchy, "pools": {}}
+    for pool in placement.pools:
+        if pool.dp_islands > 1:
+            out["pools"][pool.name] = {
+                "islands_per_dp_group": pool.dp_islands, "ranks_per_island": pool.island_ranks,
+                "cross_island_dtype": pool.dp_cross_island_dtype,
+                "islands": [{"ranks": list(g), "devices": [[ranks[r]["node"], ranks[r]["device"]] for r in g]}
+                            for g in pool.groups("island")],
+                "intra_dp_groups": [list(g) for g in pool.groups("intra_dp")],
+                "inter_dp_groups": [list(g) for g in pool.groups("inter_dp")]}
+    return out

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from verl_mega.parallel import cpu_mode
-from verl_mega.parallel.placement import GROUP_KINDS, Placement, Pool
+from verl_mega.parallel.placement import GROUP_KINDS, ISLAND_KINDS, Placement, Pool
 
 
 def init_world(timeout_s: float = 600.0) -> None:
@@ -89,15 +89,20 @@ class RankGroups:
 
     @cached_property
     def pg_collection(self):
-        """Megatron-Core's ``ProcessGroupCollection`` for models, DDP, the optimizer and the pipeline schedules."""
+        """Megatron-Core's ``ProcessGroupCollection`` for models, DDP, the optimizer and the pipeline schedules. With
+        data-parallel islands (``pool.dp_islands`` > 1, Megatron's ``num_distributed_optimizer_instances``) the
+        distributed optimizer reduces inside an island (intra_dp_cp, intra_expt_dp), all-reduces across islands
+        (inter_dist_opt) and reduces gradient norms over its instance (intra_dist_opt)."""
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         g = self.groups
+        islands = self.pool.dp_islands > 1
         return ProcessGroupCollection(
             tp=g["tp"], pp=g["pp"], mp=g["mp"], embd=g["embd"], pos_embd=None, cp=g["cp"], tp_cp=g["tp_cp"],
             hcp=None, ep=g["ep"], expt_tp=g["etp"], tp_ep=g["tp_ep"], tp_ep_pp=g["tp_ep_pp"], tp_dp_cp=g["tp_dp_cp"],
-            dp=g["dp"], dp_cp=g["dp_cp"], expt_dp=g["edp"], intra_dp_cp=g["dp_cp"], intra_expt_dp=g["edp"],
-            inter_dist_opt=None, intra_dist_opt=g["pool"])
+            dp=g["dp"], dp_cp=g["dp_cp"], expt_dp=g["edp"], intra_dp_cp=g["intra_dp" if islands else "dp_cp"],
+            intra_expt_dp=g["intra_edp" if islands else "edp"], inter_dist_opt=g["inter_dp"] if islands else None,
+            intra_dist_opt=g["dist_opt" if islands else "pool"])
 
 
 @contextlib.contextmanager
@@ -139,6 +144,8 @@ def build_groups(placement: Placement, rank: int | None = None, timeout_s: float
     timeout = datetime.timedelta(seconds=timeout_s)
     for kind in GROUP_KINDS:
         members = pool.group_of(kind, rank)
+        if kind in ISLAND_KINDS and (pool.dp_islands == 1 or kind == "island"):
+            members = None  # flat: the dp_cp, edp and pool groups serve; an island is reported, never a group
         if members is None:
             groups[kind] = None
             continue
@@ -152,9 +159,10 @@ def build_groups(placement: Placement, rank: int | None = None, timeout_s: float
     if mpu._GLOBAL_MEMORY_BUFFER is None:
         mpu._set_global_memory_buffer()
     # mcore's distributed optimizer gathers its state for a checkpoint over a gloo twin of its DP group: the dense
-    # optimizer's (dp·cp) and, for Mixture-of-Experts models, the expert optimizer's (expert data parallel)
+    # optimizer's (dp·cp) and, for Mixture-of-Experts models, the expert optimizer's (expert data parallel); with
+    # data-parallel islands, the groups inside an island
     nccl = "nccl" in str(dist.get_backend())
-    for kind in ("dp_cp", "edp"):
+    for kind in ("dp_cp", "edp") + (("intra_dp", "intra_edp") if pool.dp_islands > 1 else ()):
         members = pool.group_of(kind, rank)
         if members is None or not nccl:
             groups[f"{kind}_gloo"] = groups[kind]

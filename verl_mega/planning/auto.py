@@ -60,7 +60,8 @@ def choose_layout(cfg, arch: ModelArch, cluster: Cluster) -> AutoLayout:
     given = inputs_from_config(cfg, None)
     plans, rejected = plan_layouts(arch, cluster, given.workload, global_batch=given.global_batch, roles=given.roles,
                                    rollout=given.rollout, pins=given.pins, sequence_parallel=given.sequence_parallel,
-                                   step=given.step)
+                                   step=given.step, dp_hierarchy=given.dp_hierarchy,
+                                   cross_island_dtype=given.cross_island_dtype)
     name = f"a {arch.num_parameters() / 1e9:.2f} B-parameter {arch.model_type} model"
     where = f"{cluster.gpus} GPUs of {cluster.gpu_mem_gib:.1f} GiB"
     if not plans:

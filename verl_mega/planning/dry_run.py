@@ -38,6 +38,7 @@ from verl_mega.planning.params import PlanningError, stage_params
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 CHECKED_KINDS = ("tp", "cp", "dp", "pp", "dp_cp", "mp", "ep", "etp", "edp", "gen_tp", "micro_dp", "gen_ep")
+ISLAND_GROUP_KINDS = ("intra_dp", "intra_edp", "inter_dp", "dist_opt")  # with data-parallel islands
 
 
 class DryRunError(PlanningError):
@@ -157,7 +158,8 @@ def _dry_run_rank(arch: ModelArch, placement: Placement, rank: int, *, build_mod
         start = time.perf_counter()
         with _count_new_group_calls() as calls:
             groups = build_groups(placement, rank)
-        built = {kind: tuple(dist.get_process_group_ranks(groups[kind])) for kind in CHECKED_KINDS}
+        kinds = CHECKED_KINDS + (ISLAND_GROUP_KINDS if pool.dp_islands > 1 else ())
+        built = {kind: tuple(dist.get_process_group_ranks(groups[kind])) for kind in kinds}
         report = DryRunReport(world_size=placement.world_size, rank=rank, pool=pool.name, layout=pool.describe(),
                               stage=pool.coords(rank)["pp"], groups=built, new_group_calls=calls[0],
                               seconds_groups=time.perf_counter() - start)

@@ -163,10 +163,16 @@ class RolloutSpec:
             raise PlanningError(f"rollout: kv_cache_bytes={self.kv_cache_bytes} must be > 0")
 
 
-def training_state_terms(params: int, dp: int, dtype: str, *, experts: int = 0, edp: int = 1) -> list[Term]:
+def training_state_terms(params: int, dp: int, dtype: str, *, experts: int = 0, edp: int = 1, islands: int = 1
+                         ) -> list[Term]:
     """Params, fp32 main grads and distributed-optimizer state of a rank holding `params` parameters, of which
-    `experts` are routed-expert weights (their optimizer state is sharded over the expert-data-parallel group D_e)."""
+    `experts` are routed-expert weights (their optimizer state is sharded over the expert-data-parallel group D_e).
+    With data-parallel islands (`islands` per group) the optimizer shards inside an island only: over dp/islands."""
     pb = _DTYPE_BYTES[dtype]
+    if islands > 1:
+        terms = training_state_terms(params, dp // islands, dtype, experts=experts, edp=edp // islands)
+        return terms[:2] + [Term(terms[2].name, terms[2].bytes, terms[2].formula.replace(
+            "dp=", f"(dp/{islands} islands)=").replace("D_e=", f"(D_e/{islands} islands)="))]
     terms = [Term("params", pb * params, f"{pb} B × {params:,} params"),
              Term("grads (fp32 main grads)", 4 * params, f"4 B × {params:,}")]
     per = 8 if pb == 4 else 12
@@ -394,7 +400,8 @@ class MemoryPrediction:
 
 
 def _state_terms(sp: StageParams, layout: Pool, dtype: str) -> list[Term]:
-    return training_state_terms(sp.total, layout.dp, dtype, experts=sp.experts, edp=layout.edp)
+    return training_state_terms(sp.total, layout.dp, dtype, experts=sp.experts, edp=layout.edp,
+                                islands=layout.dp_islands)
 
 
 def _resident_terms(role: RoleSpec, sp: StageParams, layout: Pool, dtype: str, *, keep_params: bool = False
@@ -512,9 +519,10 @@ def predict_memory(arch: ModelArch, layout: Pool, work: Workload, *, roles: tupl
             state = [Term(f"{role.name} {t.name}", t.bytes, t.formula) for t in _state_terms(sp, layout, dt)]
             acts = [Term(f"{role.name} {t.name}", t.bytes, t.formula)
                     for t in activation_terms(arch, layout, work, stage, value_head=role.value_head)]
-            step_tmp = 4 * (params if work.backend == "nccl" else sp.largest) / layout.dp
+            step_tmp = 4 * (params if work.backend == "nccl" else sp.largest) / (layout.dp // layout.dp_islands)
             transient = Term(f"{role.name} optimizer step temporaries", step_tmp,
-                             f"4 B × {'P' if work.backend == 'nccl' else 'largest param'}/dp (AdamW "
+                             f"4 B × {'P' if work.backend == 'nccl' else 'largest param'}/"
+                             f"{'dp' if layout.dp_islands == 1 else '(dp/islands)'} (AdamW "
                              f"{'foreach' if work.backend == 'nccl' else 'single-tensor'})")
             if work.backend == "gloo":
                 copy = Term(f"{role.name} gloo grad flatten copy", 4 * params / (layout.vpp or 1),

@@ -53,8 +53,9 @@ from verl_mega.planning.memory import (
     predict_memory,
     training_pool,
 )
-from verl_mega.planning.params import PlanningError
-from verl_mega.parallel.placement import Placement, Pool
+from verl_mega.planning.dp_sync import pool_dp_sync
+from verl_mega.planning.params import PlanningError, stage_params
+from verl_mega.parallel.placement import Placement, PlacementError, Pool
 from verl_mega.planning.timing import H200, Hardware, StepShape, TimePrediction, predict_time, time_bucket
 
 PHASES = ("train", "rollout", "reshard", "score")
@@ -88,6 +89,22 @@ class Cluster:
     def node_gpus(self) -> int:
         """GPUs per node actually used (a job smaller than one node uses part of it)."""
         return min(self.gpus, self.gpus_per_node)
+
+    @property
+    def island_gpus(self) -> int:
+        """GPUs of one NVLink island: the smallest island of ``topology``, else the whole node (NVSwitch)."""
+        if self.topology is None:
+            return self.node_gpus
+        return min(self.node_gpus, min(len(i) for i in self.topology.nvlink_islands))
+
+    def dp_island_ranks(self, level: str) -> int | None:
+        """Ranks per data-parallel island for ``parallel.dp_hierarchy=level`` (the run's own rule)."""
+        from verl_mega.parallel.scheduler import dp_island_ranks
+
+        try:
+            return dp_island_ranks(level, self.node_gpus, self.topology)
+        except PlacementError as exc:
+            raise PlanningError(f"{exc} (tools/plan.py: --dp-hierarchy, --topo)") from None
 
     @property
     def budget_bytes(self) -> float:
@@ -133,6 +150,7 @@ class Plan:
     gen_off_island: int
     headroom_bytes: float
     time: TimePrediction
+    dp_sync: dict  # the actor's data-parallel sync per optimizer step: bytes per GPU, inside and between islands
     time_bucket: int = 0  # 2 % steps above the fastest plan of its (fits, GiB over, off-island) group: see _ranked
 
     @property
@@ -171,6 +189,7 @@ class Plan:
             "moe_comm_gb_per_step": {t.name: round(gib(t.bytes), 3) for t in mem.comm},
             "pipeline_bubble": round(self.bubble, 4), "time_factor": round(self.time_factor, 4),
             "tp_groups_off_nvlink": self.tp_off_island, "gen_tp_groups_off_nvlink": self.gen_off_island,
+            "dp_islands": lay.dp_islands, "dp_cross_island_dtype": lay.dp_cross_island_dtype, "dp_sync": self.dp_sync,
             "step_time_s": round(self.time.total, 4),
             "time_s": {name: round(sec, 4) for name, sec in self.time.phases.items()},
             "cost": list(self.cost),
@@ -195,6 +214,9 @@ class Plan:
                  f"{self.time_factor:.4f}",
                  f"  TP groups off NVLink islands per node: training {self.tp_off_island}, generation "
                  f"{self.gen_off_island}",
+                 f"  data-parallel sync per optimizer step (actor): {self.dp_sync['bytes_per_gpu'] / GiB:.2f} GiB per "
+                 f"GPU, {self.dp_sync['cross_island_bytes_per_gpu'] / GiB:.2f} GiB of it between islands of "
+                 f"{self.dp_sync['island_gpus']} GPUs",
                  f"  cost key (fits, GiB over, off-island, step-time bucket (2 %), reshard MiB, all-to-all GiB, "
                  f"tp·pp, vpp, −headroom) = {self.cost}"]
         lines += ["  " + line for line in self.time.explain()]
@@ -271,12 +293,15 @@ def _structural_reason(arch: ModelArch, cluster: Cluster, tp: int, pp: int, vpp:
 
 def plan_layouts(arch: ModelArch, cluster: Cluster, work: Workload, *, global_batch: int,
                  roles: tuple[RoleSpec, ...] | None = None, rollout: RolloutSpec | None = None,
-                 pins: Pins | None = None, sequence_parallel: bool = True, step: StepShape | None = None
-                 ) -> tuple[list[Plan], list[Rejected]]:
+                 pins: Pins | None = None, sequence_parallel: bool = True, step: StepShape | None = None,
+                 dp_hierarchy: str = "off", cross_island_dtype: str = "fp32") -> tuple[list[Plan], list[Rejected]]:
     """Every training layout allowed by `pins`, each with its best generation tg, ranked by the cost model (best
     first), and the rejected ones with reasons. `step` is what one RL step processes (default: `global_batch`
-    samples of the workload's length, half prompt and half response)."""
+    samples of the workload's length, half prompt and half response). `dp_hierarchy` (node | island) cuts every
+    layout's data-parallel groups at islands as a run would (``parallel.dp_hierarchy``); a layout where that is
+    impossible is rejected with the run's reason."""
     pins = pins or Pins()
+    island_ranks = cluster.dp_island_ranks(dp_hierarchy)
     roles = roles or default_roles()
     rollout = rollout or RolloutSpec()
     if global_batch < 1:
@@ -319,9 +344,16 @@ def plan_layouts(arch: ModelArch, cluster: Cluster, work: Workload, *, global_ba
                 for gen_tp, gen_ep in allowed:  # the generation layout chosen apart from training: the best one
                     layout = training_pool(tp=tp, pp=pp, dp=dp, gen_tp=gen_tp, vpp=vpp, ep=ep, etp=etp,
                                            gen_ep=gen_ep, sequence_parallel=sequence_parallel and tp > 1)
+                    try:
+                        layout = Placement(layout.size, (layout,)).with_dp_hierarchy(
+                            dp_hierarchy, island_ranks, cross_island_dtype).pools[0]
+                    except PlacementError as exc:
+                        rejected.append(Rejected(tp, pp, vpp, gen_tp, str(exc)))
+                        continue
                     tp_off, gen_off = _island_report(cluster.topology, tp, gen_tp, island_cache)
                     candidates.append(_evaluate(arch, cluster, layout, w, roles, rollout, tp_off, gen_off, step))
-                plans.append(_ranked(candidates)[0])
+                if candidates:
+                    plans.append(_ranked(candidates)[0])
     return _ranked(plans), rejected
 
 
@@ -370,10 +402,21 @@ def _evaluate(arch: ModelArch, cluster: Cluster, layout: Pool, work: Workload, r
     bubble = (layout.pp - 1) / (v * m)
     time_factor = (1 + bubble) * (4 / 3 if work.recompute == "full" else 1.0)
     timing = predict_time(arch, layout, work, step, mem, roles=roles, rollout=rollout, hardware=cluster.hardware,
-                          node_gpus=cluster.node_gpus)
+                          node_gpus=cluster.node_gpus, island_gpus=cluster.island_gpus)
     return Plan(layout=layout, recompute=work.recompute, num_microbatches=m, memory=mem, over_budget=tuple(over),
                 bubble=bubble, time_factor=time_factor, tp_off_island=tp_off, gen_off_island=gen_off,
-                headroom_bytes=budget - mem.peak, time=timing)
+                headroom_bytes=budget - mem.peak, time=timing, dp_sync=_dp_sync_report(arch, cluster, layout, work))
+
+
+def _dp_sync_report(arch: ModelArch, cluster: Cluster, layout: Pool, work: Workload) -> dict:
+    """The actor's data-parallel sync per optimizer step on its largest pipeline stage (bytes per GPU)."""
+    sp = max((stage_params(arch, layout, st) for st in {0, layout.pp - 1}), key=lambda x: x.total)
+    syncs = pool_dp_sync(layout, dense=sp.total - sp.experts, experts=sp.experts,
+                         param_bytes=4 if work.dtype == "fp32" else 2, island_gpus=cluster.island_gpus)
+    return {"island_gpus": cluster.island_gpus, "islands_per_dp_group": layout.dp_islands,
+            "cross_island_dtype": layout.dp_cross_island_dtype,
+            "bytes_per_gpu": round(sum(x.sent_bytes for x in syncs)),
+            "cross_island_bytes_per_gpu": round(sum(x.cross_bytes for x in syncs))}
 
 
 @dataclass(frozen=True)
@@ -387,6 +430,8 @@ class ConfigInputs:
     global_batch: int
     sequence_parallel: bool
     step: StepShape
+    dp_hierarchy: str = "off"
+    cross_island_dtype: str = "fp32"
 
 
 def rollout_fits_resident(cfg, placement: Placement, arch: ModelArch, gpu_mem_bytes: float, *,
@@ -427,12 +472,14 @@ def inputs_from_config(cfg, placement: Placement | None) -> ConfigInputs:
                        max_num_batched_tokens=rollout.max_num_batched_tokens or defaults.max_num_batched_tokens)
     step = StepShape(samples=cfg.data.train_batch_size * rollout.n, prompt_len=cfg.data.max_prompt_length,
                      response_len=rollout.max_response_length, n=rollout.n, ppo_epochs=actor.ppo_epochs)
+    islands = dict(dp_hierarchy=p.dp_hierarchy, cross_island_dtype=p.dp_cross_island_dtype)
     if placement is None:
         return ConfigInputs(pins=Pins(recompute=cfg.model.recompute), workload=work, roles=tuple(roles), rollout=spec,
-                            global_batch=actor.ppo_mini_batch_size * rollout.n, sequence_parallel=True, step=step)
+                            global_batch=actor.ppo_mini_batch_size * rollout.n, sequence_parallel=True, step=step,
+                            **islands)
     pool = placement.pool_of("actor")
     pins = Pins(tp=pool.tp, pp=pool.pp, vpp=pool.vpp or 1, gen_tp=pool.gen_tp, recompute=cfg.model.recompute,
                 ep=pool.ep, etp=pool.etp, gen_ep=pool.gen_ep)
     return ConfigInputs(pins=pins, workload=work, roles=tuple(roles), rollout=spec,
                         global_batch=actor.ppo_mini_batch_size * rollout.n, sequence_parallel=p.sequence_parallel,
-                        step=step)
+                        step=step, **islands)

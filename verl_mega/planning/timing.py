@@ -18,7 +18,8 @@ Phases (the memory model's names):
   back over PCIe.
 * **score** — forward passes: old log-probs (always), reference log-probs, critic values.
 * **train** — actor (and critic) updates: forward + backward, the data-parallel gradient reduce-scatter and
-  parameter all-gather of the distributed optimizer, and the Adam step itself.
+  parameter all-gather of the distributed optimizer (flat, or inside islands with the shards all-reduced across
+  them: :mod:`verl_mega.planning.dp_sync`), and the Adam step itself.
 
 Training compute is model FLOPs over the GPUs at an achieved fraction of the bf16 matmul peak that falls as a GPU's
 GEMMs narrow (:meth:`Hardware.efficiency`), times (1 + pipeline bubble); tensor-parallel collectives, pipeline
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 
 from verl_mega.models.hf_config import ModelArch
 from verl_mega.parallel.placement import Pool
+from verl_mega.planning.dp_sync import pool_dp_sync
 from verl_mega.planning.memory import MemoryPrediction, RoleSpec, RolloutSpec, Workload, kv_cache_bytes_per_token
 from verl_mega.planning.params import PlanningError, generation_params, stage_params
 
@@ -237,11 +239,23 @@ def _link(hw: Hardware, span: int, node_gpus: int) -> tuple[float, str]:
     return hw.inter_node_gbps * GB, "inter-node"
 
 
+def dp_cross_link(hw: Hardware, layout: Pool, node_gpus: int, island_gpus: int) -> tuple[float, str]:
+    """Bandwidth (bytes/s) and name of the links a data-parallel group uses between islands: the NICs when a
+    pipeline stage's ranks span nodes, PCIe between NVLink islands of one node, NVLink when the group fits one."""
+    span = layout.tp * layout.cp * layout.dp
+    if span > node_gpus:
+        return hw.inter_node_gbps * GB, "inter-node"
+    if span > island_gpus:
+        return hw.pcie_gbps * GB, "PCIe"
+    return hw.nvlink_gbps * GB, "NVLink"
+
+
 def predict_time(arch: ModelArch, layout: Pool, work: Workload, step: StepShape, memory: MemoryPrediction, *,
                  roles: tuple[RoleSpec, ...], rollout: RolloutSpec, hardware: Hardware = H200,
-                 node_gpus: int = 8) -> TimePrediction:
+                 node_gpus: int = 8, island_gpus: int | None = None) -> TimePrediction:
     """Seconds per RL step by phase for `layout` (its gen_tp included). `memory` is the memory model's prediction
-    for the same layout (KV cache size, reshard bytes, offloaded bytes, MoE all-to-all bytes)."""
+    for the same layout (KV cache size, reshard bytes, offloaded bytes, MoE all-to-all bytes). `island_gpus`: GPUs
+    per NVLink island (default: the node)."""
     hw = hardware
     t, p, v, dp = layout.tp, layout.pp, layout.vpp or 1, layout.dp
     world, tg = layout.size, layout.gen_tp
@@ -325,23 +339,30 @@ def predict_time(arch: ModelArch, layout: Pool, work: Workload, step: StepShape,
         passes("critic values", True, "forward")
 
     # ---- train: updates, then per optimizer step the DP reduction and the Adam step
-    dp_bw, dp_link = _link(hw, t * dp, node_gpus)
+    island = min(island_gpus or node_gpus, node_gpus)
+    cross_bw, cross_link = dp_cross_link(hw, layout, node_gpus, island)
+    shard = dp // layout.dp_islands  # the distributed optimizer shards inside an island
     for role, value_head in (("actor", False), ("critic", True)) if critic else (("actor", False),):
         passes(f"{role} update", value_head, "update")
         sp = max((stage_params(arch, layout, st, value_head=value_head) for st in {0, p - 1}), key=lambda x: x.total)
-        dense_params = sp.total - sp.experts
         pb = 4 if work.dtype == "fp32" else 2
-        dp_bytes = (dp - 1) / dp * (4 + pb) * dense_params
-        expert_bytes = sum(term.bytes for term in memory.comm if "grad reduction" in term.name)
-        if dp > 1 or expert_bytes:
-            terms.append(TimeTerm("train", f"{role} DP grad/param sync", opt_steps * (
-                2 * alpha + dp_bytes / dp_bw + expert_bytes / dp_bw),
-                f"{opt_steps} optimizer step(s) × (dp−1)/dp × (4 B grads + {pb} B params) × {dense_params:,} "
-                f"params" + (" + expert grads over D_e" if expert_bytes else "") + f" over {dp_link}"))
-        adam = 30 * sp.total / dp + 4 * sp.total
+        syncs = pool_dp_sync(layout, dense=sp.total - sp.experts, experts=sp.experts, param_bytes=pb,
+                             island_gpus=island)
+        seconds = sum(x.seconds(inside_bps=hw.nvlink_gbps * GB, cross_bps=cross_bw, latency_s=alpha) for x in syncs)
+        if seconds:
+            dense, experts = syncs
+            across = sum(x.cross_bytes for x in syncs)
+            sent = sum(x.sent_bytes for x in syncs) / 2**30
+            terms.append(TimeTerm("train", f"{role} DP grad/param sync", opt_steps * seconds,
+                                  f"{opt_steps} optimizer step(s) × {dense.formula}"
+                                  + (f"; experts: {experts.formula}" if experts.group > 1 else "")
+                                  + (f": {sent:.2f} GiB per GPU, {across / 2**30:.2f} GiB of it over {cross_link}"
+                                     if across else f": {sent:.2f} GiB per GPU over NVLink")))
+        adam = 30 * sp.total / shard + 4 * sp.total
         terms.append(TimeTerm("train", f"{role} optimizer step", opt_steps * adam / (hw.hbm_gbps * GB),
-                              f"{opt_steps} × (30 B × P/dp (fp32 grad, master, m, v read; master, m, v, param "
-                              f"written) + 4 B × P grad zeroing) over HBM, P={sp.total:,}"))
+                              f"{opt_steps} × (30 B × P/{'dp' if shard == dp else '(dp/islands)'} (fp32 grad, master, "
+                              f"m, v read; master, m, v, param written) + 4 B × P grad zeroing) over HBM, "
+                              f"P={sp.total:,}"))
 
     # ---- reshard: the 3D-HybridEngine switch and offload traffic
     gen_ep, gen_dp = layout.gen_ep, layout.gen_dp

@@ -353,7 +353,7 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
     from verl_mega.data.prompts import PromptBatch, PromptDataset, PromptLoader
     from verl_mega.parallel import launch_env
     from verl_mega.parallel.placement import Placement
-    from verl_mega.parallel.scheduler import assign_device, write_placement_json
+    from verl_mega.parallel.scheduler import check_islands_agree, place_on_devices, write_placement_json
     from verl_mega.parallel.state import build_groups, init_world, seed_everything, set_deterministic
     from verl_mega.rewards.loader import load_reward_fn
     from verl_mega.rewards.pool import RewardPool
@@ -391,7 +391,9 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
         from verl_mega.parallel.pools import check_disaggregated
 
         check_disaggregated(placement)
-    device = assign_device(placement, env, cfg.parallel.topology_file)  # before anything initialises CUDA
+    placement, device = place_on_devices(  # before anything initialises CUDA; cuts data-parallel islands when asked
+        placement, env, cfg.parallel.topology_file, dp_hierarchy=cfg.parallel.dp_hierarchy,
+        cross_island_dtype=cfg.parallel.dp_cross_island_dtype)
     cfg.validate_runtime(placement)
     probe_output_dir(cfg.trainer.output_dir)
     records_rank = env.rank == actor_pool.ranks[0]  # writes metrics.jsonl and finalises checkpoints
@@ -442,6 +444,11 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
         bridge = init_pool_worlds(placement, cfg.trainer.collective_timeout_s, cfg.trainer.pool_heartbeat_timeout_s)
         resources.callback(bridge.close)
         records = bridge.all_gather_object(device)
+    if placement.dp_hierarchy != "off":  # each node cut its islands from its own topology: they must agree
+        if records is None:
+            records = [None] * env.world_size
+            dist.all_gather_object(records, device)
+        check_islands_agree(records)
     # every file's checksum, each rank hashing a share; a broken newest checkpoint falls back (resume=auto)
     if bridge is None or bridge.trains:
         resume_path = verify_checkpoint(cfg, resume_path)

@@ -68,10 +68,11 @@ def _local_state(engine) -> list[tuple[torch.nn.Parameter, dict[str, torch.Tenso
 
     from verl_mega.models.loader import unwrap
 
-    owners, main_of = {}, {}
+    owners, main_of, group_of = {}, {}, {}
     for opt in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer]):
         if isinstance(opt, DistributedOptimizer):  # holds a range of each parameter on each DP rank
-            owners.update({p: opt for p in opt.model_param_gbuf_map})
+            owners.update({p: opt for p in opt.model_param_gbuf_map})  # the parameters with a range on this rank
+            group_of.update({p: opt.data_parallel_group for buf in opt.buffers for p in buf.param_index_map})
         else:  # whole parameters; fp32 models use the params themselves as main params
             model_groups = getattr(opt, "float16_groups", None) or [g["params"] for g in opt.optimizer.param_groups]
             main_groups = getattr(opt, "fp32_from_float16_groups", None) or model_groups
@@ -94,8 +95,11 @@ def _local_state(engine) -> list[tuple[torch.nn.Parameter, dict[str, torch.Tenso
             assert float(state["step"]) == STEPS, f"Adam step {float(state['step'])} != {STEPS}"
             for k in STATE_KEYS:
                 full[k][rng.start:rng.end] = state[k].detach().float().view(-1)
-        for k in STATE_KEYS:  # each element lives on exactly one DP rank
-            dist.all_reduce(full[k], group=engine.groups["dp"])
+        # each element lives on exactly one rank of its optimizer's data-parallel group (with data-parallel islands:
+        # one rank of each island, which holds the whole state)
+        group = group_of.get(param, engine.groups["dp"])
+        for k in STATE_KEYS:
+            dist.all_reduce(full[k], group=group)
         out.append((param, {k: v.view(param.shape) for k, v in full.items()}))
     return out
 
