@@ -33,6 +33,8 @@ TWO_POOLS = Placement(WORLD, (Pool(name="train", ranks=tuple(range(768)), tp=TP,
                               Pool(name="rollout", ranks=tuple(range(768, WORLD)), gen_tp=4, trains=False)),
                       {"actor": "train", "rollout": "rollout"})
 TIME_LIMIT_S = 10.0
+# the dry runs are held to TIME_LIMIT_S each: they run with the box to themselves, not beside another test
+pytestmark = pytest.mark.alone
 
 
 def check_rank_groups(rank: int, groups: dict[str, tuple[int, ...]]) -> None:
