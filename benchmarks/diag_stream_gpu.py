@@ -68,7 +68,8 @@ def main() -> None:
 
     from verl_mega.rewards.pool import RewardPool
     from verl_mega.rollout.streaming import StreamingEngine
-    from verl_mega.rollout.vllm_rollout import SamplingSpec, VLLMRollout, VLLMRolloutConfig
+    from verl_mega.rollout.base import SamplingSpec
+    from verl_mega.rollout.vllm_rollout import VLLMRollout, VLLMRolloutConfig
 
     force_lengths(LengthDist(args.median, 1.0, 1, args.high))
     root = Path(tempfile.mkdtemp(prefix="diag_stream_"))

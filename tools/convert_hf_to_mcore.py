@@ -27,16 +27,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if min(args.tp, args.pp, args.ep, args.etp or 1) < 1:
         parser.error("--tp, --pp, --ep and --etp must be ≥ 1")
-    from verl_mega.models.hf_config import ModelConfigError
+    from verl_mega.models.hf_config import ModelConfigError, arch_from_hf, load_hf_config
     from verl_mega.models.hf_io import CheckpointError
-    from verl_mega.checkpoint.mcore import convert_hf_to_mcore
+    from verl_mega.checkpoint.mcore import convert_hf_to_mcore, mtp_note
 
     try:
         out = convert_hf_to_mcore(args.hf_path, args.output, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp,
                                   dtype=args.dtype)
+        note = mtp_note(arch_from_hf(load_hf_config(args.hf_path)))
     except (ModelConfigError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if note:
+        print(note)
     print(f"wrote Megatron dist checkpoint to {out} (loads at any layout; validated for tp={args.tp}, pp={args.pp}, "
           f"ep={args.ep})")
     return 0

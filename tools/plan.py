@@ -2,13 +2,13 @@
 
     python tools/plan.py --model CONFIG.json --gpus N --gpus-per-node G --gpu-mem-gb M [--topo F]
                          [--config RECIPE.yaml [--set key=value ...]]
-                         [--tp T --pp P --vpp V --gen-tp G --ep E --etp T] [--micro-batch B --seq-len S
+                         [--tp T --pp P --vpp V --gen-tp G --gen-ep G --ep E --etp T] [--micro-batch B --seq-len S
                          --recompute R]
                          [--global-batch N] [--step-samples N --response-len R --n N]
                          [--offload params,grads,optimizer] [--explain] [--json] [--dry-run [--rank R ...]]
 
 Memory is in GiB (2^30 bytes) per GPU, times in seconds per RL step. --json prints one JSON object whose ``plans``
-list is ranked best first; each plan has ``tp``, ``pp``, ``vpp``, ``dp``, ``gen_tp``, ``memory_gb`` and
+list is ranked best first; each plan has ``tp``, ``pp``, ``vpp``, ``dp``, ``gen_tp``, ``gen_ep``, ``memory_gb`` and
 ``time_s`` per phase (``train``, ``rollout``, ``reshard``, ``score``), ``step_time_s``, ``reshard_bytes_per_gpu``
 and the breakdown. A recipe with ``parallel.layout: auto`` is planned unpinned, and ``auto_choice`` (the JSON) or
 the last line (text) names the layout a run of it would take. --dry-run checks the group arithmetic of every
@@ -79,9 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="wire format between islands (as parallel.dp_cross_island_dtype)")
     ap.add_argument("--inter-node-gbps", type=_positive(float), default=None,
                     help="GB/s per GPU between nodes (default: the H200 constants' 40, one 400 Gb/s NIC per GPU)")
-    for name in ("tp", "pp", "gen-tp", "ep", "etp"):
-        ap.add_argument(f"--{name}", type=_positive(), default=None, help=f"pin {name} (default: enumerate; ep and "
-                                                                          f"etp for MoE models)")
+    for name in ("tp", "pp", "gen-tp", "ep", "etp", "gen-ep"):
+        ap.add_argument(f"--{name}", type=_positive(), default=None, help=f"pin {name} (default: enumerate; ep, etp "
+                                                                          f"and gen-ep for MoE models)")
     ap.add_argument("--vpp", type=_positive(), default=None, help="pin virtual pipeline stages (1 = no interleaving)")
     ap.add_argument("--micro-batch", type=_positive(), default=1, help="samples per micro-batch per GPU")
     ap.add_argument("--seq-len", type=_positive(), default=4096, help="prompt + response tokens")
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                               kv_cache_bytes=args.kv_cache_gb * GiB if args.kv_cache_gb else None,
                               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
         pins = Pins(tp=args.tp, pp=args.pp, vpp=args.vpp, gen_tp=args.gen_tp, recompute=args.recompute,
-                    ep=args.ep, etp=args.etp)
+                    ep=args.ep, etp=args.etp, gen_ep=args.gen_ep)
         global_batch, sequence_parallel = args.global_batch, not args.no_sequence_parallel
         islands = dict(dp_hierarchy=args.dp_hierarchy, cross_island_dtype=args.dp_cross_island_dtype)
         response = args.response_len or max(1, work.seq_len - work.seq_len // 2)
@@ -196,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
             if auto is None and (placement is None or len(placement.pools) == 1):
                 best = plans[0].layout
                 placement = Placement.single(cluster.gpus, tp=best.tp, pp=best.pp, vpp=best.vpp, gen_tp=best.gen_tp,
-                                             ep=best.ep, etp=best.etp, sequence_parallel=best.sequence_parallel)
+                                             ep=best.ep, etp=best.etp, gen_ep=best.gen_ep,
+                                             sequence_parallel=best.sequence_parallel)
             placement = placement.with_dp_hierarchy(  # the run's data-parallel islands, as the planner cut them
                 islands["dp_hierarchy"], cluster.dp_island_ranks(islands["dp_hierarchy"]),
                 islands["cross_island_dtype"])
@@ -245,8 +246,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{cluster.gpu_mem_gib:g} GiB); micro-batch {work.micro_batch} × {work.seq_len} tokens, global batch "
           f"{global_batch}, roles {'+'.join(r.name for r in roles)}; RL step {step.samples} samples of "
           f"{step.prompt_len} + {step.response_len} tokens; step-time constants: {cluster.hardware.name}")
-    print(f"{len(plans)} layouts evaluated (each with its best gen_tp), {fitting} fit; {len(rejected)} rejected. "
-          f"Best first:")
+    print(f"{len(plans)} layouts evaluated (each with its best gen_tp/gen_ep), {fitting} fit; {len(rejected)} "
+          f"rejected. Best first:")
     for i, plan in enumerate(plans[: args.top]):
         print(f"{i + 1:>3}. {plan.headline()}")
     if auto is not None:

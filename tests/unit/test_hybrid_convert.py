@@ -123,23 +123,30 @@ def test_vocab_rows_each_needed_row_once_from_its_owner(vocab, t, tg):
                 assert tr.src * per <= tr.start < tr.end <= (tr.src + 1) * per  # from the shard that owns it
 
 
-@pytest.mark.parametrize("world,tp,pp,ep,etp,tg", [(8, 2, 1, 4, 1, 2), (8, 4, 1, 2, 2, 2), (4, 2, 1, 1, 2, 1),
-                                                   (8, 2, 2, 2, 1, 1), (8, 4, 1, 1, 1, 4), (6, 3, 1, 3, 1, 3)])
-def test_expert_plan_builds_vllm_expert_blocks(world, tp, pp, ep, etp, tg):
-    """Every rank's vLLM expert tensors (fused w13 [E, 2f/tg, h] = gate rows then up rows of block j, w2
-    [E, h, f/tg]), assembled from the plan's pieces out of the holders' Megatron shards, equal slices cut from the
-    full HF tensors; each needed row comes exactly once, from the rank's own stage and expert-data-parallel replica;
+@pytest.mark.parametrize("world,tp,pp,ep,etp,tg,gen_ep", [(8, 2, 1, 4, 1, 2, 1), (8, 4, 1, 2, 2, 2, 1),
+                                                          (4, 2, 1, 1, 2, 1, 1), (8, 2, 2, 2, 1, 1, 1),
+                                                          (8, 4, 1, 1, 1, 4, 1), (6, 3, 1, 3, 1, 3, 1),
+                                                          (8, 2, 1, 4, 1, 2, 4), (8, 2, 1, 2, 2, 1, 2),
+                                                          (16, 4, 2, 4, 1, 2, 4), (8, 1, 1, 8, 1, 1, 8)])
+def test_expert_plan_builds_vllm_expert_blocks(world, tp, pp, ep, etp, tg, gen_ep):
+    """Every rank's vLLM expert tensors, assembled from the plan's pieces out of the holders' Megatron shards, equal
+    slices cut from the full HF tensors: with gen_ep = 1 the fused w13 [E, 2f/tg, h] (gate rows then up rows of block
+    j) and w2 [E, h, f/tg]; with expert-parallel generation w13 [E/gen_ep, 2f, h] and w2 [E/gen_ep, h, f] of the
+    experts vLLM's own expert map (``determine_expert_map``) gives the rank's EP rank — no rank receives an expert it
+    does not serve. Each needed row comes exactly once, from the rank's own stage and expert-data-parallel replica;
     the rows a rank receives are the Pool's expert byte count."""
+    from vllm.model_executor.layers.fused_moe.expert_map_manager import determine_expert_map
+
     from verl_mega.hybrid.convert import expert_dest_views, expert_plan, expert_source_views
     from verl_mega.models.weights import ExpertShard
     from verl_mega.parallel.placement import Placement
 
-    E, h, f = 12, 5, 12
-    arch = ModelArch(model_type="qwen3_moe", num_layers=pp, hidden_size=h, ffn_hidden_size=8, num_heads=2,
-                     num_kv_heads=1, head_dim=4, vocab_size=50, max_position_embeddings=64, rope_theta=1e4,
+    E, h, f = 24, 5, 12
+    arch = ModelArch(model_type="qwen3_moe", num_layers=pp, hidden_size=h, ffn_hidden_size=8, num_heads=4,
+                     num_kv_heads=4, head_dim=4, vocab_size=50, max_position_embeddings=64, rope_theta=1e4,
                      rms_norm_eps=1e-6, tie_word_embeddings=False, qkv_bias=False, qk_norm=True, num_experts=E,
                      moe_topk=2, moe_ffn_hidden_size=f, moe_renormalize=True)
-    pool = Placement.single(world, tp=tp, pp=pp, ep=ep, etp=etp, gen_tp=tg).pool("main")
+    pool = Placement.single(world, tp=tp, pp=pp, ep=ep, etp=etp, gen_tp=tg, gen_ep=gen_ep).pool("main")
     g = torch.Generator().manual_seed(1)
     hf = {}
     for e in range(E):
@@ -151,34 +158,40 @@ def test_expert_plan_builds_vllm_expert_blocks(world, tp, pp, ep, etp, tg):
         c = pool.coords(r)
         which = ExpertShard(ep_rank=c["ep"], ep=ep, etp_rank=c["etp"], etp=etp)
         shards[r] = [hf_to_mcore_shard(rule, _reader(hf), arch, c["tp"], tp, 0, which) for rule in rules]
-    fj = f // tg
     for stage in range(pp):
         plan = expert_plan(pool, stage, E, f)
         for dst in (r for r in pool.ranks if pool.coords(r)["pp"] == stage):
             c = pool.coords(dst)
-            j = c["gen_tp"]
-            w13, w2 = torch.full((E, 2 * fj, h), float("nan")), torch.full((E, h, fj), float("nan"))
+            if gen_ep > 1:  # vLLM's placement of experts over its EP ranks, whole width
+                _, expert_map, _ = determine_expert_map(gen_ep, c["gen_ep"], E)
+                local = {int(e): int(expert_map[e]) for e in range(E) if int(expert_map[e]) >= 0}
+                width = range(f)
+            else:
+                local, width = {e: e for e in range(E)}, range(c["gen_tp"] * f // tg, (c["gen_tp"] + 1) * f // tg)
+            e0, _, r0, _ = pool.expert_slice(dst, E, f)
+            w13 = torch.full((len(local), 2 * len(width), h), float("nan"))
+            w2 = torch.full((len(local), h, len(width)), float("nan"))
             rows = []
             for piece in (q for q in plan if q.dst == dst):
                 hc = pool.coords(piece.src)
                 assert (hc["pp"], hc["edp"]) == (stage, c["edp"])
                 views = expert_source_views(piece, *shards[piece.src], ep_rank=hc["ep"], etp_rank=hc["etp"],
                                             num_experts=E, ep=ep, etp=etp, width=f)
-                for to, frm in zip(expert_dest_views(piece, w13, w2, gen_rank=j, width=f, gen_tp=tg), views):
+                for to, frm in zip(expert_dest_views(piece, w13, w2, first_expert=e0, first_row=r0,
+                                                     rows=len(width)), views):
                     to.copy_(frm)
                 rows += [(piece.expert, x, piece.src != dst) for x in range(piece.lo, piece.hi)]
-            want = [(e, x) for e in range(E) for x in range(j * fj, (j + 1) * fj)]
-            assert sorted((e, x) for e, x, _ in rows) == want
-            for e in range(E):
-                sl = slice(j * fj, (j + 1) * fj)
+            assert sorted((e, x) for e, x, _ in rows) == [(e, x) for e in sorted(local) for x in width]
+            sl = slice(width[0], width[-1] + 1)
+            for e, le in local.items():
                 name = f"model.layers.0.mlp.experts.{e}."
                 gate_up = torch.cat([hf[name + "gate_proj.weight"][sl], hf[name + "up_proj.weight"][sl]])
-                assert torch.equal(w13[e], gate_up)
-                assert torch.equal(w2[e], hf[name + "down_proj.weight"][:, sl])
+                assert torch.equal(w13[le], gate_up)
+                assert torch.equal(w2[le], hf[name + "down_proj.weight"][:, sl])
             received = sum(moved for _, _, moved in rows) * 3 * h
-            # Pool's count for one layer per stage, unit row bytes h: only this stage's layer is in the plan
-            assert received == pool.expert_sync_bytes_per_rank(dst, num_layers=pp, num_experts=E, width=f,
-                                                               row_bytes=h) - (pp - 1) * E * 3 * fj * h
+            # Pool's count for this stage's one MoE layer, unit row bytes h
+            assert received == pool.expert_sync_bytes_per_rank(dst, num_layers=1, own_layers=1, num_experts=E,
+                                                               width=f, row_bytes=h)
 
 
 def test_expert_vllm_names():
@@ -194,3 +207,59 @@ def test_expert_vllm_names():
     assert names == {f"{block}.gate.weight", f"{block}.experts.w13_weight", f"{block}.experts.w2_weight"}
     routed = "model.layers.3.block_sparse_moe.experts.routed_experts.w13_weight"
     assert routed_name(canonical_name(routed)) == routed and canonical_name(routed) in names
+
+
+@pytest.mark.parametrize("t,tg,q_lora", [(4, 2, 16), (2, 2, None), (4, 1, 16), (2, 1, None)])
+def test_mla_blocks_equal_vllm_slices(t, tg, q_lora):
+    """Multi-head latent attention: generation block j of q_b_proj (or q_proj), kv_b_proj (heads, column blocks) and
+    o_proj (row blocks) built from m = t/tg Megatron shards, and the latent down projections written whole into
+    vLLM's fused_qkv_a_proj = [q_a; kv_a] (kv_a_proj_with_mqa on its own without a query bottleneck), equal the rows
+    vLLM keeps, cut from the full HF tensors."""
+    from verl_mega.hybrid.convert import vllm_slot
+
+    heads, h, r, rope, nope, v = 4, 24, 12, 4, 6, 5
+    arch = ModelArch(model_type="deepseek_v3", num_layers=1, hidden_size=h, ffn_hidden_size=8, num_heads=heads,
+                     num_kv_heads=heads, head_dim=nope + rope, vocab_size=50, max_position_embeddings=64,
+                     rope_theta=1e4, rms_norm_eps=1e-6, tie_word_embeddings=False, qkv_bias=False, qk_norm=False,
+                     q_lora_rank=q_lora, kv_lora_rank=r, qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=v)
+    g = torch.Generator().manual_seed(0)
+    p = "model.layers.0.self_attn."
+    hf = {p + "kv_a_proj_with_mqa.weight": torch.randn(r + rope, h, generator=g),
+          p + "kv_b_proj.weight": torch.randn(heads * (nope + v), r, generator=g),
+          p + "o_proj.weight": torch.randn(h, heads * v, generator=g)}
+    if q_lora:
+        hf[p + "q_a_proj.weight"] = torch.randn(q_lora, h, generator=g)
+        hf[p + "q_b_proj.weight"] = torch.randn(heads * (nope + rope), q_lora, generator=g)
+    else:
+        hf[p + "q_proj.weight"] = torch.randn(heads * (nope + rope), h, generator=g)
+    suffixes = ["linear_kv_down_proj", "linear_kv_up_proj", "linear_proj"] + \
+        (["linear_q_down_proj", "linear_q_up_proj"] if q_lora else ["linear_q_proj"])
+    m = t // tg
+    for j in range(tg):
+        built = {}
+        for suffix in suffixes:
+            rule = rule_for(f"decoder.layers.0.self_attention.{suffix}.weight", arch)
+            shards = [hf_to_mcore_shard(rule, _reader(hf), arch, i, t, 0) for i in range(j * m, (j + 1) * m)]
+            if rule.kind == "replicated":
+                shards = shards[:1]
+            name, first, rows = vllm_slot(rule, arch)
+            shape = block_shape(rule, shards[0].shape, len(shards))
+            dst = built.setdefault(name, torch.full((rows or shape[0], *shape[1:]), float("nan")))
+            write_block(rule, dst[first:first + shape[0]], shards, arch)
+        heads_j = slice(j * heads // tg, (j + 1) * heads // tg)
+
+        def by_heads(name, per_head, heads_j=heads_j):
+            return hf[name].view(heads, per_head, -1)[heads_j].reshape(-1, hf[name].shape[1])
+
+        want = {p + "kv_b_proj.weight": by_heads(p + "kv_b_proj.weight", nope + v),
+                p + "o_proj.weight": hf[p + "o_proj.weight"].view(h, heads, v)[:, heads_j].reshape(h, -1)}
+        if q_lora:
+            want[p + "fused_qkv_a_proj.weight"] = torch.cat([hf[p + "q_a_proj.weight"],
+                                                            hf[p + "kv_a_proj_with_mqa.weight"]])
+            want[p + "q_b_proj.weight"] = by_heads(p + "q_b_proj.weight", nope + rope)
+        else:
+            want[p + "kv_a_proj_with_mqa.weight"] = hf[p + "kv_a_proj_with_mqa.weight"]
+            want[p + "q_proj.weight"] = by_heads(p + "q_proj.weight", nope + rope)
+        assert built.keys() == want.keys()
+        for name, tensor in want.items():
+            assert torch.equal(built[name], tensor), name

@@ -7,6 +7,7 @@ from fractions import Fraction
 from itertools import product
 
 import pytest
+import torch
 
 from verl_mega.parallel.placement import GROUP_KINDS, Placement, PlacementError, Pool
 
@@ -136,8 +137,49 @@ def test_every_kind_is_known():
         pool.groups("zz")
 
 
-def test_generation_expert_parallelism_is_refused_with_one_line():
+def test_generation_expert_parallelism_errors_are_one_line():
     from verl_mega.parallel.placement import Pool
 
-    with pytest.raises(PlacementError, match=r"gen_ep=2: expert parallelism inside vLLM is not supported.*set"):
-        Pool(name="gen", ranks=tuple(range(4)), gen_tp=2, gen_ep=2, trains=False)
+    with pytest.raises(PlacementError, match=r"rollout.gen_ep=3 must be gen_tp·D with D dividing the cp·dp "
+                                             r"training TP groups of a pipeline stage \(4\).*choose "
+                                             r"rollout.gen_ep among \[2, 4, 8\]"):
+        Placement.single(16, tp=2, pp=2, gen_tp=2, gen_ep=3)
+    with pytest.raises(PlacementError, match=r"placement.pools.gen.gen_ep=6 must be gen_tp·D"):
+        Pool(name="gen", ranks=tuple(range(4)), gen_tp=2, gen_ep=6, trains=False)
+    pools = (Pool(name="train", ranks=(0, 1), tp=2), Pool(name="gen", ranks=(2, 3), gen_tp=1, gen_ep=2, trains=False))
+    with pytest.raises(PlacementError, match="gen_ep > 1: expert-parallel generation runs with the rollout on the "
+                                             "actor's pool"):
+        Placement(4, pools, {"actor": "train", "rollout": "gen"})
+
+
+def _vllm_groups(order: list[int], tp: int, dp: int) -> dict[str, list[tuple[int, ...]]]:
+    """The groups vLLM's initialize_model_parallel builds (vllm/distributed/parallel_state.py, pp = pcp = 1) over
+    vLLM ranks, mapped to our ranks through ``order`` (position v: the rank that plays vLLM rank v)."""
+    all_ranks = torch.arange(len(order)).reshape(-1, dp, 1, 1, tp)
+    vllm = {"tp": all_ranks.view(-1, tp), "dp": all_ranks.transpose(1, 4).reshape(-1, dp),
+            "ep": all_ranks.transpose(1, 2).reshape(-1, dp * tp)}
+    return {k: [tuple(order[v] for v in g.tolist()) for g in groups] for k, groups in vllm.items()}
+
+
+@pytest.mark.parametrize("world,tp,pp,gen_tp,gen_ep", [(16, 4, 2, 2, 4), (16, 4, 2, 2, 2), (32, 2, 2, 2, 8),
+                                                       (16, 1, 2, 1, 8), (1024, 8, 4, 4, 64), (1024, 4, 2, 1, 128)])
+def test_generation_expert_parallel_groups_are_vllms(world, tp, pp, gen_tp, gen_ep):
+    """Expert-parallel generation groups join D = gen_ep/gen_tp engines at the same position of D consecutive
+    training TP groups of one stage: with the placement's vLLM rank order, the TP, data-parallel and expert-parallel
+    groups vLLM builds for itself (its own construction, reproduced) are exactly ours, each ascending; a rank's vLLM
+    EP rank (its position in the EP group) is its gen_ep coordinate; every pipeline group shares one generation
+    layout; and ``Placement.check`` sweeps it all."""
+    placement = Placement.single(world, tp=tp, pp=pp, gen_tp=gen_tp, gen_ep=gen_ep)
+    pool = placement.pool("main")
+    vllm = _vllm_groups(pool.vllm_rank_order(), gen_tp, gen_ep // gen_tp)
+    assert sorted(vllm["tp"]) == sorted(pool.groups("gen_tp"))
+    assert sorted(vllm["ep"]) == sorted(pool.groups("gen_ep"))
+    for kind in ("tp", "dp", "ep"):
+        assert all(list(g) == sorted(g) for g in vllm[kind]), kind
+    for group in vllm["ep"]:
+        assert len(group) == gen_ep and all(pool.coords(r)["gen_ep"] == i for i, r in enumerate(group))
+        stages = {pool.coords(r)["pp"] for r in group}
+        assert len(stages) == 1  # one pipeline stage: its ranks hold the same layers
+    for group in pool.groups("pp"):
+        assert len({(pool.coords(r)["gen_tp"], pool.coords(r)["gen_ep"]) for r in group}) == 1
+    assert "expert-parallel generation groups of" in placement.check()[0]

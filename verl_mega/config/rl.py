@@ -77,6 +77,11 @@ class VLLMConfig(ConfigSection):
     gen_tp: int | None = option(None, help="Generation tensor-parallel size (vLLM's TP); must divide parallel.tp "
                                            "(generation TP groups are carved out of each training TP group). null "
                                            "uses parallel.tp.", affects_results=False)
+    gen_ep: int = option(1, help="Expert-parallel generation size (Mixture-of-Experts): vLLM shards the routed experts "
+                                 "over this many ranks (its expert parallelism over gen_ep/gen_tp data-parallel "
+                                 "attention engines of rollout.gen_tp ranks each); the weight sync writes each rank "
+                                 "only its own experts. 1: every engine splits every expert over its gen_tp ranks. "
+                                 "A multiple of rollout.gen_tp; docs/moe.md.", affects_results=False)
     gpu_memory_utilization: float = option(0.5, help="Fraction of GPU memory vLLM may use for weights + KV cache.",
                                            affects_results=False)
     kv_cache_memory_bytes: int | None = option(
@@ -93,6 +98,7 @@ class VLLMConfig(ConfigSection):
 
     def validate(self) -> None:
         self._check_range("gen_tp", ge=1)
+        self._check_range("gen_ep", ge=1, example=8)
         self._check_range("gpu_memory_utilization", gt=0.0, le=1.0, example=0.5)
         self._check_range("kv_cache_memory_bytes", gt=0, example=2**30)
         self._check_range("max_num_seqs", ge=1)

@@ -68,6 +68,7 @@ class TrainConfig(ConfigSection):
             taken = [f"parallel.{k}" for k in ("tp", "pp", "vpp", "cp", "dp", "ep", "etp")
                      if getattr(p, k) != getattr(defaults, k)]
             taken += ["rollout.gen_tp"] * (self.rollout.gen_tp != p.tp)
+            taken += ["rollout.gen_ep"] * (self.rollout.gen_ep != 1)
             self._require(not taken, f"{', '.join(taken)} and placement.pools both set a layout; put it in "
                                      f"placement.pools.<pool> instead")
         else:

@@ -24,7 +24,7 @@ from verl_mega.models.build import forward_packed
 from verl_mega.models.loader import unwrap
 from verl_mega.parallel.cpu_mode import comm_device as _device
 from verl_mega.parallel.placement import context_chunks, packed_context_chunks
-from verl_mega.parallel.state import RankGroups, all_reduce
+from verl_mega.parallel.state import RankGroups, all_reduce, mcore_tp_dp_cp_group
 
 MicroBatch = dict[str, torch.Tensor]
 # post_fn(output, micro_batch) -> dict of per-sample tensors (forward-only), run on the last pipeline stage.
@@ -106,7 +106,7 @@ class MegatronEngine:
                 wd_incr_steps=1,
                 wd_incr_style="constant",
             )
-            model_config.finalize_model_grads_func = partial(finalize_model_grads, pg_collection=pgs)
+            model_config.finalize_model_grads_func = partial(_finalize_model_grads, groups=groups)
             model_config.grad_scale_func = self.optimizer.scale_loss
         else:
             self.chunks = chunks
@@ -439,6 +439,14 @@ class _GatherSequence(torch.autograd.Function):
     def backward(ctx, grad):
         mine = ctx.order[ctx.rank * ctx.width:(ctx.rank + 1) * ctx.width]
         return grad[:, mine], None, None, None
+
+
+def _finalize_model_grads(*args, groups: RankGroups, **kwargs):
+    """Megatron's ``finalize_model_grads`` on this pool's groups (with DeepSeek's router, it also updates every
+    router's correction bias from the step's token counts, summed over tensor·data·context parallelism)."""
+    with mcore_tp_dp_cp_group(groups):
+        kwargs.setdefault("pg_collection", groups.pg_collection)
+        return finalize_model_grads(*args, **kwargs)
 
 
 def _move_optimizer_state(optimizer, device: str) -> None:

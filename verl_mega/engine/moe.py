@@ -99,10 +99,10 @@ class RoutingReplay:
 
         self._chunks_positions = context_chunks
         self.groups, self.sequence_parallel = groups, sequence_parallel
-        self.routers = [router_modules([c]) for c in chunks]  # per chunk, in layer order
+        self.routers = [router_modules([c]) for c in chunks]  # per chunk, in layer order (none for dense layers)
         for router in (r for rs in self.routers for r in rs):
             router.router_replay = _MeasuredReplay()
-        self.topk = self.routers[0][0].topk
+        self.topk = chunks[0].config.moe_router_topk
         self.offsets = [sum(len(rs) for rs in self.routers[:i]) for i in range(len(self.routers))]
         #: the model layer (0-based, counting dense layers too) of each of this rank's routers, in their order
         self.layers = torch.tensor([r.layer_number - 1 for rs in self.routers for r in rs], dtype=torch.long)
@@ -135,6 +135,8 @@ class RoutingReplay:
 
     def collect(self, chunk: int, batch: int, seq: int) -> torch.Tensor:
         """The routing chunk ``chunk`` recorded in its last forward, as whole sequences [b, s, layers, k]."""
+        if not self.routers[chunk]:  # a chunk of dense layers only (DeepSeek's first_k_dense_replace)
+            return torch.empty((batch, seq, 0, self.topk), dtype=torch.int16)
         # int32 on the wire: gloo has no int16 collectives
         local = torch.stack([r.router_replay.recorded_topk_idx.to(torch.int32) for r in self.routers[chunk]], -2)
         pos = self._local_positions(seq).to(local.device)

@@ -13,9 +13,12 @@ destination tensor (vLLM's own parameter on GPU), through strided views, so no f
   Megatron pads to ``make_vocab_size_divisible_by·t``; :func:`vocab_row_plan` says which rows each rank needs
   from which training shard, so only the rows vLLM keeps are moved;
 * routed experts: Megatron's (ep, etp) shards → vLLM's fused ``w13`` [E, 2f/tg, h] (gate rows then up rows of
-  width block j) and ``w2`` [E, h, f/tg] on generation rank j; :func:`expert_plan` says which expert rows each
-  rank needs from which rank of its own expert-data-parallel replica, :func:`expert_pieces` are the views to send
-  from and write into.
+  width block j) and ``w2`` [E, h, f/tg] on generation rank j, or with expert-parallel generation the whole
+  experts of the rank's EP slice (w13 [E/gen_ep, 2f, h]); :func:`expert_plan` says which expert rows each rank needs
+  from which rank of its own expert-data-parallel replica, :func:`expert_source_views` / :func:`expert_dest_views`
+  are the views to send from and write into;
+* multi-head latent attention: the up projections (heads) as column blocks; the latent down projections whole,
+  into vLLM's fused ``fused_qkv_a_proj`` ([q_a; kv_a] rows, :func:`vllm_slot`).
 """
 
 from __future__ import annotations
@@ -35,16 +38,30 @@ _ROUTED = ".experts.routed_experts."
 
 
 def vllm_name(rule: ParamRule) -> str:
-    """vLLM parameter name for an mcore parameter mapped to HF tensors by ``rule`` (Llama/Qwen/Mixtral naming;
-    routed experts by their canonical name ``….experts.w13_weight`` / ``w2_weight``, see :func:`canonical_name`)."""
+    """vLLM parameter name for an mcore parameter mapped to HF tensors by ``rule`` (Llama/Qwen/Mixtral/DeepSeek
+    naming; routed experts by their canonical name ``….experts.w13_weight`` / ``w2_weight``, see
+    :func:`canonical_name`)."""
     name = rule.hf_names[0]
     if rule.is_expert:
         block = name[: name.index(".experts.")]
         return f"{block}.experts.{'w13' if rule.kind == 'experts_fc1' else 'w2'}_weight"
-    for hf_mod, fused in _FUSED.items():
-        if f".{hf_mod}." in name:
-            return name.replace(f".{hf_mod}.", f".{fused}.")
+    if rule.kind in ("qkv", "gate_up"):
+        for hf_mod, fused in _FUSED.items():
+            if f".{hf_mod}." in name:
+                return name.replace(f".{hf_mod}.", f".{fused}.")
     return name
+
+
+def vllm_slot(rule: ParamRule, arch: ModelArch) -> tuple[str, int, int | None]:
+    """(vLLM parameter, first row, its rows — None: the whole parameter) that ``rule``'s block is written to. With a
+    query bottleneck vLLM fuses MLA's two latent down projections into ``fused_qkv_a_proj`` = [q_a; kv_a]."""
+    name = vllm_name(rule)
+    if arch.is_mla and arch.q_lora_rank:
+        rows = arch.q_lora_rank + arch.kv_lora_rank + arch.qk_rope_head_dim
+        for part, first in ((".q_a_proj.", 0), (".kv_a_proj_with_mqa.", arch.q_lora_rank)):
+            if part in name:
+                return name.replace(part, ".fused_qkv_a_proj."), first, rows
+    return name, 0, None
 
 
 def canonical_name(vllm_param: str) -> str:
@@ -57,16 +74,18 @@ def routed_name(name: str) -> str:
     return name.replace(".experts.", _ROUTED) if ".experts.w" in name else name
 
 
-def expert_block_shape(rule: ParamRule, arch: ModelArch, tg: int) -> tuple[int, ...]:
-    """vLLM's expert tensor on one of tg generation TP ranks: w13 [E, 2f/tg, h], w2 [E, h, f/tg]."""
-    f, h, e = arch.moe_ffn_hidden_size // tg, arch.hidden_size, arch.num_experts
-    return (e, 2 * f, h) if rule.kind == "experts_fc1" else (e, h, f)
+def expert_block_shape(rule: ParamRule, arch: ModelArch, experts: int, rows: int) -> tuple[int, ...]:
+    """vLLM's expert tensor on a generation rank serving ``experts`` experts, ``rows`` of each one's width:
+    w13 [E, 2f/tg, h] and w2 [E, h, f/tg] when gen_ep = 1, w13 [E/gen_ep, 2f, h] and w2 [E/gen_ep, h, f] with
+    expert-parallel generation."""
+    h = arch.hidden_size
+    return (experts, 2 * rows, h) if rule.kind == "experts_fc1" else (experts, h, rows)
 
 
 def block_shape(rule: ParamRule, shard_shape: Sequence[int], m: int) -> tuple[int, ...]:
     """Shape of generation block j built from m training shards of ``shard_shape`` (non-vocab kinds)."""
     shape = list(shard_shape)
-    if rule.kind in ("qkv", "gate_up"):
+    if rule.kind in ("qkv", "gate_up", "column"):
         shape[0] *= m
     elif rule.kind == "row":
         shape[1] *= m
@@ -86,6 +105,9 @@ def block_copies(rule: ParamRule, dst: torch.Tensor, shards: Sequence[torch.Tens
     if kind == "row":
         cols = shards[0].shape[1]
         return [(dst[:, i * cols:(i + 1) * cols], shard) for i, shard in enumerate(shards)]
+    if kind == "column":
+        rows = shards[0].shape[0]
+        return [(dst[i * rows:(i + 1) * rows], shard) for i, shard in enumerate(shards)]
     if kind == "gate_up":
         half = shards[0].shape[0] // 2
         gate, up = dst[: m * half], dst[m * half:]
@@ -180,12 +202,14 @@ class ExpertPiece:
 def expert_plan(pool, stage: int, num_experts: int, width: int) -> list[ExpertPiece]:
     """Every routed-expert piece moved inside pipeline stage ``stage`` of a training pool, in one canonical order.
 
-    Generation rank j of a vLLM engine needs rows ``[j·f/tg, (j+1)·f/tg)`` of every expert. Megatron's expert grid
-    (etp, ep, edp) lays one full copy of the experts over each expert-data-parallel replica (etp·ep ranks); a rank
-    takes each piece from the rank of its own replica that holds it (expert ``e`` lives on EP rank e·ep/E, rows on
-    the expert-TP ranks whose width slices overlap), so traffic stays inside that replica and every needed row comes
-    exactly once. Pure arithmetic over the pool's coordinates."""
-    local, fr, fj = num_experts // pool.ep, width // pool.etp, width // pool.gen_tp
+    A generation rank needs its slice of every MoE layer (:meth:`~verl_mega.parallel.placement.Pool.expert_slice`):
+    rows ``[j·f/tg, (j+1)·f/tg)`` of every expert, or with expert-parallel generation every row of the experts of its
+    EP rank. Megatron's expert grid (etp, ep, edp) lays one full copy of the experts over each expert-data-parallel
+    replica (etp·ep ranks); a rank takes each piece from the rank of its own replica that holds it (expert ``e``
+    lives on EP rank e·ep/E, rows on the expert-TP ranks whose width slices overlap), so traffic stays inside that
+    replica, every needed row comes exactly once and no rank receives experts it does not serve. Pure arithmetic
+    over the pool's coordinates."""
+    local, fr = num_experts // pool.ep, width // pool.etp
     ranks = [r for r in pool.ranks if pool.coords(r)["pp"] == stage]
     holder = {}
     for r in ranks:
@@ -194,10 +218,10 @@ def expert_plan(pool, stage: int, num_experts: int, width: int) -> list[ExpertPi
     pieces = []
     for dst in ranks:
         c = pool.coords(dst)
-        lo_j, hi_j = c["gen_tp"] * fj, (c["gen_tp"] + 1) * fj
-        for e in range(num_experts):
+        e0, e1, r0, r1 = pool.expert_slice(dst, num_experts, width)
+        for e in range(e0, e1):
             for r in range(pool.etp):
-                lo, hi = max(lo_j, r * fr), min(hi_j, (r + 1) * fr)
+                lo, hi = max(r0, r * fr), min(r1, (r + 1) * fr)
                 if lo < hi:
                     pieces.append(ExpertPiece(holder[r, e // local, c["edp"]], dst, e, lo, hi))
     return pieces
@@ -214,10 +238,10 @@ def expert_source_views(piece: ExpertPiece, weight1: torch.Tensor, weight2: torc
     return [w1[:, a:b].t(), w1[:, fr + a:fr + b].t(), weight2.view(local, fr, h)[le, a:b]]
 
 
-def expert_dest_views(piece: ExpertPiece, w13: torch.Tensor, w2: torch.Tensor, *, gen_rank: int, width: int,
-                      gen_tp: int) -> list[torch.Tensor]:
-    """Where the piece's gate, up and down rows land in vLLM's w13 [E, 2f/tg, h] and w2 [E, h, f/tg] of generation
-    rank ``gen_rank`` (down rows as a transposed [n, h] view of w2's columns)."""
-    fj = width // gen_tp
-    a, b = piece.lo - gen_rank * fj, piece.hi - gen_rank * fj
-    return [w13[piece.expert, a:b], w13[piece.expert, fj + a:fj + b], w2[piece.expert][:, a:b].t()]
+def expert_dest_views(piece: ExpertPiece, w13: torch.Tensor, w2: torch.Tensor, *, first_expert: int, first_row: int,
+                      rows: int) -> list[torch.Tensor]:
+    """Where the piece's gate, up and down rows land in vLLM's w13 [E_g, 2·rows, h] and w2 [E_g, h, rows] of a
+    generation rank whose slice starts at expert ``first_expert`` and row ``first_row`` (down rows as a transposed
+    [n, h] view of w2's columns)."""
+    e, a, b = piece.expert - first_expert, piece.lo - first_row, piece.hi - first_row
+    return [w13[e, a:b], w13[e, rows + a:rows + b], w2[e][:, a:b].t()]

@@ -2,7 +2,7 @@
 
 The 3D-HybridEngine's rule carried across pools: the training pool runs the same producer as when colocated, with
 its generation TP set to the rollout engines' (``tg``), so every training rank builds one generation block j of the
-model in vLLM's layout. Per block j (:func:`~verl_mega.parallel.placement.transfer_plan`):
+model in vLLM's layout. Per block j (:func:`~verl_mega.parallel.pools.transfer_plan`):
 
 - one **source**: the lowest training rank that builds block j;
 - the **receivers**: rank j of every rollout engine.
@@ -24,7 +24,8 @@ import torch.distributed as dist
 from verl_mega.hybrid.producer import WeightProducer
 from verl_mega.hybrid.transport import (BucketSender, InPlaceTransport, RolloutLayout, device_synchronize,
                                         receive_buckets)
-from verl_mega.parallel.placement import Placement, transfer_plan
+from verl_mega.parallel.placement import Placement
+from verl_mega.parallel.pools import transfer_plan
 
 
 class WorldComm:

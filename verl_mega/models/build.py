@@ -61,7 +61,8 @@ def build_model_chunks(
     vpp, pp_rank = groups.pool.vpp, groups.pp_rank
     # mcore's fused SwiGLU (``bias_activation_fusion``) and our compiled norms go together: one switch
     fused = config.bias_activation_fusion
-    spec = layer_spec(qk_layernorm=arch.qk_norm, use_te=use_te, num_experts=arch.num_experts, fused_norm=fused)
+    spec_of = _layer_specs(arch, use_te, fused)
+    spec = spec_of(arch.moe_layers[0] if arch.is_moe else 0)
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
@@ -69,10 +70,12 @@ def build_model_chunks(
         post = groups.last_stage and vp_stage == (vpp or 1) - 1
         block_spec = spec
         if spec.submodules.self_attention.submodules.core_attention is SDPAttention:
-            # Our spec: the final norm must be our SP-capable RMSNorm too (mcore would pick torch's RMSNorm).
-            block_spec = TransformerBlockSubmodules(
-                layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=stage, pp_rank=pp_rank),
-                layer_norm=rms_norm_spec(fused))
+            # Our spec: the final norm must be our SP-capable RMSNorm too (mcore would pick torch's RMSNorm); a
+            # layer's own spec where dense and MoE layers mix (DeepSeek's first_k_dense_replace / moe_layer_freq)
+            offset = get_transformer_layer_offset(config, vp_stage=stage, pp_rank=pp_rank)
+            layers = get_num_layers_to_build(config, vp_stage=stage, pp_rank=pp_rank)
+            block_spec = TransformerBlockSubmodules(layer_specs=[spec_of(offset + i) for i in range(layers)],
+                                                    layer_norm=rms_norm_spec(fused))
         model = GPTModel(
             config=config,
             transformer_layer_spec=block_spec,
@@ -87,10 +90,10 @@ def build_model_chunks(
             vp_stage=stage,
             pg_collection=groups.pg_collection,
         )
-        if arch.rope_scaling is not None:
+        if arch.rope_scaling is not None and not arch.is_mla:  # MLA: YaRN inside each attention layer (mcore's)
             rope = model.rotary_pos_emb
             rope.inv_freq = llama3_scaled_inv_freq(rope.inv_freq.double(), arch.rope_scaling).to(rope.inv_freq.dtype)
-        if block_spec is not spec:
+        if block_spec is not spec and not arch.is_mla:
             enable_packed_positions(model.rotary_pos_emb)
         if value_head and post:
             model.output_layer = ValueHead(config, arch.hidden_size, groups["tp"])
@@ -102,6 +105,15 @@ def build_model_chunks(
         )
         chunks.append(model)
     return chunks
+
+
+def _layer_specs(arch: ModelArch, use_te: str, fused: bool):
+    """Global layer index → its layer spec (MoE or dense MLP; MLA or grouped-query attention)."""
+    specs = {moe: layer_spec(qk_layernorm=arch.qk_norm or arch.is_mla, use_te=use_te,
+                             num_experts=arch.num_experts if moe else None, fused_norm=fused,
+                             multi_latent_attention=arch.is_mla)
+             for moe in {arch.is_moe_layer(i) for i in range(arch.num_layers)}}
+    return lambda layer: specs[arch.is_moe_layer(layer)]
 
 
 def enable_packed_positions(rope: torch.nn.Module) -> None:
@@ -157,10 +169,12 @@ def count_parameters(arch: ModelArch, groups: RankGroups, *, value_head: bool = 
     from verl_mega.models.hf_config import transformer_config
 
     cfg = transformer_config(arch, use_cpu_initialization=True, perform_initialization=False)
+    spec_of = _layer_specs(arch, "false", False)
     with torch.device("meta"):
         model = GPTModel(
             config=cfg,
-            transformer_layer_spec=layer_spec(qk_layernorm=arch.qk_norm, use_te="false", num_experts=arch.num_experts),
+            transformer_layer_spec=TransformerBlockSubmodules(
+                layer_specs=[spec_of(i) for i in range(arch.num_layers)], layer_norm=rms_norm_spec(False)),
             vocab_size=arch.vocab_size,
             max_sequence_length=arch.max_position_embeddings,
             share_embeddings_and_output_weights=arch.tie_word_embeddings and not value_head,

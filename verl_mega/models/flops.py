@@ -5,7 +5,7 @@ The convention is PaLM's and Megatron's *model* FLOPs: every matmul a token take
 a backward pass = 2 forwards; recomputation is not counted (MFU does not reward recomputing activations), and
 norms, biases, softmax and activations are left out (≪1 %). The weights a token multiplies by, per layer:
 
-    Q, K, V and the attention output       h·(a + 2·k)·d + a·d·h          (GQA when k < a)
+    Q, K, V and the attention output       h·(a + 2·k)·d + a·d·h          (GQA when k < a; MLA: its projections)
     MLP, dense (SwiGLU)                    3·h·f
     MLP, MoE                               E·h (router) + 3·h·f_s (shared expert) + k_e·3·h·f_e (routed experts)
 
@@ -19,29 +19,40 @@ from dataclasses import dataclass
 from typing import Any
 
 
-def attention_weights(hidden: int, heads: int, kv_heads: int, head_dim: int) -> int:
-    """Weights of one layer's Q, K, V and output projections."""
+def attention_weights(arch: Any) -> int:
+    """Weights one token multiplies by in one layer's attention (MLA: its down and up projections; the latent keys
+    and values are projected per token, not absorbed)."""
+    if arch.is_mla:  # its weights without the latent norms (not matmuls)
+        w = arch.attention_weights()
+        return w["sharded"] + w["replicated"] - (arch.q_lora_rank or 0) - arch.kv_lora_rank
+    return _gqa_weights(arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim)
+
+
+def _gqa_weights(hidden: int, heads: int, kv_heads: int, head_dim: int) -> int:
     return hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
 
 
 def matmul_weights(arch: Any, *, value_head: bool = False) -> tuple[int, int]:
-    """(dense, routed-expert) weights one token of ``arch`` (a :class:`~verl_mega.models.hf_config.ModelArch`)
-    multiplies by, as tabled above."""
-    h = arch.hidden_size
-    if arch.is_moe:
-        mlp = arch.num_experts * h + 3 * h * arch.shared_expert_ffn_hidden_size
-        experts = arch.moe_topk * 3 * h * arch.moe_ffn_hidden_size
-    else:
-        mlp, experts = 3 * h * arch.ffn_hidden_size, 0
+    """(dense, routed-expert) weights one token of ``arch`` (a :class:`~verl_mega.models.arch.ModelArch`)
+    multiplies by, as tabled above; dense layers (DeepSeek's first ones) and MoE layers each count their own MLP."""
+    h, attn = arch.hidden_size, attention_weights(arch)
+    dense = experts = 0
+    for i in range(arch.num_layers):
+        if arch.is_moe_layer(i):
+            dense += attn + arch.num_experts * h + 3 * h * arch.shared_expert_ffn_hidden_size
+            experts += arch.moe_topk * 3 * h * arch.moe_ffn_hidden_size
+        else:
+            dense += attn + 3 * h * arch.ffn_hidden_size
     head = h if value_head else arch.vocab_size * h
-    attention = attention_weights(h, arch.num_heads, arch.num_kv_heads, arch.head_dim)
-    return arch.num_layers * (attention + mlp) + head, arch.num_layers * experts
+    return dense + head, experts
 
 
 def attention_flops(arch: Any, context: float) -> float:
     """Forward FLOPs per token of QKᵀ and A·V against `context` earlier tokens: 2 · 2·L·a·d·context (one
-    multiply-add = 2 FLOPs). Training over causal sequences of length s averages context s/2: 2·L·a·d·s."""
-    return 4.0 * arch.num_layers * arch.num_heads * arch.head_dim * context
+    multiply-add = 2 FLOPs; MLA: 2·L·a·(d_qk + d_v)·context). Training over causal sequences of length s averages
+    context s/2: 2·L·a·d·s."""
+    dims = arch.head_dim + arch.v_head_dim if arch.is_mla else 2 * arch.head_dim
+    return 2.0 * arch.num_layers * arch.num_heads * dims * context
 
 
 def model_flops_per_token(arch: Any, *, context: float, training: bool, value_head: bool = False) -> float:
@@ -69,7 +80,7 @@ def transformer_flops_per_token(num_layers: int, hidden: int, ffn: int, heads: i
     if heads % kv_heads:
         raise ValueError(f"transformer_flops_per_token: heads={heads} is not a multiple of kv_heads={kv_heads}")
     mlp = (3 if gated_mlp else 2) * hidden * ffn
-    weights = num_layers * (attention_weights(hidden, heads, kv_heads, head_dim) + mlp) + hidden * vocab
+    weights = num_layers * (_gqa_weights(hidden, heads, kv_heads, head_dim) + mlp) + hidden * vocab
     return _per_token(weights, num_layers * heads * head_dim * seq_len * 4, training)
 
 

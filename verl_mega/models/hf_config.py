@@ -1,142 +1,30 @@
 """Hugging Face ``config.json`` → Megatron-Core ``TransformerConfig`` for the decoder families we support: dense
-(Llama, Mistral, Qwen2, Qwen3) and Mixture-of-Experts (Qwen3-MoE, Mixtral, Qwen2-MoE with its shared expert)."""
+(Llama, Mistral, Qwen2, Qwen3) and Mixture-of-Experts (Qwen3-MoE, Mixtral, Qwen2-MoE with its shared expert, and
+DeepSeek-V3 — multi-head latent attention, sigmoid group-limited routing — which Kimi-K2 shares)."""
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from verl_mega.models.arch import ModelArch, ModelConfigError  # noqa: F401  (their home is models/arch.py)
+from verl_mega.models.deepseek import deepseek_fields, mla_kwargs, router_kwargs
 from verl_mega.parallel.placement import divisors
 
-MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe")
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3")
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *MOE_MODEL_TYPES)
 # the HF class vLLM instantiates for each supported model_type (vLLM picks its model class by `architectures`)
 CAUSAL_LM_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                            "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                           "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+                           "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                           "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class ModelConfigError(ValueError):
-    """A model config that verl_mega cannot build; the message names the field and the fix."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelArch:
-    """The architecture facts of a decoder, read from an HF config (one place, used by every converter).
-
-    Mixture of experts (``num_experts > 0``): every layer's MLP is ``num_experts`` gated-SiLU experts of width
-    ``moe_ffn_hidden_size``, of which a softmax router picks ``moe_topk`` per token; ``moe_renormalize`` rescales
-    the picked weights to sum to one (Mixtral, Qwen ``norm_topk_prob``). ``shared_expert_ffn_hidden_size`` > 0 adds
-    Qwen2-MoE's shared expert, scaled by a sigmoid gate, to every token. ``ffn_hidden_size`` is the dense MLP width
-    (unused when every layer is MoE)."""
-
-    model_type: str
-    num_layers: int
-    hidden_size: int
-    ffn_hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    max_position_embeddings: int
-    rope_theta: float
-    rms_norm_eps: float
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    qk_norm: bool
-    init_std: float = 0.02
-    rope_scaling: dict[str, Any] | None = field(default=None, hash=False, compare=False)
-    sliding_window: int | None = None
-    num_experts: int = 0
-    moe_topk: int = 0
-    moe_ffn_hidden_size: int = 0
-    moe_renormalize: bool = False
-    shared_expert_ffn_hidden_size: int = 0
-    router_aux_loss_coef: float = 0.0
-
-    @property
-    def is_moe(self) -> bool:
-        return self.num_experts > 0
-
-    @property
-    def q_per_group(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
-    def padded_vocab_size(self, tp: int, divisible_by: int = 128) -> int:
-        """Megatron pads the vocabulary so each TP rank holds an equal slice that is a multiple of `divisible_by`."""
-        multiple = divisible_by * tp
-        return int(math.ceil(self.vocab_size / multiple) * multiple)
-
-    def num_parameters(self) -> int:
-        """Parameter count of the HF model (embeddings counted once when tied)."""
-        return self._count(active=False)
-
-    def num_active_parameters(self) -> int:
-        """Parameters one token passes through: the routed experts count ``moe_topk`` times, not
-        ``num_experts`` (equals :meth:`num_parameters` for a dense model)."""
-        return self._count(active=True)
-
-    def attention_parameters(self) -> int:
-        """One layer's attention block, with its input norm."""
-        h, d = self.hidden_size, self.head_dim
-        attn = h * (self.num_heads * d) + 2 * h * (self.num_kv_heads * d) + (self.num_heads * d) * h
-        if self.qkv_bias:
-            attn += self.num_heads * d + 2 * self.num_kv_heads * d
-        if self.qk_norm:
-            attn += 2 * d
-        return attn + h
-
-    def expert_parameters(self) -> int:
-        """One routed expert (gate, up and down projections)."""
-        return 3 * self.hidden_size * self.moe_ffn_hidden_size
-
-    def mlp_parameters(self, *, active: bool = False) -> int:
-        """One layer's MLP block with its input norm: the dense MLP, or router + experts (+ shared expert)."""
-        h = self.hidden_size
-        if not self.is_moe:
-            return 3 * h * self.ffn_hidden_size + h
-        experts = (self.moe_topk if active else self.num_experts) * self.expert_parameters()
-        shared = 3 * h * self.shared_expert_ffn_hidden_size + h if self.shared_expert_ffn_hidden_size else 0
-        return self.num_experts * h + experts + shared + h
-
-    def replicated_layer_parameters(self) -> int:
-        """One layer's tensors every training and generation TP rank holds whole: the norms, and for MoE the
-        router (E·h) and the shared expert's gate."""
-        n = 2 * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
-        if self.is_moe:
-            n += self.num_experts * self.hidden_size + (self.hidden_size if self.shared_expert_ffn_hidden_size else 0)
-        return n
-
-    def hybrid_sync_bytes(self, pool, rank: int, element_size: int) -> float:
-        """Bytes ``rank`` of a training pool receives at the 3D-HybridEngine's train → generate switch: HybridFlow
-        Table 2, (t·p − tg)/(tg·t·p)·M, on the TP-sharded tensors; the replicated ones of the other pipeline
-        stages; and the routed experts' own count (:meth:`~verl_mega.parallel.placement.Pool.
-        expert_sync_bytes_per_rank`). Exact when Megatron's and vLLM's vocabulary paddings align (docs/moe.md)."""
-        h, L, p = self.hidden_size, self.num_layers, pool.pp
-        stage = pool.coords(rank)["pp"]
-        replicated = (L * self.replicated_layer_parameters() + h) * element_size
-        experts = L * self.num_experts * self.expert_parameters() * element_size
-        sharded = self.num_parameters() * element_size - replicated - experts
-        other_stages = ((L - L // p) * self.replicated_layer_parameters() + (h if stage != p - 1 else 0))
-        out = pool.sync_bytes_per_rank(sharded) + other_stages * element_size
-        if self.is_moe:
-            out += pool.expert_sync_bytes_per_rank(rank, num_layers=L, num_experts=self.num_experts,
-                                                   width=self.moe_ffn_hidden_size, row_bytes=h * element_size)
-        return out
-
-    def _count(self, *, active: bool) -> int:
-        h = self.hidden_size
-        layer = self.attention_parameters() + self.mlp_parameters(active=active)
-        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * layer + emb + h
 
 
 def load_hf_config(path: str | Path) -> dict[str, Any]:
@@ -174,35 +62,43 @@ def arch_from_hf(hf: dict[str, Any]) -> ModelArch:
     rope_params = hf.get("rope_parameters") or {}
     rope_theta = hf.get("rope_theta", rope_params.get("rope_theta", 10000.0))
     rope_scaling = hf.get("rope_scaling") or (rope_params if "rope_type" in rope_params else None)
+    mla = model_type == "deepseek_v3"
     if rope_scaling is not None:
         rope_type = rope_scaling.get("rope_type", rope_scaling.get("type"))
-        if rope_type not in ("llama3", "default"):
-            raise ModelConfigError(
-                f"model: rope_scaling type {rope_type!r} is not supported; supported: 'llama3' (or none)"
-            )
+        allowed = ("yarn", "default") if mla else ("llama3", "default")
+        if rope_type not in allowed:
+            raise ModelConfigError(f"model: rope_scaling type {rope_type!r} is not supported for {model_type}; "
+                                   f"supported: {allowed[0]!r} (or none)")
         if rope_type == "default":
             rope_scaling = None
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     sliding = hf.get("sliding_window") if hf.get("use_sliding_window", model_type in ("mistral", "mixtral")) else None
+    if mla:
+        extra = deepseek_fields(hf, rope_scaling)
+        head_dim = extra["qk_nope_head_dim"] + extra["qk_rope_head_dim"]
+    elif model_type in MOE_MODEL_TYPES:
+        extra = _moe_fields(hf, model_type)
+    else:
+        extra = {}
     return ModelArch(
         model_type=model_type,
         num_layers=hf["num_hidden_layers"],
         hidden_size=hf["hidden_size"],
         ffn_hidden_size=hf["intermediate_size"],
         num_heads=heads,
-        num_kv_heads=kv_heads,
+        num_kv_heads=heads if mla else kv_heads,
         head_dim=head_dim,
         vocab_size=hf["vocab_size"],
         max_position_embeddings=hf.get("max_position_embeddings", 4096),
         rope_theta=float(rope_theta),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=model_type in ("qwen2", "qwen2_moe") or bool(hf.get("attention_bias", False)),
+        qkv_bias=model_type in ("qwen2", "qwen2_moe") or (bool(hf.get("attention_bias", False)) and not mla),
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
         init_std=float(hf.get("initializer_range", 0.02)),
         rope_scaling=rope_scaling,
         sliding_window=sliding,
-        **(_moe_fields(hf, model_type) if model_type in MOE_MODEL_TYPES else {}),
+        **extra,
     )
 
 
@@ -238,7 +134,7 @@ def _moe_fields(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
     shared = hf.get("shared_expert_intermediate_size", 0) if model_type == "qwen2_moe" else 0
     return dict(num_experts=experts, moe_topk=topk, moe_ffn_hidden_size=width,
                 moe_renormalize=model_type == "mixtral" or bool(hf.get("norm_topk_prob", False)),
-                shared_expert_ffn_hidden_size=int(shared or 0),
+                shared_expert_ffn_hidden_size=int(shared or 0), shared_expert_gate=bool(shared),
                 router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)))
 
 
@@ -256,6 +152,9 @@ def check_layout(pool, *, num_layers: int, num_heads: int, num_kv_heads: int, ff
     tp, gen_tp, stages = pool.tp, pool.gen_tp, pool.pp * (pool.vpp or 1)
     if num_experts:
         _check_moe_layout(pool, num_experts, moe_ffn_hidden_size)
+    elif getattr(pool, "gen_ep", 1) > 1:
+        raise ModelConfigError("rollout.gen_ep > 1 shards routed experts in generation; this model is dense: set "
+                               "rollout.gen_ep=1")
     if num_heads % tp:
         raise ModelConfigError(f"parallel.tp={tp} does not divide the model's {num_heads} attention heads; set "
                                f"parallel.tp to one of {_divisors(num_heads)}")
@@ -284,7 +183,12 @@ def _check_moe_layout(pool, num_experts: int, width: int) -> None:
     if width % etp:
         raise ModelConfigError(f"{key('etp')}={etp} does not divide the experts' FFN width {width}; choose "
                                f"{key('etp')} among {_divisors(width)}")
-    if width % pool.gen_tp:
+    gen_ep = getattr(pool, "gen_ep", 1)
+    if gen_ep > 1 and num_experts % gen_ep:
+        raise ModelConfigError(f"{key('gen_ep')}={gen_ep} does not divide the model's {num_experts} experts (vLLM's "
+                               f"expert parallelism gives each rank E/gen_ep whole experts); choose among "
+                               f"{_divisors(num_experts)}")
+    if gen_ep == 1 and width % pool.gen_tp:
         raise ModelConfigError(f"{key('gen_tp')}={pool.gen_tp} does not divide the experts' FFN width {width} (vLLM "
                                f"splits every expert over its TP ranks); choose among {_divisors(width)}")
     if pool.tp > 1 and getattr(pool, "trains", True) and not pool.sequence_parallel:
@@ -293,10 +197,22 @@ def _check_moe_layout(pool, num_experts: int, width: int) -> None:
 
 
 def check_arch_layout(pool, arch: ModelArch) -> None:
-    """:func:`check_layout` with every width of ``arch`` (for MoE: the experts' and the shared expert's)."""
+    """:func:`check_layout` with every width of ``arch`` (for MoE: the experts' and the shared expert's; the dense
+    layers' between MoE layers; MLA's latent projections, which Megatron's local spec splits over tp)."""
     ffn = (arch.shared_expert_ffn_hidden_size or None) if arch.is_moe else arch.ffn_hidden_size
     check_layout(pool, num_layers=arch.num_layers, num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads,
                  ffn_hidden_size=ffn, num_experts=arch.num_experts, moe_ffn_hidden_size=arch.moe_ffn_hidden_size)
+    widths = [("dense FFN width", arch.ffn_hidden_size)] if arch.is_moe and not arch.all_layers_moe else []
+    if arch.is_mla:
+        widths += [("q_lora_rank", arch.q_lora_rank)] if arch.q_lora_rank else []
+        widths.append(("kv_lora_rank + qk_rope_head_dim", arch.kv_lora_rank + arch.qk_rope_head_dim))
+    if arch.is_mla and getattr(pool, "cp", 1) > 1:
+        raise ModelConfigError(f"parallel.cp={pool.cp}: context parallelism with multi-head latent attention is not "
+                               f"supported (our attention spec has no MLA context-parallel path); set parallel.cp=1")
+    for name, value in widths:
+        if value % pool.tp:
+            raise ModelConfigError(f"parallel.tp={pool.tp} does not divide the model's {name} {value}; choose "
+                                   f"parallel.tp among {_divisors(math.gcd(value, arch.num_heads))}")
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -324,7 +240,7 @@ def transformer_config(
     compiled SwiGLU (``bias_activation_fusion``, which also compiles our spec's norms); `overrides` go straight into it
     (for experts, mcore's own ``moe_*`` names: ``moe_aux_loss_coeff``, ``moe_z_loss_coeff``,
     ``moe_token_dispatcher_type``, ``moe_enable_routing_replay``)."""
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     if arch.num_heads % tp or arch.num_kv_heads % tp:
         raise ModelConfigError(
@@ -383,8 +299,10 @@ def transformer_config(
         kwargs.update(moe_kwargs(arch, ep=ep, etp=etp or tp))
     elif ep != 1:
         raise ModelConfigError(f"parallel.ep={ep} needs a Mixture-of-Experts model; {arch.model_type} is dense")
+    if arch.is_mla:
+        kwargs.update(mla_kwargs(arch))
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    return (MLATransformerConfig if arch.is_mla else TransformerConfig)(**kwargs)
 
 
 def moe_kwargs(arch: ModelArch, *, ep: int = 1, etp: int = 1) -> dict[str, Any]:
@@ -397,7 +315,7 @@ def moe_kwargs(arch: ModelArch, *, ep: int = 1, etp: int = 1) -> dict[str, Any]:
     if arch.moe_ffn_hidden_size % etp:
         raise ModelConfigError(f"parallel.etp={etp} does not divide the experts' FFN width {arch.moe_ffn_hidden_size}")
     shared = arch.shared_expert_ffn_hidden_size
-    return dict(
+    out = dict(
         num_moe_experts=arch.num_experts,
         moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
         moe_router_topk=arch.moe_topk,
@@ -410,10 +328,13 @@ def moe_kwargs(arch: ModelArch, *, ep: int = 1, etp: int = 1) -> dict[str, Any]:
         moe_grouped_gemm=False,
         moe_permute_fusion=False,
         moe_shared_expert_intermediate_size=shared or None,
-        moe_shared_expert_gate=bool(shared),
+        moe_shared_expert_gate=arch.shared_expert_gate,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
     )
+    if arch.moe_score_function == "sigmoid":  # DeepSeek's router
+        out.update(router_kwargs(arch))
+    return out
 
 
 def llama3_scaled_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from verl_mega.models.hf_config import ModelArch
 from verl_mega.models.hf_io import CheckpointError, HFCheckpointReader
 from verl_mega.models.weights import (ExpertShard, experts_to_hf, expected_hf_names, hf_to_mcore_shard,
-                                      mcore_shards_to_hf, rule_for)
+                                      mapped_tensors, mcore_shards_to_hf, rule_for)
 from verl_mega.parallel.state import RankGroups
 
 
@@ -52,7 +52,7 @@ def load_hf_weights(chunks: list[torch.nn.Module], reader: HFCheckpointReader, a
         model = unwrap(chunk)
         offset = model.stage_layout.layer_offset
         padded_vocab = model.vocab_size
-        for name, param in model.named_parameters():
+        for name, param in mapped_tensors(model):
             if skip_value_head and name.startswith("output_layer."):
                 continue  # value heads are not part of an HF causal-LM checkpoint
             rule = rule_for(name, arch, offset)
@@ -120,7 +120,7 @@ def iter_hf_tensors(chunks: list[torch.nn.Module], arch: ModelArch, groups: Rank
     local = []
     for chunk in chunks:
         model = unwrap(chunk)
-        for name, param in model.named_parameters():
+        for name, param in mapped_tensors(model):
             if name.startswith("output_layer.") and not include_value_head and arch.tie_word_embeddings:
                 continue
             local.append((name, model.stage_layout.layer_offset, tuple(param.shape), param))
@@ -130,15 +130,15 @@ def iter_hf_tensors(chunks: list[torch.nn.Module], arch: ModelArch, groups: Rank
         dist.all_gather_object(all_meta, meta, group=pp_group)
     else:
         all_meta = [meta]
-    dtype, device = local[0][3].dtype, local[0][3].device
+    device = local[0][3].device
     for stage, stage_meta in enumerate(all_meta):
         src = groups.global_rank("pp", stage)
         for idx, (name, offset, _) in enumerate(stage_meta):
             rule = rule_for(name, arch, offset)
             if stage == pp_rank:
                 for hf_name, tensor in _hf_tensors_of(rule, local[idx][3].data, arch, groups):
-                    if pp > 1:
-                        dist.broadcast_object_list([tuple(tensor.shape)], src=src, group=pp_group)
+                    if pp > 1:  # the dtype too: a router's correction bias stays fp32 in a bf16 model
+                        dist.broadcast_object_list([(tuple(tensor.shape), tensor.dtype)], src=src, group=pp_group)
                         dist.broadcast(tensor.contiguous(), src=src, group=pp_group)
                     yield hf_name, tensor
             else:
@@ -147,7 +147,7 @@ def iter_hf_tensors(chunks: list[torch.nn.Module], arch: ModelArch, groups: Rank
                 for hf_name in names:
                     shape_box = [None]
                     dist.broadcast_object_list(shape_box, src=src, group=pp_group)
-                    tensor = torch.empty(shape_box[0], dtype=dtype, device=device)
+                    tensor = torch.empty(shape_box[0][0], dtype=shape_box[0][1], device=device)
                     dist.broadcast(tensor, src=src, group=pp_group)
                     yield hf_name, tensor
 

@@ -26,6 +26,7 @@ import math
 import torch
 import torch.nn.functional as F
 from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
+from megatron.core.post_training.modelopt.layers import Linear as ReplicatedLinear
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.experts import GroupedMLP
@@ -71,12 +72,15 @@ class SDPAttention(MegatronModule):
 
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
                  attention_type: str, attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None, pg_collection=None) -> None:
+                 k_channels: int | None = None, v_channels: int | None = None, cp_comm_type: str | None = None,
+                 pg_collection=None) -> None:
         super().__init__(config=config)
         self.attn_mask_type = attn_mask_type
         self.tp_group = pg_collection.tp  # read by mcore's sharded_state_dict
-        self.hidden_size_per_partition = config.kv_channels * config.num_attention_heads // pg_collection.tp.size()
-        self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+        # MLA hands its own head dims: queries/keys of k_channels, values of v_channels (the output's)
+        k_channels, v_channels = k_channels or config.kv_channels, v_channels or config.kv_channels
+        self.hidden_size_per_partition = v_channels * config.num_attention_heads // pg_collection.tp.size()
+        self.softmax_scale = softmax_scale or 1.0 / math.sqrt(k_channels)
         self.cp_group = pg_collection.cp if pg_collection.cp.size() > 1 else None
 
     def forward(
@@ -130,9 +134,12 @@ class SDPAttention(MegatronModule):
             gqa = {"enable_gqa": True} if "enable_gqa" in _VARLEN_CAUSAL and query.size(1) != key.size(1) else {}
             if not gqa:
                 key, value = _expand_kv(query, key, value)
+            dv = value.size(-1)  # MLA: values narrower than queries/keys; the flash kernel wants one head dim
+            if dv != query.size(-1):
+                value = F.pad(value, (0, query.size(-1) - dv))
             out = _varlen_attn(query, key, value, cu, cu, params.max_seqlen_q, params.max_seqlen_kv,
                                scale=self.softmax_scale, **_VARLEN_CAUSAL["causal"], **gqa)
-            return out.reshape(query.size(0), 1, self.hidden_size_per_partition)
+            return out[..., :dv].reshape(query.size(0), 1, self.hidden_size_per_partition)
         else:
             local = gathered = torch.arange(query.size(0), device=query.device)
         # a key is visible when it lies in the query's sequence, at or before it
@@ -285,6 +292,22 @@ def _mcore_moe_without_te() -> None:
 _mcore_moe_without_te()
 
 
+def _mcore_mla_without_te() -> None:
+    """megatron-core 0.16.1's MLA module imports its TE names from a module that, without transformer-engine, hands
+    out mock objects, so it believes TE is present and its ``isinstance(linear_proj, TELinear)`` check raises: tell
+    it the truth when TE does not import. Its accepted replicated linear is the one our spec uses for the latent
+    down projections (:func:`layer_spec`); make sure it knows it whichever way that import went."""
+    from megatron.core.transformer import multi_latent_attention
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        multi_latent_attention.HAVE_TE = False
+    if multi_latent_attention.Linear is None:
+        multi_latent_attention.Linear = ReplicatedLinear
+
+
+_mcore_mla_without_te()
+
+
 def _drop_extra_state_keys(module, incompatible_keys) -> None:
     """GroupedMLP's checkpoints carry SequentialMLP-compatible ``_extra_state`` entries that no parameter owns."""
     for key in list(incompatible_keys.unexpected_keys):
@@ -297,13 +320,18 @@ def te_available() -> bool:
 
 
 def layer_spec(*, qk_layernorm: bool, use_te: str = "auto", num_experts: int | None = None,
-               fused_norm: bool = False) -> ModuleSpec:
+               fused_norm: bool = False, multi_latent_attention: bool = False) -> ModuleSpec:
     """The transformer layer spec: mcore's TE spec when TE is importable (or forced), otherwise ours (its norms
-    compiled with ``fused_norm``). With ``num_experts`` the MLP is mcore's MoE layer with :class:`GroupedExperts`."""
+    compiled with ``fused_norm``). With ``num_experts`` the MLP is mcore's MoE layer with :class:`GroupedExperts`.
+    ``multi_latent_attention``: mcore's own MLA (``MLASelfAttention``) on our core attention and norms (its latent
+    norms are the q/k norms); always our spec, whose down projections the converters and the weight sync map."""
     if use_te not in ("auto", "true", "false"):
         raise ValueError(f"model.use_te={use_te!r} must be auto|true|false")
+    if multi_latent_attention and use_te == "true":
+        raise ValueError("model.use_te=true: multi-head latent attention runs on our layer spec only; set "
+                         "model.use_te=auto or false")
     num_experts = num_experts or None
-    if use_te == "true" or (use_te == "auto" and te_available()):
+    if not multi_latent_attention and (use_te == "true" or (use_te == "auto" and te_available())):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         spec = get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, qk_layernorm=qk_layernorm)
@@ -313,7 +341,8 @@ def layer_spec(*, qk_layernorm: bool, use_te: str = "auto", num_experts: int | N
 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=qk_layernorm, normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=qk_layernorm, normalization="RMSNorm",
+                                    multi_latent_attention=multi_latent_attention)
     sub = spec.submodules
     if num_experts:
         sub.mlp.submodules.experts = ModuleSpec(module=GroupedExperts)
@@ -322,9 +351,18 @@ def layer_spec(*, qk_layernorm: bool, use_te: str = "auto", num_experts: int | N
     sub.pre_mlp_layernorm = norm
     attn = sub.self_attention.submodules
     attn.core_attention = SDPAttention
+    if multi_latent_attention:
+        # The latent down projections whole on every TP rank (as vLLM holds them, and as mcore's TE spec does with
+        # its duplicated linears): with sequence parallelism they see the rank's own tokens and their gradients are
+        # summed over TP (``sequence_parallel``); mcore's column-parallel variant gathers over its global TP group
+        attn.linear_q_down_proj = ReplicatedLinear
+        attn.linear_kv_down_proj = ReplicatedLinear
     if qk_layernorm:
         attn.q_layernorm = norm
-        attn.k_layernorm = norm
+        if multi_latent_attention:
+            attn.kv_layernorm = norm
+        else:
+            attn.k_layernorm = norm
     return spec
 
 

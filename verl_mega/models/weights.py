@@ -43,18 +43,34 @@ _LAYER_RULES: dict[str, tuple[str, tuple[str, ...]]] = {
                                           "model.layers.{i}.mlp.up_proj.weight")),
     "mlp.linear_fc2.weight": ("row", ("model.layers.{i}.mlp.down_proj.weight",)),
 }
-# MoE layers (every layer of a MoE model): the router, routed experts and Qwen2-MoE's shared expert.
+# Multi-head latent attention (DeepSeek-V3): the up projections (and a plain query projection) split their output
+# rows (heads) over TP ("column"); the latent down projections and norms are whole on every rank (our spec).
+_MLA_RULES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "self_attention.linear_q_proj.weight": ("column", ("model.layers.{i}.self_attn.q_proj.weight",)),
+    "self_attention.linear_q_down_proj.weight": ("replicated", ("model.layers.{i}.self_attn.q_a_proj.weight",)),
+    "self_attention.linear_q_up_proj.weight": ("column", ("model.layers.{i}.self_attn.q_b_proj.weight",)),
+    "self_attention.linear_kv_down_proj.weight": ("replicated",
+                                                  ("model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight",)),
+    "self_attention.linear_kv_up_proj.weight": ("column", ("model.layers.{i}.self_attn.kv_b_proj.weight",)),
+    "self_attention.q_layernorm.weight": ("replicated", ("model.layers.{i}.self_attn.q_a_layernorm.weight",)),
+    "self_attention.kv_layernorm.weight": ("replicated", ("model.layers.{i}.self_attn.kv_a_layernorm.weight",)),
+}
+# MoE layers: the router, routed experts and Qwen2-MoE's gated shared expert or DeepSeek's shared experts.
 _MOE_BLOCK = {"mixtral": "block_sparse_moe"}
 _EXPERT_PROJ = {"mixtral": ("w1", "w3", "w2")}
+_SHARED = {"deepseek_v3": "shared_experts"}
+#: buffers that are model state (DeepSeek's routing correction bias): mapped, checkpointed and synced like weights
+MAPPED_BUFFERS = ("mlp.router.expert_bias",)
 
 
 def _moe_rules(model_type: str) -> dict[str, tuple[str, tuple[str, ...]]]:
     block = f"model.layers.{{i}}.{_MOE_BLOCK.get(model_type, 'mlp')}"
     gate, up, down = _EXPERT_PROJ.get(model_type, ("gate_proj", "up_proj", "down_proj"))
     expert = f"{block}.experts.{{{{e}}}}"
-    shared = f"{block}.shared_expert"
+    shared = f"{block}.{_SHARED.get(model_type, 'shared_expert')}"
     return {
         "mlp.router.weight": ("replicated", (f"{block}.gate.weight",)),
+        "mlp.router.expert_bias": ("replicated", (f"{block}.gate.e_score_correction_bias",)),
         "mlp.experts.weight1": ("experts_fc1", (f"{expert}.{gate}.weight", f"{expert}.{up}.weight")),
         "mlp.experts.weight2": ("experts_fc2", (f"{expert}.{down}.weight",)),
         "mlp.shared_experts.linear_fc1.weight": ("gate_up", (f"{shared}.gate_proj.weight",
@@ -62,6 +78,15 @@ def _moe_rules(model_type: str) -> dict[str, tuple[str, tuple[str, ...]]]:
         "mlp.shared_experts.linear_fc2.weight": ("row", (f"{shared}.down_proj.weight",)),
         "mlp.shared_experts.gate_weight": ("replicated", (f"{block}.shared_expert_gate.weight",)),
     }
+
+
+def mapped_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """A module's parameters and its mapped buffers (:data:`MAPPED_BUFFERS`), by local name: what the converters,
+    checkpoints and the weight sync carry."""
+    yield from module.named_parameters()
+    for name, buf in module.named_buffers():
+        if name.endswith(MAPPED_BUFFERS):
+            yield name, buf
 
 
 EXPERT_KINDS = ("experts_fc1", "experts_fc2")
@@ -77,7 +102,7 @@ _LAYER_RE = re.compile(r"^(?:module\.)*decoder\.layers\.(\d+)\.(.+)$")
 class ParamRule:
     """How one mcore parameter is made from HF tensors."""
 
-    kind: str  # replicated | qkv | gate_up | row | vocab | experts_fc1 | experts_fc2
+    kind: str  # replicated | qkv | gate_up | row | column | vocab | experts_fc1 | experts_fc2
     hf_names: tuple[str, ...]  # expert rules: templates with {e}, the global expert index
 
     @property
@@ -106,7 +131,8 @@ def rule_for(mcore_name: str, arch: ModelArch, layer_offset: int = 0) -> ParamRu
     m = _LAYER_RE.match(name)
     if m:
         suffix = m.group(2)
-        rules = {**_LAYER_RULES, **_moe_rules(arch.model_type)} if arch.is_moe else _LAYER_RULES
+        rules = {**_LAYER_RULES, **(_MLA_RULES if arch.is_mla else {}),
+                 **(_moe_rules(arch.model_type) if arch.is_moe else {})}
         if suffix not in rules:
             raise KeyError(f"no HF mapping for mcore parameter {mcore_name!r}")
         kind, templates = rules[suffix]
@@ -126,11 +152,19 @@ Reader = Callable[..., torch.Tensor]  # reader(name, rows=(a, b) | None, cols=(a
 def _ffn_width(rule: ParamRule, arch: ModelArch) -> int:
     """Inner width of an MLP projection: the shared expert's, the attention output's input, or the dense MLP's."""
     name = rule.hf_names[0]
-    if ".shared_expert." in name:
+    if ".shared_expert" in name:
         return arch.shared_expert_ffn_hidden_size
     if "o_proj" in name:
-        return arch.num_heads * arch.head_dim
+        return arch.num_heads * (arch.v_head_dim if arch.is_mla else arch.head_dim)
     return arch.ffn_hidden_size
+
+
+def column_rows(rule: ParamRule, arch: ModelArch) -> int:
+    """Output rows of an MLA up projection (``column`` kind): whole heads, which tensor parallelism splits evenly."""
+    name, a = rule.hf_names[0], arch.num_heads
+    rows = {"kv_b_proj": a * (arch.qk_nope_head_dim + arch.v_head_dim), "q_b_proj": a * arch.head_dim,
+            "q_proj": a * arch.head_dim}
+    return rows[name.split(".")[-2]]
 
 
 def hf_to_mcore_shard(rule: ParamRule, read: Reader, arch: ModelArch, tp_rank: int, tp: int, padded_vocab: int,
@@ -145,6 +179,8 @@ def hf_to_mcore_shard(rule: ParamRule, read: Reader, arch: ModelArch, tp_rank: i
     if kind == "row":  # RowParallelLinear: split the input (column) dim
         cols = _split(_ffn_width(rule, arch), tp, tp_rank)
         return read(rule.hf_names[0], cols=cols)
+    if kind == "column":  # ColumnParallelLinear of one HF tensor: split its output rows
+        return read(rule.hf_names[0], rows=_split(column_rows(rule, arch), tp, tp_rank))
     if kind == "gate_up":
         rows = _split(_ffn_width(rule, arch), tp, tp_rank)
         return torch.cat([read(rule.hf_names[0], rows=rows), read(rule.hf_names[1], rows=rows)], dim=0)
@@ -216,6 +252,8 @@ def mcore_shards_to_hf(rule: ParamRule, shards: list[torch.Tensor],
         yield rule.hf_names[0], shards[0]
     elif kind == "row":
         yield rule.hf_names[0], torch.cat(shards, dim=1)
+    elif kind == "column":
+        yield rule.hf_names[0], torch.cat(shards, dim=0)
     elif kind == "gate_up":
         gates, ups = zip(*(s.chunk(2, dim=0) for s in shards))
         yield rule.hf_names[0], torch.cat(gates, dim=0)
@@ -241,17 +279,27 @@ def _split(n: int, parts: int, idx: int) -> tuple[int, int]:
 
 
 def expected_hf_names(arch: ModelArch) -> set[str]:
-    """Every tensor an HF checkpoint of `arch` must contain."""
+    """Every tensor an HF checkpoint of `arch` must contain (a DeepSeek checkpoint's multi-token-prediction layers,
+    ``model.layers.{L}…`` and up, are not among them: they are not built, see docs/moe.md)."""
     names = {"model.embed_tokens.weight", "model.norm.weight"}
     if not arch.tie_word_embeddings:
         names.add("lm_head.weight")
     for i in range(arch.num_layers):
         p = f"model.layers.{i}."
         names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
-        names |= {p + f"self_attn.{x}_proj.weight" for x in "qkvo"}
-        if arch.is_moe:
+        if arch.is_mla:
+            for _kind, templates in _MLA_RULES.values():
+                names |= {t.format(i=i) for t in templates}
+            drop = ("q_proj",) if arch.q_lora_rank else ("q_a_proj", "q_b_proj", "q_a_layernorm")
+            names -= {p + f"self_attn.{x}.weight" for x in drop}
+            names.add(p + "self_attn.o_proj.weight")
+        else:
+            names |= {p + f"self_attn.{x}_proj.weight" for x in "qkvo"}
+        if arch.is_moe_layer(i):
             for kind, templates in _moe_rules(arch.model_type).values():
-                if ".shared_expert" in templates[0] and not arch.shared_expert_ffn_hidden_size:
+                if ".shared_expert" in templates[0] and not arch.shared_expert_ffn_hidden_size or \
+                        "shared_expert_gate" in templates[0] and not arch.shared_expert_gate or \
+                        "e_score_correction_bias" in templates[0] and not arch.moe_expert_bias:
                     continue
                 rule = ParamRule(kind, tuple(t.format(i=i) for t in templates))
                 names |= {n for e in range(arch.num_experts) for n in rule.expert_names(e)} if rule.is_expert \

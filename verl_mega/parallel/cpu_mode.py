@@ -62,6 +62,8 @@ class _CudaToCpuMode(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.device and args and _is_cuda_device(args[0]):
+            return torch.device("cpu")  # torch.device(torch.cuda.current_device()) (mcore's YaRN RoPE)
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             tensor = args[0]
             return _CUDA_TYPE_NAMES.get(tensor.dtype, "torch.cuda.FloatTensor")

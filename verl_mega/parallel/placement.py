@@ -20,6 +20,14 @@ pool that trains and generates, with m = tp/gen_tp:
 Each generation TP group is one vLLM engine. A rollout-only pool (``trains=False``) cuts its ranks into consecutive
 engines of gen_tp ranks.
 
+**Expert-parallel generation** (``gen_ep`` > 1, Mixture-of-Experts models): vLLM shards the routed experts over
+gen_ep ranks (its expert parallelism over D = gen_ep/gen_tp data-parallel attention engines of gen_tp ranks each)
+while attention stays tensor-parallel inside each engine. Such a generation group (``gen_ep`` kind) is not bounded by
+one training TP group: it joins the engines at the same position k of D consecutive training TP groups of a
+pipeline stage (they differ in their data-/expert-parallel coordinates), so it stays ascending in rank and every
+rank of a pipeline group keeps the same generation coordinates (its attention block j and its expert slice, EP rank
+d·gen_tp + j). Generation EP rank e serves experts [e·E/gen_ep, (e+1)·E/gen_ep) whole.
+
 **Data-parallel islands** (``parallel.dp_hierarchy``). A training pool with ``dp_islands`` = I > 1 cuts each
 pipeline stage's tp·cp·dp ranks into I consecutive blocks, one per island (an NVLink island or a node, as the
 topology scheduler orders the devices): Megatron-Core's partial distributed optimizer with
@@ -44,14 +52,14 @@ DENSE_KINDS = {"tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "pp": ("pp",), "dp_c
                "pool": ("tp", "cp", "dp", "pp")}
 EXPERT_KINDS = {"ep": ("ep",), "etp": ("etp",), "edp": ("edp",), "tp_ep": ("etp", "ep"),
                 "tp_ep_pp": ("etp", "ep", "pp")}
-GENERATION_KINDS = ("gen_tp", "micro_dp")
+GENERATION_KINDS = ("gen_tp", "micro_dp", "gen_ep")
 # Data-parallel islands (one island of the whole tp·cp·dp slice when the pool is flat): the island's ranks, the
 # dense and expert data-parallel ranks inside it, the ranks at the same position in every island, the optimizer
 # instance (an island over every pipeline stage).
 ISLAND_KINDS = ("island", "intra_dp", "intra_edp", "inter_dp", "dist_opt")
 GROUP_KINDS = (*DENSE_KINDS, "embd", *EXPERT_KINDS, *GENERATION_KINDS, *ISLAND_KINDS)
 # What placement.json records for every rank (and, for a pool with dp_islands > 1, ISLAND_JSON_KINDS).
-JSON_KINDS = ("tp", "pp", "dp", "cp", "ep", "gen_tp", "micro_dp")
+JSON_KINDS = ("tp", "pp", "dp", "cp", "ep", "gen_tp", "micro_dp", "gen_ep")
 ISLAND_JSON_KINDS = ("island", "intra_dp", "inter_dp")
 DP_HIERARCHY_LEVELS = ("off", "node", "island")
 # The cross-island step's wire format: fp32 is Megatron's own all-reduce; bf16 and fp8 (e4m3 with a scale per
@@ -77,8 +85,7 @@ def wire_bytes(numel: int, dtype: str) -> int:
     raise PlacementError(f"unknown cross-island dtype {dtype!r}; one of {', '.join(CROSS_ISLAND_DTYPES)}")
 
 
-def divisors(n: int) -> list[int]:
-    """The divisors of ``n``, ascending: the sizes a layout may split ``n`` into."""
+def divisors(n: int) -> list[int]:  # the sizes a layout may split n into, ascending
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -122,7 +129,8 @@ def _grid_groups(ranks: tuple[int, ...], shape: tuple[tuple[str, int], ...], dim
 class Pool:
     """A set of ranks and its layout. ``dp`` is derived: size / (tp·pp·cp). For the expert grid, ``etp`` (default:
     tp) and ``ep`` split tp·cp·dp, the rest is expert data parallelism. ``gen_tp`` (default: tp) and ``gen_ep`` shape
-    the vLLM engines when the pool generates; a pool that does not train (``trains=False``) only generates."""
+    the vLLM engines when the pool generates (``gen_ep`` > 1: the experts sharded over gen_ep ranks, see the module
+    docstring); a pool that does not train (``trains=False``) only generates."""
 
     name: str
     ranks: tuple[int, ...]
@@ -173,12 +181,17 @@ class Pool:
         if self.trains and self.tp % self.gen_tp:
             raise PlacementError(f"{k('gen_tp')}={self.gen_tp} must divide {k('tp')}={self.tp} (generation TP groups "
                                  f"are carved out of each training TP group); choose among {divisors(self.tp)}")
-        if self.gen_ep != 1:  # vLLM shards every expert over its TP group; the hybrid sync writes that layout
-            raise PlacementError(f"{k('gen_ep')}={self.gen_ep}: expert parallelism inside vLLM is not supported (each "
-                                 f"generation rank holds 1/gen_tp of every expert); set {k('gen_ep')}=1")
-        if self.size % (self.gen_tp * self.gen_ep):
-            raise PlacementError(f"{self._where}: gen_tp·gen_ep = {self.gen_tp}·{self.gen_ep} must divide its "
-                                 f"{self.size} ranks; choose {k('gen_tp')} among {divisors(self.size)}")
+        if self.size % self.gen_tp:
+            raise PlacementError(f"{self._where}: gen_tp={self.gen_tp} must divide its {self.size} ranks; choose "
+                                 f"{k('gen_tp')} among {divisors(self.size)}")
+        if self.gen_ep > 1:
+            engines = self.size // self.gen_tp if not self.trains else self.cp * self.dp
+            if self.gen_ep % self.gen_tp or engines % (self.gen_ep // self.gen_tp):
+                what = "the cp·dp training TP groups of a pipeline stage" if self.trains else "its engines"
+                raise PlacementError(
+                    f"{k('gen_ep')}={self.gen_ep} must be gen_tp·D with D dividing {what} ({engines}): an expert-"
+                    f"parallel generation group joins D engines of gen_tp={self.gen_tp}; choose {k('gen_ep')} among "
+                    f"{[self.gen_tp * d for d in divisors(engines)]}")
         self._check_islands()
 
     def _check_islands(self) -> None:
@@ -213,7 +226,7 @@ class Pool:
         """The config key a user sets for ``key`` of this pool (``parallel.*`` / ``rollout.gen_tp`` for the single
         pool, ``placement.pools.<name>.*`` otherwise)."""
         if self.name == DEFAULT_POOL:
-            return "rollout.gen_tp" if key == "gen_tp" else f"parallel.{key}"
+            return f"rollout.{key}" if key in ("gen_tp", "gen_ep") else f"parallel.{key}"
         return f"placement.pools.{self.name}.{key}"
 
     # ---- sizes --------------------------------------------------------------------------------------------
@@ -243,18 +256,24 @@ class Pool:
     def num_engines(self) -> int:
         return self.size // self.gen_tp
 
+    @property
+    def gen_dp(self) -> int:
+        """D: vLLM's data-parallel attention engines in one expert-parallel generation group (1 without gen_ep)."""
+        return max(1, self.gen_ep // self.gen_tp)
+
     def describe(self) -> str:
         return f"{self.name}: {self.size} ranks, {self.dims()}"
 
     def dims(self) -> str:
         if not self.trains:
-            return f"generation only, gen_tp={self.gen_tp} ({self.num_engines} engines)"
+            ep = f" gen_ep={self.gen_ep}" if self.gen_ep > 1 else ""
+            return f"generation only, gen_tp={self.gen_tp}{ep} ({self.num_engines} engines)"
         parts = [f"tp={self.tp}", f"pp={self.pp}"] + ([f"vpp={self.vpp}"] if self.vpp else [])
         parts += [f"cp={self.cp}"] * (self.cp > 1) + [f"ep={self.ep}", f"etp={self.etp}"] * (self.ep > 1)
         islands = [f"dp_islands={self.dp_islands}"] + [f"({self.dp_cross_island_dtype} across)"] * (
             self.dp_cross_island_dtype != "fp32") if self.dp_islands > 1 else []
-        return " ".join(parts + [f"dp={self.dp}", f"gen_tp={self.gen_tp}"] + ["sp"] * self.sequence_parallel
-                        + islands)
+        return " ".join(parts + [f"dp={self.dp}", f"gen_tp={self.gen_tp}"] + [f"gen_ep={self.gen_ep}"] *
+                        (self.gen_ep > 1) + ["sp"] * self.sequence_parallel + islands)
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "size": self.size, "first_rank": self.ranks[0], "trains": self.trains,
@@ -273,15 +292,23 @@ class Pool:
         out["embd"] = tuple(tuple(sorted({g[0], g[-1]})) for g in out["pp"])
         expert_shape = (("etp", self.etp), ("ep", self.ep), ("edp", self.edp), ("pp", self.pp))
         out.update({kind: _grid_groups(self.ranks, expert_shape, dims) for kind, dims in EXPERT_KINDS.items()})
+        d = self.gen_dp
         if self.trains:
-            m, gen, micro = self.micro_dp, [], []
-            for tp_group in out["tp"]:
-                gen += [tp_group[k::m] for k in range(m)]
-                micro += [tp_group[j * m:(j + 1) * m] for j in range(self.gen_tp)]
+            # an expert-parallel generation group: the engines at position k of D consecutive training TP groups
+            m, gen, micro, blocks = self.micro_dp, [], [], []
+            for first in range(0, len(out["tp"]), d):
+                tps = out["tp"][first:first + d]
+                for k in range(m):
+                    engines = [tp_group[k::m] for tp_group in tps]
+                    gen += engines
+                    blocks.append(tuple(r for e in engines for r in e))
+                micro += [tp_group[j * m:(j + 1) * m] for tp_group in tps for j in range(self.gen_tp)]
             out["gen_tp"], out["micro_dp"] = tuple(gen), tuple(micro)
         else:
             out["gen_tp"] = tuple(self.ranks[i:i + self.gen_tp] for i in range(0, self.size, self.gen_tp))
             out["micro_dp"] = tuple((r,) for r in self.ranks)
+            blocks = [self.ranks[i:i + self.gen_tp * d] for i in range(0, self.size, self.gen_tp * d)]
+        out["gen_ep"] = tuple(blocks) if self.gen_ep > 1 else tuple((r,) for r in self.ranks)
         out.update(self._island_groups(out))
         return out
 
@@ -327,7 +354,8 @@ class Pool:
         return self._member_of[kind][rank]
 
     def coords(self, rank: int) -> dict[str, int]:
-        """The rank's position along every dimension: tp, cp, dp, pp, ep, etp, edp, gen_tp (its block j), engine."""
+        """The rank's position along every dimension: tp, cp, dp, pp, ep, etp, edp, gen_tp (its block j), engine,
+        gen_ep (its expert-parallel generation rank: the experts it serves; 0 without gen_ep)."""
         index = self.ranks.index(rank)
         out = {}
         for shape in (self._dense_shape, (("etp", self.etp), ("ep", self.ep), ("edp", self.edp), ("pp", self.pp))):
@@ -335,15 +363,32 @@ class Pool:
             for name, size in shape:
                 out[name] = rest % size
                 rest //= size
-        out["engine"] = self._index("gen_tp", rank)
-        out["gen_tp"] = self.group_of("gen_tp", rank).index(rank)
+        out.update(self._generation_coords(index))
         return out
+
+    def _generation_coords(self, index: int) -> dict[str, int]:
+        """engine, gen_tp and gen_ep of the rank at ``index`` of the pool, by the arithmetic the groups are laid out
+        with (``Placement.check`` compares the two): training TP group g = index // tp, position p in it; engine k =
+        p mod m of that group, block j = p // m; D consecutive TP groups form one expert-parallel group."""
+        d = self.gen_dp
+        if not self.trains:
+            engine, j = divmod(index, self.gen_tp)
+            return {"engine": engine, "gen_tp": j, "gen_ep": (engine % d) * self.gen_tp + j if self.gen_ep > 1 else 0}
+        m = self.micro_dp
+        g, pos = divmod(index, self.tp)
+        k, j = pos % m, pos // m
+        engine = (g // d) * d * m + k * d + g % d
+        return {"engine": engine, "gen_tp": j, "gen_ep": (g % d) * self.gen_tp + j if self.gen_ep > 1 else 0}
 
     def vllm_rank_order(self) -> list[int]:
         """vLLM builds TP groups from consecutive ranks; position v of this list is the rank that plays vLLM rank v,
-        so vLLM's consecutive groups are our (strided) generation TP groups, engine by engine. Every group is
-        ascending in rank, which matters because ``torch.distributed.new_group`` sorts its members."""
-        return [rank for group in self.groups("gen_tp") for rank in group]
+        so vLLM's consecutive groups are our (strided) generation TP groups, engine by engine; with gen_ep > 1 the
+        engines of one expert-parallel group come together (vLLM's data-parallel × tensor-parallel block), so its
+        data-parallel and expert-parallel groups are ours too. Every group is ascending in rank, which matters
+        because ``torch.distributed.new_group`` sorts its members."""
+        if self.gen_ep == 1:
+            return [rank for group in self.groups("gen_tp") for rank in group]
+        return [rank for group in self.groups("gen_ep") for rank in group]
 
     # ---- HybridFlow Table 2 (pg = 1) ------------------------------------------------------------------------
     def sync_bytes_per_rank(self, model_bytes: float) -> float:
@@ -351,18 +396,30 @@ class Pool:
         tp_total = self.tp * self.pp
         return model_bytes * (tp_total - self.gen_tp) / (self.gen_tp * tp_total)
 
-    def expert_sync_bytes_per_rank(self, rank: int, *, num_layers: int, num_experts: int, width: int,
-                                   row_bytes: float) -> float:
-        """Routed-expert bytes ``rank`` receives at the switch (docs/moe.md): generation rank j needs rows
-        [j·f/tg, (j+1)·f/tg) of the gate, up and down projections of all E experts of every layer (3·E·f/tg rows of
-        ``row_bytes`` = h·element size each), less the rows its own (ep, etp) shard holds of its own stage's layers."""
+    def expert_slice(self, rank: int, num_experts: int, width: int) -> tuple[int, int, int, int]:
+        """The routed experts ``rank`` serves in generation, as (first expert, end, first row, end row) of every MoE
+        layer: rows [j·f/tg, (j+1)·f/tg) of all E experts (vLLM's TP slices every expert), or with gen_ep > 1 the
+        whole experts [e·E/gen_ep, (e+1)·E/gen_ep) of its expert-parallel rank e."""
         c = self.coords(rank)
-        fj, fr = width // self.gen_tp, width // self.etp
-        lo_j, lo_r = c["gen_tp"] * fj, c["etp"] * fr
-        overlap = max(0, min(lo_j + fj, lo_r + fr) - max(lo_j, lo_r))
-        need = num_layers * num_experts * 3 * fj * row_bytes
-        own = num_layers // self.pp * (num_experts // self.ep) * 3 * overlap * row_bytes
-        return need - own
+        if self.gen_ep > 1:
+            per = num_experts // self.gen_ep
+            return c["gen_ep"] * per, (c["gen_ep"] + 1) * per, 0, width
+        fj = width // self.gen_tp
+        return 0, num_experts, c["gen_tp"] * fj, (c["gen_tp"] + 1) * fj
+
+    def expert_sync_bytes_per_rank(self, rank: int, *, num_layers: int, own_layers: int, num_experts: int,
+                                   width: int, row_bytes: float) -> float:
+        """Routed-expert bytes ``rank`` receives at the switch (docs/moe.md): its generation slice
+        (:meth:`expert_slice`) of the gate, up and down projections of every one of the ``num_layers`` MoE layers
+        (rows of ``row_bytes`` = h·element size), less what its own (ep, etp) training shard holds of it in the
+        ``own_layers`` MoE layers of its own stage."""
+        c = self.coords(rank)
+        e0, e1, r0, r1 = self.expert_slice(rank, num_experts, width)
+        local, fr = num_experts // self.ep, width // self.etp
+        held_e = max(0, min(e1, (c["ep"] + 1) * local) - max(e0, c["ep"] * local))
+        held_r = max(0, min(r1, (c["etp"] + 1) * fr) - max(r0, c["etp"] * fr))
+        need = num_layers * (e1 - e0) * 3 * (r1 - r0) * row_bytes
+        return need - own_layers * held_e * 3 * held_r * row_bytes
 
     def generation_weight_bytes(self, model_bytes: float) -> float:
         """Generation weights one rank holds: M/tg."""
@@ -409,6 +466,10 @@ class Placement:
         for role, name in roles.items():
             if name not in names:
                 raise PlacementError(f"placement.roles.{role}={name!r} is not a pool; pools are {names}")
+        if roles["rollout"] != roles["actor"] and self.pool(roles["rollout"]).gen_ep > 1:
+            raise PlacementError(f"placement.pools.{roles['rollout']}.gen_ep > 1: expert-parallel generation runs with "
+                                 f"the rollout on the actor's pool (colocated); set placement.roles.rollout="
+                                 f"{roles['actor']} or gen_ep=1")
         for role in TRAINING_ROLES:
             if not self.pool(roles[role]).trains:
                 raise PlacementError(f"placement: role {role} runs on pool {roles[role]!r}, which only generates; put "
@@ -424,7 +485,7 @@ class Placement:
     @classmethod
     def from_config(cls, cfg: Any, world_size: int) -> "Placement":
         """From a TrainConfig: ``placement.pools`` (name → size and dims, laid out in rank order) and
-        ``placement.roles`` when given, else one pool from ``parallel.*`` and ``rollout.gen_tp``."""
+        ``placement.roles`` when given, else one pool from ``parallel.*``, ``rollout.gen_tp`` and ``rollout.gen_ep``."""
         spec = getattr(cfg, "placement", None)
         if spec is None or not spec.pools:
             p = cfg.parallel
@@ -433,7 +494,8 @@ class Placement:
                                      f"{p.tp * p.pp * p.cp * p.dp} does not equal the world size {world_size}; set "
                                      f"parallel.dp=null to derive dp, or start {p.tp * p.pp * p.cp * p.dp} processes")
             return cls.single(world_size, tp=p.tp, pp=p.pp, vpp=p.vpp, cp=p.cp, ep=p.ep, etp=p.etp,
-                              gen_tp=cfg.rollout.gen_tp, sequence_parallel=p.sequence_parallel)
+                              gen_tp=cfg.rollout.gen_tp, gen_ep=cfg.rollout.gen_ep,
+                              sequence_parallel=p.sequence_parallel)
         pools, start = [], 0
         trained = {spec.roles.get(r, spec.roles.get("actor")) for r in TRAINING_ROLES}
         for name, dims in spec.pools.items():
@@ -532,6 +594,13 @@ class Placement:
                 flat = sorted(r for g in pool.groups(kind) for r in g)
                 if kind != "embd" and flat != sorted(pool.ranks):
                     raise PlacementError(f"pool {pool.name!r}: {kind} groups do not partition the pool")
+            for rank in pool.ranks:  # the coordinates' arithmetic against the groups themselves
+                c = pool.coords(rank)
+                want = {"engine": pool._index("gen_tp", rank), "gen_tp": pool.group_of("gen_tp", rank).index(rank),
+                        "gen_ep": pool.group_of("gen_ep", rank).index(rank)}
+                if {k: c[k] for k in want} != want:
+                    raise PlacementError(f"pool {pool.name!r}: rank {rank}'s generation coordinates "
+                                         f"{ {k: c[k] for k in want} } differ from its groups' {want}")
             if pool.trains:
                 m = pool.micro_dp
                 for rank in pool.ranks:
@@ -545,41 +614,22 @@ class Placement:
                     if set(gen) & set(micro) != {rank}:
                         raise PlacementError(f"pool {pool.name!r}: generation TP {gen} and micro-DP {micro} groups "
                                              f"must meet in rank {rank} only")
+                for group in pool.groups("pp"):  # the producer's PP exchange: one layout for a whole pipeline
+                    coords = {(pool.coords(r)["gen_tp"], pool.coords(r)["gen_ep"]) for r in group}
+                    if len(coords) != 1:
+                        raise PlacementError(f"pool {pool.name!r}: pipeline group {list(group)[:8]} mixes generation "
+                                             f"coordinates {sorted(coords)}")
             how = (f"generation groups strided by {pool.micro_dp} inside TP groups, one rank in common with micro-DP"
                    if pool.trains else f"engines of {pool.gen_tp} consecutive ranks")
+            if pool.gen_ep > 1:
+                engines = set(pool.groups("gen_tp"))
+                for block in pool.groups("gen_ep"):
+                    parts = [block[i:i + pool.gen_tp] for i in range(0, len(block), pool.gen_tp)]
+                    if list(block) != sorted(block) or len(block) != pool.gen_ep or not set(parts) <= engines:
+                        raise PlacementError(f"pool {pool.name!r}: expert-parallel generation group {list(block)[:8]} "
+                                             f"is not {pool.gen_dp} whole engines of gen_tp={pool.gen_tp} in "
+                                             f"ascending order")
+                how += (f"; expert-parallel generation groups of {pool.gen_dp} engines ({pool.gen_ep} ranks), "
+                        f"ascending, one generation layout per pipeline group")
             done.append(f"{pool.describe()}: {len(GROUP_KINDS)} group kinds partition the pool; {how}")
         return done
-
-
-@dataclass(frozen=True)
-class TransferPlan:
-    """Who sends generation block j (``sources[j]``) and who receives it (``receivers[j]``, one rank per engine)."""
-
-    sources: tuple[int, ...]
-    receivers: tuple[tuple[int, ...], ...]
-
-    def block_of(self, rank: int) -> int | None:
-        """The block ``rank`` sends or receives; None for a training rank that does neither."""
-        for j, (src, dst) in enumerate(zip(self.sources, self.receivers)):
-            if rank == src or rank in dst:
-                return j
-        return None
-
-
-def transfer_plan(placement: Placement) -> TransferPlan:
-    """The sources and receivers of every generation block, for a placement whose rollout has its own pool."""
-    if placement.colocated:
-        raise PlacementError("the rollout runs on the actor's pool (colocated): weights are synced in place there, "
-                             "not across pools; give the rollout its own pool in placement.roles")
-    train, gen = placement.pool_of("actor"), placement.pool_of("rollout")
-    if gen.trains:
-        raise PlacementError(f"placement.pools.{gen.name} both trains and generates for another pool; give the "
-                             f"rollout a pool of its own")
-    if train.gen_tp != gen.gen_tp:
-        raise PlacementError(f"placement.pools.{train.name}.gen_tp={train.gen_tp} differs from the rollout pool's "
-                             f"gen_tp={gen.gen_tp}: the trainer builds exactly the rollout engines' slices; set "
-                             f"placement.pools.{train.name}.gen_tp={gen.gen_tp}")
-    blocks = range(gen.gen_tp)
-    sources = tuple(min(r for r in train.ranks if train.coords(r)["gen_tp"] == j) for j in blocks)
-    receivers = tuple(tuple(engine[j] for engine in gen.groups("gen_tp")) for j in blocks)
-    return TransferPlan(sources, receivers)

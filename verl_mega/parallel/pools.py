@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from verl_mega.parallel import cpu_mode
-from verl_mega.parallel.placement import Placement, PlacementError, Pool, transfer_plan
+from verl_mega.parallel.placement import Placement, PlacementError, Pool
 from verl_mega.parallel.state import init_process_group
 
 CONTROL_TAG, RESULT_TAG = 1, 2  # trainer → rollout commands; rollout → trainer samples
@@ -211,6 +211,40 @@ def group_broadcast(tensor: torch.Tensor, group: Any, group_src: int, async_op: 
         return work
     work.wait()
     return None
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """Who sends generation block j (``sources[j]``) and who receives it (``receivers[j]``, one rank per engine)."""
+
+    sources: tuple[int, ...]
+    receivers: tuple[tuple[int, ...], ...]
+
+    def block_of(self, rank: int) -> int | None:
+        """The block ``rank`` sends or receives; None for a training rank that does neither."""
+        for j, (src, dst) in enumerate(zip(self.sources, self.receivers)):
+            if rank == src or rank in dst:
+                return j
+        return None
+
+
+def transfer_plan(placement: Placement) -> TransferPlan:
+    """The sources and receivers of every generation block, for a placement whose rollout has its own pool."""
+    if placement.colocated:
+        raise PlacementError("the rollout runs on the actor's pool (colocated): weights are synced in place there, "
+                             "not across pools; give the rollout its own pool in placement.roles")
+    train, gen = placement.pool_of("actor"), placement.pool_of("rollout")
+    if gen.trains:
+        raise PlacementError(f"placement.pools.{gen.name} both trains and generates for another pool; give the "
+                             f"rollout a pool of its own")
+    if train.gen_tp != gen.gen_tp:
+        raise PlacementError(f"placement.pools.{train.name}.gen_tp={train.gen_tp} differs from the rollout pool's "
+                             f"gen_tp={gen.gen_tp}: the trainer builds exactly the rollout engines' slices; set "
+                             f"placement.pools.{train.name}.gen_tp={gen.gen_tp}")
+    blocks = range(gen.gen_tp)
+    sources = tuple(min(r for r in train.ranks if train.coords(r)["gen_tp"] == j) for j in blocks)
+    receivers = tuple(tuple(engine[j] for engine in gen.groups("gen_tp")) for j in blocks)
+    return TransferPlan(sources, receivers)
 
 
 def check_disaggregated(placement: Placement) -> None:

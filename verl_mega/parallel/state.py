@@ -133,6 +133,21 @@ def mcore_dp_cp_group(groups: RankGroups) -> Iterator[None]:
         mpu._DATA_PARALLEL_GROUP_WITH_CP = saved
 
 
+@contextlib.contextmanager
+def mcore_tp_dp_cp_group(groups: RankGroups) -> Iterator[None]:
+    """Megatron-Core 0.16.1 sums the routers' token counts for the aux-loss-free expert-bias update over its global
+    tensor+data+context-parallel group (``get_updated_expert_bias``, called from ``finalize_model_grads``), which no
+    pg_collection reaches: expose this rank's group there for the duration of the call only."""
+    from megatron.core import parallel_state as mpu
+
+    saved = mpu._TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP
+    mpu._TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP = groups["tp_dp_cp"]
+    try:
+        yield
+    finally:
+        mpu._TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP = saved
+
+
 def build_groups(placement: Placement, rank: int | None = None, timeout_s: float = 600.0) -> RankGroups:
     """Create this rank's groups (collective over each group's members, in the same kind order everywhere)."""
     rank = dist.get_rank() if rank is None else rank

@@ -42,12 +42,13 @@ class AutoLayout:
 
 
 def with_layout(cfg, plan: Plan):
-    """`cfg` running `plan`'s layout: parallel.tp/pp/vpp/ep/etp/sequence_parallel and rollout.gen_tp."""
+    """`cfg` running `plan`'s layout: parallel.tp/pp/vpp/ep/etp/sequence_parallel and rollout.gen_tp/gen_ep."""
     lay = plan.layout
     parallel = dataclasses.replace(cfg.parallel, layout="manual", tp=lay.tp, pp=lay.pp, vpp=lay.vpp, cp=1, dp=None,
                                    ep=lay.ep, etp=None if lay.etp == lay.tp else lay.etp,
                                    sequence_parallel=lay.sequence_parallel)
-    return dataclasses.replace(cfg, parallel=parallel, rollout=dataclasses.replace(cfg.rollout, gen_tp=lay.gen_tp))
+    return dataclasses.replace(cfg, parallel=parallel, rollout=dataclasses.replace(cfg.rollout, gen_tp=lay.gen_tp,
+                                                                                   gen_ep=lay.gen_ep))
 
 
 def choose_layout(cfg, arch: ModelArch, cluster: Cluster) -> AutoLayout:

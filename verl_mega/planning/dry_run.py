@@ -10,7 +10,8 @@ the model on the meta device (shapes only, no memory) with those groups. Then we
   equal Megatron-Core's own enumeration of the pool (``HyperCommGrid`` with the pool's rank offset: an
   implementation independent of ours), and every group the run created has the members the placement names
   (whose generation groups ``Placement.check`` verified for every rank: inside the training TP group, strided
-  by tp/gen_tp, ascending, meeting the micro-DP group in one rank);
+  by tp/gen_tp, ascending, meeting the micro-DP group in one rank; the expert-parallel generation groups whole
+  engines, ascending, one generation layout per pipeline group);
 * the meta model holds exactly the parameters the memory model predicts for this stage, and the layer offsets of
   its (virtual) chunks are the ones Megatron assigns.
 
@@ -36,7 +37,7 @@ from verl_mega.parallel.placement import Placement, PlacementError
 from verl_mega.planning.params import PlanningError, stage_params
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-CHECKED_KINDS = ("tp", "cp", "dp", "pp", "dp_cp", "mp", "ep", "etp", "edp", "gen_tp", "micro_dp")
+CHECKED_KINDS = ("tp", "cp", "dp", "pp", "dp_cp", "mp", "ep", "etp", "edp", "gen_tp", "micro_dp", "gen_ep")
 ISLAND_GROUP_KINDS = ("intra_dp", "intra_edp", "inter_dp", "dist_opt")  # with data-parallel islands
 
 

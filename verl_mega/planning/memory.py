@@ -17,9 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from verl_mega.models.arch import stage_layer_indices
 from verl_mega.models.hf_config import ModelArch, ModelConfigError, check_arch_layout
 from verl_mega.parallel.placement import PlacementError, Pool
-from verl_mega.planning.params import PlanningError, StageParams, generation_params, layer_params, stage_params
+from verl_mega.planning.params import (PlanningError, StageParams, generation_layer_params, generation_params,
+                                       stage_params)
 
 GiB = 2**30
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -74,12 +76,15 @@ class Phase:
 
 
 def training_pool(*, tp: int, pp: int = 1, dp: int = 1, gen_tp: int | None = None, vpp: int | None = None,
-                  sequence_parallel: bool | None = None, ep: int = 1, etp: int | None = None) -> Pool:
+                  sequence_parallel: bool | None = None, ep: int = 1, etp: int | None = None,
+                  gen_ep: int = 1) -> Pool:
     """One training pool of tp·pp·dp ranks (cp = 1), the planner's unit; sequence parallelism on when tp > 1
-    unless told otherwise; for MoE, ep·etp of the tp·dp ranks of a stage split the experts."""
+    unless told otherwise; for MoE, ep·etp of the tp·dp ranks of a stage split the experts, and gen_ep > 1 shards
+    them in generation."""
     try:
         return Pool(name="train", ranks=tuple(range(tp * pp * dp)), tp=tp, pp=pp, vpp=vpp, gen_tp=gen_tp, ep=ep,
-                    etp=etp, sequence_parallel=tp > 1 if sequence_parallel is None else sequence_parallel)
+                    etp=etp, gen_ep=gen_ep,
+                    sequence_parallel=tp > 1 if sequence_parallel is None else sequence_parallel)
     except PlacementError as exc:
         raise PlanningError(str(exc)) from None
 
@@ -187,16 +192,24 @@ def training_state_terms(params: int, dp: int, dtype: str, *, experts: int = 0, 
 # ------------------------------------------------------------------------------------------------------------
 
 
-def layer_activation_bytes(arch: ModelArch, layout: Pool, work: Workload, *, recompute: str | None = None) -> float:
-    """A_layer: bytes autograd keeps for one transformer layer and one micro-batch (module docstring)."""
+def layer_activation_bytes(arch: ModelArch, layout: Pool, work: Workload, *, recompute: str | None = None,
+                           layer: int | None = None) -> float:
+    """A_layer: bytes autograd keeps for one transformer layer (``layer``: default the first MoE layer, or layer 0)
+    and one micro-batch (module docstring)."""
     rec = work.recompute if recompute is None else recompute
     s, b, B = work.seq_len, work.micro_batch, work.act_bytes
     h, a, k, d, t = arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim, layout.tp
     sigma = t if layout.sequence_parallel else 1
     if rec == "full":
         return B * s * b * h / sigma
+    layer = (arch.moe_layers[0] if arch.is_moe else 0) if layer is None else layer
+    mlp = _mlp_activation_per_token(arch, layout, B, layer)
+    if arch.is_mla:
+        per_token = 2 * (4 + 2 * B) * h / sigma + _mla_activation_per_token(arch, layout, B) + mlp
+        total = s * b * per_token
+        return total + (s * b * 4 * a / t if rec == "none" else 0.0)
     v_kv = a if a > k else a + 2 * k
-    per_token = 2 * (4 + 2 * B) * h / sigma + B * (3 * a + v_kv) * d / t + _mlp_activation_per_token(arch, layout, B)
+    per_token = 2 * (4 + 2 * B) * h / sigma + B * (3 * a + v_kv) * d / t + mlp
     if arch.qk_norm:
         # fp32: the norm's input is the tensor itself, and k is a view that keeps the fused QKV output alive.
         per_token += ((4 + B) * (a + k) + (4 * (a + k) if B == 4 else 0)) * d / t
@@ -206,13 +219,28 @@ def layer_activation_bytes(arch: ModelArch, layout: Pool, work: Workload, *, rec
     return total
 
 
-def _mlp_activation_per_token(arch: ModelArch, layout: Pool, B: int) -> float:
+def _mla_activation_per_token(arch: ModelArch, layout: Pool, B: int) -> float:
+    """Multi-head latent attention's bytes per token (derived for Megatron's MLA on our spec, not measured): the
+    latent down projections' outputs B·(q_r + r + rope)/σ and their fp32 norms (4 + 2B)·(q_r + r)/σ (whole on
+    every rank, for its σ-share of tokens), the up projections' outputs B·a·(q_d + nope + v)/t, the rotary key
+    gathered over the sequence B·rope, the contiguous query, key and value B·a·(2·q_d + v)/t and the attention
+    output B·a·v/t (the fp32 log-sum-exp is added by the caller)."""
+    t = layout.tp
+    sigma = t if layout.sequence_parallel else 1
+    a, qd, r, rope, q = arch.num_heads, arch.head_dim, arch.kv_lora_rank, arch.qk_rope_head_dim, arch.q_lora_rank or 0
+    nope, v = arch.qk_nope_head_dim, arch.v_head_dim
+    down = B * (q + r + rope) / sigma + (4 + 2 * B) * (q + r) / sigma
+    return down + B * a * (qd + nope + v) / t + B * rope + B * a * (2 * qd + v) / t + B * a * v / t
+
+
+def _mlp_activation_per_token(arch: ModelArch, layout: Pool, B: int, layer: int | None = None) -> float:
     """MLP bytes autograd keeps per token of the micro-batch. Dense: fc1 output, activation and product, 5·B·f/t.
     MoE (tokens split by σ, each routed to k experts): the same 5·B·f_e per routed copy (expert TP splits the width
     of tokens it gathers, so etp cancels), the permuted and dispatched copies of the hidden state 2·B·h·etp, the
     router's fp32 logits and scores 8·E, and the shared expert's 5·B·f_s/t."""
     t = layout.tp
-    if not arch.is_moe:
+    layer = (arch.moe_layers[0] if arch.is_moe else 0) if layer is None else layer
+    if not arch.is_moe_layer(layer):
         return 5 * B * arch.ffn_hidden_size / t
     sigma = t if layout.sequence_parallel else 1
     k, etp = arch.moe_topk, layout.etp
@@ -221,12 +249,15 @@ def _mlp_activation_per_token(arch: ModelArch, layout: Pool, B: int) -> float:
 
 
 def mlp_grad_bytes(arch: ModelArch, layout: Pool, work: Workload) -> float:
-    """The MLP backward's transient fc1-output gradient: 2·B·s·b·f/t (dense), 2·B·s·b·k·f_e/σ (MoE)."""
+    """The MLP backward's transient fc1-output gradient: 2·B·s·b·f/t (dense), 2·B·s·b·k·f_e/σ (MoE); the larger
+    where dense and MoE layers mix."""
     s, b, B, t = work.seq_len, work.micro_batch, work.act_bytes, layout.tp
+    dense = 2 * B * s * b * arch.ffn_hidden_size / t
     if not arch.is_moe:
-        return 2 * B * s * b * arch.ffn_hidden_size / t
+        return dense
     sigma = t if layout.sequence_parallel else 1
-    return 2 * B * s * b * arch.moe_topk * arch.moe_ffn_hidden_size / sigma
+    moe = 2 * B * s * b * arch.moe_topk * arch.moe_ffn_hidden_size / sigma
+    return moe if arch.all_layers_moe else max(dense, moe)
 
 
 def moe_comm_terms(arch: ModelArch, layout: Pool, work: Workload) -> list[Term]:
@@ -239,9 +270,11 @@ def moe_comm_terms(arch: ModelArch, layout: Pool, work: Workload) -> list[Term]:
     t, ep, edp = layout.tp, layout.ep, layout.edp
     sigma = t if layout.sequence_parallel else 1
     s, b, B, m = work.seq_len, work.micro_batch, work.act_bytes, work.num_microbatches or 1
-    layers = arch.num_layers // layout.pp
+    # the MoE layers of the busiest stage (DeepSeek's dense first layers sit on stage 0)
+    layers = max(sum(arch.is_moe_layer(i) for i in stage_layer_indices(arch.num_layers, layout.pp, layout.vpp, st))
+                 for st in range(layout.pp))
     a2a = 4 * arch.moe_topk * s * b / sigma * arch.hidden_size * B * (ep - 1) / ep * layers * m
-    experts = stage_params(arch, layout, 0).experts
+    experts = max(stage_params(arch, layout, st).experts for st in range(layout.pp))
     grads = 2 * (edp - 1) / edp * 4 * experts
     return [Term("MoE all-to-all (dispatch + combine)", a2a,
                  f"4·k·(s·b/σ)·h·B·(ep−1)/ep × {layers} layers × M={m} (k={arch.moe_topk}, ep={ep})"),
@@ -282,7 +315,9 @@ def activation_terms(arch: ModelArch, layout: Pool, work: Workload, stage: int, 
     p, v = layout.pp, layout.vpp or 1
     chunk_layers = arch.num_layers // (p * v)
     held = in_flight(layout, stage, work.num_microbatches)
-    per_layer = layer_activation_bytes(arch, layout, work)
+    # the stage's chunk of the most activation (where dense and MoE layers mix they differ)
+    per_layer = max(sum(layer_activation_bytes(arch, layout, work, layer=(c * p + stage) * chunk_layers + i)
+                        for i in range(chunk_layers)) for c in range(v)) / chunk_layers
     s, b, B, t = work.seq_len, work.micro_batch, work.act_bytes, layout.tp
     sigma = t if layout.sequence_parallel else 1
     rec = work.recompute
@@ -387,14 +422,23 @@ def _stage_state(arch: ModelArch, layout: Pool, role: RoleSpec, stage: int) -> S
     return stage_params(arch, layout, stage, value_head=role.value_head)
 
 
+def kv_cache_bytes_per_token(arch: ModelArch, gen_tp: int) -> float:
+    """vLLM's KV cache per token on one GPU, bf16: K and V of the rank's key/value heads, 2·L·(k/tg)·d·2; MLA caches
+    the latent and the rotary key instead, whole on every TP rank: L·(kv_lora_rank + rope)·2."""
+    if arch.is_mla:
+        return arch.num_layers * (arch.kv_lora_rank + arch.qk_rope_head_dim) * 2
+    return 2 * arch.num_layers * (arch.num_kv_heads // gen_tp) * arch.head_dim * 2
+
+
 def reshard_bytes(arch: ModelArch, layout: Pool, element_size: int = 2) -> float:
     """Bytes the worst GPU receives at the train → generate switch. Dense: HybridFlow Table 2 on the whole model
-    (the paper's formula; it counts the few replicated norms as sharded). MoE: the exact per-rank arithmetic of
-    :meth:`ModelArch.hybrid_sync_bytes`, maximised over the ranks whose (tp, etp, generation) coordinates differ —
-    the first lcm(tp, etp) ranks of the first and last pipeline stages."""
-    if not arch.is_moe:
+    (the paper's formula; it counts the few replicated norms as sharded). MoE and MLA: the exact per-rank arithmetic
+    of :meth:`ModelArch.hybrid_sync_bytes`, maximised over the ranks whose (tp, etp, ep, generation) coordinates
+    differ — the first lcm(tp·D, etp·ep) ranks of the first and last pipeline stages (D = gen_ep/gen_tp)."""
+    if not arch.is_moe and not arch.is_mla:
         return layout.sync_bytes_per_rank(element_size * arch.num_parameters())
-    period = layout.tp * layout.etp // _gcd(layout.tp, layout.etp)
+    gen = layout.tp * layout.gen_dp
+    period = gen * layout.etp * layout.ep // _gcd(gen, layout.etp * layout.ep)
     stage_size = layout.size // layout.pp
     ranks = [layout.ranks[i] for i in range(min(period, stage_size))]
     ranks += [layout.ranks[(layout.pp - 1) * stage_size + i] for i in range(min(period, stage_size))]
@@ -421,22 +465,24 @@ def predict_memory(arch: ModelArch, layout: Pool, work: Workload, *, roles: tupl
     except ModelConfigError as exc:
         raise PlanningError(str(exc)) from None
     dt = work.dtype
-    gen_bytes = 2 * generation_params(arch, layout.gen_tp)
+    gen_params = generation_params(arch, layout.gen_tp, layout.gen_ep)
+    gen_bytes = 2 * gen_params
     model_bytes = 2 * arch.num_parameters()  # M of HybridFlow Table 2, bf16 weights
-    vllm_weights = Term("vLLM weights", gen_bytes, f"2 B × {generation_params(arch, layout.gen_tp):,} params at tg="
-                                                   f"{layout.gen_tp}")
+    at = f"tg={layout.gen_tp}" + (f", experts over gen_ep={layout.gen_ep}" if layout.gen_ep > 1 else "")
+    vllm_weights = Term("vLLM weights", gen_bytes, f"2 B × {gen_params:,} params at {at}")
     tokens = rollout.max_num_batched_tokens
     h, d = arch.hidden_size, arch.head_dim
     # vLLM's MLP intermediate per token: f (dense), or k routed experts' f_e plus the shared expert's
     f = arch.moe_topk * arch.moe_ffn_hidden_size + arch.shared_expert_ffn_hidden_size if arch.is_moe \
         else arch.ffn_hidden_size
-    qkv = (arch.num_heads + 2 * arch.num_kv_heads) * d
+    qkv = (arch.num_heads + 2 * arch.num_kv_heads) * d if not arch.is_mla else \
+        arch.num_heads * (2 * d + arch.v_head_dim)  # MLA: the expanded queries, keys and values of a prefill
     act_reserve = (2 * tokens * (qkv + 3 * f + 3 * h) / layout.gen_tp
                    + 2 * 4 * rollout.max_num_seqs * arch.vocab_size)
     vllm_act = Term("vLLM profiling activations", act_reserve,
                     f"2 B × {tokens} tokens × ((a+2k)·d + 3f + 3h)/tg + 2 × 4 B × {rollout.max_num_seqs} seqs × "
                     f"vocab")
-    kv_per_token = 2 * arch.num_layers * (arch.num_kv_heads // layout.gen_tp) * d * 2
+    kv_per_token = kv_cache_bytes_per_token(arch, layout.gen_tp)
     if rollout.kv_cache_bytes is not None:
         kv = float(rollout.kv_cache_bytes)
         vllm_terms = [vllm_weights, vllm_act, Term("vLLM KV cache", kv, "rollout.kv_cache_memory_bytes")]
@@ -505,7 +551,8 @@ def predict_memory(arch: ModelArch, layout: Pool, work: Workload, *, roles: tupl
     pick("score", score_candidates)
 
     # Train → generate transition: vLLM weights woken, the actor's shards still on the GPU, one layer in flight.
-    layer_block = 2 * layer_params(arch, layout.gen_tp)
+    layer_block = 2 * max(generation_layer_params(arch, layout.gen_tp, layout.gen_ep, i)
+                          for i in {0, *arch.moe_layers[:1]})
     reshard_candidates = []
     for stage in stages:
         actor = roles[0]
@@ -530,10 +577,13 @@ def predict_memory(arch: ModelArch, layout: Pool, work: Workload, *, roles: tupl
                 host += term.bytes
     resharded = reshard_bytes(arch, layout)
     notes = [f"3D-HybridEngine: {layout.dims()}, {layout.num_engines} vLLM engines, micro-DP {layout.micro_dp}"]
-    if arch.is_moe:
+    extra_peak = layout.generation_weight_bytes(model_bytes)
+    if arch.is_moe or arch.is_mla:
+        extra_peak = arch.generation_weight_bytes(layout.gen_tp, layout.gen_ep, 2)
+        share = f"M/tg with the experts over gen_ep={layout.gen_ep}" if layout.gen_ep > 1 else "M/tg"
         notes.append(f"reshard bytes per GPU (worst rank) = Table 2 on the non-expert tensors + replicated tensors of "
-                     f"other stages + expert rows of the rank's generation block it lacks = {_fmt_bytes(resharded)}; "
-                     f"extra peak M/tg = {_fmt_bytes(layout.generation_weight_bytes(model_bytes))}")
+                     f"other stages + expert rows of the rank's generation slice it lacks = {_fmt_bytes(resharded)}; "
+                     f"extra peak {share} = {_fmt_bytes(extra_peak)}")
     else:
         notes.append(f"reshard bytes per GPU = (t·p − tg)/(tg·t·p)·M = ({layout.tp}·{layout.pp} − {layout.gen_tp})/"
                      f"({layout.gen_tp}·{layout.tp}·{layout.pp}) × {_fmt_bytes(model_bytes)} = "
@@ -546,5 +596,5 @@ def predict_memory(arch: ModelArch, layout: Pool, work: Workload, *, roles: tupl
     return MemoryPrediction(layout=layout, phases=phases, worst_stage=worst, kv_cache_bytes=kv,
                             kv_bytes_per_token=kv_per_token,
                             reshard_bytes_per_gpu=resharded,
-                            reshard_extra_peak_bytes=layout.generation_weight_bytes(model_bytes),
+                            reshard_extra_peak_bytes=extra_peak,
                             host_offload_bytes=host, notes=tuple(notes), comm=tuple(comm))

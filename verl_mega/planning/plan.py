@@ -14,8 +14,10 @@ micro-batches M divisible by pp (Megatron's interleaved schedule); tg divides tp
 generation TP group out of a training TP group, ``Pool`` enforces it: tp=1 training generates at tg=1); the global
 batch splits into dp × micro-batch × M; with sequence parallelism tp divides the sequence length.
 
-**Generation TP** is chosen per training layout: of the tg dividing tp, the one with the smallest cost key below
-(so each training layout is listed once, with its best tg).
+**Generation TP and EP** are chosen per training layout: of the tg dividing tp and, for MoE models, the gen_ep
+(1: every expert sliced over tg; else tg·D with D dividing the data-parallel TP groups of a stage and gen_ep the
+expert count: vLLM's expert parallelism over D attention engines), the pair with the smallest cost key below (so
+each training layout is listed once, with its best generation layout).
 
 **Cost model** (lexicographic, smaller first):
 
@@ -122,6 +124,7 @@ class Pins:
     recompute: str | None = None
     ep: int | None = None
     etp: int | None = None
+    gen_ep: int | None = None
 
 
 @dataclass(frozen=True)
@@ -173,7 +176,7 @@ class Plan:
         totals = mem.totals_gib()
         return {
             "rank": rank, "tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "dp": lay.dp, "ep": lay.ep, "etp": lay.etp,
-            "gen_tp": lay.gen_tp,
+            "gen_tp": lay.gen_tp, "gen_ep": lay.gen_ep,
             "sequence_parallel": lay.sequence_parallel, "recompute": self.recompute,
             "num_microbatches": self.num_microbatches, "fits": self.fits, "over_budget": list(self.over_budget),
             "memory_gb": {name: totals[name] for name in PHASES},
@@ -240,8 +243,8 @@ def _island_report(topology: NodeTopology | None, tp: int, gen_tp: int, cache: d
 
 
 def _structural_reason(arch: ModelArch, cluster: Cluster, tp: int, pp: int, vpp: int | None, gen_tp: int,
-                       work: Workload, global_batch: int, sequence_parallel: bool, ep: int = 1, etp: int = 1
-                       ) -> str | None:
+                       work: Workload, global_batch: int, sequence_parallel: bool, ep: int = 1, etp: int = 1,
+                       gen_ep: int = 1) -> str | None:
     node = cluster.node_gpus
     if node % tp:
         return f"tp={tp} does not divide the {node} GPUs of a node (TP groups would cross nodes)"
@@ -256,8 +259,12 @@ def _structural_reason(arch: ModelArch, cluster: Cluster, tp: int, pp: int, vpp:
         if arch.num_experts % ep or stage % (ep * etp) or arch.moe_ffn_hidden_size % etp:
             return (f"ep={ep}, etp={etp}: ep must divide the {arch.num_experts} experts, ep·etp the {stage} GPUs of "
                     f"a stage and etp the expert width {arch.moe_ffn_hidden_size}")
-        if arch.moe_ffn_hidden_size % gen_tp:
+        if gen_ep == 1 and arch.moe_ffn_hidden_size % gen_tp:
             return f"gen_tp={gen_tp} does not divide the expert width {arch.moe_ffn_hidden_size}"
+        if gen_ep > 1 and (gen_ep % gen_tp or arch.num_experts % gen_ep or (cluster.gpus // (tp * pp)) %
+                           (gen_ep // gen_tp)):
+            return (f"gen_ep={gen_ep}: must be gen_tp·D with D dividing dp={cluster.gpus // (tp * pp)}, and divide "
+                    f"the {arch.num_experts} experts")
         if tp > 1 and not sequence_parallel:
             return f"tp={tp} with experts needs sequence parallelism"
     if arch.num_layers % pp:
@@ -318,13 +325,13 @@ def plan_layouts(arch: ModelArch, cluster: Cluster, work: Workload, *, global_ba
         gen_tps = [pins.gen_tp] if pins.gen_tp else divisors(tp)
         for vpp, (ep, etp) in product(vpps, _expert_layouts(arch, cluster, tp, pp, pins)):
             allowed = []
-            for gen_tp in gen_tps:
+            for gen_tp, gen_ep in ((g, e) for g in gen_tps for e in _generation_eps(arch, cluster, tp, pp, g, pins)):
                 reason = _structural_reason(arch, cluster, tp, pp, vpp, gen_tp, work, global_batch,
-                                            sequence_parallel, ep, etp)
+                                            sequence_parallel, ep, etp, gen_ep)
                 if reason:
                     rejected.append(Rejected(tp, pp, vpp, gen_tp, reason))
                 else:
-                    allowed.append(gen_tp)
+                    allowed.append((gen_tp, gen_ep))
             if not allowed:
                 continue
             dp = cluster.gpus // (tp * pp)
@@ -332,9 +339,9 @@ def plan_layouts(arch: ModelArch, cluster: Cluster, work: Workload, *, global_ba
             for rec in recomputes:
                 w = Workload(**{**work.__dict__, "recompute": rec, "num_microbatches": m})
                 candidates = []
-                for gen_tp in allowed:  # generation TP chosen apart from training TP: the best for this layout
+                for gen_tp, gen_ep in allowed:  # the generation layout chosen apart from training: the best one
                     layout = training_pool(tp=tp, pp=pp, dp=dp, gen_tp=gen_tp, vpp=vpp, ep=ep, etp=etp,
-                                           sequence_parallel=sequence_parallel and tp > 1)
+                                           gen_ep=gen_ep, sequence_parallel=sequence_parallel and tp > 1)
                     try:
                         layout = Placement(layout.size, (layout,)).with_dp_hierarchy(
                             dp_hierarchy, island_ranks, cross_island_dtype).pools[0]
@@ -367,6 +374,18 @@ def _expert_layouts(arch: ModelArch, cluster: Cluster, tp: int, pp: int, pins: P
     eps = [pins.ep] if pins.ep else [e for e in divisors(arch.num_experts) if stage % e == 0]
     etps = [pins.etp] if pins.etp else sorted({1, tp})
     return [(e, t) for e in eps for t in etps]
+
+
+def _generation_eps(arch: ModelArch, cluster: Cluster, tp: int, pp: int, gen_tp: int, pins: Pins) -> list[int]:
+    """gen_ep values to try: 1 for a dense model; for MoE the pinned value, else 1 and every gen_tp·D with D
+    dividing dp (the training TP groups of a stage an expert-parallel generation group can join) and gen_tp·D
+    dividing the expert count."""
+    if not arch.is_moe:
+        return [1]
+    if pins.gen_ep:
+        return [pins.gen_ep]
+    dp = cluster.gpus // (tp * pp) if cluster.gpus % (tp * pp) == 0 else 1
+    return [1] + [gen_tp * d for d in divisors(dp) if arch.num_experts % (gen_tp * d) == 0 and gen_tp * d > 1]
 
 
 def _evaluate(arch: ModelArch, cluster: Cluster, layout: Pool, work: Workload, roles: tuple[RoleSpec, ...],
@@ -458,7 +477,7 @@ def inputs_from_config(cfg, placement: Placement | None) -> ConfigInputs:
                             **islands)
     pool = placement.pool_of("actor")
     pins = Pins(tp=pool.tp, pp=pool.pp, vpp=pool.vpp or 1, gen_tp=pool.gen_tp, recompute=cfg.model.recompute,
-                ep=pool.ep, etp=pool.etp)
+                ep=pool.ep, etp=pool.etp, gen_ep=pool.gen_ep)
     return ConfigInputs(pins=pins, workload=work, roles=tuple(roles), rollout=spec,
                         global_batch=actor.ppo_mini_batch_size * rollout.n, sequence_parallel=p.sequence_parallel,
                         step=step, **islands)

@@ -35,7 +35,7 @@ from verl_mega.models.flops import GPU_PEAKS, attention_flops, attention_weights
 from verl_mega.models.hf_config import ModelArch
 from verl_mega.parallel.placement import Pool
 from verl_mega.planning.dp_sync import pool_dp_sync
-from verl_mega.planning.memory import MemoryPrediction, RoleSpec, RolloutSpec, Workload
+from verl_mega.planning.memory import MemoryPrediction, RoleSpec, RolloutSpec, Workload, kv_cache_bytes_per_token
 from verl_mega.planning.params import PlanningError, generation_params, stage_params
 
 GB = 1e9
@@ -188,7 +188,7 @@ def layer_gemm_flops(arch: ModelArch, tokens: float, tp: int = 1) -> float:
     micro-batch, which sequence parallelism gathers back before each GEMM), 2·(attention + dense MLP weights)/t·tokens;
     for MoE layers the attention, the shared expert and the router (routed experts: ``Hardware.expert_eta``)."""
     h = arch.hidden_size
-    attn = attention_weights(h, arch.num_heads, arch.num_kv_heads, arch.head_dim)
+    attn = attention_weights(arch)
     if not arch.is_moe:
         return 2 * (attn + 3 * h * arch.ffn_hidden_size) / tp * tokens
     return 2 * (attn + 3 * h * arch.shared_expert_ffn_hidden_size) / tp * tokens + 2 * arch.num_experts * h * tokens
@@ -332,7 +332,8 @@ def predict_time(arch: ModelArch, layout: Pool, work: Workload, step: StepShape,
                               f"P={sp.total:,}"))
 
     # ---- reshard: the 3D-HybridEngine switch and offload traffic
-    gen_bytes = 2 * generation_params(arch, tg)
+    gen_ep, gen_dp = layout.gen_ep, layout.gen_dp
+    gen_bytes = 2 * generation_params(arch, tg, gen_ep)
     rs_bw = min(hw.reshard_gbps, hw.inter_node_gbps if t * dp * p > node_gpus and p > 1 else math.inf) * GB
     terms.append(TimeTerm("reshard", "weight sync", memory.reshard_bytes_per_gpu / rs_bw
                           + 2 * gen_bytes / (hw.hbm_gbps * GB),
@@ -346,7 +347,7 @@ def predict_time(arch: ModelArch, layout: Pool, work: Workload, step: StepShape,
     # ---- rollout
     engines = world // tg
     per_engine = math.ceil(step.samples / engines)
-    kv_tok = 2 * L * math.ceil(arch.num_kv_heads / tg) * arch.head_dim * 2  # K and V, bf16, per GPU
+    kv_tok = kv_cache_bytes_per_token(arch, tg)  # bf16, per GPU
     fit = int(max(memory.kv_cache_bytes, 0) // (kv_tok * s))
     conc = max(1, min(rollout.max_num_seqs, per_engine, fit))
     if fit < 1:
@@ -355,15 +356,22 @@ def predict_time(arch: ModelArch, layout: Pool, work: Workload, step: StepShape,
     ctx = step.prompt_len + step.response_len / 2
     dense, experts = matmul_weights(arch)
 
+    moe_layers = len(arch.moe_layers)
+    a2a_bw, a2a_link = _link(hw, gen_ep, node_gpus)
+
     def decode_step(c: int) -> tuple[float, float, float, float]:
-        """(seconds, bytes read, FLOPs, all-reduce seconds) of one decode step of `c` sequences on one GPU."""
+        """(seconds, bytes read, FLOPs, communication seconds) of one decode step of `c` sequences on one GPU."""
         weights = gen_bytes
-        if arch.is_moe:  # a step reads only the experts its c tokens route to: E·(1 − (1 − k/E)^c) expected
-            all_experts = 2 * L * arch.num_experts * 3 * h * arch.moe_ffn_hidden_size / tg
-            weights -= all_experts * (1 - arch.moe_topk / arch.num_experts) ** c
+        if arch.is_moe:  # a step reads only the experts its tokens route to: E·(1 − (1 − k/E)^c) expected; with
+            # expert-parallel generation the tokens of the D engines of the group share the GPU's E/gen_ep experts
+            held = 2 * moe_layers * arch.num_experts * 3 * h * arch.moe_ffn_hidden_size
+            held /= gen_ep if gen_ep > 1 else tg
+            weights -= held * (1 - arch.moe_topk / arch.num_experts) ** (c * gen_dp)
         read = weights + c * ctx * kv_tok
         flops = c * (2 * (dense + experts) + attention_flops(arch, ctx)) / tg
         ar = 0.0 if tg == 1 else 2 * L * (alpha + 2 * (tg - 1) / tg * c * h * 2 / (hw.nvlink_gbps * GB))
+        if gen_ep > 1:  # the expert-parallel all-to-all: each token's hidden state to its k experts and back
+            ar += moe_layers * 2 * (alpha + c * arch.moe_topk * h * 2 * (gen_ep - 1) / gen_ep / a2a_bw)
         # small-batch GEMMs are bandwidth-bound unless the compute roof (at the wide-GEMM rate) is the higher one
         return max(read / (hw.hbm_gbps * GB), flops / (hw.eta_max * peak)) + ar + hw.decode_step_overhead_s, \
             read, flops, ar
@@ -375,8 +383,11 @@ def predict_time(arch: ModelArch, layout: Pool, work: Workload, step: StepShape,
     terms.append(TimeTerm("rollout", "decode", decode,
                           f"{waves} sequences × {step.response_len} steps × {t_step * 1e3:.2f} ms ({bound}-bound: "
                           f"max({read / 2**30:.2f} GiB / {hw.hbm_gbps:g} GB/s, {flops:.3g} FLOPs) + "
-                          f"{t_ar * 1e3:.2f} ms TP all-reduces + {hw.decode_step_overhead_s * 1e3:.2f} ms per step); "
-                          f"{engines} engine(s) of tg={tg}, {per_engine} sequences each"))
+                          f"{t_ar * 1e3:.2f} ms TP all-reduces" + (f" and expert all-to-all over {a2a_link}"
+                                                                    if gen_ep > 1 else "") +
+                          f" + {hw.decode_step_overhead_s * 1e3:.2f} ms per step); "
+                          f"{engines} engine(s) of tg={tg}" + (f" (experts over gen_ep={gen_ep})" if gen_ep > 1 else "")
+                          + f", {per_engine} sequences each"))
     prompts = math.ceil(per_engine / step.n)
     prefill = prompts * step.prompt_len * (2 * (dense + experts) + attention_flops(arch, step.prompt_len / 2))
     chunk = min(rollout.max_num_batched_tokens, prompts * step.prompt_len)  # tokens of one prefill batch

@@ -53,6 +53,8 @@ class VLLMRolloutConfig(VLLMConfig):
         # an engine of one rank unless told otherwise; rollout.max_num_seqs null: 256 sequences at once
         self._set("gen_tp", self.gen_tp or 1)
         self._set("max_num_seqs", self.max_num_seqs or 256)
+        self._require(self.gen_ep == 1 or self.gen_ep % self.gen_tp == 0,
+                      f"rollout.gen_ep={self.gen_ep} must be 1 or a multiple of rollout.gen_tp={self.gen_tp}")
 
 
 @dataclass
@@ -110,7 +112,7 @@ class VLLMRollout:
             self.routing_mode, reason = routed_experts_support()
             if self.routing_mode is None:
                 raise RolloutError(reason)
-        with _vllm_rank_order(order, self.is_cpu):
+        with _vllm_rank_order(order, self.is_cpu), _expert_parallel_rank(order, self.rank, config):
             self.llm = _build_llm(config, self.is_cpu, self.routing_mode)
         self._capture = None
         if self.routing_mode == "capture":
@@ -332,6 +334,25 @@ def _vllm_rank_order(order: list[int], is_cpu: bool) -> Iterator[None]:
         vps.init_model_parallel_group = original
 
 
+@contextlib.contextmanager
+def _expert_parallel_rank(order: list[int], rank: int, config: VLLMRolloutConfig) -> Iterator[None]:
+    """With expert-parallel generation over several data-parallel engines, vLLM's external launcher takes a rank's
+    data-parallel rank from ``RANK`` (RANK // (gen_tp · pp)), assuming the world is one engine group; the world
+    holds many, so while the engine starts ``RANK`` is the rank's position inside its own group."""
+    if config.gen_ep <= config.gen_tp:
+        yield
+        return
+    saved = os.environ.get("RANK")
+    os.environ["RANK"] = str(order.index(rank) % config.gen_ep)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("RANK", None)
+        else:
+            os.environ["RANK"] = saved
+
+
 def _prepare_env(rank: int) -> None:
     """external_launcher reads the torchrun variables; other launchers (or a single process) may lack them."""
     import torch.distributed as dist
@@ -374,6 +395,10 @@ def _build_llm(config: VLLMRolloutConfig, is_cpu: bool, routing_mode: str | None
     )
     if config.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = config.max_num_batched_tokens
+    if config.gen_ep > 1:  # experts over gen_ep ranks; attention tensor-parallel inside each of the D engines
+        kwargs["enable_expert_parallel"] = True
+        if config.gen_ep > config.gen_tp:
+            kwargs["data_parallel_size"] = config.gen_ep // config.gen_tp
     if is_cpu:
         kwargs["kv_cache_memory_bytes"] = config.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
     else:
@@ -418,6 +443,21 @@ def compat_finish_expert_reload(module: torch.nn.Module) -> None:
     experts = getattr(kernel, "fused_experts", None)
     if experts is not None and hasattr(module, "w13_weight"):
         experts.process_weights_after_loading(module)
+
+
+def compat_refresh_mla(attention: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Multi-head latent attention: vLLM splits ``kv_b_proj`` into the absorbed ``W_UK_T`` / ``W_UV`` after loading
+    (``MLAAttention.process_weights_after_loading``, which copies into the existing tensors when they exist); after
+    an in-place write of ``kv_b_proj`` run that same step on the layer's MLA module (``attention`` is the model's
+    ``self_attn``; vLLM 0.32 and 0.26 keep it as ``mla_attn.mla_attn`` / ``mla_attn``)."""
+    for module in attention.modules():
+        if hasattr(module, "kv_b_proj") and hasattr(module, "process_weights_after_loading") \
+                and (hasattr(module, "W_UV") or hasattr(module, "W_UK_T") or getattr(module, "is_amx_bmm_enabled",
+                                                                                       False)):
+            module.process_weights_after_loading(dtype)
+            return
+    raise RolloutError(f"vLLM's {type(attention).__name__} has no MLA module with post-load processing; the in-place "
+                       f"weight sync cannot refresh its absorbed weights")
 
 
 def _compat_driver_model(llm) -> torch.nn.Module:

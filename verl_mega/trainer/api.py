@@ -30,7 +30,7 @@ DEFAULT_RECIPE = Path(__file__).resolve().parents[2] / "configs" / "quickstart_c
 
 class vLLMBackend:  # noqa: N801 — the name users were promised
     """Rollout on in-process vLLM through the 3D-HybridEngine: ``vLLMBackend(model_name=None, **settings)``. The
-    settings are vLLM's engine settings of the config (:class:`~verl_mega.config.rl.VLLMConfig`: gen_tp,
+    settings are vLLM's engine settings of the config (:class:`~verl_mega.config.rl.VLLMConfig`: gen_tp, gen_ep,
     gpu_memory_utilization, kv_cache_memory_bytes, max_num_seqs, max_num_batched_tokens, enforce_eager,
     sleep_level), checked as the config checks them; a setting left out (or None) keeps the recipe's value.
 

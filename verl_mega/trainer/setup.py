@@ -41,7 +41,8 @@ def tiny_sizes(arch: str) -> dict[str, Any]:
         return dict(TINY_SIZES)
     from verl_mega.models.tiny import moe_fields
 
-    return {**TINY_SIZES, "model_type": arch, "extra": moe_fields(arch)}
+    heads = {"num_kv_heads": TINY_SIZES["num_heads"], "tie_word_embeddings": False} if arch == "deepseek_v3" else {}
+    return {**TINY_SIZES, **heads, "model_type": arch, "extra": moe_fields(arch)}
 
 
 def resolve_model_path(cfg: TrainConfig) -> Path:
@@ -136,10 +137,13 @@ def moe_options(cfg: TrainConfig, arch: ModelArch) -> dict[str, Any]:
     """The `model.moe_*` keys as Megatron's own TransformerConfig fields (none for a dense model)."""
     if not arch.is_moe:
         return {}
-    aux = cfg.model.moe_aux_loss_coeff
-    return dict(moe_aux_loss_coeff=arch.router_aux_loss_coef if aux is None else aux,
-                moe_z_loss_coeff=cfg.model.moe_z_loss_coeff or None,
-                moe_token_dispatcher_type=cfg.model.moe_token_dispatcher)
+    aux, rate = cfg.model.moe_aux_loss_coeff, cfg.model.moe_router_bias_update_rate
+    out = dict(moe_aux_loss_coeff=arch.router_aux_loss_coef if aux is None else aux,
+               moe_z_loss_coeff=cfg.model.moe_z_loss_coeff or None,
+               moe_token_dispatcher_type=cfg.model.moe_token_dispatcher)
+    if arch.moe_expert_bias and rate is not None:
+        out["moe_router_bias_update_rate"] = rate
+    return out
 
 
 def check_routed_experts_support() -> None:
@@ -152,16 +156,16 @@ def check_routed_experts_support() -> None:
         raise ConfigError(f"actor.routing_replay=r3 replays vLLM's routing, but {reason}")
 
 
-def vllm_config(cfg: TrainConfig, path: Path, gen_tp: int):
+def vllm_config(cfg: TrainConfig, path: Path, gen_tp: int, gen_ep: int = 1):
     """The vLLM engine of a rollout: same on the actor's pool and on a rollout pool of its own. Its engine
-    settings are the config's (rollout.*, declared once in VLLMConfig); ``gen_tp``: the pool's."""
+    settings are the config's (rollout.*, declared once in VLLMConfig); ``gen_tp``, ``gen_ep``: the pool's."""
     from verl_mega.config.rl import VLLMConfig
     from verl_mega.rollout.vllm_rollout import VLLMRolloutConfig
 
     rcfg = cfg.rollout
     settings = {f.name: getattr(rcfg, f.name) for f in dataclasses.fields(VLLMConfig)}
     return VLLMRolloutConfig(
-        **{**settings, "gen_tp": gen_tp}, model_path=str(path), dtype=cfg.model.dtype,
+        **{**settings, "gen_tp": gen_tp, "gen_ep": gen_ep}, model_path=str(path), dtype=cfg.model.dtype,
         max_model_len=cfg.data.max_prompt_length + rcfg.max_response_length, seed=rcfg.seed,
         trust_remote_code=cfg.model.trust_remote_code, request_stats=cfg.trainer.profile,
         return_routed_experts=cfg.actor.routing_replay == "r3")
@@ -187,7 +191,7 @@ def build_rollout(cfg: TrainConfig, groups: RankGroups, path: Path, actor: RoleM
         return RemoteRollout(bridge, sync, engine_index=groups.coords["engine"], num_engines=pool.size // pool.gen_tp,
                              engine_leader=groups.rank == groups.ranks("gen_tp")[0])
     free_cache = resolve_free_cache(cfg, placement, actor.arch)
-    engine = VLLMRollout(vllm_config(cfg, path, pool.gen_tp), rank_order=pool.vllm_rank_order(),
+    engine = VLLMRollout(vllm_config(cfg, path, pool.gen_tp, pool.gen_ep), rank_order=pool.vllm_rank_order(),
                          engine_index=groups.coords["engine"])
     sync = WeightSync(producer, engine, mode=rcfg.weight_sync)
     return ColocatedRollout(engine, weight_sync=sync, engine_ranks=groups.ranks("gen_tp"), offload=offload,

