@@ -352,3 +352,107 @@ def spec_from_config(lora_cfg, seed: int) -> LoRASpec | None:
         return None
     return LoRASpec(rank=lora_cfg.rank, alpha=lora_cfg.alpha, dropout=lora_cfg.dropout,
                     targets=resolve_targets(lora_cfg.target_modules), init=lora_cfg.init, seed=seed)
+
+
+# ---------------------------------------------------------------------------------------------- PEFT adapter export
+def _tp_cat(t: torch.Tensor, group, dim: int) -> torch.Tensor:
+    import torch.distributed as dist
+
+    n = group.size()
+    if n == 1:
+        return t.detach().clone()
+    out = [torch.empty_like(t) for _ in range(n)]
+    dist.all_gather(out, t.detach().contiguous(), group=group)
+    return torch.cat(out, dim=dim)
+
+
+@torch.no_grad()
+def adapter_tensors(chunks: list[torch.nn.Module], groups) -> dict[str, torch.Tensor]:
+    """Every adapter of the model as PEFT names it (``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A
+    .weight`` [r, in], ``…lora_B.weight`` [out, r]), whole (gathered over TP, then over the pipeline stages), on the
+    host, on every rank. Collective over the model-parallel ranks. Adapters are small: they travel as objects."""
+    import torch.distributed as dist
+
+    mine: dict[str, torch.Tensor] = {}
+    for chunk in chunks:
+        offset = chunk.stage_layout.layer_offset
+        for i, layer in enumerate(chunk.decoder.layers):
+            for _, m in lora_layers(layer):
+                for part in m.adapted:
+                    a, b = getattr(m, f"lora_a_{part}"), getattr(m, f"lora_b_{part}")
+                    a = a.detach().clone() if m.lora_column else _tp_cat(a, m.tp_group, 1)
+                    b = _tp_cat(b, m.tp_group, 0) if m.lora_column else b.detach().clone()
+                    name = f"base_model.model.model.layers.{offset + i}.{HF_MODULE[part]}.{part}"
+                    mine[f"{name}.lora_A.weight"] = a.cpu()
+                    mine[f"{name}.lora_B.weight"] = b.cpu()
+    if groups.size("pp") == 1:
+        return mine
+    stages: list = [None] * groups.size("pp")
+    dist.all_gather_object(stages, mine, group=groups["pp"])
+    return {k: v for stage in stages for k, v in stage.items()}
+
+
+def peft_config(spec: LoRASpec, base_model: str | None) -> dict:
+    """``adapter_config.json`` for the ``peft`` library (a LoRA for a causal LM)."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank, "lora_alpha": spec.alpha,
+            "lora_dropout": spec.dropout, "target_modules": sorted(spec.targets), "bias": "none",
+            "fan_in_fan_out": False, "use_rslora": False, "init_lora_weights": True, "inference_mode": True,
+            "modules_to_save": None, "base_model_name_or_path": base_model}
+
+
+def write_peft_adapter(out_dir, tensors: dict[str, torch.Tensor], spec: LoRASpec, base_model: str | None = None
+                       ) -> None:
+    """A PEFT adapter directory: ``adapter_config.json`` + ``adapter_model.safetensors``."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "adapter_model.safetensors"),
+              metadata={"format": "pt"})
+    (out / "adapter_config.json").write_text(json.dumps(peft_config(spec, base_model), indent=2))
+
+
+def read_peft_adapter(adapter_dir) -> tuple[LoRASpec, dict[str, torch.Tensor]]:
+    """A PEFT LoRA adapter directory → its spec and tensors (for the merge tool)."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    adapter_dir = Path(adapter_dir)
+    cfg_file = adapter_dir / "adapter_config.json"
+    if not cfg_file.exists():
+        raise FileNotFoundError(f"{cfg_file} is missing; point at a PEFT LoRA adapter directory")
+    cfg = json.loads(cfg_file.read_text())
+    if cfg.get("peft_type") != "LORA" or cfg.get("use_rslora") or cfg.get("use_dora") or cfg.get("fan_in_fan_out"):
+        raise ValueError(f"{cfg_file}: only plain LoRA adapters (no rsLoRA, DoRA or fan_in_fan_out) can be merged")
+    targets = cfg["target_modules"]
+    spec = LoRASpec(rank=int(cfg["r"]), alpha=float(cfg["lora_alpha"]), dropout=float(cfg.get("lora_dropout", 0)),
+                    targets=resolve_targets("all-linear" if targets == "all-linear" else targets))
+    return spec, load_file(str(adapter_dir / "adapter_model.safetensors"))
+
+
+def merge_into_hf(tensors: Iterator[tuple[str, torch.Tensor]], adapter: dict[str, torch.Tensor], spec: LoRASpec
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF tensors of the base model, each targeted projection's weight replaced by ``W + s·B·A`` (summed in fp32,
+    rounded once to the weight's dtype). Every adapter must be used."""
+    used = set()
+    for name, w in tensors:
+        key = f"base_model.model.{name.removesuffix('.weight')}"
+        a, b = adapter.get(f"{key}.lora_A.weight"), adapter.get(f"{key}.lora_B.weight")
+        if name.endswith(".weight") and a is not None and b is not None:
+            used |= {f"{key}.lora_A.weight", f"{key}.lora_B.weight"}
+            w = (w.float() + spec.scale * (b.float() @ a.float())).to(w.dtype)
+        yield name, w
+    unused = sorted(set(adapter) - used)
+    if unused:
+        raise ValueError(f"adapter tensor {unused[0]} (and {len(unused) - 1} more) matches no weight of the base "
+                         f"model; the adapter belongs to another model")
+
+
+def lora_spec_of(modules: list[torch.nn.Module]) -> LoRASpec:
+    """The spec the model's adapters were built with."""
+    return next(layer.lora for m in modules for _, layer in lora_layers(m))
