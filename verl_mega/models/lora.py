@@ -366,30 +366,59 @@ def _tp_cat(t: torch.Tensor, group, dim: int) -> torch.Tensor:
     return torch.cat(out, dim=dim)
 
 
-@torch.no_grad()
-def adapter_tensors(chunks: list[torch.nn.Module], groups) -> dict[str, torch.Tensor]:
-    """Every adapter of the model as PEFT names it (``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A
-    .weight`` [r, in], ``…lora_B.weight`` [out, r]), whole (gathered over TP, then over the pipeline stages), on the
-    host, on every rank. Collective over the model-parallel ranks. Adapters are small: they travel as objects."""
-    import torch.distributed as dist
-
-    mine: dict[str, torch.Tensor] = {}
+def _adapters(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, LoRALinear, str]]:
+    """(PEFT module name, layer, part) of every adapter on this rank."""
     for chunk in chunks:
         offset = chunk.stage_layout.layer_offset
         for i, layer in enumerate(chunk.decoder.layers):
             for _, m in lora_layers(layer):
                 for part in m.adapted:
-                    a, b = getattr(m, f"lora_a_{part}"), getattr(m, f"lora_b_{part}")
-                    a = a.detach().clone() if m.lora_column else _tp_cat(a, m.tp_group, 1)
-                    b = _tp_cat(b, m.tp_group, 0) if m.lora_column else b.detach().clone()
-                    name = f"base_model.model.model.layers.{offset + i}.{HF_MODULE[part]}.{part}"
-                    mine[f"{name}.lora_A.weight"] = a.cpu()
-                    mine[f"{name}.lora_B.weight"] = b.cpu()
+                    yield f"base_model.model.model.layers.{offset + i}.{HF_MODULE[part]}.{part}", m, part
+
+
+@torch.no_grad()
+def adapter_tensors(chunks: list[torch.nn.Module], groups, *, attr: str | None = None) -> dict[str, torch.Tensor]:
+    """Every adapter of the model as PEFT names it (``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A
+    .weight`` [r, in], ``…lora_B.weight`` [out, r]), whole (gathered over TP, then over the pipeline stages), on the
+    host, on every rank (``attr="main_grad"``: their gradients). Collective over the model-parallel ranks. Adapters
+    are small: they travel as objects."""
+    import torch.distributed as dist
+
+    mine: dict[str, torch.Tensor] = {}
+    for name, m, part in _adapters(chunks):
+        a, b = (getattr(m, f"lora_{x}_{part}") for x in "ab")
+        a, b = (t if attr is None else getattr(t, attr) for t in (a, b))
+        a = a.detach().clone() if m.lora_column else _tp_cat(a, m.tp_group, 1)
+        b = _tp_cat(b, m.tp_group, 0) if m.lora_column else b.detach().clone()
+        mine[f"{name}.lora_A.weight"] = a.cpu()
+        mine[f"{name}.lora_B.weight"] = b.cpu()
     if groups.size("pp") == 1:
         return mine
     stages: list = [None] * groups.size("pp")
     dist.all_gather_object(stages, mine, group=groups["pp"])
     return {k: v for stage in stages for k, v in stage.items()}
+
+
+@torch.no_grad()
+def load_adapter_tensors(chunks: list[torch.nn.Module], tensors: dict[str, torch.Tensor]) -> int:
+    """Whole adapters named as PEFT names them → this rank's shards (the inverse of :func:`adapter_tensors`; no
+    communication). Returns how many tensors were loaded; every adapter of the model must be given."""
+    n = 0
+    for name, m, part in _adapters(chunks):
+        for x, peft in (("a", "lora_A"), ("b", "lora_B")):
+            key = f"{name}.{peft}.weight"
+            if key not in tensors:
+                raise KeyError(f"adapter tensor {key} is missing")
+            param, full = getattr(m, f"lora_{x}_{part}"), tensors[key]
+            split = (x == "b") if m.lora_column else (x == "a")
+            if split:
+                full = full.chunk(m.tp_group.size(), dim=0 if x == "b" else 1)[m.tp_group.rank()]
+            if tuple(full.shape) != tuple(param.shape):
+                raise ValueError(f"adapter tensor {key}: shape {tuple(full.shape)}, this rank's shard is "
+                                 f"{tuple(param.shape)}")
+            param.copy_(full.to(param.dtype))
+            n += 1
+    return n
 
 
 def peft_config(spec: LoRASpec, base_model: str | None) -> dict:
