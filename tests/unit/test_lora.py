@@ -4,6 +4,7 @@ state. The tp=2 / pp=2 parity is a multi-process test (tests/distributed/test_lo
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,6 +98,7 @@ def test_frozen_base_has_no_grad_buffer_master_or_optimizer_state(world, tmp_pat
 
     from verl_mega.engine.megatron_engine import MegatronEngine
     from verl_mega.models import lora as L
+    from verl_mega.planning.lora import adapter_params_per_rank
 
     base = make_tiny_hf_model(tmp_path / "base", model_type="qwen2")
     spec = L.LoRASpec(rank=4, alpha=8.0)
@@ -106,7 +108,7 @@ def test_frozen_base_has_no_grad_buffer_master_or_optimizer_state(world, tmp_pat
     engine = MegatronEngine(chunks, tcfg, world, optimizer_config=OptimizerConfig(
         optimizer="adam", lr=1e-2, bf16=True, params_dtype=torch.bfloat16, use_distributed_optimizer=False))
     adapter_numel = sum(p.numel() for n, p in chunks[0].named_parameters() if L.is_lora_param(n))
-    assert adapter_numel == L.adapter_parameter_count(arch, spec)
+    assert adapter_numel == adapter_params_per_rank(arch, spec, 1, range(arch.num_layers))  # the planner's count
     assert sum(buf.grad_data.numel() for c in engine.chunks for buf in c.buffers) == adapter_numel
     masters = [p for g in engine.optimizer.param_groups for p in g["params"]]
     assert sum(p.numel() for p in masters) == adapter_numel and all(p.dtype == torch.float32 for p in masters)
@@ -146,3 +148,32 @@ def test_lora_config_errors():
         from verl_mega.models.spec import layer_spec
 
         layer_spec(qk_layernorm=True, multi_latent_attention=True, lora=L.LoRASpec(rank=2, alpha=2.0))
+
+
+def test_planner_lora_terms():
+    """Llama-2-70B GRPO (no critic) on 8 × 80 GB at tp=8: full fine-tuning does not fit, LoRA r=16 on every projection
+    does. The base carries bf16 weights only, the adapters 2 + 4 + 12 bytes each, and the reference holds nothing."""
+    from verl_mega.models.lora import LoRASpec
+    from verl_mega.planning.lora import adapter_params_per_rank
+    from verl_mega.planning.memory import GiB, RolloutSpec, Workload, default_roles, predict_memory, training_pool
+
+    arch = arch_from_hf(json.loads((Path(__file__).parent.parent / "fixtures" / "hf_configs" /
+                                    "llama-2-70b.json").read_text()))
+    spec = LoRASpec(rank=16, alpha=32.0)
+    layout = training_pool(tp=8, pp=1, dp=1, gen_tp=8)
+    work = Workload(micro_batch=1, seq_len=4096)
+    rollout = RolloutSpec(gpu_memory_utilization=0.5)
+    full = predict_memory(arch, layout, work, roles=default_roles(critic=False), rollout=rollout,
+                          gpu_mem_bytes=80 * GiB)
+    lora = predict_memory(arch, layout, work, roles=default_roles(critic=False, lora=spec), rollout=rollout,
+                          gpu_mem_bytes=80 * GiB)
+    # per rank: q, k, v, gate, up column-parallel r·(in + out/8); o, down row-parallel r·(in/8 + out)
+    h, f, kv = 8192, 28672, 1024
+    per_layer = 16 * ((h + h // 8) + 2 * (h + kv // 8) + (h // 8 + h) + 2 * (h + f // 8) + (f // 8 + h))
+    assert adapter_params_per_rank(arch, spec, 8, range(80)) == 80 * per_layer
+    train = lora.phases["train"].breakdown_gib()
+    assert train["actor grads (fp32 main grads)"] == round(4 * 80 * per_layer / GiB, 4)
+    assert train["actor optimizer (master, m, v)"] == round(12 * 80 * per_layer / GiB, 4)
+    assert not any(name.startswith("ref ") for name in train)  # the reference is the actor's base
+    assert full.peak > 80 * GiB > lora.peak
+    assert any(name.startswith("ref ") for name in full.phases["train"].breakdown_gib())

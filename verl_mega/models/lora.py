@@ -328,24 +328,6 @@ def init_adapters(chunks: list[torch.nn.Module], spec: LoRASpec) -> None:
                     b.zero_()
 
 
-def adapter_parameter_count(arch, spec: LoRASpec) -> int:
-    """Trainable parameters of the adapters over the whole model (dense layers; for the planner)."""
-    h, d = arch.hidden_size, arch.head_dim
-    dims = {"q_proj": (h, arch.num_heads * d), "k_proj": (h, arch.num_kv_heads * d),
-            "v_proj": (h, arch.num_kv_heads * d), "o_proj": (arch.num_heads * d, h),
-            "gate_proj": (h, arch.ffn_hidden_size), "up_proj": (h, arch.ffn_hidden_size),
-            "down_proj": (arch.ffn_hidden_size, h)}
-    attn = ("q_proj", "k_proj", "v_proj", "o_proj")
-    total = 0
-    for i in range(arch.num_layers):
-        for t in spec.targets:
-            if t not in attn and arch.is_moe_layer(i):
-                continue  # routed experts carry no adapters
-            fan_in, fan_out = dims[t]
-            total += spec.rank * (fan_in + fan_out)
-    return total
-
-
 def spec_from_config(lora_cfg, seed: int) -> LoRASpec | None:
     """``model.lora`` (a :class:`~verl_mega.config.model.LoRAConfig`) → the layers' spec; None when disabled."""
     if not lora_cfg.enabled:
