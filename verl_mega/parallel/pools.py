@@ -100,12 +100,18 @@ class Bridge:
         if self.rank == src:
             payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
             size[0] = payload.numel()
-        with self.answering(src, "sharing an object over the job"):
+        def share() -> torch.Tensor:
             group_broadcast(size, self.control, src, async_op=True).wait(self.timeout)
-            if payload is None:
-                payload = torch.empty(int(size), dtype=torch.uint8)
-            group_broadcast(payload, self.control, src, async_op=True).wait(self.timeout)
-        return obj if self.rank == src else pickle.loads(payload.numpy().tobytes())
+            data = payload if payload is not None else torch.empty(int(size), dtype=torch.uint8)
+            group_broadcast(data, self.control, src, async_op=True).wait(self.timeout)
+            return data
+
+        if self.rank == src:  # the root's sends are buffered: a stopped receiver does not hold it
+            with self.answering(src, "sharing an object over the job"):
+                share()
+            return obj
+        # a root that is stopped is named after the heartbeat timeout, not after the collective timeout
+        return pickle.loads(self.watching((src,), "waiting for an object shared over the job", share).numpy().tobytes())
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, in job rank order (collective over the job)."""
