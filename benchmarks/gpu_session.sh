@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU measurements (2×H200). Results go to $OUT (≤ 8 files).
-#   bash benchmarks/gpu_session.sh models|sync|rl|grpo|checks|tier|sample|moe|fwdbwd|pools|packedA|packedC
+#   bash benchmarks/gpu_session.sh models|sync|rl|grpo|checks|tier|sample|moe|fwdbwd|pools|packedA|packedC|lora
 set -uo pipefail
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
 LOG=$OUT/session.log
@@ -80,5 +80,11 @@ case "${1:-models}" in
         --response-length 1024 --prompts 16 --baseline-steps 1 --out "$OUT/grpo_C_profile.json" \
         actor.use_dynamic_bsz=true actor.max_tokens_per_gpu=12288 actor.log_prob_micro_batch_size_per_gpu=8 \
         trainer.profile=true
+    ;;
+  lora)
+    # LoRA r=16 vs full fine-tuning, Qwen2.5-7B architecture (random bf16), one GPU: step time, peak memory, sync time
+    nvidia-smi --query-gpu=name,memory.total --format=csv >> "$LOG" 2>&1
+    run timeout 500 python3 benchmarks/bench_lora_gpu.py --out "$OUT/lora_7b.json"
+    run timeout 300 python3 -m pytest -q -x tests/gpu/test_lora_gpu.py -p no:warnings
     ;;
 esac
