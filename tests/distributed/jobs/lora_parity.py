@@ -3,6 +3,7 @@
 embeddings); logits of the engine's forward and the adapters' gradients after one lr-0 step of a log-likelihood
 loss, against HF transformers + ``peft`` (fp32) and saved for test_model_parity.py to compare layouts."""
 
+import time
 from pathlib import Path
 
 import torch
@@ -42,6 +43,7 @@ def check_lora(groups, workdir: str, tag: str, models=("qwen2", "llama")) -> dic
     from verl_mega.models.loader import load_hf_weights
     from verl_mega.trainer.roles import PolicyRole
 
+    start = time.perf_counter()
     pool = groups.pool
     spec = L.LoRASpec(rank=4, alpha=8.0)
     report, saved = {}, {}
@@ -100,4 +102,5 @@ def check_lora(groups, workdir: str, tag: str, models=("qwen2", "llama")) -> dic
         saved[mt] = {"logits": logits, "grads": grads}
     if dist.get_rank() == 0:
         torch.save(saved, Path(workdir) / f"lora-{tag}.pt")
+    report["seconds"] = time.perf_counter() - start  # what these checks add to the run
     return report
