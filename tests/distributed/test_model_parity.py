@@ -57,12 +57,15 @@ def test_logits_match_hf(parity_models, layout, tmp_path_factory):
 def test_lora_layouts_equal_tp1(parity_models, layout, tmp_path_factory):
     """LoRA adapters (all seven projections, rank 4, on qwen2 and on llama with tied embeddings), inside the logits
     runs above: at tp=2 (with and without sequence parallelism) and pp=2 the logits and every adapter's gradient
-    equal tp=1's within 1e-5, and each run equals HF transformers + peft (fp32) within 1e-5 (jobs/lora_parity.py)."""
+    equal tp=1's within 1e-5, each run equals HF transformers + peft (fp32) within 1e-5, and the adapters' dist
+    checkpoint written at the layout loads whole and equal at tp = pp = 1 (jobs/lora_parity.py)."""
     runs = {"tp1": TP1_ARGS, layout: PACKING_LAYOUTS[layout]}
     for name, args in runs.items():
         report = tagged_report(parity_run(tmp_path_factory, parity_models, 2, *args), "LORA")
         for mt in ("qwen2", "llama"):
             assert report[mt]["logits_max_abs"] < 1e-5 and report[mt]["grad_max_abs"] < 1e-5, (name, mt, report[mt])
+        if name != "tp1":  # this layout's adapter checkpoint, loaded at tp = pp = 1
+            assert report["qwen2"]["resharded_adapters_equal"], report
     tag = {"tp2": "tp2-pp1", "tp2-sp": "tp2-pp1-sp", "pp2": "tp1-pp2"}[layout]
     ref, got = (torch.load(parity_models / f"lora-{t}.pt") for t in ("tp1-pp1", tag))
     for mt in ("qwen2", "llama"):

@@ -1,7 +1,8 @@
 """LoRA at this rank's layout (called by jobs/model_parity.py with ``--lora``, inside its runs): the same adapters
 (whole tensors from a fixed generator, sliced to each rank's shards) on qwen2 (q/k/v biases) and llama (tied
 embeddings); logits of the engine's forward and the adapters' gradients after one lr-0 step of a log-likelihood
-loss, against HF transformers + ``peft`` (fp32) and saved for test_model_parity.py to compare layouts."""
+loss, against HF transformers + ``peft`` (fp32) and saved for test_model_parity.py to compare layouts; and the
+adapters' dist checkpoint written at this layout, loaded at tp = pp = 1."""
 
 import time
 from pathlib import Path
@@ -100,7 +101,34 @@ def check_lora(groups, workdir: str, tag: str, models=("qwen2", "llama")) -> dic
         report[mt] = {"logits_max_abs": err, "grad_max_abs": grad_err}
         assert err < 1e-5 and grad_err < 1e-5, (mt, report[mt])
         saved[mt] = {"logits": logits, "grads": grads}
+        if (pool.tp > 1 or pool.pp > 1) and mt == models[0]:  # one model: a save + load costs seconds here
+            report[mt]["resharded_adapters_equal"] = _reshard_to_tp1(chunks, groups, arch, spec, workdir, tag, mt,
+                                                                     adapters)
     if dist.get_rank() == 0:
         torch.save(saved, Path(workdir) / f"lora-{tag}.pt")
     report["seconds"] = time.perf_counter() - start  # what these checks add to the run
     return report
+
+
+def _reshard_to_tp1(chunks, groups, arch, spec, workdir: str, tag: str, mt: str, adapters: dict) -> bool:
+    """The adapters' dist checkpoint written at this layout, loaded by the same ranks laid out as tp = pp = 1 (a
+    second set of groups in this world): every adapter comes back whole and equal."""
+    from verl_mega.checkpoint.mcore import load_model_dist, save_model_dist
+    from verl_mega.models import lora as L
+    from verl_mega.models.build import build_model_chunks
+    from verl_mega.models.hf_config import transformer_config
+    from verl_mega.parallel.placement import Placement
+    from verl_mega.parallel.state import build_groups
+
+    ckpt = Path(workdir) / f"lora-ckpt-{tag}-{mt}"
+    ckpt.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    save_model_dist(chunks, ckpt, groups)
+    flat = build_groups(Placement.single(dist.get_world_size()))
+    other = build_model_chunks(arch, transformer_config(arch, use_cpu_initialization=True), flat, use_te="false",
+                               lora=spec)
+    load_model_dist(other, ckpt, flat)
+    back = L.adapter_tensors(other, flat)
+    assert set(back) == set(adapters) and all(torch.equal(back[k], adapters[k].float()) for k in adapters), \
+        f"{mt}: adapters saved at {tag} and loaded at tp=pp=1 differ"
+    return True
