@@ -33,11 +33,11 @@ def parity_run(factory, parity_models: Path, nproc: int, *args: str, timeout: fl
     return (shared_dir(factory, "parity" + "".join(args).replace("-", "_"), make) / "out.txt").read_text()
 
 
-# the layouts test_packing_parity.py checks packed micro-batches at: these runs check both (and LoRA, but at cp=2)
+# the layouts test_packing_parity.py checks packed micro-batches at: these runs check both, and LoRA
 PACKING_LAYOUTS = {"tp2": ["--tp", "2", "--pp", "1", "--packing", "--lora"],
                    "tp2-sp": ["--tp", "2", "--pp", "1", "--sp", "--packing", "--lora"],
                    "pp2": ["--tp", "1", "--pp", "2", "--packing", "--lora"],
-                   "cp2": ["--cp", "2", "--tp", "1", "--pp", "1", "--grads", "--packing"]}
+                   "cp2": ["--cp", "2", "--tp", "1", "--pp", "1", "--grads", "--packing", "--lora"]}
 TP1_ARGS = ["--tp", "1", "--pp", "1", "--lora"]
 
 
@@ -53,10 +53,10 @@ def test_logits_match_hf(parity_models, layout, tmp_path_factory):
         print(mt, layout, report[mt])
 
 
-@pytest.mark.parametrize("layout", ["tp2", "tp2-sp", "pp2"])
+@pytest.mark.parametrize("layout", ["tp2", "tp2-sp", "pp2", "cp2"])
 def test_lora_layouts_equal_tp1(parity_models, layout, tmp_path_factory):
     """LoRA adapters (all seven projections, rank 4, on qwen2 and on llama with tied embeddings), inside the logits
-    runs above: at tp=2 (with and without sequence parallelism) and pp=2 the logits and every adapter's gradient
+    runs above: at tp=2 (with and without sequence parallelism), pp=2 and cp=2 the logits and every adapter's gradient
     equal tp=1's within 1e-5, each run equals HF transformers + peft (fp32) within 1e-5, and the adapters' dist
     checkpoint written at the layout loads whole and equal at tp = pp = 1 (jobs/lora_parity.py)."""
     runs = {"tp1": TP1_ARGS, layout: PACKING_LAYOUTS[layout]}
@@ -64,9 +64,9 @@ def test_lora_layouts_equal_tp1(parity_models, layout, tmp_path_factory):
         report = tagged_report(parity_run(tmp_path_factory, parity_models, 2, *args), "LORA")
         for mt in ("qwen2", "llama"):
             assert report[mt]["logits_max_abs"] < 1e-5 and report[mt]["grad_max_abs"] < 1e-5, (name, mt, report[mt])
-        if name != "tp1":  # this layout's adapter checkpoint, loaded at tp = pp = 1
+        if name not in ("tp1", "cp2"):  # this layout's adapter checkpoint, loaded at tp = pp = 1
             assert report["qwen2"]["resharded_adapters_equal"], report
-    tag = {"tp2": "tp2-pp1", "tp2-sp": "tp2-pp1-sp", "pp2": "tp1-pp2"}[layout]
+    tag = {"tp2": "tp2-pp1", "tp2-sp": "tp2-pp1-sp", "pp2": "tp1-pp2", "cp2": "tp1-pp1-cp2"}[layout]
     ref, got = (torch.load(parity_models / f"lora-{t}.pt") for t in ("tp1-pp1", tag))
     for mt in ("qwen2", "llama"):
         assert (got[mt]["logits"] - ref[mt]["logits"]).abs().max().item() < 1e-5, mt

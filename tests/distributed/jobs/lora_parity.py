@@ -51,7 +51,7 @@ def check_lora(groups, workdir: str, tag: str, models=("qwen2", "llama")) -> dic
     for mt in models:
         path = Path(workdir) / mt
         arch = arch_from_hf(load_hf_config(path))
-        cfg = transformer_config(arch, tp=pool.tp, pp=pool.pp, sequence_parallel=pool.sequence_parallel,
+        cfg = transformer_config(arch, tp=pool.tp, pp=pool.pp, cp=pool.cp, sequence_parallel=pool.sequence_parallel,
                                  use_cpu_initialization=True)
         chunks = build_model_chunks(arch, cfg, groups, use_te="false", lora=spec)
         load_hf_weights(chunks, HFCheckpointReader(path), arch, groups)
@@ -64,8 +64,8 @@ def check_lora(groups, workdir: str, tag: str, models=("qwen2", "llama")) -> dic
         ids = torch.randint(1, arch.vocab_size, (4, 24), generator=torch.Generator().manual_seed(7))
         pos = torch.arange(ids.shape[1]).expand_as(ids)
 
-        def post(output, mb, arch=arch):
-            full = gather_from_tensor_model_parallel_region(output, group=groups["tp"])
+        def post(output, mb, arch=arch, engine=engine):  # the whole sequence, with context parallelism too
+            full = engine.full_sequence(gather_from_tensor_model_parallel_region(output, group=groups["tp"]))
             return {"logits": full[..., :arch.vocab_size]}
 
         logits = torch.cat([r["logits"] for r in engine.forward(

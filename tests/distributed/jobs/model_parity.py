@@ -131,7 +131,8 @@ def main() -> None:
     if args.lora:
         from lora_parity import check_lora
 
-        lora = check_lora(groups, args.workdir, f"tp{args.tp}-pp{args.pp}" + ("-sp" if args.sp else ""))
+        lora = check_lora(groups, args.workdir, f"tp{args.tp}-pp{args.pp}" + ("-sp" if args.sp else "")
+                          + (f"-cp{args.cp}" if args.cp > 1 else ""))
         if dist.get_rank() == 0:
             print("LORA " + json.dumps(lora), flush=True)
     if args.packing:
