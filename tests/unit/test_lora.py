@@ -177,3 +177,17 @@ def test_planner_lora_terms():
     assert not any(name.startswith("ref ") for name in train)  # the reference is the actor's base
     assert full.peak > 80 * GiB > lora.peak
     assert any(name.startswith("ref ") for name in full.phases["train"].breakdown_gib())
+
+    # step time: the frozen base's GEMMs skip their weight gradients (2 × forward instead of 3 ×), core attention's
+    # backward is unchanged, the reference pass still runs, and only the adapters are stepped
+    from verl_mega.planning.timing import StepShape, predict_time
+
+    step = StepShape(samples=64, prompt_len=2048, response_len=2048, n=8)
+    times = {name: {t.name: t for t in predict_time(arch, layout, work, step, pred, roles=roles,
+                                                    rollout=rollout).terms}
+             for name, pred, roles in (("full", full, default_roles(critic=False)),
+                                       ("lora", lora, default_roles(critic=False, lora=spec)))}
+    compute = {k: v["actor update compute"].seconds for k, v in times.items()}
+    assert 2 / 3 < compute["lora"] / compute["full"] < 1
+    assert times["lora"]["ref log-prob compute"].seconds == times["full"]["ref log-prob compute"].seconds
+    assert f"P={adapter_params_per_rank(arch, spec, 8, range(80)):,}" in times["lora"]["actor optimizer step"].formula

@@ -29,7 +29,7 @@ sends and data-parallel reductions are added serially (our layer spec does not o
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import replace, dataclass
 
 from verl_mega.models.flops import GPU_PEAKS, attention_flops, attention_weights, matmul_weights
 from verl_mega.models.hf_config import ModelArch
@@ -262,20 +262,25 @@ def predict_time(arch: ModelArch, layout: Pool, work: Workload, step: StepShape,
     ep_bw, ep_link = _link(hw, layout.etp * layout.ep, node_gpus)
     a2a_fwd = memory.moe_alltoall_bytes / 2 * (micro / m_opt) / ep_bw  # the memory model counts fwd + bwd per step
 
+    lora = roles[0].lora  # LoRA: the actor's frozen base skips its weight-gradient GEMMs and its optimizer step
+
     def passes(role: str, value_head: bool, kind: str) -> None:
         dense, experts = matmul_weights(arch, value_head=value_head)
+        # backward: input and weight gradients, 2 × forward; a frozen base (LoRA) computes its GEMMs' input gradients
+        # only (the adapters' r-wide GEMMs are neglected; core attention has no weights: 3 × either way)
         mult = 1 if kind == "forward" else 3
+        gemm_mult = 2 if kind == "update" and lora is not None and role == "actor update" else mult
         extra_dense = extra_attn = 0.0
         if kind == "update" and work.recompute == "full":
             extra_dense, extra_attn = 2 * dense, attn  # one more forward of every layer
         elif kind == "update" and work.recompute == "selective":
             extra_attn = attn  # core attention recomputed
-        per_token = mult * (2 * dense + attn) + extra_dense + extra_attn
+        per_token = gemm_mult * 2 * dense + mult * attn + extra_dense + extra_attn
         flops_d = tokens * per_token * (step.ppo_epochs if kind == "update" else 1)
-        flops_e = tokens * (mult * 2 * experts + (2 * experts if extra_dense else 0)) * \
+        flops_e = tokens * (gemm_mult * 2 * experts + (2 * experts if extra_dense else 0)) * \
             (step.ppo_epochs if kind == "update" else 1)
         phase = "score" if kind == "forward" else "train"
-        what = "forward" if kind == "forward" else "forward + backward" + (
+        what = "forward" if kind == "forward" else f"forward + backward{' (frozen base)' if gemm_mult == 2 else ''}" + (
             f", {work.recompute} recompute" if work.recompute != "none" else "")
         epochs = step.ppo_epochs if kind == "update" else 1
         expert_txt = f" + {flops_e:.3g} expert FLOPs at η={eta_e:.3f}" if flops_e else ""
@@ -312,6 +317,11 @@ def predict_time(arch: ModelArch, layout: Pool, work: Workload, step: StepShape,
     for role, value_head in (("actor", False), ("critic", True)) if critic else (("actor", False),):
         passes(f"{role} update", value_head, "update")
         sp = max((stage_params(arch, layout, st, value_head=value_head) for st in {0, p - 1}), key=lambda x: x.total)
+        if lora is not None and role == "actor":  # only the adapters are reduced and stepped
+            from verl_mega.planning.lora import stage_adapter_params
+
+            sp = replace(sp, layer_params=max(stage_adapter_params(arch, layout, lora, st) for st in {0, p - 1}),
+                         embedding=0, output=0, final_norm=0, experts=0)
         pb = 4 if work.dtype == "fp32" else 2
         syncs = pool_dp_sync(layout, dense=sp.total - sp.experts, experts=sp.experts, param_bytes=pb,
                              island_gpus=island)
