@@ -42,8 +42,9 @@ def test_quickstart_lora(lora_quickstart_run, tmp_path):
     README's LoRA bar (first 10 steps < 0.3, last 10 steps > 0.45); vLLM, fed the merged weights by the in-place
     sync, scores the samples as Megatron's unmerged adapters do; the reference (the base, adapters off) equals the
     policy before the first update; checkpoints hold the adapters and their optimizer state only, the HF export has
-    the merged model and a PEFT adapter that tools/merge_lora.py turns into the same model; and a run killed with
-    SIGKILL and resumed from the step-100 checkpoint reproduces steps 101-103 exactly."""
+    the merged model and a PEFT adapter that tools/merge_lora.py turns into the same model; a run killed with
+    SIGKILL and resumed from the step-100 checkpoint reproduces steps 101-103 exactly; and with vLLM's own LoRA
+    (model.lora.rollout_sync=adapter) vLLM agrees with Megatron while each sync moves the adapters' bytes only."""
     import json
     import shutil
     import signal
@@ -101,3 +102,20 @@ def test_quickstart_lora(lora_quickstart_run, tmp_path):
     assert [r["step"] for r in got] == [101, 102, 103]
     for w, g in zip(want, got):
         assert g == w, f"step {w['step']} differs after kill -9 and resume"
+
+    # model.lora.rollout_sync=adapter: vLLM's own LoRA, fed the adapters alone after the first (base) sync
+    from verl_mega.models.hf_config import arch_from_hf, load_hf_config
+    from verl_mega.models.lora import LoRASpec
+    from verl_mega.planning.lora import adapter_params_per_rank
+
+    out = tmp_path / "adapter"
+    cmd = [sys.executable, "-m", "verl_mega.train", "--config", str(CONFIGS / "quickstart_lora_cpu.yaml"),
+           f"trainer.output_dir={out}", "trainer.total_steps=3", "model.lora.rollout_sync=adapter",
+           "trainer.save_every=0", "logging.progress_bar=false", "logging.plot=false", "logging.tensorboard=false"]
+    rc = run_in_session(cmd, env=resume_env(cache), log=tmp_path / "adapter.log", timeout=400)
+    assert rc == 0, (tmp_path / "adapter.log").read_text()[-3000:]
+    arch = arch_from_hf(load_hf_config(adapter["base_model_name_or_path"]))
+    adapter_bytes = 4 * adapter_params_per_rank(arch, LoRASpec(rank=16, alpha=32.0), 1, range(arch.num_layers))
+    for r in metric_rows(out):
+        assert r["rollout/logprob_diff_max"] < 1e-4, r
+        assert r["weight_sync/adapter_bytes"] == r["weight_sync/bytes_received"] == adapter_bytes, r

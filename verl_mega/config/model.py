@@ -32,6 +32,11 @@ class LoRAConfig(ConfigSection):
     init: Literal["kaiming", "gaussian"] = option(
         "kaiming", help="Initialisation of A (B starts at zero, so training starts from the base model): PEFT's "
                         "default Kaiming-uniform, or N(0, 1/rank) (PEFT's `gaussian`).")
+    rollout_sync: Literal["merge", "adapter"] = option(
+        "merge", help="How vLLM gets the new policy. `merge`: the 3D-HybridEngine writes W + (alpha/rank)·B·A into "
+                      "vLLM's weights in place (a sync moves as many bytes as full fine-tuning). `adapter`: vLLM's "
+                      "own LoRA; the base is synced once, then each sync hands vLLM the adapters only (colocated "
+                      "rollout only).")
 
     @property
     def enabled(self) -> bool:

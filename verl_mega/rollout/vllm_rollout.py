@@ -104,6 +104,8 @@ class VLLMRollout:
         self.weight_version = 0
         self._sleeping: set[str] = set()  # vLLM memory tags currently released
         self._calls = 0
+        # vLLM's own LoRA (model.lora.rollout_sync=adapter): the request every generation runs with
+        self.lora_request = None
         _prepare_env(self.rank)
         self.routing_mode = None
         if config.return_routed_experts:
@@ -150,11 +152,11 @@ class VLLMRollout:
             # (distinct per engine and call) and give the training RNG back untouched.
             params = [sampling_params(spec, None) for spec in specs] if per_prompt else sampling_params(sampling, None)
             with _forked_rng(hash((self.config.seed, self.engine_index, self._calls)) % (2**31)), engine_stance():
-                outputs = self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
+                outputs = self.llm.generate(prompts, params, use_tqdm=False, **self._lora()) if prompts else []
         else:  # explicit seeds: one per prompt, so prompts do not share noise
             params = [sampling_params(spec, spec.seed + (0 if per_prompt else i)) for i, spec in enumerate(specs)]
             with engine_stance():
-                outputs = self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
+                outputs = self.llm.generate(prompts, params, use_tqdm=False, **self._lora()) if prompts else []
         batch = RolloutBatch(prompt_index=[], token_ids=[], logprobs=[] if sampling.logprobs else None,
                              finish_reasons=[], weight_version=self.weight_version)
         batch.phases = _phases(outputs, start, time.perf_counter())
@@ -178,6 +180,9 @@ class VLLMRollout:
         if self._capture is not None:
             self._capture.end()
         return batch
+
+    def _lora(self) -> dict[str, Any]:
+        return {} if self.lora_request is None else {"lora_request": self.lora_request}
 
     # ---- memory: sleep during training, wake for rollout ----------------------------------------------
     @property

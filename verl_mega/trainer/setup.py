@@ -165,6 +165,12 @@ def vllm_config(cfg: TrainConfig, path: Path, gen_tp: int, gen_ep: int = 1):
 
     rcfg = cfg.rollout
     settings = {f.name: getattr(rcfg, f.name) for f in dataclasses.fields(VLLMConfig)}
+    lora = cfg.model.lora
+    if lora.enabled and lora.rollout_sync == "adapter":  # vLLM's own LoRA: one adapter, replaced at every sync
+        from verl_mega.hybrid.adapter_sync import vllm_lora_rank
+
+        settings["engine_kwargs"] = {"enable_lora": True, "max_lora_rank": vllm_lora_rank(lora.rank), "max_loras": 1,
+                                     **settings.get("engine_kwargs", {})}
     return VLLMRolloutConfig(
         **{**settings, "gen_tp": gen_tp, "gen_ep": gen_ep}, model_path=str(path), dtype=cfg.model.dtype,
         max_model_len=cfg.data.max_prompt_length + rcfg.max_response_length, seed=rcfg.seed,
@@ -182,6 +188,10 @@ def build_rollout(cfg: TrainConfig, groups: RankGroups, path: Path, actor: RoleM
     from verl_mega.rollout.vllm_rollout import VLLMRollout
 
     rcfg, pool = cfg.rollout, groups.pool
+    adapter_sync = cfg.model.lora.enabled and cfg.model.lora.rollout_sync == "adapter"
+    if adapter_sync and bridge is not None:
+        raise ConfigError("model.lora.rollout_sync=adapter runs vLLM's LoRA on the actor's pool only; with a rollout "
+                          "pool of its own set model.lora.rollout_sync=merge")
     producer = WeightProducer(groups=groups, arch=actor.arch, chunks=actor.engine.chunks)
     if bridge is not None:
         from verl_mega.hybrid.pool_sync import PoolWeightSync
@@ -195,6 +205,10 @@ def build_rollout(cfg: TrainConfig, groups: RankGroups, path: Path, actor: RoleM
     engine = VLLMRollout(vllm_config(cfg, path, pool.gen_tp, pool.gen_ep), rank_order=pool.vllm_rank_order(),
                          engine_index=groups.coords["engine"])
     sync = WeightSync(producer, engine, mode=rcfg.weight_sync)
+    if adapter_sync:
+        from verl_mega.hybrid.adapter_sync import AdapterSync
+
+        sync = AdapterSync(sync)
     return ColocatedRollout(engine, weight_sync=sync, engine_ranks=groups.ranks("gen_tp"), offload=offload,
                             free_cache=free_cache, profiler=profiler,
                             multi_turn=build_multi_turn(cfg, groups, tokenizer) if rcfg.multi_turn.enable else None)
