@@ -1,4 +1,5 @@
-"""LoRA against full fine-tuning, side by side on one GPU: optimizer-step time, peak memory and weight-sync time.
+"""LoRA against full fine-tuning, side by side on one GPU: optimizer-step time, peak memory, weight-sync time and
+vLLM's generation throughput, for both LoRA rollout modes.
 
 A Qwen2.5-7B-architecture model with random bf16 weights (Megatron's own initialisation, vLLM's ``dummy`` load: no
 download). Each mode runs in a fresh process, so that one's peak memory cannot hide the other's:
@@ -6,8 +7,13 @@ download). Each mode runs in a fresh process, so that one's peak memory cannot h
 1. the actor engine (Megatron DDP + distributed optimizer, bf16): ``--micro-batches`` × [``--micro-batch``,
    ``--seq-len``] tokens per optimizer step, a cross-entropy loss, ``--steps`` timed steps after one warm-up;
    peak = ``torch.cuda.max_memory_allocated`` over training;
-2. an in-process vLLM engine (colocated, ``load_format=dummy``) fed by the 3D-HybridEngine's in-place sync:
-   for LoRA the merged weights ``W + s·B·A``, made layer by layer (``--sync-repeats`` timed syncs after one warm-up).
+2. an in-process vLLM engine (colocated, ``load_format=dummy``) fed by the 3D-HybridEngine's in-place sync: for
+   ``lora`` the merged weights ``W + s·B·A``, made layer by layer; for ``adapter`` (``model.lora.rollout_sync=
+   adapter``) vLLM's own LoRA, the base synced once and then the adapters alone (``--sync-repeats`` timed syncs
+   after one warm-up);
+3. vLLM generating ``--gen-batch`` prompts × ``--gen-tokens`` tokens (tokens/s): vLLM's LoRA kernels cost time in
+   every decode step, a merged model none. The faster LoRA mode per RL step is the one whose sync + generation is
+   shorter.
 
     python benchmarks/bench_lora_gpu.py --out lora_gpu.json                 # both modes, one H200
     python benchmarks/bench_lora_gpu.py --smoke --out lora_cpu.json         # CPU: the tiny model, same code
@@ -56,11 +62,13 @@ def run_mode(args) -> dict:
     from megatron.core.optimizer import OptimizerConfig
 
     from verl_mega.engine.megatron_engine import MegatronEngine
+    from verl_mega.hybrid.adapter_sync import AdapterSync, vllm_lora_rank
     from verl_mega.hybrid.producer import WeightProducer, WeightSync
     from verl_mega.models.build import build_model_chunks
     from verl_mega.models.hf_config import arch_from_hf, load_hf_config, transformer_config
     from verl_mega.models.lora import LoRASpec, is_lora_param
     from verl_mega.parallel.state import init_distributed
+    from verl_mega.rollout.base import SamplingSpec
     from verl_mega.rollout.vllm_rollout import VLLMRollout, VLLMRolloutConfig
 
     smoke = args.smoke
@@ -70,7 +78,7 @@ def run_mode(args) -> dict:
     model_dir = write_config(Path(tempfile.gettempdir()) / f"verl_mega_qwen2.5_7b_arch_{'tiny_' if smoke else ''}"
                                                             f"{args.layers or 'all'}", args.layers, smoke)
     arch = arch_from_hf(load_hf_config(model_dir))
-    lora = LoRASpec(rank=args.rank, alpha=2.0 * args.rank) if args.mode == "lora" else None
+    lora = LoRASpec(rank=args.rank, alpha=2.0 * args.rank) if args.mode in ("lora", "adapter") else None
     tcfg = transformer_config(arch, dtype=dtype, use_cpu_initialization=smoke, fused_kernels=not smoke)
     chunks = [c.to(device) for c in build_model_chunks(arch, tcfg, groups, use_te="false", lora=lora)]
     if lora is not None:  # a trained adapter: the sync merges a non-zero B·A
@@ -106,13 +114,18 @@ def run_mode(args) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
+    adapter = args.mode == "adapter"
+    lora_kwargs = {"enable_lora": True, "max_lora_rank": vllm_lora_rank(args.rank), "max_loras": 1} if adapter else {}
     rollout = VLLMRollout(VLLMRolloutConfig(
-        model_path=str(model_dir), gen_tp=1, dtype=dtype, load_format="dummy", max_model_len=args.seq_len + 8,
-        max_num_seqs=8, gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=True,
+        model_path=str(model_dir), gen_tp=1, dtype=dtype, load_format="dummy",
+        max_model_len=max(args.seq_len, args.gen_prompt + args.gen_tokens) + 8, max_num_seqs=args.gen_batch,
+        gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=smoke,
         kv_cache_memory_bytes=(64 << 20) if smoke else None, sleep_level=2, enable_prefix_caching=False,
-    ), rank_order=groups.pool.vllm_rank_order(), engine_index=groups.coords["engine"])
+        engine_kwargs=lora_kwargs), rank_order=groups.pool.vllm_rank_order(), engine_index=groups.coords["engine"])
     sync = WeightSync(WeightProducer(groups=groups, arch=arch, chunks=engine.chunks), rollout, mode="inplace")
-    sync.sync()  # warm-up
+    if adapter:
+        sync = AdapterSync(sync)
+    sync.sync()  # warm-up (the adapter mode's base sync)
     sync_s, metrics = [], {}
     for _ in range(args.sync_repeats):
         _sync()
@@ -120,13 +133,26 @@ def run_mode(args) -> dict:
         metrics = sync.sync()
         _sync()
         sync_s.append(time.perf_counter() - t0)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(10, arch.vocab_size, (args.gen_prompt,), generator=g).tolist()
+               for _ in range(args.gen_batch)]
+    spec = SamplingSpec(max_tokens=args.gen_tokens, temperature=1.0, ignore_eos=True)
+    rollout.generate(prompts[:2], SamplingSpec(max_tokens=4))  # warm-up
+    _sync()
+    t0 = time.perf_counter()
+    out = rollout.generate(prompts, spec)
+    _sync()
+    gen_s = time.perf_counter() - t0
+    gen_tokens = sum(len(t) for t in out.token_ids)
     return {"mode": args.mode, "rank": args.rank if lora else None, "trainable_params": trainable,
+            "generate_s": gen_s, "generate_tokens_per_s": gen_tokens / gen_s,
             "frozen_params": frozen, "tokens_per_step": args.micro_batches * args.micro_batch * args.seq_len,
             "step_s_median": statistics.median(step_s), "step_s": step_s,
             "train_peak_gib": train_peak / 2**30 if train_peak is not None else None,
             "train_resident_gib": train_resident / 2**30 if train_resident is not None else None,
             "sync_s_median": statistics.median(sync_s), "sync_s": sync_s,
             "sync_bytes_received": metrics.get("weight_sync/bytes_received"),
+            "sync_adapter_bytes": metrics.get("weight_sync/adapter_bytes"),
             "sync_peak_buffer_bytes": metrics.get("weight_sync/peak_buffer_bytes"),
             "model_bytes": metrics.get("weight_sync/model_bytes")}
 
@@ -143,7 +169,8 @@ def versions() -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench_lora_gpu.json")
-    ap.add_argument("--mode", choices=("both", "lora", "full"), default="both")
+    ap.add_argument("--mode", choices=("all", "full", "lora", "adapter"), default="all",
+                    help="lora: merged into vLLM by the in-place sync; adapter: vLLM's own LoRA")
     ap.add_argument("--rank", type=int, default=16, help="LoRA rank (alpha = 2·rank), every projection")
     ap.add_argument("--layers", type=int, default=None, help="fewer layers than the model's 28 (quick runs)")
     ap.add_argument("--micro-batch", type=int, default=None)
@@ -152,19 +179,23 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--sync-repeats", type=int, default=None)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    ap.add_argument("--gen-batch", type=int, default=None, help="prompts generated at once")
+    ap.add_argument("--gen-prompt", type=int, default=None, help="prompt tokens")
+    ap.add_argument("--gen-tokens", type=int, default=None, help="tokens generated per prompt")
     ap.add_argument("--smoke", action="store_true", help="CPU: the tiny model")
     args = ap.parse_args()
     for key, gpu, cpu in (("micro_batch", 1, 2), ("micro_batches", 4, 2), ("seq_len", 4096, 32), ("steps", 5, 2),
-                          ("sync_repeats", 3, 2), ("layers", None, 2)):
+                          ("sync_repeats", 3, 2), ("layers", None, 2), ("gen_batch", 64, 4), ("gen_prompt", 256, 8),
+                          ("gen_tokens", 512, 8)):
         if getattr(args, key) is None:
             setattr(args, key, cpu if args.smoke else gpu)
-    if args.mode != "both":
+    if args.mode != "all":
         result = run_mode(args)
         Path(args.out).write_text(json.dumps(result))
         return
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for mode in ("full", "lora"):  # each in a process of its own: separate peaks, a fresh vLLM
+        for mode in ("full", "lora", "adapter"):  # each in a process of its own: separate peaks, a fresh vLLM
             out = Path(tmp) / f"{mode}.json"
             cmd = [sys.executable, __file__, "--mode", mode, "--out", str(out)] + [
                 f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
@@ -177,12 +208,13 @@ def main() -> None:
               "versions": versions(), "args": vars(args), "rows": rows}
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(f"\n{report['model']} on {report['device']}: {rows[0]['tokens_per_step']} tokens per optimizer step")
-    print(f"{'mode':<6} {'trainable':>14} {'step s':>9} {'peak GiB':>9} {'resident GiB':>13} {'sync s':>9}")
+    print(f"{'mode':<8} {'trainable':>14} {'step s':>9} {'peak GiB':>9} {'resident GiB':>13} {'sync s':>9} "
+          f"{'gen tok/s':>10}")
     for r in rows:
         peak = f"{r['train_peak_gib']:.2f}" if r["train_peak_gib"] is not None else "n/a"
         res = f"{r['train_resident_gib']:.2f}" if r["train_resident_gib"] is not None else "n/a"
-        print(f"{r['mode']:<6} {r['trainable_params']:>14,} {r['step_s_median']:>9.3f} {peak:>9} {res:>13} "
-              f"{r['sync_s_median']:>9.4f}")
+        print(f"{r['mode']:<8} {r['trainable_params']:>14,} {r['step_s_median']:>9.3f} {peak:>9} {res:>13} "
+              f"{r['sync_s_median']:>9.4f} {r['generate_tokens_per_s']:>10.0f}")
     print(f"JSON written to {Path(args.out).resolve()}")
 
 
