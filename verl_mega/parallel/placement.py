@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Iterable, Mapping
 
+from verl_mega.parallel.wire import CROSS_ISLAND_DTYPES
+
 ROLES = ("actor", "critic", "ref", "reward_model", "rollout")
 TRAINING_ROLES = ("actor", "critic", "ref", "reward_model")
 DEFAULT_POOL = "main"
@@ -62,27 +64,10 @@ GROUP_KINDS = (*DENSE_KINDS, "embd", *EXPERT_KINDS, *GENERATION_KINDS, *ISLAND_K
 JSON_KINDS = ("tp", "pp", "dp", "cp", "ep", "gen_tp", "micro_dp", "gen_ep")
 ISLAND_JSON_KINDS = ("island", "intra_dp", "inter_dp")
 DP_HIERARCHY_LEVELS = ("off", "node", "island")
-# The cross-island step's wire format: fp32 is Megatron's own all-reduce; bf16 and fp8 (e4m3 with a scale per
-# block) are verl_mega/engine/grad_sync.py's
-CROSS_ISLAND_DTYPES = ("fp32", "bf16", "fp8")
-FP8_BLOCK = 128  # values per fp8 scale
 
 
 class PlacementError(ValueError):
     """An impossible placement; the message is one line naming the pool or key and the fix."""
-
-
-def wire_bytes(numel: int, dtype: str) -> int:
-    """Bytes that encode ``numel`` values between islands: 4 per value in fp32, 2 in bf16, in fp8 1 per value
-    (padded to whole blocks of FP8_BLOCK) plus a 4-byte scale per block."""
-    if dtype == "fp32":
-        return 4 * numel
-    if dtype == "bf16":
-        return 2 * numel
-    if dtype == "fp8":
-        blocks = -(-numel // FP8_BLOCK)
-        return blocks * FP8_BLOCK + 4 * blocks
-    raise PlacementError(f"unknown cross-island dtype {dtype!r}; one of {', '.join(CROSS_ISLAND_DTYPES)}")
 
 
 def divisors(n: int) -> list[int]:  # the sizes a layout may split n into, ascending
