@@ -92,7 +92,9 @@ class InPlaceTransport:
             raise WeightSyncError(f"vLLM parameter {name} has shape {tuple(param.shape)}, the sync built {shape}")
         if self.repacks:
             for module_name in self._owners.get(id(param), [name.rpartition(".")[0]]):
-                self._touched[module_name] = self.model.get_submodule(module_name)
+                module = self.model.get_submodule(module_name)
+                if not is_fp8_linear(module):  # (an FP8 linear's bias) its post-load step would transpose again
+                    self._touched[module_name] = module
         return out
 
     def commit(self) -> None:
