@@ -135,6 +135,10 @@ class VLLMRollout:
                 raise RolloutError(reason)
         with _vllm_rank_order(order, self.is_cpu), _expert_parallel_rank(order, self.rank, config):
             self.llm = _build_llm(config, self.is_cpu, self.routing_mode)
+        if config.quantization == "fp8" and not any(p.dtype == torch.float8_e4m3fn for p in self.model.parameters()):
+            raise RolloutError("rollout.quantization=fp8, but this vLLM built its linears unquantized (it ignored the "
+                               "quantization_config handed over in hf_overrides); use a vLLM with compressed-tensors "
+                               "FP8 support or set rollout.quantization=none")
         self._capture = None
         if self.routing_mode == "capture":
             from verl_mega.rollout.routing_capture import RoutingCapture
