@@ -376,9 +376,17 @@ class WeightSync:
     def __init__(self, producer: WeightProducer, rollout, mode: str = "inplace") -> None:
         if mode not in MODES:
             raise ValueError(f"weight sync mode={mode!r} is not one of {MODES}")
-        if mode == "reference" and any(is_fp8_linear(m) for m in rollout.model.modules()):
-            raise WeightSyncError("vLLM holds FP8 weights, which its own loader cannot fill from full bf16 tensors; "
-                                  "use the in-place weight sync (rollout.weight_sync=inplace)")
+        fp8 = [n for n, p in rollout.model.named_parameters() if p.dtype == torch.float8_e4m3fn]
+        if fp8:
+            linears = {f"{n}.weight" for n, m in rollout.model.named_modules() if is_fp8_linear(m)}
+            other = [n for n in fp8 if n not in linears]
+            if other or producer.arch.is_moe or producer.arch.is_mla:
+                raise WeightSyncError(f"vLLM holds FP8 parameters the weight sync cannot quantize into "
+                                      f"({(other or fp8)[:2]}); rollout.quantization=fp8 covers the linears of dense "
+                                      "decoders with multi-head attention; set rollout.quantization=none")
+            if mode == "reference":
+                raise WeightSyncError("vLLM holds FP8 weights, which its own loader cannot fill from full bf16 "
+                                      "tensors; use the in-place weight sync (rollout.weight_sync=inplace)")
         self.producer, self.rollout, self.mode = producer, rollout, mode
         self.version = 0
         self._transport: InPlaceTransport | None = None
