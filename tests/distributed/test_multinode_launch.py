@@ -255,12 +255,14 @@ def test_ray_two_nodes(procs, tmp_path):
         log = job_log.read_text()
         assert "[rank3] JOB OK" in log and "[rank0] JOB OK" in log, log[-3000:]  # rank output is streamed
 
-        # One failing rank stops the whole job: rank 1 exits with 3 while the others would sleep for minutes.
+        # One failing rank stops the whole job: rank 1 exits with 3 while the others would sleep for minutes (no
+        # restarts: the next attempt would fail the same way).
         fail_log = tmp_path / "fail.log"
         code = ("import os, sys, time; r = int(os.environ['RANK']); print('started', r, flush=True); "
                 "sys.exit(3) if r == 1 else time.sleep(300)")
         t0 = time.monotonic()
-        failing = procs.start("ray_launch fail", [*cmd[:cmd.index("--") + 1], "-c", code], env, fail_log)
+        once = [*cmd[:cmd.index("--")], "--max-restarts", "0", "--", "-c", code]
+        failing = procs.start("ray_launch fail", once, env, fail_log)
         rc = failing.wait(timeout=120)
         text = fail_log.read_text()
         assert rc != 0 and "rank 1 exited with code 3" in text, text[-3000:]

@@ -1,6 +1,8 @@
-"""Which checkpoint a run resumes from: manifests with per-file SHA-256, cheap checks before anything is built,
-checksums, the fallback of trainer.resume=auto to the newest intact checkpoint, and one-line errors for the rest."""
+"""Which checkpoint a run resumes from: manifests with a SHA-256 per 64 MiB block of each file, cheap checks before
+anything is built, checksums, the fallback of trainer.resume=auto to the newest intact checkpoint, and one-line
+errors for the rest."""
 
+import hashlib
 import json
 import logging
 from pathlib import Path
@@ -10,9 +12,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from verl_mega.config import load_config, to_dict
+from verl_mega.checkpoint import integrity
 from verl_mega.checkpoint.integrity import (MANIFEST, BrokenCheckpointError, ResumeError, RunComplete, SCHEMA,
                                             bad_checksums, check_steps_left, checkpoint_files, digest_files,
-                                            find_checkpoint, read_manifest, verify_checkpoint, write_manifest)
+                                            find_checkpoint, read_manifest, verify_checkpoint, verify_items,
+                                            write_manifest)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,8 +56,66 @@ def test_manifest_lists_every_file_with_size_and_sha256(run):
     manifest = read_manifest(newest)
     assert set(manifest) == {"trainer.json", "rank_00000.pt", "actor/.metadata", "actor/metadata.json",
                              "actor/common.pt", _shard(newest).relative_to(newest).as_posix()}
-    assert all(len(e["sha256"]) == 64 and e["size"] > 0 for e in manifest.values())
-    assert not bad_checksums(newest, manifest, sorted(manifest))
+    for name, entry in manifest.items():  # one SHA-256 per 64 MiB block; these files are each one block
+        assert entry["size"] > 0
+        assert entry["blocks"] == [hashlib.sha256((newest / name).read_bytes()).hexdigest()]
+    assert not bad_checksums(newest, manifest)
+
+
+def _big_file(path: Path, size: int) -> bytes:
+    data = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    path.write_bytes(data.numpy().tobytes())
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_block_digests_equal_hashlib_of_each_slice(tmp_path, monkeypatch, threads):
+    monkeypatch.setattr(integrity, "BLOCK_BYTES", 1000)
+    data = _big_file(tmp_path / "shard", 3500)
+    (tmp_path / "empty").write_bytes(b"")
+    entries = digest_files(tmp_path, ["shard", "empty"], threads=threads)
+    assert entries["empty"] == {"size": 0, "blocks": []}
+    assert entries["shard"] == {"size": 3500, "blocks": [hashlib.sha256(data[i:i + 1000]).hexdigest()
+                                                          for i in range(0, 3500, 1000)]}
+
+
+def test_a_flip_in_a_later_block_is_found_and_ranks_share_the_blocks(tmp_path, monkeypatch):
+    monkeypatch.setattr(integrity, "BLOCK_BYTES", 1000)
+    data = bytearray(_big_file(tmp_path / "shard", 3500))
+    (tmp_path / "other").write_bytes(b"x" * 1500)
+    manifest = digest_files(tmp_path, ["shard", "other"], threads=2)
+    items = verify_items(manifest)
+    assert items == [("other", 0), ("other", 1), ("shard", 0), ("shard", 1), ("shard", 2), ("shard", 3)]
+    data[2999] ^= 0x01  # the last byte of block 2
+    (tmp_path / "shard").write_bytes(bytes(data))
+    per_rank = [bad_checksums(tmp_path, manifest, items[rank::2], threads=2) for rank in range(2)]
+    assert per_rank[1] == []  # rank 1 holds blocks 1 and 3 of the shard, both intact
+    assert len(per_rank[0]) == 1 and "shard does not match its SHA-256" in per_rank[0][0]
+
+
+def test_a_whole_file_manifest_still_verifies(run, caplog):
+    cfg, (older, newest) = run
+    entries = {name: {"size": (newest / name).stat().st_size,
+                      "sha256": hashlib.sha256((newest / name).read_bytes()).hexdigest()}
+               for name in checkpoint_files(newest)}
+    (newest / "manifest.json").write_text(json.dumps({"algorithm": "sha256", "files": entries}))
+    assert verify_checkpoint(cfg, newest) == newest
+    shard = _shard(newest)
+    data = bytearray(shard.read_bytes())
+    data[0] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING):
+        assert verify_checkpoint(cfg, newest) == older
+    assert f"{shard} does not match its SHA-256" in caplog.text
+
+
+def test_a_manifest_with_a_wrong_block_count_is_broken(run):
+    _, (_, newest) = run
+    manifest = json.loads((newest / "manifest.json").read_text())
+    manifest["files"]["trainer.json"]["blocks"].append("0" * 64)
+    (newest / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BrokenCheckpointError, match="lacks its size or its digests"):
+        read_manifest(newest)
 
 
 def test_intact_newest_is_chosen(run):

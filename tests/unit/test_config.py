@@ -730,6 +730,21 @@ def test_stream_scoring_errors():
     assert "one of" in _error(load_config, QUICKSTART, ["rollout.stream_scoring=maybe"])
 
 
+@pytest.mark.parametrize("extra, world, chosen", [
+    ([], 1, "reward"),
+    (["parallel.pp=2", "rollout.free_cache_engine=true"], 2, "reward"),
+    (["rollout.multi_turn.enable=true", "rollout.multi_turn.tools=[calculator]"], 1, "off"),
+    (["algorithm.filter_groups.enable=true"], 1, "off"),
+    (["algorithm.adv_estimator=remax", "critic.enable=null"], 1, "off"),
+    (["placement.pools={train: {size: 1}, gen: {size: 1}}", "placement.roles={actor: train, rollout: gen}"], 2, "off"),
+])
+def test_stream_scoring_auto_streams_the_reward_where_it_can(extra, world, chosen):
+    cfg = load_config(QUICKSTART, ["rollout.stream_scoring=auto", *extra])
+    assert cfg.rollout.stream_scoring == "auto"  # resolved once the placement is known
+    cfg.validate_runtime(_placement(cfg, world), cuda_available=False)
+    assert cfg.rollout.stream_scoring == chosen
+
+
 def test_deterministic_mode_runs_eager_kernels():
     """trainer.deterministic: `auto` fused kernels stay eager (torch's inductor refuses to autotune in deterministic
     mode, which crashed the first step on a GPU); asking for compiled kernels there is refused up front."""

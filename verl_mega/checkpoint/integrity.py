@@ -1,13 +1,13 @@
 """Which checkpoint a run resumes from, and whether it is intact.
 
-Every checkpoint carries ``manifest.json``: each file's size and SHA-256, computed at save time (the hashing is
-split over the ranks). Before a resume:
+Every checkpoint carries ``manifest.json``: each file's size and the SHA-256 of each of its 64 MiB blocks, computed
+at save time (the blocks are split over the ranks, and over threads within a rank). Before a resume:
 
 * on every rank, before anything is built (:func:`find_checkpoint`): ``trainer.json`` parses and has the fields of its
   schema; every file of the manifest is present with its size; each role's dist-checkpoint metadata reads through the
   allow-list of :mod:`verl_mega.checkpoint.safe_load`; result-changing config keys and the optimizer type agree;
-* once the process group exists (:func:`verify_checkpoint`, collective): every file's SHA-256 equals the manifest's,
-  each rank hashing its share (``checkpoint.verify_checksums=false`` skips this).
+* once the process group exists (:func:`verify_checkpoint`, collective): every block's SHA-256 equals the manifest's,
+  each rank hashing its share on its threads (``checkpoint.verify_checksums=false`` skips this).
 
 A broken checkpoint (unreadable, missing or truncated file, wrong checksum) is an error naming the file; with
 ``trainer.resume=auto`` the newest intact checkpoint is used instead, with a warning. A file the allow-list refuses,
@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -47,9 +48,24 @@ class BrokenCheckpointError(ResumeError):
 
 
 # ---------------------------------------------------------------------------------------------------- manifest
+# SHA-256 is sequential within a stream, so one large shard would be hashed by one core. Each file is hashed as
+# fixed 64 MiB blocks instead: the blocks of all files are shared out over the ranks, and over threads within a rank
+# (hashlib releases the GIL), so a save is hashed at many cores' speed. Manifests with whole-file digests
+# ("sha256" entries, written before blocks) still verify.
+BLOCK_BYTES = 64 << 20
+_READ_BYTES = 8 << 20  # each thread holds at most this much of a block at a time
+BlockItem = tuple[str, int]  # (file name, block index)
+
+
 def sha256_file(path: Path) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def hash_threads() -> int:
+    """Hashing threads per rank: this node's cores shared among its ranks."""
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return max(1, min(32, (os.cpu_count() or 1) // max(1, local_ranks)))
 
 
 def checkpoint_files(root: Path) -> list[str]:
@@ -58,14 +74,64 @@ def checkpoint_files(root: Path) -> list[str]:
                   if p.is_file() and p.relative_to(root).as_posix() not in (MANIFEST, COMPLETE))
 
 
-def digest_files(root: Path, names: list[str]) -> dict[str, dict[str, Any]]:
-    return {n: {"size": (root / n).stat().st_size, "sha256": sha256_file(root / n)} for n in names}
+def block_items(sizes: dict[str, int], block_bytes: int | None = None) -> list[BlockItem]:
+    """Every (file, block) of files of the given sizes, in file order; an empty file has no block."""
+    block_bytes = block_bytes or BLOCK_BYTES
+    return [(name, i) for name in sorted(sizes) for i in range(-(-sizes[name] // block_bytes))]
+
+
+def _hash_block(root: Path, item: BlockItem, block_bytes: int) -> str:
+    name, index = item
+    digest = hashlib.sha256()
+    with open(root / name, "rb", buffering=0) as f:
+        f.seek(index * block_bytes)
+        left = block_bytes
+        while left:
+            chunk = f.read(min(left, _READ_BYTES))
+            if not chunk:
+                break
+            digest.update(chunk)
+            left -= len(chunk)
+    return digest.hexdigest()
+
+
+def hash_blocks(root: Path, items: list[BlockItem], *, block_bytes: int | None = None,
+                threads: int | None = None) -> dict[BlockItem, str]:
+    """SHA-256 of each (file, block) of `root`, hashed on a thread pool."""
+    block_bytes, threads = block_bytes or BLOCK_BYTES, threads or hash_threads()
+    if threads == 1 or len(items) <= 1:
+        return {item: _hash_block(root, item, block_bytes) for item in items}
+    with ThreadPoolExecutor(max_workers=min(threads, len(items)), thread_name_prefix="ckpt-sha256") as pool:
+        return dict(zip(items, pool.map(lambda item: _hash_block(root, item, block_bytes), items)))
+
+
+def manifest_entries(root: Path, sizes: dict[str, int], digests: dict[BlockItem, str]) -> dict[str, dict[str, Any]]:
+    """Manifest entries (size and block digests) from the block digests of every file."""
+    return {name: {"size": size, "blocks": [digests[(name, i)] for i in range(-(-size // BLOCK_BYTES))]}
+            for name, size in sizes.items()}
+
+
+def digest_files(root: Path, names: list[str], *, threads: int | None = None) -> dict[str, dict[str, Any]]:
+    """Manifest entries of `names` under `root`, hashed on this process alone (its threads)."""
+    sizes = {n: (root / n).stat().st_size for n in names}
+    return manifest_entries(root, sizes, hash_blocks(root, block_items(sizes), threads=threads))
 
 
 def write_manifest(root: Path, entries: dict[str, dict[str, Any]]) -> None:
     tmp = root / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps({"algorithm": "sha256", "files": dict(sorted(entries.items()))}, indent=1))
+    tmp.write_text(json.dumps({"algorithm": "sha256", "block_bytes": BLOCK_BYTES,
+                               "files": dict(sorted(entries.items()))}, indent=1))
     os.replace(tmp, root / MANIFEST)
+
+
+def _entry_ok(entry: Any, block_bytes: int) -> bool:
+    if not isinstance(entry, dict) or not isinstance(entry.get("size"), int):
+        return False
+    if "blocks" in entry:
+        blocks = entry["blocks"]
+        return (isinstance(blocks, list) and all(isinstance(b, str) for b in blocks)
+                and len(blocks) == -(-entry["size"] // block_bytes))
+    return isinstance(entry.get("sha256"), str)
 
 
 def read_manifest(root: Path) -> dict[str, dict[str, Any]] | None:
@@ -74,9 +140,12 @@ def read_manifest(root: Path) -> dict[str, dict[str, Any]] | None:
     if not path.exists():
         return None
     try:
-        files = json.loads(path.read_text())["files"]
-        if not all(isinstance(e.get("size"), int) and isinstance(e.get("sha256"), str) for e in files.values()):
-            raise ValueError("an entry lacks its size or sha256")
+        manifest = json.loads(path.read_text())
+        files, block_bytes = manifest["files"], manifest.get("block_bytes", BLOCK_BYTES)
+        if block_bytes != BLOCK_BYTES:
+            raise ValueError(f"block_bytes {block_bytes} is not this version's {BLOCK_BYTES}")
+        if not all(_entry_ok(e, block_bytes) for e in files.values()):
+            raise ValueError("an entry lacks its size or its digests")
         return files
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise BrokenCheckpointError(f"resume: {path} is unreadable ({type(exc).__name__}: {exc})") from None
@@ -93,17 +162,41 @@ def check_sizes(root: Path, manifest: dict[str, dict[str, Any]]) -> None:
                                         f"(truncated or overwritten)")
 
 
-def bad_checksums(root: Path, manifest: dict[str, dict[str, Any]], names: list[str]) -> list[str]:
-    """Messages for the files among `names` whose content differs from the manifest."""
-    bad = []
-    for name in names:
+def verify_items(manifest: dict[str, dict[str, Any]]) -> list[BlockItem]:
+    """The units of verification: each block of a block-hashed file; a whole-file-hashed file is one unit (-1)."""
+    items: list[BlockItem] = []
+    for name in sorted(manifest):
+        entry = manifest[name]
+        items += block_items({name: entry["size"]}) if "blocks" in entry else [(name, -1)]
+    return items
+
+
+def bad_checksums(root: Path, manifest: dict[str, dict[str, Any]], items: list[BlockItem] | None = None, *,
+                  threads: int | None = None) -> list[str]:
+    """Messages for the files whose content (among `items`, default: all) differs from the manifest."""
+    items = verify_items(manifest) if items is None else items
+
+    def check(item: BlockItem) -> str | None:
+        name, index = item
         try:
-            if sha256_file(root / name) != manifest[name]["sha256"]:
-                bad.append(f"resume: {root / name} does not match its SHA-256 in {MANIFEST} (the file was altered "
-                           f"or corrupted after it was written)")
+            if index < 0:
+                same = sha256_file(root / name) == manifest[name]["sha256"]
+            else:
+                same = _hash_block(root, item, BLOCK_BYTES) == manifest[name]["blocks"][index]
         except OSError as exc:
-            bad.append(f"resume: {root / name} is unreadable ({exc})")
-    return bad
+            return f"resume: {root / name} is unreadable ({exc})"
+        if same:
+            return None
+        return (f"resume: {root / name} does not match its SHA-256 in {MANIFEST} (the file was altered or "
+                f"corrupted after it was written)")
+
+    threads = threads or hash_threads()
+    if threads == 1 or len(items) <= 1:
+        verdicts = [check(item) for item in items]
+    else:
+        with ThreadPoolExecutor(max_workers=min(threads, len(items)), thread_name_prefix="ckpt-verify") as pool:
+            verdicts = list(pool.map(check, items))
+    return sorted({v for v in verdicts if v is not None})
 
 
 # ------------------------------------------------------------------------------------------- cheap inspection
@@ -231,7 +324,7 @@ def verify_checkpoint(cfg, path: Path | None) -> Path | None:
             log.warning("resume: %s was written without a manifest; its files are not verified", path.name)
             return path
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        bad = bad_checksums(path, manifest, sorted(manifest)[rank::world])
+        bad = bad_checksums(path, manifest, verify_items(manifest)[rank::world])
         if world > 1:
             everyone: list = [None] * world
             dist.all_gather_object(everyone, bad, group=pool_group())

@@ -37,7 +37,8 @@ import torch.distributed as dist
 
 from verl_mega.checkpoint import optim_state
 from verl_mega.checkpoint.integrity import (SCHEMA, BrokenCheckpointError, ResumeError, checkpoint_files,
-                                            digest_files, find_checkpoint, verify_checkpoint, write_manifest)
+                                            block_items, find_checkpoint, hash_blocks, manifest_entries,
+                                            verify_checkpoint, write_manifest)
 from verl_mega.config import to_dict
 from verl_mega.parallel.state import pool_group
 
@@ -257,21 +258,25 @@ class CheckpointManager:
 
     @staticmethod
     def _digests(tmp: Path) -> dict[str, dict[str, Any]]:
-        """Size and SHA-256 of every file of `tmp`, each rank hashing every world_size-th file (collective)."""
+        """Size and block digests of every file of `tmp` (collective): every world_size-th 64 MiB block of the
+        one listing is hashed on this rank, on its threads, so a large shard is hashed by many cores at once."""
         world = dist.get_world_size() if dist.is_initialized() else 1
-        names = [checkpoint_files(tmp) if _rank() == 0 else None]
-        if world > 1:  # one listing, so that every file is hashed exactly once
-            dist.broadcast_object_list(names, src=0, group=pool_group())
+        listing = [None]
+        if _rank() == 0:
+            listing = [{n: (tmp / n).stat().st_size for n in checkpoint_files(tmp)}]
+        if world > 1:  # one listing, so that every block is hashed exactly once
+            dist.broadcast_object_list(listing, src=0, group=pool_group())
+        sizes = listing[0]
         begin = time.perf_counter()
-        mine = digest_files(tmp, names[0][_rank()::world])
-        parts = [mine]
+        mine = block_items(sizes)[_rank()::world]
+        parts = [hash_blocks(tmp, mine)]
         if world > 1:
-            parts = [None] * world
-            dist.all_gather_object(parts, mine, group=pool_group())
-        entries = {k: v for part in parts for k, v in part.items()}
-        log.debug("checkpoint %s: SHA-256 of %d files (%.1f MB on this rank) in %.3f s", tmp.name, len(mine),
-                  sum(e["size"] for e in mine.values()) / 1e6, time.perf_counter() - begin)
-        return entries
+            gathered: list = [None] * world
+            dist.all_gather_object(gathered, parts[0], group=pool_group())
+            parts = gathered
+        log.debug("checkpoint %s: SHA-256 of %d blocks on this rank in %.3f s", tmp.name, len(mine),
+                  time.perf_counter() - begin)
+        return manifest_entries(tmp, sizes, {k: v for part in parts for k, v in part.items()})
 
     def _export_hf(self, out: Path) -> None:
         """The actor as HF safetensors + config + tokenizer (collective over the model-parallel ranks)."""

@@ -151,7 +151,7 @@ class RolloutConfig(VLLMConfig):
     weight_bucket_mb: int = option(
         512, help="Bucket size (MiB) of the weight transfer from the training pool to a rollout pool of its own; "
                   "buckets go out asynchronously while the next ones are produced.", affects_results=False)
-    stream_scoring: Literal["off", "reward", "all"] = option(
+    stream_scoring: Literal["off", "reward", "all", "auto"] = option(
         "off", help="Colocated: score samples while vLLM still generates the rest. The engine is stepped by the "
                     "trainer and every finished request goes to a scoring thread, in micro-batches of "
                     "rollout.stream_chunk samples. `reward`: the reward function only (host work: it takes no GPU "
@@ -160,8 +160,10 @@ class RolloutConfig(VLLMConfig):
                     "vLLM's; this needs vLLM resident (rollout.free_cache_engine=false, or auto that resolves to "
                     "resident), parameters on the device (no *.offload_params) and the generation layout equal to "
                     "the training layout (rollout.gen_tp = parallel.tp, pp = cp = 1), and each engine's samples "
-                    "train on its own data-parallel replica (trainer.balance_batch does not apply). docs/async.md "
-                    "says when each pays off.", affects_results=False)
+                    "train on its own data-parallel replica (trainer.balance_batch does not apply). `auto`: `reward` "
+                    "where it can run (colocated; not with multi-turn, dynamic sampling or ReMax), else `off`; never "
+                    "`all`, which made the step slower on a GPU. docs/async.md says when each pays off.",
+        affects_results=False)
     stream_chunk: int = option(16, help="rollout.stream_scoring: finished samples per scoring micro-batch (the last "
                                         "one takes what is left when generation ends).", affects_results=False)
     seed: int | None = option(None, help="Sampling seed; null uses trainer.seed.")

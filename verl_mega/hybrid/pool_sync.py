@@ -73,6 +73,7 @@ class PoolWeightSync:
             comm.broadcast_object(RolloutLayout.of(model) if self.rank == dst[0] else None, dst[0])
             for dst in self.plan.receivers]
         self.block = producer.groups.coords["gen_tp"] if self.trains else self.plan.block_of(self.rank)
+        self.source = self.plan.sources[self.block]  # the training rank that sends this rank's block
         self.dtype = getattr(torch, self.layouts[self.block].dtype)
         if self.trains:
             producer.check_coverage(set(self.layouts[self.block].names))
@@ -161,8 +162,8 @@ class StagedWeights:
     def done(self) -> bool:
         return not self._thread.is_alive()
 
-    def wait(self) -> None:
-        self._thread.join()
+    def wait(self, timeout_s: float | None = None) -> None:
+        self._thread.join(timeout_s)
 
     @torch.no_grad()
     def apply(self) -> dict[str, float]:

@@ -100,12 +100,18 @@ class Bridge:
         if self.rank == src:
             payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
             size[0] = payload.numel()
-        with self._answering(src, "sharing an object over the job"):
+        def share() -> torch.Tensor:
             group_broadcast(size, self.control, src, async_op=True).wait(self.timeout)
-            if payload is None:
-                payload = torch.empty(int(size), dtype=torch.uint8)
-            group_broadcast(payload, self.control, src, async_op=True).wait(self.timeout)
-        return obj if self.rank == src else pickle.loads(payload.numpy().tobytes())
+            data = payload if payload is not None else torch.empty(int(size), dtype=torch.uint8)
+            group_broadcast(data, self.control, src, async_op=True).wait(self.timeout)
+            return data
+
+        if self.rank == src:  # the root's sends are buffered: a stopped receiver does not hold it
+            with self.answering(src, "sharing an object over the job"):
+                share()
+            return obj
+        # a root that is stopped is named after the heartbeat timeout, not after the collective timeout
+        return pickle.loads(self.watching((src,), "waiting for an object shared over the job", share).numpy().tobytes())
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, in job rank order (collective over the job)."""
@@ -116,7 +122,7 @@ class Bridge:
         """Post ``obj`` to job rank ``dst``; returns the pending works (wait on them before reusing the tag)."""
         payload = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
         size = torch.tensor([payload.numel()], dtype=torch.long)
-        with self._answering(dst, what):
+        with self.answering(dst, what):
             return [self.control.send([size], dst, tag), self.control.send([payload], dst, tag)]
 
     def recv(self, src: int, tag: int, what: str, *, watch: tuple[int, ...] = ()) -> Any:
@@ -145,7 +151,7 @@ class Bridge:
         runs in a thread (on this thread's device) while this one watches the heartbeats of ``ranks``."""
         peer = ranks[0] if peer is None else peer
         if not self.heartbeat_timeout_s:
-            with self._answering(peer, what):
+            with self.answering(peer, what):
                 return fn()
         device = torch.cuda.current_device() if torch.cuda.is_available() else None
 
@@ -156,33 +162,27 @@ class Bridge:
 
         box: Queue = Queue()
         threading.Thread(target=run, daemon=True, name="waiting-on-pool").start()
-        beats = {rank: self._beats(rank) for rank in ranks}
-        since = dict.fromkeys(ranks, time.monotonic())
+        watch = self.heartbeats(ranks)
         while True:
             try:
                 ok, value = box.get(timeout=HEARTBEAT_S)
             except Empty:
-                for rank in ranks:
-                    now = self._beats(rank)
-                    if now != beats[rank]:
-                        beats[rank], since[rank] = now, time.monotonic()
-                    elif time.monotonic() - since[rank] > self.heartbeat_timeout_s:
-                        pool = self.placement.pool_of_rank(rank).name
-                        raise PoolPeerError(f"rank {rank} of pool {pool!r} sent no heartbeat for "
-                                            f"{time.monotonic() - since[rank]:.0f} s while {what}: it is stopped "
-                                            f"(SIGSTOP, a frozen node) or hung (trainer.pool_heartbeat_timeout_s="
-                                            f"{self.heartbeat_timeout_s:g})") from None
+                watch.check(what)
                 continue
             if ok:
                 return value
-            with self._answering(peer, what):
+            with self.answering(peer, what):
                 raise value
+
+    def heartbeats(self, ranks: tuple[int, ...]) -> "HeartbeatWatch":
+        """A watch on the heartbeats of ``ranks`` for a wait this thread polls (see :class:`HeartbeatWatch`)."""
+        return HeartbeatWatch(self, tuple(ranks))
 
     def _beats(self, rank: int) -> int:
         return int(self.store.add(f"verl_mega/alive/{rank}", 0))
 
     @contextlib.contextmanager
-    def _answering(self, peer: int, what: str) -> Iterator[None]:
+    def answering(self, peer: int, what: str) -> Iterator[None]:
         """Turn a failed post or wait on ``peer`` (its connection closed, or the timeout passed) into
         :class:`PoolPeerError`."""
         try:
@@ -196,6 +196,36 @@ class Bridge:
     def close(self) -> None:
         self._subgroups.clear()
         self.control = None
+
+
+class HeartbeatWatch:
+    """The heartbeats of some ranks, seen from a rank that waits on them without blocking (a transfer running in a
+    thread of its own, polled between engine steps). :meth:`check` raises :class:`PoolPeerError` naming the first
+    rank whose counter has stood still for the bridge's heartbeat timeout; it reads the store at most twice per
+    ``HEARTBEAT_S``, so calling it every loop costs nothing. Without a heartbeat timeout it never raises."""
+
+    def __init__(self, bridge: Bridge, ranks: tuple[int, ...]) -> None:
+        self.bridge, self.ranks = bridge, ranks
+        now = time.monotonic()
+        self._beats = {rank: bridge._beats(rank) for rank in ranks} if bridge.heartbeat_timeout_s else {}
+        self._since = dict.fromkeys(ranks, now)
+        self._read = now
+
+    def check(self, what: str) -> None:
+        limit = self.bridge.heartbeat_timeout_s
+        now = time.monotonic()
+        if not limit or now - self._read < HEARTBEAT_S / 2:
+            return
+        self._read = now
+        for rank in self.ranks:
+            beats = self.bridge._beats(rank)
+            if beats != self._beats[rank]:
+                self._beats[rank], self._since[rank] = beats, now
+            elif now - self._since[rank] > limit:
+                pool = self.bridge.placement.pool_of_rank(rank).name
+                raise PoolPeerError(f"rank {rank} of pool {pool!r} sent no heartbeat for {now - self._since[rank]:.0f}"
+                                    f" s while {what}: it is stopped (SIGSTOP, a frozen node) or hung "
+                                    f"(trainer.pool_heartbeat_timeout_s={limit:g})") from None
 
 
 def group_broadcast(tensor: torch.Tensor, group: Any, group_src: int, async_op: bool = False) -> Any:

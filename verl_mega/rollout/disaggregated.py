@@ -28,7 +28,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from verl_mega.parallel.pools import CONTROL_TAG, RESULT_TAG, Bridge, PoolPeerError
+from verl_mega.parallel.pools import CONTROL_TAG, HEARTBEAT_S, RESULT_TAG, Bridge, PoolPeerError
 from verl_mega.parallel.state import pool_group
 from verl_mega.rollout.base import (SEED_MODULUS, STOP_REASONS, Generated, Request, RolloutError, Sample, SamplingSpec,
                                     engine_share)
@@ -197,7 +197,10 @@ class RolloutServer:
         queue: deque[dict] = deque()  # commands not started yet (the same on every rank)
         started: dict[int, dict] = {}  # generate commands started and not answered, in order
         staged = None  # weights arriving in the background
+        weights_watch = self.bridge.heartbeats(())  # their sender's heartbeat, while they arrive
         while True:
+            if staged is not None and not staged.done():  # a sender that stops mid-transfer is named, not waited on
+                weights_watch.check("receiving weights from the training pool")
             swap_ready = staged is not None and staged.done() and (self.partial or not self.stream.busy)
             open_keys = self.stream.open()
             oldest = min((key[0] for key in open_keys), default=_NONE_OPEN)
@@ -215,7 +218,8 @@ class RolloutServer:
             for request in [r for r in started if r < min(oldest)]:
                 self._answer(started.pop(request))
             if staged is not None and all(ready):
-                staged.apply()
+                with self.bridge.answering(self.weight_sync.source, "receiving weights from the training pool"):
+                    staged.apply()  # a sender that died midway: its connection closed
                 self.stream.weights_changed()
                 staged = None
             idle = not any(busy) and staged is None and not queue and not started
@@ -224,8 +228,9 @@ class RolloutServer:
                 dist.broadcast_object_list(box, src=0, group=self.group)
                 queue.extend(box[0])
             if any(command["op"] == "stop" for command in queue):
-                if staged is not None:
-                    staged.wait()  # the trainer sent every bucket before it sent stop
+                while staged is not None and not staged.done():  # the trainer sent every bucket before stop
+                    weights_watch.check("receiving weights from the training pool")
+                    staged.wait(HEARTBEAT_S)
                 if self.outbox is not None:  # answers not taken yet go out, then the end marker
                     self.outbox.close()
                 return  # batches sent ahead of a step the trainer never ran are dropped: nothing waits for them
@@ -233,6 +238,7 @@ class RolloutServer:
                 command = queue.popleft()
                 if command["op"] == "weights":
                     staged = self.weight_sync.receive_in_background()
+                    weights_watch = self.bridge.heartbeats((self.weight_sync.source,))
                     continue
                 self._start(command)
                 started[command["id"]] = command

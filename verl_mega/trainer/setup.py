@@ -334,7 +334,8 @@ def build_job(cfg: TrainConfig, trainer_cls: type | None = None) -> Job:
 
 def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -> Job:
     from verl_mega import algos
-    from verl_mega.checkpoint.integrity import check_steps_left
+    from verl_mega.checkpoint.integrity import check_steps_left, checkpoint_step
+    from verl_mega.trainer.failures import FAILURES_FILE, record_restart, start_attempt
     from verl_mega.checkpoint.manager import CheckpointManager, find_checkpoint, verify_checkpoint
     from verl_mega.models.flops import detect_peak_flops
     from verl_mega.parallel.scheduler import write_placement_json
@@ -358,11 +359,21 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
 
     # --- worlds, the checkpoint to resume from, and a rollout pool's own server
     bridge, records = _init_worlds(cfg, placement, device, resources)
+    job_rank = bridge.rank if bridge is not None else dist.get_rank()
+    start_attempt(cfg.trainer.output_dir, job_rank)  # every rank of the job has joined: the records are this job's
     # every file's checksum, each rank hashing a share; a broken newest checkpoint falls back (resume=auto)
     if bridge is None or bridge.trains:
         resume_path = verify_checkpoint(cfg, resume_path)
-    if bridge is not None:  # the rollout pool learns the training pool's decision
+    if bridge is not None:  # the rollout pool learns the training pool's decision (collective over the job)
         resume_path = bridge.broadcast_object(resume_path, 0)
+    elif dist.get_world_size() > 1:
+        dist.barrier()  # every rank's record of its predecessor is set aside before rank 0 reads them
+    if job_rank == 0:
+        restart = record_restart(cfg.trainer.output_dir, world_size=placement.world_size,
+                                 resume_step=checkpoint_step(resume_path) if resume_path is not None else 0,
+                                 launcher=os.environ.get("VERL_MEGA_LAUNCHER", ""))
+        if restart is not None:
+            log.warning("restarted after a failure (%s): %s", FAILURES_FILE, restart["cause"])
     if resume_path is not None:
         check_steps_left(resume_path, total_steps)  # a complete run ends here, before anything is built
     if bridge is not None and not bridge.trains:
