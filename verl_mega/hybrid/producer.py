@@ -36,6 +36,7 @@ from verl_mega.hybrid.convert import (block_copies, block_shape, canonical_name,
 from verl_mega.hybrid.transport import InPlaceTransport, WeightSyncError, device_synchronize, is_fp8_linear
 from verl_mega.models.hf_config import ModelArch
 from verl_mega.models.loader import iter_hf_tensors, unwrap
+from verl_mega.models.lora import effective_weight, has_adapters
 from verl_mega.models.weights import MAPPED_BUFFERS, ParamRule, mapped_tensors, rule_for
 from verl_mega.parallel.state import RankGroups
 
@@ -52,6 +53,13 @@ class _Param:
     suffix: str  # mcore name inside the layer (or top-level name)
     tensor: torch.Tensor
     rule: ParamRule
+    layer: torch.nn.Module | None = None  # the owning decoder layer (None: top-level)
+
+    @property
+    def data(self) -> torch.Tensor:
+        """What vLLM gets: the parameter, or for a linear with LoRA adapters its merged weight ``W + s·B·A``
+        (computed from this rank's shards alone, one layer at a time)."""
+        return self.tensor.data if self.layer is None else effective_weight(self.layer, self.suffix, self.tensor)
 
     @property
     def exact(self) -> bool:
@@ -81,6 +89,7 @@ class WeightProducer:
         self._layers = self._local_layers()
         self._top = self._local_top_params()
         self._direct: tuple[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+        self.lora = has_adapters(self.chunks)  # the merged weights are new tensors at every sync
         self._experts = self._expert_exchange() if arch.is_moe else None
         self._stage_slots = self._all_stage_slots()
 
@@ -109,7 +118,7 @@ class WeightProducer:
         for model in self.chunks:
             offset = model.stage_layout.layer_offset
             for i, layer in enumerate(model.decoder.layers):
-                params = [_Param(n, p, rule_for(f"decoder.layers.{i}.{n}", self.arch, offset))
+                params = [_Param(n, p, rule_for(f"decoder.layers.{i}.{n}", self.arch, offset), layer)
                           for n, p in mapped_tensors(layer)]
                 layers.append((offset + i, params))
         layers.sort(key=lambda x: x[0])
@@ -198,7 +207,15 @@ class WeightProducer:
         """No communication (t = tg, p = 1): strided copies from Megatron's parameters straight into vLLM's.
 
         The copy plan is built once and reused while both sides keep their storage (offload/onload or a vLLM
-        restart moves it, which the pointer key detects)."""
+        restart moves it, which the pointer key detects). With LoRA adapters each layer's merged weights are made,
+        copied and dropped in turn (the extra peak is one layer's)."""
+        if self.lora:
+            for _, params in self._layers:
+                for p in params:
+                    shape = block_shape(p.rule, p.tensor.shape, 1)
+                    for dst, src in block_copies(p.rule, sink.buffer(vllm_name(p.rule), shape), [p.data], self.arch):
+                        dst.copy_(src)
+            return
         key = tuple(p.tensor.data_ptr() for _, params in self._layers for p in params)
         key += tuple(t.data_ptr() for t in sink.params.values())
         if self._direct is None or self._direct[0] != key:
@@ -225,10 +242,10 @@ class WeightProducer:
         _, params = self._layers[step]
         m, p_size, me = self.pool.micro_dp, self.pool.pp, self.groups.pp_rank
         sharded = [p for p in params if p.rule.kind != "replicated" and not p.rule.is_expert]
-        shards: dict[str, list[torch.Tensor]] = {p.suffix: [p.tensor.data] for p in params}
+        shards: dict[str, list[torch.Tensor]] = {p.suffix: [p.data] for p in params if not p.rule.is_expert}
         live = 0
         if m > 1 and sharded:
-            flat = torch.cat([p.tensor.data.reshape(-1) for p in sharded])
+            flat = torch.cat([shards[p.suffix][0].reshape(-1) for p in sharded])
             gathered = _all_gather(flat, m, self.groups["micro_dp"])
             self.received += (m - 1) * _nbytes(flat)
             live += _nbytes(flat) + _nbytes(gathered)
