@@ -243,7 +243,7 @@ def print_table(results: list[dict]) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="JSON report path")
+    ap.add_argument("--out", default=None, help="JSON report path (required)")
     ap.add_argument("--variants", default="bf16,fp8,fp8_kv8")
     ap.add_argument("--layers", type=int, default=None, help="fewer layers for a quick run (default: 28)")
     ap.add_argument("--prompts", type=int, default=256)

@@ -45,7 +45,8 @@ MODES = ("inplace", "reference")
 # has vLLM recompute them (transport.InPlaceTransport.commit), the producer never writes them
 DERIVED = (".W_UK_T", ".W_UV")
 # quantization scales vLLM keeps beside a quantized weight: the FP8 transport writes them with their weight
-SCALES = (".weight_scale", ".input_scale", ".k_scale", ".v_scale", ".q_scale", ".prob_scale")
+SCALES = (".weight_scale", ".input_scale", ".k_scale", ".v_scale", ".q_scale", ".prob_scale", "._k_scale", "._v_scale",
+          "._q_scale", "._prob_scale")
 
 
 @dataclass
