@@ -12,7 +12,7 @@ from test_hybrid_convert import COMBOS, _arch, _hf, _reader, _vllm_slice
 
 from verl_mega.hybrid.convert import block_copies, block_shape, vllm_name, write_block
 from verl_mega.hybrid.fp8 import FP8_DTYPE, Fp8Rows
-from verl_mega.hybrid.producer import check_quantized_coverage
+from verl_mega.hybrid.producer import check_quantized_coverage, written_names
 from verl_mega.hybrid.transport import InPlaceTransport, WeightSyncError
 from verl_mega.models.weights import hf_to_mcore_shard, rule_for
 
@@ -229,3 +229,11 @@ def test_config_keys():
         VLLMRolloutConfig(model_path="m", quantization="fp8", load_format="safetensors")
     weights = FP8_QUANTIZATION_CONFIG["config_groups"]["group_0"]["weights"]
     assert (weights["strategy"], weights["type"], weights["num_bits"]) == ("channel", "float", 8)
+
+
+def test_a_sync_writes_weights_but_not_the_scales_vllm_keeps_itself():
+    layer = "model.layers.0.self_attn"
+    names = {f"{layer}.qkv_proj.weight", f"{layer}.qkv_proj.weight_scale", f"{layer}.qkv_proj.input_scale",
+             f"{layer}.attn._k_scale", f"{layer}.attn._q_scale", f"{layer}.attn._v_scale", f"{layer}.attn.k_scale",
+             f"{layer}.attn._prob_scale", "model.layers.0.mlp.down_proj.weight"}
+    assert written_names(names) == {f"{layer}.qkv_proj.weight", "model.layers.0.mlp.down_proj.weight"}

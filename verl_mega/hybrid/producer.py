@@ -45,8 +45,14 @@ MODES = ("inplace", "reference")
 # has vLLM recompute them (transport.InPlaceTransport.commit), the producer never writes them
 DERIVED = (".W_UK_T", ".W_UV")
 # quantization scales vLLM keeps beside a quantized weight: the FP8 transport writes them with their weight
+# (vLLM 0.26 registers attention's own as ``attn._k_scale`` etc.; they keep vLLM's values)
 SCALES = (".weight_scale", ".input_scale", ".k_scale", ".v_scale", ".q_scale", ".prob_scale", "._k_scale", "._v_scale",
           "._q_scale", "._prob_scale")
+
+
+def written_names(vllm_names: set[str]) -> set[str]:
+    """vLLM's parameters that a weight sync writes: all of them but those it derives and the quantization scales."""
+    return {canonical_name(n) for n in vllm_names if not n.endswith(DERIVED + SCALES)}
 
 
 @dataclass
@@ -159,7 +165,7 @@ class WeightProducer:
         names |= {"model.embed_tokens.weight", "model.norm.weight"}
         if not self.arch.tie_word_embeddings:
             names.add("lm_head.weight")
-        vllm_names = {canonical_name(n) for n in vllm_names if not n.endswith(DERIVED + SCALES)}
+        vllm_names = written_names(vllm_names)
         if names != vllm_names:
             missing, extra = sorted(vllm_names - names), sorted(names - vllm_names)
             raise WeightSyncError(
