@@ -200,7 +200,8 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--mode", mode, "--out", str(out)] + [
                 f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                 if k not in ("out", "mode", "smoke") and v is not None] + (["--smoke"] if args.smoke else [])
-            subprocess.run(cmd, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+            path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+            subprocess.run(cmd, check=True, env={**os.environ, "PYTHONPATH": path})
             rows.append(json.loads(out.read_text()))
     report = {"benchmark": "bench_lora_gpu", "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
                   timespec="seconds"), "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from verl_mega.hybrid.convert import (block_copies, block_shape, canonical_name, expert_block_shape,
                                       expert_dest_views, expert_plan, expert_source_views, vllm_name, vllm_slot,
                                       vllm_vocab_rows, vocab_row_plan, write_block)
-from verl_mega.hybrid.transport import InPlaceTransport, WeightSyncError, device_synchronize
+from verl_mega.hybrid.transport import InPlaceTransport, WeightSyncError, device_synchronize, is_fp8_linear
 from verl_mega.models.hf_config import ModelArch
 from verl_mega.models.loader import iter_hf_tensors, unwrap
 from verl_mega.models.lora import effective_weight, has_adapters
@@ -44,6 +44,15 @@ MODES = ("inplace", "reference")
 # vLLM parameters derived from others after loading (MLA's absorbed W_UK_T / W_UV, from kv_b_proj): the transport
 # has vLLM recompute them (transport.InPlaceTransport.commit), the producer never writes them
 DERIVED = (".W_UK_T", ".W_UV")
+# quantization scales vLLM keeps beside a quantized weight: the FP8 transport writes them with their weight
+# (vLLM 0.26 registers attention's own as ``attn._k_scale`` etc.; they keep vLLM's values)
+SCALES = (".weight_scale", ".input_scale", ".k_scale", ".v_scale", ".q_scale", ".prob_scale", "._k_scale", "._v_scale",
+          "._q_scale", "._prob_scale")
+
+
+def written_names(vllm_names: set[str]) -> set[str]:
+    """vLLM's parameters that a weight sync writes: all of them but those it derives and the quantization scales."""
+    return {canonical_name(n) for n in vllm_names if not n.endswith(DERIVED + SCALES)}
 
 
 @dataclass
@@ -156,7 +165,7 @@ class WeightProducer:
         names |= {"model.embed_tokens.weight", "model.norm.weight"}
         if not self.arch.tie_word_embeddings:
             names.add("lm_head.weight")
-        vllm_names = {canonical_name(n) for n in vllm_names if not n.endswith(DERIVED)}
+        vllm_names = written_names(vllm_names)
         if names != vllm_names:
             missing, extra = sorted(vllm_names - names), sorted(names - vllm_names)
             raise WeightSyncError(
@@ -391,6 +400,17 @@ class WeightSync:
     def __init__(self, producer: WeightProducer, rollout, mode: str = "inplace") -> None:
         if mode not in MODES:
             raise ValueError(f"weight sync mode={mode!r} is not one of {MODES}")
+        fp8 = [n for n, p in rollout.model.named_parameters() if p.dtype == torch.float8_e4m3fn]
+        if fp8:
+            linears = {f"{n}.weight" for n, m in rollout.model.named_modules() if is_fp8_linear(m)}
+            other = [n for n in fp8 if n not in linears]
+            if other or producer.arch.is_moe or producer.arch.is_mla:
+                raise WeightSyncError(f"vLLM holds FP8 parameters the weight sync cannot quantize into "
+                                      f"({(other or fp8)[:2]}); rollout.quantization=fp8 covers the linears of dense "
+                                      "decoders with multi-head attention; set rollout.quantization=none")
+            if mode == "reference":
+                raise WeightSyncError("vLLM holds FP8 weights, which its own loader cannot fill from full bf16 "
+                                      "tensors; use the in-place weight sync (rollout.weight_sync=inplace)")
         self.producer, self.rollout, self.mode = producer, rollout, mode
         self.version = 0
         self._transport: InPlaceTransport | None = None
@@ -404,6 +424,7 @@ class WeightSync:
         self.rollout.wake_up(["weights"])  # a sleeping engine's weight memory may be unmapped (GPU, level 2)
         device_synchronize()
         start = time.perf_counter()
+        quantized = 0
         if self.mode == "inplace":
             model = self.rollout.model
             if self._transport is None or self._transport.model is not model:
@@ -411,6 +432,7 @@ class WeightSync:
             else:
                 self._transport.refresh()
             producer.produce(self._transport)
+            quantized = check_quantized_coverage(self._transport)
         else:
             self.rollout.load_full_weights(producer.full_tensors())
         device_synchronize()
@@ -426,7 +448,24 @@ class WeightSync:
             "weight_sync/generation_weight_bytes": float(pool.generation_weight_bytes(model_bytes)),
             "weight_sync/model_bytes": float(model_bytes),
             "weight_sync/version": float(self.version),
+            "weight_sync/quantized_params": float(quantized),
         }
+
+
+def check_quantized_coverage(transport: InPlaceTransport) -> int:
+    """Every FP8 linear of vLLM must have been written whole (quantized) by this sync: a parameter, or part of one,
+    left out would generate with random weights, silently. Returns how many were written."""
+    written, sizes = transport.quantized_written, transport.quantized_sizes
+    missed = sorted(set(transport.quantized) - set(written))
+    if missed:
+        raise WeightSyncError(f"the weight sync wrote {len(written)} of vLLM's {len(transport.quantized)} FP8 linears "
+                              f"and missed {len(missed)} (e.g. {missed[:3]}); the layer's sync rule does not reach it")
+    partial = sorted(n for n in written if written[n] != sizes.get(n))
+    if partial:
+        n = partial[0]
+        raise WeightSyncError(f"the weight sync wrote {written[n]} of the {sizes.get(n)} elements of vLLM's FP8 {n} "
+                              f"({len(partial)} such parameters); its slices do not cover the block")
+    return len(written)
 
 
 def _byte_layout(slots: list[_Slot], dtype: torch.dtype) -> tuple[list[tuple[_Slot, int, torch.dtype]], int]:

@@ -153,7 +153,7 @@ class SDPAttention(MegatronModule):
     def _context_parallel_mask(self, local_len: int, device: torch.device) -> torch.Tensor:
         """mcore's convention (True = masked out): query i may see key j when j's global position ≤ i's; keys come
         gathered rank by rank."""
-        from verl_mega.parallel.placement import context_chunks
+        from verl_mega.parallel.context import context_chunks
 
         cp, rank = self.cp_group.size(), torch.distributed.get_group_rank(self.cp_group, torch.distributed.get_rank())
         seq = local_len * cp
