@@ -79,7 +79,8 @@ def run_mode(args) -> dict:
                                                             f"{args.layers or 'all'}", args.layers, smoke)
     arch = arch_from_hf(load_hf_config(model_dir))
     lora = LoRASpec(rank=args.rank, alpha=2.0 * args.rank) if args.mode in ("lora", "adapter") else None
-    tcfg = transformer_config(arch, dtype=dtype, use_cpu_initialization=smoke, fused_kernels=not smoke)
+    tcfg = transformer_config(arch, dtype=dtype, use_cpu_initialization=smoke,
+                              fused_kernels=not smoke and not args.no_fused)
     chunks = [c.to(device) for c in build_model_chunks(arch, tcfg, groups, use_te="false", lora=lora)]
     if lora is not None:  # a trained adapter: the sync merges a non-zero B·A
         with torch.no_grad():
@@ -109,6 +110,18 @@ def run_mode(args) -> dict:
         engine.train_step([dict(mb) for mb in mbs], loss_fn)
         _sync()
         step_s.append(time.perf_counter() - t0)
+    profile = None
+    if args.profile:  # one more step under the profiler: the operators that take the time
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as profiler
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profiler(activities=activities) as prof:
+            engine.train_step([dict(mb) for mb in mbs], loss_fn)
+            _sync()
+        key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+        profile = prof.key_averages().table(sort_by=key, row_limit=40)
+        print(profile)
     train_peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
     train_resident = torch.cuda.memory_allocated() if device.type == "cuda" else None
     if device.type == "cuda":
@@ -151,6 +164,7 @@ def run_mode(args) -> dict:
             "train_peak_gib": train_peak / 2**30 if train_peak is not None else None,
             "train_resident_gib": train_resident / 2**30 if train_resident is not None else None,
             "sync_s_median": statistics.median(sync_s), "sync_s": sync_s,
+            "profile": profile,
             "sync_bytes_received": metrics.get("weight_sync/bytes_received"),
             "sync_adapter_bytes": metrics.get("weight_sync/adapter_bytes"),
             "sync_peak_buffer_bytes": metrics.get("weight_sync/peak_buffer_bytes"),
@@ -183,6 +197,8 @@ def main() -> None:
     ap.add_argument("--gen-prompt", type=int, default=None, help="prompt tokens")
     ap.add_argument("--gen-tokens", type=int, default=None, help="tokens generated per prompt")
     ap.add_argument("--smoke", action="store_true", help="CPU: the tiny model")
+    ap.add_argument("--profile", action="store_true", help="print the operators of one more optimizer step")
+    ap.add_argument("--no-fused", action="store_true", help="model.fused_kernels=false (no torch.compile)")
     args = ap.parse_args()
     for key, gpu, cpu in (("micro_batch", 1, 2), ("micro_batches", 4, 2), ("seq_len", 4096, 32), ("steps", 5, 2),
                           ("sync_repeats", 3, 2), ("layers", None, 2), ("gen_batch", 64, 4), ("gen_prompt", 256, 8),
@@ -199,7 +215,8 @@ def main() -> None:
             out = Path(tmp) / f"{mode}.json"
             cmd = [sys.executable, __file__, "--mode", mode, "--out", str(out)] + [
                 f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                if k not in ("out", "mode", "smoke") and v is not None] + (["--smoke"] if args.smoke else [])
+                if k not in ("out", "mode", "smoke", "profile", "no_fused") and v is not None] + [
+                f"--{flag.replace('_', '-')}" for flag in ("smoke", "profile", "no_fused") if getattr(args, flag)]
             path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
             subprocess.run(cmd, check=True, env={**os.environ, "PYTHONPATH": path})
             rows.append(json.loads(out.read_text()))
