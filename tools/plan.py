@@ -5,7 +5,8 @@
                          [--tp T --pp P --vpp V --gen-tp G --gen-ep G --ep E --etp T] [--micro-batch B --seq-len S
                          --recompute R]
                          [--global-batch N] [--step-samples N --response-len R --n N]
-                         [--offload params,grads,optimizer] [--explain] [--json] [--dry-run [--rank R ...]]
+                         [--offload params,grads,optimizer] [--lora-rank R [--lora-targets T,...]]
+                         [--explain] [--json] [--dry-run [--rank R ...]]
 
 Memory is in GiB (2^30 bytes) per GPU, times in seconds per RL step. --json prints one JSON object whose ``plans``
 list is ranked best first; each plan has ``tp``, ``pp``, ``vpp``, ``dp``, ``gen_tp``, ``gen_ep``, ``memory_gb`` and
@@ -101,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--offload", default="", help="comma list of params,grads,optimizer moved to the host while "
                                                   "actor/critic are idle")
     ap.add_argument("--offload-ref", action="store_true", help="keep reference weights on the host between uses")
+    ap.add_argument("--lora-rank", type=_positive(int, zero_ok=True), default=0,
+                    help="LoRA adapters of this rank (as model.lora.rank): the base frozen, the reference its base")
+    ap.add_argument("--lora-targets", default="all-linear", help="comma list of HF projections (as "
+                                                                "model.lora.target_modules)")
     ap.add_argument("--gpu-memory-utilization", type=_positive(float), default=0.5, help="vLLM's share of GPU memory")
     ap.add_argument("--kv-cache-gb", type=_positive(float), default=None, help="explicit vLLM KV budget, GiB")
     ap.add_argument("--max-num-seqs", type=_positive(), default=256)
@@ -141,8 +146,14 @@ def main(argv: list[str] | None = None) -> int:
                           reserve_gib=args.reserve_gb, topology=topology, hardware=hardware)
         work = Workload(micro_batch=args.micro_batch, seq_len=args.seq_len, dtype=args.dtype, entropy=args.entropy)
         offload = tuple(x for x in args.offload.split(",") if x)
+        lora = None
+        if args.lora_rank:
+            from verl_mega.models.lora import LoRASpec, resolve_targets
+
+            lora = LoRASpec(rank=args.lora_rank, alpha=float(args.lora_rank),
+                            targets=resolve_targets(tuple(args.lora_targets.split(","))))
         roles = default_roles(critic=not args.no_critic, ref=not args.no_ref, offload=offload,
-                              offload_ref=args.offload_ref)
+                              offload_ref=args.offload_ref, lora=lora)
         rollout = RolloutSpec(gpu_memory_utilization=args.gpu_memory_utilization,
                               kv_cache_bytes=args.kv_cache_gb * GiB if args.kv_cache_gb else None,
                               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)

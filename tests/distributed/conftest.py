@@ -28,6 +28,15 @@ def quickstart_run(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def lora_quickstart_run(tmp_path_factory) -> Path:
+    """configs/quickstart_lora_cpu.yaml as the README runs it: 150 steps, checkpoints every 50 with the HF export
+    (merged model + PEFT adapter)."""
+    return _whole(tmp_path_factory, "quickstart-lora", "quickstart_lora_cpu.yaml",
+                  ["logging.progress_bar=false", "logging.plot=false", "logging.tensorboard=false"],
+                  env={**ASYNC_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})  # test_quickstart.py resumes it
+
+
+@pytest.fixture(scope="session")
 def moe_quickstart_run(tmp_path_factory) -> Path:
     return _whole(tmp_path_factory, "quickstart-moe", "quickstart_moe_cpu.yaml",
                   ["logging.progress_bar=false", "trainer.save_every=0", "logging.plot=false"])

@@ -33,11 +33,12 @@ def parity_run(factory, parity_models: Path, nproc: int, *args: str, timeout: fl
     return (shared_dir(factory, "parity" + "".join(args).replace("-", "_"), make) / "out.txt").read_text()
 
 
-# the layouts test_packing_parity.py checks packed micro-batches at: these runs check both
-PACKING_LAYOUTS = {"tp2": ["--tp", "2", "--pp", "1", "--packing"], "tp2-sp": ["--tp", "2", "--pp", "1", "--sp",
-                                                                              "--packing"],
-                   "pp2": ["--tp", "1", "--pp", "2", "--packing"],
+# the layouts test_packing_parity.py checks packed micro-batches at: these runs check both (and LoRA, but at cp=2)
+PACKING_LAYOUTS = {"tp2": ["--tp", "2", "--pp", "1", "--packing", "--lora"],
+                   "tp2-sp": ["--tp", "2", "--pp", "1", "--sp", "--packing", "--lora"],
+                   "pp2": ["--tp", "1", "--pp", "2", "--packing", "--lora"],
                    "cp2": ["--cp", "2", "--tp", "1", "--pp", "1", "--grads", "--packing"]}
+TP1_ARGS = ["--tp", "1", "--pp", "1", "--lora"]
 
 
 @pytest.mark.parametrize("layout", [("1", "1", False), ("2", "1", False), ("2", "1", True), ("1", "2", False)],
@@ -45,11 +46,30 @@ PACKING_LAYOUTS = {"tp2": ["--tp", "2", "--pp", "1", "--packing"], "tp2-sp": ["-
 def test_logits_match_hf(parity_models, layout, tmp_path_factory):
     tp, pp, sp = layout
     packing = {("2", "1", False): "tp2", ("2", "1", True): "tp2-sp", ("1", "2", False): "pp2"}.get(layout)
-    args = PACKING_LAYOUTS[packing] if packing else ["--tp", tp, "--pp", pp] + (["--sp"] if sp else [])
+    args = PACKING_LAYOUTS[packing] if packing else TP1_ARGS
     report = _parity(parity_run(tmp_path_factory, parity_models, 2, *args))
     for mt in ("qwen2", "llama", "qwen3"):
         assert report[mt]["logits_max_abs"] < 1e-5
         print(mt, layout, report[mt])
+
+
+@pytest.mark.parametrize("layout", ["tp2", "tp2-sp", "pp2"])
+def test_lora_layouts_equal_tp1(parity_models, layout, tmp_path_factory):
+    """LoRA adapters (all seven projections, rank 4, on qwen2 and on llama with tied embeddings), inside the logits
+    runs above: at tp=2 (with and without sequence parallelism) and pp=2 the logits and every adapter's gradient
+    equal tp=1's within 1e-5, and each run equals HF transformers + peft (fp32) within 1e-5 (jobs/lora_parity.py)."""
+    runs = {"tp1": TP1_ARGS, layout: PACKING_LAYOUTS[layout]}
+    for name, args in runs.items():
+        report = tagged_report(parity_run(tmp_path_factory, parity_models, 2, *args), "LORA")
+        for mt in ("qwen2", "llama"):
+            assert report[mt]["logits_max_abs"] < 1e-5 and report[mt]["grad_max_abs"] < 1e-5, (name, mt, report[mt])
+    tag = {"tp2": "tp2-pp1", "tp2-sp": "tp2-pp1-sp", "pp2": "tp1-pp2"}[layout]
+    ref, got = (torch.load(parity_models / f"lora-{t}.pt") for t in ("tp1-pp1", tag))
+    for mt in ("qwen2", "llama"):
+        assert (got[mt]["logits"] - ref[mt]["logits"]).abs().max().item() < 1e-5, mt
+        assert set(got[mt]["grads"]) == set(ref[mt]["grads"]) and len(ref[mt]["grads"]) == 28
+        for key, grad in ref[mt]["grads"].items():
+            assert (got[mt]["grads"][key] - grad).abs().max().item() < 1e-5, (mt, key)
 
 
 @pytest.fixture(scope="session")

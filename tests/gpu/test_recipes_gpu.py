@@ -63,9 +63,12 @@ def test_recipe_runs_two_steps_on_a_gpu(recipe, tmp_path):
 def test_ppo_recipe_with_a_1_5b_bf16_model(tmp_path):
     if _gpus() < 1:
         pytest.skip("needs a GPU")
-    from verl_mega.models.tiny import make_tiny_hf_model
-
-    model = make_tiny_hf_model(tmp_path / "qwen2.5-1.5b", **QWEN_1_5B)
+    model = tmp_path / "qwen2.5-1.5b"
+    # built in a process of its own: this one must not keep the model builder's threads alive at exit
+    subprocess.run([sys.executable, "-c", "import sys; from verl_mega.models.tiny import make_tiny_hf_model; "
+                    f"make_tiny_hf_model(sys.argv[1], **{QWEN_1_5B!r})", str(model)], cwd=REPO, check=True,
+                   env={**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
+                   timeout=300)
     steps = _train("ppo_cpu.yaml", tmp_path / "out", f"model.path={model}", f"model.tokenizer_path={model}",
                    "model.dtype=bfloat16")
     assert [r["step"] for r in steps] == [1, 2]

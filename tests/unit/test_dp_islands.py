@@ -16,7 +16,8 @@ import torch
 from verl_mega.config import ConfigError, load_config
 from verl_mega.engine.grad_sync import decode, encode, error_bound, sum_decoded
 from verl_mega.parallel.launch_env import DistEnv
-from verl_mega.parallel.placement import FP8_BLOCK, Placement, PlacementError, wire_bytes
+from verl_mega.parallel.placement import Placement, PlacementError
+from verl_mega.parallel.wire import FP8_BLOCK, wire_bytes
 from verl_mega.parallel.scheduler import (TopologyAwareScheduler, check_islands_agree, dp_island_ranks,
                                           place_on_devices)
 from verl_mega.parallel.topology import parse_topology

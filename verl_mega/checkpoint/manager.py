@@ -279,12 +279,16 @@ class CheckpointManager:
         return manifest_entries(tmp, sizes, {k: v for part in parts for k, v in part.items()})
 
     def _export_hf(self, out: Path) -> None:
-        """The actor as HF safetensors + config + tokenizer (collective over the model-parallel ranks)."""
+        """The actor as HF safetensors + config + tokenizer (collective over the model-parallel ranks); with LoRA
+        adapters that is the merged model, and ``hf_adapter/`` beside it holds the PEFT adapter."""
         from verl_mega.models.hf_io import write_hf_checkpoint
+        from verl_mega.models.lora import adapter_tensors, has_adapters, lora_spec_of, write_peft_adapter
         from verl_mega.models.loader import iter_hf_tensors
         from verl_mega.checkpoint.mcore import TOKENIZER_FILES
 
         actor = self.engines["actor"]
+        # LoRA: the PEFT adapter (hf_adapter/) beside the merged model (hf/); gathered first, on every rank
+        adapters = adapter_tensors(actor.modules, actor.groups) if has_adapters(actor.modules) else None
         stream = iter_hf_tensors(actor.chunks, self.arch, actor.groups)
         if _rank() != 0:
             for _ in stream:  # other ranks take part in the gathers
@@ -295,6 +299,9 @@ class CheckpointManager:
         for name in ("config.json", *TOKENIZER_FILES):
             if self.hf_source is not None and (self.hf_source / name).exists():
                 shutil.copy2(self.hf_source / name, out / name)
+        if adapters is not None:
+            write_peft_adapter(out.parent / "hf_adapter", adapters, lora_spec_of(actor.modules),
+                               str(self.hf_source) if self.hf_source is not None else None)
 
     def _prune(self) -> None:
         keep = self.cfg.checkpoint.keep_last
@@ -312,7 +319,7 @@ class CheckpointManager:
         if path is None:
             return 0
         from verl_mega.models.loader import unwrap
-        from verl_mega.checkpoint.mcore import model_sharded_state_dict
+        from verl_mega.checkpoint.mcore import load_model_state, model_sharded_state_dict
         from verl_mega.checkpoint.safe_load import load_dist, weights_only_load
         from verl_mega.checkpoint.integrity import read_trainer_state
 
@@ -336,7 +343,7 @@ class CheckpointManager:
                                 path.name, role, fmt, state.get("layout"), _layout(engine))
             loaded = load_dist(sd, path / role)
             for i, c in enumerate(engine.chunks):
-                unwrap(c).load_state_dict(loaded["model" if len(engine.chunks) == 1 else f"model{i}"])
+                load_model_state(unwrap(c), loaded["model" if len(engine.chunks) == 1 else f"model{i}"])
             if "optimizer" in sd:  # `loaded` can hold the optimizer's common part even when sd asked for none
                 optim_state.load(engine.optimizer, loaded["optimizer"])
             engine.version = state["engines"][role]["version"]

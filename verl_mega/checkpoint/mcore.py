@@ -19,15 +19,34 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 def model_sharded_state_dict(chunks: list[torch.nn.Module], groups) -> dict[str, Any]:
     """mcore's sharded state dict, keyed like Megatron-LM (`model`, or `model0`, `model1`, … with VPP); replicas
-    are told apart over the data(+context)-parallel group of ``groups`` (a RankGroups)."""
+    are told apart over the data(+context)-parallel group of ``groups`` (a RankGroups). A model with LoRA adapters
+    gives its adapters only: the frozen base is the HF model it was built from (``model.path``), not state."""
+    from verl_mega.models.lora import has_adapters, is_lora_param
     from verl_mega.models.loader import unwrap
     from verl_mega.parallel.state import mcore_dp_cp_group
 
+    modules = [unwrap(c) for c in chunks]
+    adapters_only = has_adapters(modules)
     with mcore_dp_cp_group(groups):
-        if len(chunks) == 1:
-            return {"model": unwrap(chunks[0]).sharded_state_dict(metadata={"dp_cp_group": groups["dp_cp"]})}
-        return {f"model{i}": unwrap(c).sharded_state_dict(metadata={"dp_cp_group": groups["dp_cp"]})
-                for i, c in enumerate(chunks)}
+        sds = [m.sharded_state_dict(metadata={"dp_cp_group": groups["dp_cp"]}) for m in modules]
+    if adapters_only:
+        sds = [{k: v for k, v in sd.items() if is_lora_param(k)} for sd in sds]
+    return {"model": sds[0]} if len(sds) == 1 else {f"model{i}": sd for i, sd in enumerate(sds)}
+
+
+def load_model_state(module: torch.nn.Module, state: dict[str, Any]) -> None:
+    """Load a (dist-checkpoint) state dict into one model chunk: all of it, or with LoRA adapters exactly the
+    adapters (the frozen base was loaded from the HF model it was built from)."""
+    from verl_mega.models.lora import has_adapters, is_lora_param
+
+    if not has_adapters([module]):
+        module.load_state_dict(state)
+        return
+    missing = module.load_state_dict(state, strict=False).missing_keys
+    adapters = [k for k in missing if is_lora_param(k)]
+    if adapters:
+        raise CheckpointError(f"checkpoint: LoRA adapter {adapters[0]} is missing (and {len(adapters) - 1} more); "
+                              f"the checkpoint was written with another model.lora (rank, target_modules)")
 
 
 def save_model_dist(chunks: list[torch.nn.Module], out_dir: str | Path, groups) -> None:
@@ -137,3 +156,19 @@ def convert_mcore_to_hf(mcore_path: str | Path, out_dir: str | Path) -> Path:
 
 def _dtype_name(st_dtype: str) -> str:
     return {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}.get(st_dtype, "float32")
+
+
+def merge_lora_adapter(base_path: str | Path, adapter_path: str | Path, out_dir: str | Path) -> Path:
+    """HF base model + PEFT LoRA adapter → the merged HF model (``W + (alpha/r)·B·A``), streamed one tensor at a
+    time in one CPU process; config and tokenizer files are copied from the base."""
+    from verl_mega.models.lora import merge_into_hf, read_peft_adapter
+
+    target = AtomicDir(out_dir)  # a bad --output fails first
+    base_path = Path(base_path)
+    spec, adapter = read_peft_adapter(adapter_path)
+    reader = HFCheckpointReader(base_path)
+    with target as tmp:
+        write_hf_checkpoint(tmp, merge_into_hf(((k, reader.get(k)) for k in reader.keys()), adapter, spec))
+        shutil.copy2(base_path / "config.json", tmp / "config.json")
+        _copy_tokenizer(base_path, tmp)
+    return Path(out_dir)

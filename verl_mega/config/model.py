@@ -11,6 +11,42 @@ TINY_MODEL = "tiny"  # special model.path: build the bundled tiny model instead 
 TinyTask = Literal["arithmetic", "addition_small", "calculator"]  # data.tasks.GENERATED_TASKS (a unit test checks)
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # models.lora.HF_TARGETS
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoRAConfig(ConfigSection):
+    """Low-rank adapters (docs/lora.md): the base model is frozen in `model.dtype` (no fp32 master copy, gradient or
+    optimizer state), each targeted projection learns `(alpha/rank)·B·A`, the reference policy is the base with the
+    adapters off, and the rollout gets the merged weights through the in-place weight sync."""
+
+    SECTION: ClassVar[str] = "model.lora"
+
+    rank: int = option(0, help="Adapter rank r; 0 disables LoRA (full fine-tuning).")
+    alpha: float = option(16.0, help="Scaling numerator: adapters add (alpha/rank)·B·A (PEFT's lora_alpha).")
+    dropout: float = option(0.0, help="Dropout on the adapters' input while training (PEFT's lora_dropout).")
+    target_modules: tuple[str, ...] = option(
+        ("all-linear",), help="HF projections that get adapters: any of q_proj, k_proj, v_proj, o_proj, gate_proj, "
+                              "up_proj, down_proj, or `all-linear` for all of them. Routed experts of MoE layers "
+                              "carry none.")
+    init: Literal["kaiming", "gaussian"] = option(
+        "kaiming", help="Initialisation of A (B starts at zero, so training starts from the base model): PEFT's "
+                        "default Kaiming-uniform, or N(0, 1/rank) (PEFT's `gaussian`).")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    def validate(self) -> None:
+        self._check_range("rank", ge=0, example=16)
+        self._check_range("alpha", gt=0.0, example=16)
+        self._check_range("dropout", ge=0.0, lt=1.0, example=0.05)
+        bad = [t for t in self.target_modules if t not in (*LORA_TARGETS, "all-linear")]
+        self._require(not bad and bool(self.target_modules),
+                      f"model.lora.target_modules={list(self.target_modules)}: {bad or 'empty'} not among "
+                      f"{list(LORA_TARGETS)} or all-linear; name HF projections, e.g. [q_proj, v_proj]")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig(ConfigSection):
     """The policy model (actor; also the reference policy and, unless `critic.model_path` is set, the critic's
@@ -64,6 +100,7 @@ class ModelConfig(ConfigSection):
     moe_token_dispatcher: Literal["alltoall", "allgather"] = option(
         "alltoall", help="Mixture-of-Experts: Megatron's token dispatcher between expert-parallel ranks "
                          "(`moe_token_dispatcher_type`).", affects_results=False)
+    lora: LoRAConfig = option(factory=LoRAConfig, help="LoRA adapters instead of full fine-tuning.")
     tiny_arch: Literal["qwen2", "qwen3_moe", "mixtral", "deepseek_v3"] = option(
         "qwen2", help="With `path: tiny`: the bundled tiny model's family: a dense Qwen2, or a Mixture-of-Experts "
                       "Qwen3-MoE / Mixtral (8 experts of width 64, top-2) for trying expert parallelism and routing "
@@ -100,3 +137,6 @@ class ModelConfig(ConfigSection):
         self._check_range("moe_aux_loss_coeff", ge=0.0, example=0.001)
         self._check_range("moe_z_loss_coeff", ge=0.0, example=0.001)
         self._check_range("moe_router_bias_update_rate", ge=0.0, example=0.001)
+        self._require(not (self.lora.enabled and self.use_te is True),
+                      "model.lora needs our layer spec (Transformer Engine fuses the norm into the projections the "
+                      "adapters read); set model.use_te=auto or false")

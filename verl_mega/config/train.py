@@ -96,6 +96,10 @@ class TrainConfig(ConfigSection):
                       f"reward.overlong_buffer.len={ob.len} exceeds rollout.max_response_length="
                       f"{self.rollout.max_response_length}; set reward.overlong_buffer.len<="
                       f"{self.rollout.max_response_length}")
+        self._require(self.rollout.quantization == "none" or "rollout" not in self.placement.roles,
+                      f"rollout.quantization={self.rollout.quantization} quantizes inside the colocated weight sync, "
+                      f"but placement.roles.rollout gives the rollout a pool of its own; set rollout.quantization=none "
+                      f"or remove placement.roles.rollout")
         tp, gen_tp = self.parallel.tp, self.rollout.gen_tp
         self._require(tp % gen_tp == 0, f"rollout.gen_tp={gen_tp} must divide parallel.tp={tp} (generation TP groups "
                                         f"are carved out of each training TP group); set rollout.gen_tp to a divisor "

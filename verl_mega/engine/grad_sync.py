@@ -28,7 +28,7 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
-from verl_mega.parallel.placement import FP8_BLOCK, wire_bytes
+from verl_mega.parallel.wire import FP8_BLOCK, wire_bytes
 
 E4M3_MAX = 448.0
 # Largest error of rounding one value, relative (normal numbers; u = 2^-p for p significant bits) and, for fp8, in

@@ -23,7 +23,7 @@ from verl_mega.engine.grad_sync import install_cross_island_step
 from verl_mega.models.build import forward_packed
 from verl_mega.models.loader import unwrap
 from verl_mega.parallel.cpu_mode import comm_device as _device
-from verl_mega.parallel.placement import context_chunks, packed_context_chunks
+from verl_mega.parallel.context import context_chunks, packed_context_chunks
 from verl_mega.parallel.state import RankGroups, all_reduce, mcore_tp_dp_cp_group
 
 MicroBatch = dict[str, torch.Tensor]

@@ -95,7 +95,7 @@ class RoutingReplay:
     rank keeps the layers of its own pipeline stage."""
 
     def __init__(self, chunks: list[torch.nn.Module], groups: RankGroups, *, sequence_parallel: bool) -> None:
-        from verl_mega.parallel.placement import context_chunks
+        from verl_mega.parallel.context import context_chunks
 
         self._chunks_positions = context_chunks
         self.groups, self.sequence_parallel = groups, sequence_parallel

@@ -97,7 +97,10 @@ def block_shape(rule: ParamRule, shard_shape: Sequence[int], m: int) -> tuple[in
 def block_copies(rule: ParamRule, dst: torch.Tensor, shards: Sequence[torch.Tensor],
                  arch: ModelArch) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The (destination view, source view) pairs that write generation block j, made of ``shards`` (training TP
-    order), into ``dst`` in vLLM's layout. Views only: nothing is copied here."""
+    order), into ``dst`` in vLLM's layout. Views only: nothing is copied here. An FP8 destination
+    (:class:`~verl_mega.hybrid.fp8.Fp8Rows`) gives the same slices as destinations that quantize as they copy."""
+    if hasattr(dst, "quantized_copies"):
+        return dst.quantized_copies(rule, shards, arch)
     m = len(shards)
     kind = rule.kind
     if kind == "replicated":

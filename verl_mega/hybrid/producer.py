@@ -33,9 +33,10 @@ import torch.distributed as dist
 from verl_mega.hybrid.convert import (block_copies, block_shape, canonical_name, expert_block_shape,
                                       expert_dest_views, expert_plan, expert_source_views, vllm_name, vllm_slot,
                                       vllm_vocab_rows, vocab_row_plan, write_block)
-from verl_mega.hybrid.transport import InPlaceTransport, WeightSyncError, device_synchronize
+from verl_mega.hybrid.transport import InPlaceTransport, WeightSyncError, device_synchronize, is_fp8_linear
 from verl_mega.models.hf_config import ModelArch
 from verl_mega.models.loader import iter_hf_tensors, unwrap
+from verl_mega.models.lora import effective_weight, has_adapters
 from verl_mega.models.weights import MAPPED_BUFFERS, ParamRule, mapped_tensors, rule_for
 from verl_mega.parallel.state import RankGroups
 
@@ -43,6 +44,15 @@ MODES = ("inplace", "reference")
 # vLLM parameters derived from others after loading (MLA's absorbed W_UK_T / W_UV, from kv_b_proj): the transport
 # has vLLM recompute them (transport.InPlaceTransport.commit), the producer never writes them
 DERIVED = (".W_UK_T", ".W_UV")
+# quantization scales vLLM keeps beside a quantized weight: the FP8 transport writes them with their weight
+# (vLLM 0.26 registers attention's own as ``attn._k_scale`` etc.; they keep vLLM's values)
+SCALES = (".weight_scale", ".input_scale", ".k_scale", ".v_scale", ".q_scale", ".prob_scale", "._k_scale", "._v_scale",
+          "._q_scale", "._prob_scale")
+
+
+def written_names(vllm_names: set[str]) -> set[str]:
+    """vLLM's parameters that a weight sync writes: all of them but those it derives and the quantization scales."""
+    return {canonical_name(n) for n in vllm_names if not n.endswith(DERIVED + SCALES)}
 
 
 @dataclass
@@ -50,6 +60,13 @@ class _Param:
     suffix: str  # mcore name inside the layer (or top-level name)
     tensor: torch.Tensor
     rule: ParamRule
+    layer: torch.nn.Module | None = None  # the owning decoder layer (None: top-level)
+
+    @property
+    def data(self) -> torch.Tensor:
+        """What vLLM gets: the parameter, or for a linear with LoRA adapters its merged weight ``W + s·B·A``
+        (computed from this rank's shards alone, one layer at a time)."""
+        return self.tensor.data if self.layer is None else effective_weight(self.layer, self.suffix, self.tensor)
 
     @property
     def exact(self) -> bool:
@@ -79,6 +96,7 @@ class WeightProducer:
         self._layers = self._local_layers()
         self._top = self._local_top_params()
         self._direct: tuple[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+        self.lora = has_adapters(self.chunks)  # the merged weights are new tensors at every sync
         self._experts = self._expert_exchange() if arch.is_moe else None
         self._stage_slots = self._all_stage_slots()
 
@@ -107,7 +125,7 @@ class WeightProducer:
         for model in self.chunks:
             offset = model.stage_layout.layer_offset
             for i, layer in enumerate(model.decoder.layers):
-                params = [_Param(n, p, rule_for(f"decoder.layers.{i}.{n}", self.arch, offset))
+                params = [_Param(n, p, rule_for(f"decoder.layers.{i}.{n}", self.arch, offset), layer)
                           for n, p in mapped_tensors(layer)]
                 layers.append((offset + i, params))
         layers.sort(key=lambda x: x[0])
@@ -147,7 +165,7 @@ class WeightProducer:
         names |= {"model.embed_tokens.weight", "model.norm.weight"}
         if not self.arch.tie_word_embeddings:
             names.add("lm_head.weight")
-        vllm_names = {canonical_name(n) for n in vllm_names if not n.endswith(DERIVED)}
+        vllm_names = written_names(vllm_names)
         if names != vllm_names:
             missing, extra = sorted(vllm_names - names), sorted(names - vllm_names)
             raise WeightSyncError(
@@ -196,7 +214,15 @@ class WeightProducer:
         """No communication (t = tg, p = 1): strided copies from Megatron's parameters straight into vLLM's.
 
         The copy plan is built once and reused while both sides keep their storage (offload/onload or a vLLM
-        restart moves it, which the pointer key detects)."""
+        restart moves it, which the pointer key detects). With LoRA adapters each layer's merged weights are made,
+        copied and dropped in turn (the extra peak is one layer's)."""
+        if self.lora:
+            for _, params in self._layers:
+                for p in params:
+                    shape = block_shape(p.rule, p.tensor.shape, 1)
+                    for dst, src in block_copies(p.rule, sink.buffer(vllm_name(p.rule), shape), [p.data], self.arch):
+                        dst.copy_(src)
+            return
         key = tuple(p.tensor.data_ptr() for _, params in self._layers for p in params)
         key += tuple(t.data_ptr() for t in sink.params.values())
         if self._direct is None or self._direct[0] != key:
@@ -223,10 +249,10 @@ class WeightProducer:
         _, params = self._layers[step]
         m, p_size, me = self.pool.micro_dp, self.pool.pp, self.groups.pp_rank
         sharded = [p for p in params if p.rule.kind != "replicated" and not p.rule.is_expert]
-        shards: dict[str, list[torch.Tensor]] = {p.suffix: [p.tensor.data] for p in params}
+        shards: dict[str, list[torch.Tensor]] = {p.suffix: [p.data] for p in params if not p.rule.is_expert}
         live = 0
         if m > 1 and sharded:
-            flat = torch.cat([p.tensor.data.reshape(-1) for p in sharded])
+            flat = torch.cat([shards[p.suffix][0].reshape(-1) for p in sharded])
             gathered = _all_gather(flat, m, self.groups["micro_dp"])
             self.received += (m - 1) * _nbytes(flat)
             live += _nbytes(flat) + _nbytes(gathered)
@@ -374,6 +400,17 @@ class WeightSync:
     def __init__(self, producer: WeightProducer, rollout, mode: str = "inplace") -> None:
         if mode not in MODES:
             raise ValueError(f"weight sync mode={mode!r} is not one of {MODES}")
+        fp8 = [n for n, p in rollout.model.named_parameters() if p.dtype == torch.float8_e4m3fn]
+        if fp8:
+            linears = {f"{n}.weight" for n, m in rollout.model.named_modules() if is_fp8_linear(m)}
+            other = [n for n in fp8 if n not in linears]
+            if other or producer.arch.is_moe or producer.arch.is_mla:
+                raise WeightSyncError(f"vLLM holds FP8 parameters the weight sync cannot quantize into "
+                                      f"({(other or fp8)[:2]}); rollout.quantization=fp8 covers the linears of dense "
+                                      "decoders with multi-head attention; set rollout.quantization=none")
+            if mode == "reference":
+                raise WeightSyncError("vLLM holds FP8 weights, which its own loader cannot fill from full bf16 "
+                                      "tensors; use the in-place weight sync (rollout.weight_sync=inplace)")
         self.producer, self.rollout, self.mode = producer, rollout, mode
         self.version = 0
         self._transport: InPlaceTransport | None = None
@@ -387,6 +424,7 @@ class WeightSync:
         self.rollout.wake_up(["weights"])  # a sleeping engine's weight memory may be unmapped (GPU, level 2)
         device_synchronize()
         start = time.perf_counter()
+        quantized = 0
         if self.mode == "inplace":
             model = self.rollout.model
             if self._transport is None or self._transport.model is not model:
@@ -394,6 +432,7 @@ class WeightSync:
             else:
                 self._transport.refresh()
             producer.produce(self._transport)
+            quantized = check_quantized_coverage(self._transport)
         else:
             self.rollout.load_full_weights(producer.full_tensors())
         device_synchronize()
@@ -409,7 +448,24 @@ class WeightSync:
             "weight_sync/generation_weight_bytes": float(pool.generation_weight_bytes(model_bytes)),
             "weight_sync/model_bytes": float(model_bytes),
             "weight_sync/version": float(self.version),
+            "weight_sync/quantized_params": float(quantized),
         }
+
+
+def check_quantized_coverage(transport: InPlaceTransport) -> int:
+    """Every FP8 linear of vLLM must have been written whole (quantized) by this sync: a parameter, or part of one,
+    left out would generate with random weights, silently. Returns how many were written."""
+    written, sizes = transport.quantized_written, transport.quantized_sizes
+    missed = sorted(set(transport.quantized) - set(written))
+    if missed:
+        raise WeightSyncError(f"the weight sync wrote {len(written)} of vLLM's {len(transport.quantized)} FP8 linears "
+                              f"and missed {len(missed)} (e.g. {missed[:3]}); the layer's sync rule does not reach it")
+    partial = sorted(n for n in written if written[n] != sizes.get(n))
+    if partial:
+        n = partial[0]
+        raise WeightSyncError(f"the weight sync wrote {written[n]} of the {sizes.get(n)} elements of vLLM's FP8 {n} "
+                              f"({len(partial)} such parameters); its slices do not cover the block")
+    return len(written)
 
 
 def _byte_layout(slots: list[_Slot], dtype: torch.dtype) -> tuple[list[tuple[_Slot, int, torch.dtype]], int]:

@@ -17,6 +17,7 @@ from typing import Any, Mapping
 import torch
 
 from verl_mega.hybrid.convert import routed_name
+from verl_mega.hybrid.fp8 import FP8_DTYPE, Fp8Rows
 from verl_mega.parallel.pools import group_broadcast
 from verl_mega.rollout.vllm_rollout import compat_finish_expert_reload, compat_refresh_mla
 
@@ -30,7 +31,13 @@ class InPlaceTransport:
     oneDNN) the slices go into loader-layout tensors and the layer's ``process_weights_after_loading`` runs again at
     ``commit`` — vLLM's own in-place reload step, never its slicing. Weights vLLM derives after loading (MLA's
     ``W_UK_T`` / ``W_UV``, split out of ``kv_b_proj``) are recomputed by vLLM's own post-load step of the attention
-    layers whose ``kv_b_proj`` was written, at ``commit``, on every backend."""
+    layers whose ``kv_b_proj`` was written, at ``commit``, on every backend.
+
+    FP8 linears (``rollout.quantization=fp8``: an e4m3 ``weight`` with a per-channel ``weight_scale``) are handed out as
+    :class:`~verl_mega.hybrid.fp8.Fp8Rows`, which quantize as they are written; their post-load processing never runs
+    again. ``quantized_written`` counts the elements of each actually written since :meth:`refresh` (the destinations
+    record their writes, also when the producer reuses them from an earlier sync), so a sync can prove it wrote every
+    one whole."""
 
     def __init__(self, model: torch.nn.Module, repacks: bool) -> None:
         self.model = model
@@ -38,8 +45,11 @@ class InPlaceTransport:
         self._fresh: dict[str, torch.Tensor] = {}
         self._touched: dict[str, torch.nn.Module] = {}
         self._latent: set[str] = set()  # modules whose kv_b_proj was written since the last commit
+        self.quantized_written: dict[str, int] = {}  # FP8 parameter → elements written since refresh()
+        self.quantized_sizes: dict[str, int] = {}  # FP8 parameter → elements of the block the sync writes
         self._index()
-        self.dtype = self.params[next(iter(self.params))].dtype
+        # the dtype slices travel in (the model's; FP8 weights are quantized from it on arrival)
+        self.dtype = next(p.dtype for p in self.params.values() if p.dtype != FP8_DTYPE)
 
     def _index(self) -> None:
         self.params = dict(self.model.named_parameters())
@@ -50,10 +60,13 @@ class InPlaceTransport:
             for param in module._parameters.values():
                 if param is not None:
                     self._owners.setdefault(id(param), []).append(mname)
+        self.quantized = {f"{mname}.weight": module for mname, module in self.model.named_modules()
+                          if is_fp8_linear(module)}
 
     def refresh(self) -> None:
         """Re-read vLLM's parameters: its own reload (or post-load processing) may have replaced them since."""
         self._index()
+        self.quantized_written.clear()
 
     def module(self, name: str) -> torch.nn.Module:
         return self.model.get_submodule(name)
@@ -64,6 +77,9 @@ class InPlaceTransport:
         param = self.params.get(name)
         if param is None:
             raise WeightSyncError(f"vLLM model has no parameter {name!r}; the model families differ")
+        if name in self.quantized:
+            self.quantized_sizes[name] = math.prod(shape)
+            return fp8_destination(name, self.quantized[name], shape, record=self.quantized_written)
         if name.endswith(".kv_b_proj.weight"):
             self._latent.add(name.rpartition(".kv_b_proj.")[0])
         if name in self._fresh:  # a fused parameter written in parts (MLA's fused_qkv_a_proj)
@@ -76,7 +92,9 @@ class InPlaceTransport:
             raise WeightSyncError(f"vLLM parameter {name} has shape {tuple(param.shape)}, the sync built {shape}")
         if self.repacks:
             for module_name in self._owners.get(id(param), [name.rpartition(".")[0]]):
-                self._touched[module_name] = self.model.get_submodule(module_name)
+                module = self.model.get_submodule(module_name)
+                if not is_fp8_linear(module):  # (an FP8 linear's bias) its post-load step would transpose again
+                    self._touched[module_name] = module
         return out
 
     def commit(self) -> None:
@@ -96,6 +114,29 @@ class InPlaceTransport:
         self._fresh.clear()
         self._touched.clear()
         self._latent.clear()
+
+
+def is_fp8_linear(module: torch.nn.Module) -> bool:
+    """A vLLM layer whose weight is stored in FP8 with its scales (any FP8 scheme; the sync checks the layout)."""
+    weight = module._parameters.get("weight")
+    return weight is not None and weight.dtype == FP8_DTYPE and hasattr(module, "weight_scale")
+
+
+def fp8_destination(name: str, module: torch.nn.Module, shape: tuple[int, ...],
+                    record: dict[str, int] | None = None) -> Fp8Rows:
+    """The e4m3 rows and per-channel scales of one vLLM FP8 linear, as the row-major [out, in] block ``shape``;
+    writes count their elements in ``record[name]``."""
+    weight, scale = module.weight.data, module.weight_scale.data
+    rows = weight.t()  # vLLM keeps per-channel FP8 weights as the transpose of row-major [out, in] storage
+    if scale.dim() != 2 or scale.shape[1] != 1 or scale.shape[0] != rows.shape[0]:
+        raise WeightSyncError(f"vLLM's {name} has scales {tuple(scale.shape)}, not one per output channel "
+                              f"[{rows.shape[0]}, 1]; build vLLM through rollout.quantization=fp8 (per-channel)")
+    if rows.stride(-1) != 1 or len(shape) != 2 or rows.shape[0] < shape[0] or rows.shape[1] < shape[1]:
+        raise WeightSyncError(f"vLLM's FP8 {name} is {tuple(weight.shape)} with strides {weight.stride()}, the sync "
+                              f"writes row-major {tuple(shape)} rows of its transpose; this vLLM lays FP8 weights "
+                              f"out differently")
+    # kernels that pad the weight to an alignment keep the real rows and columns first
+    return Fp8Rows(rows[:shape[0], :shape[1]], scale[:shape[0]], None if record is None else (record, name))
 
 
 HEADER_SLICES = 1024  # slices named by one bucket's header at most

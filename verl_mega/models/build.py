@@ -56,12 +56,15 @@ def build_model_chunks(
     value_head: bool = False,
     make_vocab_size_divisible_by: int = 128,
     use_te: str = "auto",
+    lora=None,
 ) -> list[GPTModel]:
-    """One GPTModel per virtual pipeline stage of this rank (a single one without VPP), on the groups of its pool."""
+    """One GPTModel per virtual pipeline stage of this rank (a single one without VPP), on the groups of its pool.
+    ``lora`` (a :class:`~verl_mega.models.lora.LoRASpec`): the linears carry adapters, initialised, and every other
+    parameter is frozen."""
     vpp, pp_rank = groups.pool.vpp, groups.pp_rank
     # mcore's fused SwiGLU (``bias_activation_fusion``) and our compiled norms go together: one switch
     fused = config.bias_activation_fusion
-    spec_of = _layer_specs(arch, use_te, fused)
+    spec_of = _layer_specs(arch, use_te, fused, lora)
     spec = spec_of(arch.moe_layers[0] if arch.is_moe else 0)
     chunks = []
     for vp_stage in range(vpp or 1):
@@ -104,14 +107,19 @@ def build_model_chunks(
             post_process=post,
         )
         chunks.append(model)
+    if lora is not None:
+        from verl_mega.models.lora import freeze_base, init_adapters
+
+        init_adapters(chunks, lora)
+        freeze_base(chunks)
     return chunks
 
 
-def _layer_specs(arch: ModelArch, use_te: str, fused: bool):
+def _layer_specs(arch: ModelArch, use_te: str, fused: bool, lora=None):
     """Global layer index → its layer spec (MoE or dense MLP; MLA or grouped-query attention)."""
     specs = {moe: layer_spec(qk_layernorm=arch.qk_norm or arch.is_mla, use_te=use_te,
                              num_experts=arch.num_experts if moe else None, fused_norm=fused,
-                             multi_latent_attention=arch.is_mla)
+                             multi_latent_attention=arch.is_mla, lora=lora)
              for moe in {arch.is_moe_layer(i) for i in range(arch.num_layers)}}
     return lambda layer: specs[arch.is_moe_layer(layer)]
 

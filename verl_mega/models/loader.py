@@ -113,8 +113,10 @@ def iter_hf_tensors(chunks: list[torch.nn.Module], arch: ModelArch, groups: Rank
 
     Each mcore parameter is all-gathered over TP, converted, then broadcast over the pipeline group from the
     stage that owns it, so peak extra memory is one full parameter (not the model). Collective: all model-parallel
-    ranks must iterate together.
+    ranks must iterate together. A linear with LoRA adapters gives its merged weight ``W + s·B·A``.
     """
+    from verl_mega.models.lora import effective_weight
+
     pp_group = groups["pp"]
     pp, pp_rank = groups.size("pp"), groups.pp_rank
     local = []
@@ -123,20 +125,21 @@ def iter_hf_tensors(chunks: list[torch.nn.Module], arch: ModelArch, groups: Rank
         for name, param in mapped_tensors(model):
             if name.startswith("output_layer.") and not include_value_head and arch.tie_word_embeddings:
                 continue
-            local.append((name, model.stage_layout.layer_offset, tuple(param.shape), param))
+            local.append((name, model.stage_layout.layer_offset, tuple(param.shape), (model, param)))
     meta = [(n, off, shape) for n, off, shape, _ in local]
     all_meta: list = [None] * pp
     if pp > 1:
         dist.all_gather_object(all_meta, meta, group=pp_group)
     else:
         all_meta = [meta]
-    device = local[0][3].device
+    device = local[0][3][1].device
     for stage, stage_meta in enumerate(all_meta):
         src = groups.global_rank("pp", stage)
         for idx, (name, offset, _) in enumerate(stage_meta):
             rule = rule_for(name, arch, offset)
             if stage == pp_rank:
-                for hf_name, tensor in _hf_tensors_of(rule, local[idx][3].data, arch, groups):
+                owner, param = local[idx][3]
+                for hf_name, tensor in _hf_tensors_of(rule, effective_weight(owner, name, param), arch, groups):
                     if pp > 1:  # the dtype too: a router's correction bias stays fp32 in a bf16 model
                         dist.broadcast_object_list([(tuple(tensor.shape), tensor.dtype)], src=src, group=pp_group)
                         dist.broadcast(tensor.contiguous(), src=src, group=pp_group)

@@ -153,7 +153,7 @@ class SDPAttention(MegatronModule):
     def _context_parallel_mask(self, local_len: int, device: torch.device) -> torch.Tensor:
         """mcore's convention (True = masked out): query i may see key j when j's global position ≤ i's; keys come
         gathered rank by rank."""
-        from verl_mega.parallel.placement import context_chunks
+        from verl_mega.parallel.context import context_chunks
 
         cp, rank = self.cp_group.size(), torch.distributed.get_group_rank(self.cp_group, torch.distributed.get_rank())
         seq = local_len * cp
@@ -320,13 +320,23 @@ def te_available() -> bool:
 
 
 def layer_spec(*, qk_layernorm: bool, use_te: str = "auto", num_experts: int | None = None,
-               fused_norm: bool = False, multi_latent_attention: bool = False) -> ModuleSpec:
+               fused_norm: bool = False, multi_latent_attention: bool = False, lora=None) -> ModuleSpec:
     """The transformer layer spec: mcore's TE spec when TE is importable (or forced), otherwise ours (its norms
     compiled with ``fused_norm``). With ``num_experts`` the MLP is mcore's MoE layer with :class:`GroupedExperts`.
     ``multi_latent_attention``: mcore's own MLA (``MLASelfAttention``) on our core attention and norms (its latent
-    norms are the q/k norms); always our spec, whose down projections the converters and the weight sync map."""
+    norms are the q/k norms); always our spec, whose down projections the converters and the weight sync map.
+    ``lora`` (a :class:`~verl_mega.models.lora.LoRASpec`): our spec, its attention and dense-MLP linears carrying
+    adapters (routed experts carry none)."""
     if use_te not in ("auto", "true", "false"):
         raise ValueError(f"model.use_te={use_te!r} must be auto|true|false")
+    if lora is not None:
+        if use_te == "true":
+            raise ValueError("model.use_te=true: LoRA adapters run on our layer spec only (TE fuses the norm into "
+                             "the projections the adapters read); set model.use_te=auto or false")
+        if multi_latent_attention:
+            raise ValueError("model.lora: multi-head latent attention models are not supported; train them without "
+                             "model.lora")
+        use_te = "false"
     if multi_latent_attention and use_te == "true":
         raise ValueError("model.use_te=true: multi-head latent attention runs on our layer spec only; set "
                          "model.use_te=auto or false")
@@ -357,6 +367,15 @@ def layer_spec(*, qk_layernorm: bool, use_te: str = "auto", num_experts: int | N
         # summed over TP (``sequence_parallel``); mcore's column-parallel variant gathers over its global TP group
         attn.linear_q_down_proj = ReplicatedLinear
         attn.linear_kv_down_proj = ReplicatedLinear
+    if lora is not None:
+        from verl_mega.models.lora import LoRAColumnParallelLinear, LoRARowParallelLinear
+
+        attn.linear_qkv = ModuleSpec(module=LoRAColumnParallelLinear, params={"lora": lora, "fused": "qkv"})
+        attn.linear_proj = ModuleSpec(module=LoRARowParallelLinear, params={"lora": lora, "part": "o_proj"})
+        if not num_experts:
+            mlp = sub.mlp.submodules
+            mlp.linear_fc1 = ModuleSpec(module=LoRAColumnParallelLinear, params={"lora": lora, "fused": "fc1"})
+            mlp.linear_fc2 = ModuleSpec(module=LoRARowParallelLinear, params={"lora": lora, "part": "down_proj"})
     if qk_layernorm:
         attn.q_layernorm = norm
         if multi_latent_attention:

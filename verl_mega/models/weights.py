@@ -82,8 +82,11 @@ def _moe_rules(model_type: str) -> dict[str, tuple[str, tuple[str, ...]]]:
 
 def mapped_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """A module's parameters and its mapped buffers (:data:`MAPPED_BUFFERS`), by local name: what the converters,
-    checkpoints and the weight sync carry."""
-    yield from module.named_parameters()
+    checkpoints and the weight sync carry. LoRA adapters are not HF tensors of the model: they are left out
+    (:mod:`verl_mega.models.lora` carries them)."""
+    for name, param in module.named_parameters():
+        if not name.rpartition(".")[2].startswith("lora_"):
+            yield name, param
     for name, buf in module.named_buffers():
         if name.endswith(MAPPED_BUFFERS):
             yield name, buf

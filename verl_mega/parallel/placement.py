@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Iterable, Mapping
 
+from verl_mega.parallel.wire import CROSS_ISLAND_DTYPES
+
 ROLES = ("actor", "critic", "ref", "reward_model", "rollout")
 TRAINING_ROLES = ("actor", "critic", "ref", "reward_model")
 DEFAULT_POOL = "main"
@@ -62,50 +64,14 @@ GROUP_KINDS = (*DENSE_KINDS, "embd", *EXPERT_KINDS, *GENERATION_KINDS, *ISLAND_K
 JSON_KINDS = ("tp", "pp", "dp", "cp", "ep", "gen_tp", "micro_dp", "gen_ep")
 ISLAND_JSON_KINDS = ("island", "intra_dp", "inter_dp")
 DP_HIERARCHY_LEVELS = ("off", "node", "island")
-# The cross-island step's wire format: fp32 is Megatron's own all-reduce; bf16 and fp8 (e4m3 with a scale per
-# block) are verl_mega/engine/grad_sync.py's
-CROSS_ISLAND_DTYPES = ("fp32", "bf16", "fp8")
-FP8_BLOCK = 128  # values per fp8 scale
 
 
 class PlacementError(ValueError):
     """An impossible placement; the message is one line naming the pool or key and the fix."""
 
 
-def wire_bytes(numel: int, dtype: str) -> int:
-    """Bytes that encode ``numel`` values between islands: 4 per value in fp32, 2 in bf16, in fp8 1 per value
-    (padded to whole blocks of FP8_BLOCK) plus a 4-byte scale per block."""
-    if dtype == "fp32":
-        return 4 * numel
-    if dtype == "bf16":
-        return 2 * numel
-    if dtype == "fp8":
-        blocks = -(-numel // FP8_BLOCK)
-        return blocks * FP8_BLOCK + 4 * blocks
-    raise PlacementError(f"unknown cross-island dtype {dtype!r}; one of {', '.join(CROSS_ISLAND_DTYPES)}")
-
-
 def divisors(n: int) -> list[int]:  # the sizes a layout may split n into, ascending
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def context_chunks(seq_len: int, cp: int, cp_rank: int) -> list[int]:
-    """Sequence positions a context-parallel rank holds: of 2·cp equal chunks, chunks ``cp_rank`` and
-    ``2·cp − 1 − cp_rank`` (Megatron's load-balanced split: every rank gets as much of the causal triangle)."""
-    if seq_len % (2 * cp):
-        raise PlacementError(f"context parallelism: sequence length {seq_len} is not a multiple of 2·cp = {2 * cp}")
-    chunk = seq_len // (2 * cp)
-    first, second = cp_rank * chunk, (2 * cp - 1 - cp_rank) * chunk
-    return list(range(first, first + chunk)) + list(range(second, second + chunk))
-
-
-def packed_context_chunks(cu_seqlens: list[int], cp: int, cp_rank: int) -> list[int]:
-    """Positions of a pack (THD; ``cu_seqlens`` marks its sequences, each a multiple of 2·cp long) that a
-    context-parallel rank holds: :func:`context_chunks` of every sequence, shifted to where it starts."""
-    out: list[int] = []
-    for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
-        out += [start + p for p in context_chunks(end - start, cp, cp_rank)]
-    return out
 
 
 def _grid_groups(ranks: tuple[int, ...], shape: tuple[tuple[str, int], ...], dims: Iterable[str]

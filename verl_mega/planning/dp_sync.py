@@ -26,7 +26,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from verl_mega.parallel.placement import Pool, wire_bytes
+from verl_mega.parallel.placement import Pool
+from verl_mega.parallel.wire import wire_bytes
 
 
 @dataclass(frozen=True)

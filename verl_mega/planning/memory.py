@@ -14,7 +14,7 @@ parallel (the ranks that hold the same experts).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from verl_mega.models.arch import stage_layer_indices
@@ -129,20 +129,25 @@ class RoleSpec:
     offload_params: bool = False
     offload_grads: bool = False
     offload_optimizer: bool = False
+    # a models.lora.LoRASpec: the actor's adapters alone carry grads and optimizer state; the reference is the actor's
+    # base with the adapters off, holding nothing of its own
+    lora: object | None = None
 
 
 def default_roles(*, critic: bool = True, ref: bool = True, offload: tuple[str, ...] = (),
-                  offload_ref: bool = False) -> tuple[RoleSpec, ...]:
-    """Actor (+ critic with a value head) (+ frozen reference). `offload` ⊆ {params, grads, optimizer}."""
+                  offload_ref: bool = False, lora=None) -> tuple[RoleSpec, ...]:
+    """Actor (+ critic with a value head) (+ frozen reference). `offload` ⊆ {params, grads, optimizer}. With
+    ``lora`` (a LoRASpec) the actor trains adapters only and the reference is its base: a reference role with no
+    weights of its own."""
     bad = set(offload) - {"params", "grads", "optimizer"}
     if bad:
         raise PlanningError(f"offload: {sorted(bad)} not among params, grads, optimizer")
     flags = {f"offload_{name}": name in offload for name in ("params", "grads", "optimizer")}
-    roles = [RoleSpec(name="actor", **flags)]
+    roles = [RoleSpec(name="actor", lora=lora, **flags)]
     if critic:
         roles.append(RoleSpec(name="critic", value_head=True, **flags))
-    if ref:
-        roles.append(RoleSpec(name="ref", trainable=False, offload_params=offload_ref))
+    if ref:  # with LoRA the actor's own base (adapters off): its forward passes, no weights of its own
+        roles.append(RoleSpec(name="ref", trainable=False, offload_params=offload_ref and lora is None, lora=lora))
     return tuple(roles)
 
 
@@ -163,12 +168,20 @@ class RolloutSpec:
             raise PlanningError(f"rollout: kv_cache_bytes={self.kv_cache_bytes} must be > 0")
 
 
-def training_state_terms(params: int, dp: int, dtype: str, *, experts: int = 0, edp: int = 1, islands: int = 1
-                         ) -> list[Term]:
+def training_state_terms(params: int, dp: int, dtype: str, *, experts: int = 0, edp: int = 1, islands: int = 1,
+                         adapters: int | None = None) -> list[Term]:
     """Params, fp32 main grads and distributed-optimizer state of a rank holding `params` parameters, of which
     `experts` are routed-expert weights (their optimizer state is sharded over the expert-data-parallel group D_e).
-    With data-parallel islands (`islands` per group) the optimizer shards inside an island only: over dp/islands."""
+    With data-parallel islands (`islands` per group) the optimizer shards inside an island only: over dp/islands.
+    With LoRA (`adapters`: the rank's adapter parameters) the base is frozen: grads and optimizer state are the
+    adapters' only."""
     pb = _DTYPE_BYTES[dtype]
+    if adapters is not None:
+        per, what = (8, "(4 + 4) B") if pb == 4 else (12, "(4 master + 4 m + 4 v) B")
+        return [Term("params", pb * (params + adapters), f"{pb} B × ({params:,} frozen + {adapters:,} adapter)"),
+                Term("grads (fp32 main grads)", 4 * adapters, f"4 B × {adapters:,} adapter params"),
+                Term("optimizer (master, m, v)" if pb != 4 else "optimizer (Adam m, v)",
+                     per * adapters / (dp // islands), f"{what} × {adapters:,} adapter params / dp={dp // islands}")]
     if islands > 1:
         terms = training_state_terms(params, dp // islands, dtype, experts=experts, edp=edp // islands)
         return terms[:2] + [Term(terms[2].name, terms[2].bytes, terms[2].formula.replace(
@@ -401,12 +414,14 @@ class MemoryPrediction:
 
 def _state_terms(sp: StageParams, layout: Pool, dtype: str) -> list[Term]:
     return training_state_terms(sp.total, layout.dp, dtype, experts=sp.experts, edp=layout.edp,
-                                islands=layout.dp_islands)
+                                islands=layout.dp_islands, adapters=sp.adapters)
 
 
 def _resident_terms(role: RoleSpec, sp: StageParams, layout: Pool, dtype: str, *, keep_params: bool = False
                     ) -> list[Term]:
     """What an idle role leaves on the GPU (its offload flags applied)."""
+    if role.lora is not None and not role.trainable:
+        return []  # LoRA's reference: the actor's weights
     terms = _state_terms(sp, layout, dtype) if role.trainable else _state_terms(sp, layout, dtype)[:1]
     kept = []
     for term in terms:
@@ -419,7 +434,12 @@ def _resident_terms(role: RoleSpec, sp: StageParams, layout: Pool, dtype: str, *
 
 
 def _stage_state(arch: ModelArch, layout: Pool, role: RoleSpec, stage: int) -> StageParams:
-    return stage_params(arch, layout, stage, value_head=role.value_head)
+    sp = stage_params(arch, layout, stage, value_head=role.value_head)
+    if role.lora is None or not role.trainable:
+        return sp
+    from verl_mega.planning.lora import stage_adapter_params
+
+    return replace(sp, adapters=stage_adapter_params(arch, layout, role.lora, stage))
 
 
 def kv_cache_bytes_per_token(arch: ModelArch, gen_tp: int) -> float:
@@ -519,6 +539,7 @@ def predict_memory(arch: ModelArch, layout: Pool, work: Workload, *, roles: tupl
             state = [Term(f"{role.name} {t.name}", t.bytes, t.formula) for t in _state_terms(sp, layout, dt)]
             acts = [Term(f"{role.name} {t.name}", t.bytes, t.formula)
                     for t in activation_terms(arch, layout, work, stage, value_head=role.value_head)]
+            params = params if sp.adapters is None else sp.adapters  # LoRA: the optimizer steps the adapters
             step_tmp = 4 * (params if work.backend == "nccl" else sp.largest) / (layout.dp // layout.dp_islands)
             transient = Term(f"{role.name} optimizer step temporaries", step_tmp,
                              f"4 B × {'P' if work.backend == 'nccl' else 'largest param'}/"
@@ -569,7 +590,7 @@ def predict_memory(arch: ModelArch, layout: Pool, work: Workload, *, roles: tupl
     pick("rollout", rollout_candidates)
 
     host = 0.0
-    for role in roles:
+    for role in (r for r in roles if r.trainable or r.lora is None):
         sp = max((_stage_state(arch, layout, role, s) for s in stages), key=lambda x: x.total)
         for term in _state_terms(sp, layout, dt)[: 3 if role.trainable else 1]:
             kind = term.name.split(" ")[0]

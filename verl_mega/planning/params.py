@@ -30,6 +30,7 @@ class StageParams:
     final_norm: int
     largest: int  # the biggest single parameter tensor
     experts: int = 0  # routed-expert parameters (reduced and optimizer-sharded over D_e, not D)
+    adapters: int | None = None  # LoRA adapter parameters (the rest frozen); None: every parameter trains
 
     @property
     def total(self) -> int:

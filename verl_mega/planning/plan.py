@@ -455,13 +455,17 @@ def inputs_from_config(cfg, placement: Placement | None) -> ConfigInputs:
     work = Workload(micro_batch=actor.micro_batch_size_per_gpu, dtype=dtype, recompute=cfg.model.recompute,
                     seq_len=cfg.data.max_prompt_length + rollout.max_response_length,
                     entropy=actor.entropy_coeff > 0)
+    from verl_mega.models.lora import spec_from_config
+
+    lora = spec_from_config(cfg.model.lora, cfg.trainer.seed)
     roles = [RoleSpec(name="actor", offload_params=actor.offload_params, offload_grads=actor.offload_grads,
-                      offload_optimizer=actor.offload_optimizer)]
+                      offload_optimizer=actor.offload_optimizer, lora=lora)]
     if critic.enable:
         roles.append(RoleSpec(name="critic", value_head=True, offload_params=critic.offload_params,
                               offload_grads=critic.offload_grads, offload_optimizer=critic.offload_optimizer))
-    if ref.enable:
-        roles.append(RoleSpec(name="ref", trainable=False, offload_params=ref.offload_params))
+    if ref.enable:  # LoRA: the reference is the actor's base (adapters off), no second model
+        roles.append(RoleSpec(name="ref", trainable=False, offload_params=ref.offload_params and lora is None,
+                              lora=lora))
     defaults = RolloutSpec()
     spec = RolloutSpec(gpu_memory_utilization=rollout.gpu_memory_utilization,
                        kv_cache_bytes=rollout.kv_cache_memory_bytes,

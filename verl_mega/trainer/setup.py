@@ -100,8 +100,9 @@ class RoleModel:
 
 
 def build_role_engine(cfg: TrainConfig, groups: RankGroups, path: Path, *, role_cfg=None, value_head: bool = False,
-                      total_steps: int = 1) -> RoleModel:
-    """An mcore model of `path` on this rank's pool, HF weights loaded, wrapped in an engine (trainable if role_cfg)."""
+                      total_steps: int = 1, lora=None) -> RoleModel:
+    """An mcore model of `path` on this rank's pool, HF weights loaded, wrapped in an engine (trainable if role_cfg).
+    ``lora`` (a :class:`~verl_mega.models.lora.LoRASpec`): only its adapters train, the rest is frozen."""
     from megatron.core.optimizer import OptimizerConfig
 
     arch = model_arch(path)
@@ -114,7 +115,7 @@ def build_role_engine(cfg: TrainConfig, groups: RankGroups, path: Path, *, role_
                               fused_kernels=fused_kernels(cfg, torch.cuda.is_available()),
                               **moe_options(cfg, arch))
     use_te = {True: "true", False: "false"}.get(cfg.model.use_te, cfg.model.use_te)
-    chunks = build_model_chunks(arch, tcfg, groups, value_head=value_head, use_te=use_te,
+    chunks = build_model_chunks(arch, tcfg, groups, value_head=value_head, use_te=use_te, lora=lora,
                                 make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
     if torch.cuda.is_available():
         chunks = [c.cuda() for c in chunks]
@@ -275,7 +276,7 @@ def offload_trainers(cfg: TrainConfig, actor, critic, ref):
                                         optimizer=rcfg.offload_optimizer)
                 else:
                     role.engine.onload()
-        if ref is not None and cfg.ref.offload_params:
+        if ref is not None and cfg.ref.offload_params and ref.engine is not actor.engine:  # LoRA: the actor's
             ref.engine.offload() if out else ref.engine.onload()
     return offload
 
@@ -546,9 +547,11 @@ def _init_worlds(cfg: TrainConfig, placement, device, resources: contextlib.Exit
 
 def _build_roles(cfg: TrainConfig, groups: RankGroups, path: Path, arch: ModelArch, total_steps: int):
     """The actor (and its engine), and the reference, critic and reward model that the config enables."""
-    from verl_mega.trainer.roles import Actor, Critic, PolicyRole, RewardModel
+    from verl_mega.models.lora import spec_from_config
+    from verl_mega.trainer.roles import Actor, Critic, PolicyRole, ReferencePolicy, RewardModel
 
-    actor_m = build_role_engine(cfg, groups, path, role_cfg=cfg.actor, total_steps=total_steps)
+    lora = spec_from_config(cfg.model.lora, cfg.trainer.seed)
+    actor_m = build_role_engine(cfg, groups, path, role_cfg=cfg.actor, total_steps=total_steps, lora=lora)
     if cfg.actor.routing_replay in ("r2", "r3"):
         actor_m.engine.enable_routing_replay()
     packed = cfg.model.use_remove_padding
@@ -556,7 +559,10 @@ def _build_roles(cfg: TrainConfig, groups: RankGroups, path: Path, arch: ModelAr
                   packed=packed)
     ref = critic = reward_model = None
     if cfg.ref.enable:
-        ref = PolicyRole(build_role_engine(cfg, groups, path).engine, vocab_size=arch.vocab_size,
+        # LoRA: the reference is the actor's own base, with the adapters off (no second model)
+        role, engine = (ReferencePolicy, actor_m.engine) if lora is not None else \
+            (PolicyRole, build_role_engine(cfg, groups, path).engine)
+        ref = role(engine, vocab_size=arch.vocab_size,
                          micro_batch_size=cfg.ref.micro_batch_size_per_gpu, temperature=cfg.rollout.temperature,
                          packed=packed,  # its forward passes share the actor's token budget, as its log-probs do
                          max_tokens_per_micro_batch=cfg.actor.max_tokens_per_gpu if cfg.actor.use_dynamic_bsz

@@ -18,6 +18,7 @@ keeps both values, wandb ignores the repeats).
 
 from __future__ import annotations
 
+import abc
 import importlib.util
 import json
 import logging
@@ -62,16 +63,16 @@ def _flat(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-class Tracker:
+class Tracker(abc.ABC):
     """One tracker run: :meth:`log` a step's numbers, :meth:`close` at the end."""
 
     name = ""
 
-    def log(self, numbers: Mapping[str, float], step: int) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def log(self, numbers: Mapping[str, float], step: int) -> None: ...
 
-    def close(self) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def close(self) -> None: ...
 
 
 class _Wandb(Tracker):

@@ -1,7 +1,8 @@
 """torchrun job: mcore logits (built from a tiny HF checkpoint, or a converted dist checkpoint) vs HF transformers.
 
 Args: --tp --pp [--cp] [--ep] [--etp] [--sp] [--grads] --models qwen2,llama,qwen3 --workdir DIR [--mcore-ckpt DIR]
-[--save-ckpt DIR] (saves the loaded model again at this layout, as a dist checkpoint the converters read)
+[--save-ckpt DIR] (saves the loaded model again at this layout, as a dist checkpoint the converters read) [--lora]
+(then LoRA adapters vs HF + peft at this layout: jobs/lora_parity.py)
 [--replay] (MoE, with --grads: recorded routing equals HF's; replaying other experts gives HF's logits with its routers
 forced to them) [--packing] (then packed vs padded micro-batches on qwen2 at this layout: jobs/packing_parity.py)
 
@@ -33,6 +34,7 @@ def main() -> None:
     ap.add_argument("--save-ckpt", default=None)
     ap.add_argument("--replay", action="store_true")
     ap.add_argument("--packing", action="store_true", help="also packed vs padded (jobs/packing_parity.py) on qwen2")
+    ap.add_argument("--lora", action="store_true", help="also LoRA adapters vs HF + peft (jobs/lora_parity.py)")
     args = ap.parse_args()
 
     from megatron.core.optimizer import OptimizerConfig
@@ -126,6 +128,12 @@ def main() -> None:
     if dist.get_rank() == 0:
         print("PARITY " + json.dumps({"tp": args.tp, "pp": args.pp, "cp": args.cp, "ep": args.ep, "sp": args.sp,
                                       **report}), flush=True)
+    if args.lora:
+        from lora_parity import check_lora
+
+        lora = check_lora(groups, args.workdir, f"tp{args.tp}-pp{args.pp}" + ("-sp" if args.sp else ""))
+        if dist.get_rank() == 0:
+            print("LORA " + json.dumps(lora), flush=True)
     if args.packing:
         from packing_parity import check_packing
 
