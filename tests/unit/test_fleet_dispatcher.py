@@ -198,3 +198,29 @@ def test_fleet_config_and_fault_spec_errors():
     assert faults("0:kill@2,1:stop@4") == {0: ("kill", 2), 1: ("stop", 4)}
     with pytest.raises(ValueError, match="<engine>:<kill|stop>@<request>"):
         faults("0:hang@2")
+
+
+def test_a_batch_becomes_seeded_groups_and_comes_back_in_prompt_order():
+    """The supervisor's side (rollout/fleet_server.py): one group per prompt and spec, prompt p seeded seed + p as on
+    a colocated engine (so a redone group draws the same samples), and the answer in prompt order, spec by spec."""
+    from types import SimpleNamespace
+
+    from verl_mega.rollout.fleet_server import FleetServer
+
+    specs = [SamplingSpec(n=2, seed=7), SamplingSpec(n=1, seed=None)]
+    command = {"id": 5, "prompts": [[1, 2], [3]], "specs": specs}
+    made = FleetServer._groups(command, version=3)
+    assert [(g.key, g.prompt_ids, g.spec.seed, g.version) for g in made] == [
+        ((5, 0, 0), [1, 2], 7, 3), ((5, 0, 1), [3], 8, 3), ((5, 1, 0), [1, 2], None, 3), ((5, 1, 1), [3], None, 3)]
+    # samples as engines return them: token ids, log-probs, per-token versions; they arrive in any order
+    results = {(5, 1, 1): ([[9]], [[-0.9]], [[3]]), (5, 0, 1): ([[6], [7]], [[-0.6], [-0.7]], [[3], [3]]),
+               (5, 0, 0): ([[4], [5]], [[-0.4], [-0.5]], [[3], [3]])}
+    assert not FleetServer._complete(command, results)
+    results[(5, 1, 0)] = ([[8]], [[-0.8]], [[3]])
+    assert FleetServer._complete(command, results)
+    server = SimpleNamespace(dispatcher=SimpleNamespace(metrics=lambda: {"engine_restarts": 1.0}))
+    answer = FleetServer._answer(server, command, results)
+    assert answer["id"] == 5 and answer["version"] == 3 and answer["fleet"] == {"engine_restarts": 1.0}
+    assert [[(s.prompt, s.ids, s.logprobs) for s in part] for part in answer["samples"]] == [
+        [(0, [4], [-0.4]), (0, [5], [-0.5]), (1, [6], [-0.6]), (1, [7], [-0.7])], [(0, [8], [-0.8]), (1, [9], [-0.9])]]
+    assert not results  # taken
