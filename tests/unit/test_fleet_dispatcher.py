@@ -224,3 +224,16 @@ def test_a_batch_becomes_seeded_groups_and_comes_back_in_prompt_order():
     assert [[(s.prompt, s.ids, s.logprobs) for s in part] for part in answer["samples"]] == [
         [(0, [4], [-0.4]), (0, [5], [-0.5]), (1, [6], [-0.6]), (1, [7], [-0.7])], [(0, [8], [-0.8]), (1, [9], [-0.9])]]
     assert not results  # taken
+
+
+def test_weights_left_by_a_dead_supervisor_are_removed(tmp_path):
+    import os
+
+    from verl_mega.rollout.fleet_server import _remove_stale
+
+    dead, alive = tmp_path / "verl-mega-fleet-999999999-a", tmp_path / f"verl-mega-fleet-{os.getpid()}-b"
+    for d in (dead, alive):
+        d.mkdir()
+        (d / "weights-1.pt").write_bytes(b"x")
+    _remove_stale(str(tmp_path))
+    assert not dead.exists() and (alive / "weights-1.pt").exists()

@@ -39,6 +39,18 @@ POLL_S = 0.02  # the longest the supervisor sleeps on its engines while it has w
 IDLE_S = 0.5  # ... and on the trainer while it has none (engines that fail meanwhile are found after it)
 
 
+_PREFIX = "verl-mega-fleet-"  # + the supervisor's pid: the weights of a supervisor that was killed are removed later
+
+
+def _remove_stale(root: str) -> None:
+    """Weight files of supervisors that died without cleaning up (SIGKILL, a lost node): in /dev/shm they hold
+    memory until removed."""
+    for path in Path(root).glob(f"{_PREFIX}*"):
+        pid = path.name[len(_PREFIX):].split("-")[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(path, ignore_errors=True)
+
+
 class FleetServer:
     """The supervisor. ``engine_config``: each engine's vLLM config (gen_tp=1); ``hooks``: (layout of a vLLM model,
     write weights into one), functions the engines import; ``fleet``: the rollout.fleet section."""
@@ -50,8 +62,9 @@ class FleetServer:
         self._setup = {"config": engine_config, "hooks": hooks}
         self._faults = faults(os.environ.get(FAULT_ENV))
         self._started: set[int] = set()
-        self._dir = Path(tempfile.mkdtemp(prefix="verl-mega-fleet-", dir="/dev/shm" if os.path.isdir("/dev/shm")
-                                          else None))
+        root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        _remove_stale(root)
+        self._dir = Path(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=root))
         self.dispatcher = Dispatcher(fleet.engines, self._start_engine, hang_timeout_s=fleet.hang_timeout_s,
                                      start_timeout_s=fleet.start_timeout_s, max_restarts=fleet.max_restarts)
 
