@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     from verl_mega.parallel.pools import PoolPeerError
     from verl_mega.rewards import RewardFunctionFailed
+    from verl_mega.rollout.fleet import FleetError
     from verl_mega.rollout.tools import ToolsFailed
     from verl_mega.checkpoint.manager import NonFiniteError
     from verl_mega.checkpoint.safe_load import disk_full_error
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         configure_console(cfg.logging.verbose)
         train(cfg)
     except (ConfigError, ValueError, FileNotFoundError, NonFiniteError, RewardFunctionFailed, PoolPeerError,
-            ToolsFailed) as exc:
+            ToolsFailed, FleetError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         end_attempt(f"error: {exc}")  # the cause a restarted job records (trainer/failures.py)
         return 2

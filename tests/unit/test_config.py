@@ -238,10 +238,20 @@ def test_rollout_pool_and_staleness_errors():
                          (["rollout.partial_rollouts=true"], "rollout.partial_rollouts=true needs batches generating "
                                                              "while weights arrive, but rollout.max_staleness=0"),
                          (["rollout.max_staleness=2", "algorithm.filter_groups.enable=true"],
-                          "algorithm.filter_groups.enable=true draws extra prompt batches as it goes")):
+                          "algorithm.filter_groups.enable=true draws extra prompt batches as it goes"),
+                         (["rollout.fleet.engines=2", "rollout.max_staleness=1", "rollout.partial_rollouts=true"],
+                          "rollout.fleet.engines swaps weights between batches only")):
         cfg = load_config(QUICKSTART, pools + extra)
         assert _error(cfg.validate_runtime, _placement(cfg, 2), cuda_available=False).startswith(start), extra
     assert _error(load_config, QUICKSTART, ["rollout.max_staleness=-1"]).startswith("rollout.max_staleness")
+    colocated = load_config(QUICKSTART, ["rollout.fleet.engines=2"])
+    assert _error(colocated.validate_runtime, _placement(colocated, 1), cuda_available=False).startswith(
+        "rollout.fleet.engines=2 supervises engines on a rollout pool of its own, but the rollout shares the actor's")
+    big = load_config(QUICKSTART, ["placement.pools={train: {size: 1}, gen: {size: 2}}",
+                                   "placement.roles={actor: train, rollout: gen}", "rollout.fleet.engines=2"])
+    assert _error(big.validate_runtime, _placement(big, 3), cuda_available=False) == (
+        "rollout.fleet.engines=2 runs every engine as a process of the rollout pool's one rank (gen_tp=1 each), but "
+        "the pool has 2 ranks and gen_tp=1; set placement.pools.gen={size: 1, gen_tp: 1}, or rollout.fleet.engines=0")
     from verl_mega.parallel.pools import check_disaggregated
 
     cfg = load_config(QUICKSTART, ["placement.pools={train: {size: 2, tp: 2, gen_tp: 1}, gen: {size: 2, gen_tp: 2}}",

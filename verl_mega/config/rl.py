@@ -67,6 +67,31 @@ class MultiTurnConfig(ConfigSection):
 
 
 @dataclass(frozen=True, kw_only=True)
+class FleetConfig(ConfigSection):
+    """A rollout pool of its own run as a fleet of engine processes, each a failure domain: an engine that dies or
+    hangs has its prompt groups redone on the others and is restarted and refitted while the job goes on
+    (docs/fault_tolerance.md)."""
+
+    SECTION: ClassVar[str] = "rollout.fleet"
+
+    engines: int = option(0, help="vLLM engines (one process each, gen_tp=1) that the rollout pool's one rank "
+                                   "supervises. 0: off, the pool's ranks run the engines themselves and one "
+                                   "engine's failure ends the job's attempt.")
+    hang_timeout_s: float = option(60.0, help="An engine that sends no heartbeat for this long (stopped, or stuck "
+                                              "in one engine step) is killed and counted as failed.")
+    start_timeout_s: float = option(600.0, help="Time an engine process may take to start and build its vLLM "
+                                                "engine before it is killed and counted as failed.")
+    max_restarts: int = option(3, help="Restarts per engine; an engine that fails once more is given up, and the "
+                                       "job fails with an error naming every engine once none is left.")
+
+    def validate(self) -> None:
+        self._check_range("engines", ge=0, example=2)
+        self._check_range("hang_timeout_s", gt=0.0, example=60.0)
+        self._check_range("start_timeout_s", gt=0.0, example=600.0)
+        self._check_range("max_restarts", ge=0, example=3)
+
+
+@dataclass(frozen=True, kw_only=True)
 class VLLMConfig(ConfigSection):
     """vLLM's engine settings, declared once: they are ``rollout.*`` keys, the settings of the Python API's
     ``vLLMBackend``, and what every vLLM engine is built with
@@ -169,6 +194,8 @@ class RolloutConfig(VLLMConfig):
     seed: int | None = option(None, help="Sampling seed; null uses trainer.seed.")
     val_temperature: float = option(0.0, help="Sampling temperature for validation (0 = greedy).")
     multi_turn: MultiTurnConfig = option(factory=MultiTurnConfig, help="Multi-turn tool rollouts.")
+    fleet: FleetConfig = option(factory=FleetConfig, help="A rollout pool of its own as supervised engine "
+                                                          "processes that survive each other's failures.")
 
     def validate(self) -> None:
         super().validate()

@@ -303,7 +303,12 @@ class TrainConfig(ConfigSection):
                           "rollout.partial_rollouts=true swaps weights into a rollout pool of its own while it "
                           "generates, but the rollout shares the actor's pool; give the rollout a pool of its own "
                           "in placement.pools/placement.roles, or set rollout.partial_rollouts=false")
+            self._require(not self.rollout.fleet.engines,
+                          f"rollout.fleet.engines={self.rollout.fleet.engines} supervises engines on a rollout pool "
+                          f"of its own, but the rollout shares the actor's pool; give the rollout a pool of its own "
+                          f"in placement.pools/placement.roles, or set rollout.fleet.engines=0")
             return
+        self._validate_fleet(placement)
         self._require(k >= 1 or not self.rollout.partial_rollouts,
                       "rollout.partial_rollouts=true needs batches generating while weights arrive, but "
                       "rollout.max_staleness=0 sends each batch after the weights it uses; set "
@@ -318,6 +323,20 @@ class TrainConfig(ConfigSection):
                       f"algorithm.filter_groups.enable=true draws extra prompt batches as it goes, which a rollout "
                       f"running ahead (rollout.max_staleness={k}) cannot know in advance; set "
                       f"rollout.max_staleness=0 or algorithm.filter_groups.enable=false")
+
+    def _validate_fleet(self, placement: Any) -> None:
+        """rollout.fleet: one supervising rank, whose engine processes hold one GPU (or CPU) each."""
+        fleet = self.rollout.fleet.engines
+        if not fleet:
+            return
+        pool = placement.pool_of("rollout")
+        self._require(pool.size == 1 and pool.gen_tp == 1,
+                      f"rollout.fleet.engines={fleet} runs every engine as a process of the rollout pool's one rank "
+                      f"(gen_tp=1 each), but the pool has {pool.size} ranks and gen_tp={pool.gen_tp}; set "
+                      f"placement.pools.{pool.name}={{size: 1, gen_tp: 1}}, or rollout.fleet.engines=0")
+        self._require(not self.rollout.partial_rollouts,
+                      "rollout.fleet.engines swaps weights between batches only; set rollout.partial_rollouts=false "
+                      "or rollout.fleet.engines=0")
 
     def check_paths(self) -> None:
         """Check that every file or directory the config refers to exists (one-line error for the first missing)."""

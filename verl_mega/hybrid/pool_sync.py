@@ -54,13 +54,14 @@ class PoolWeightSync:
 
     def __init__(self, placement: Placement, *, bucket_bytes: int, device: torch.device,
                  producer: WeightProducer | None = None, model: torch.nn.Module | None = None,
-                 repacks: bool = False, comm=None) -> None:
+                 repacks: bool = False, comm=None, layout: RolloutLayout | None = None) -> None:
         comm = comm if comm is not None else WorldComm()
         self.rank = comm.rank
         self.plan = transfer_plan(placement)
         self.trains = placement.pool_of_rank(self.rank).name == placement.roles["actor"]
-        if self.trains != (producer is not None) or (model is not None) == self.trains:
-            raise ValueError("a training rank passes its producer, a rollout rank its vLLM model")
+        if self.trains != (producer is not None) or (model is not None or layout is not None) == self.trains:
+            raise ValueError("a training rank passes its producer, a rollout rank its vLLM model (or, when its "
+                             "engines run in processes of their own, their layout)")
         self.producer, self.model, self.repacks = producer, model, repacks
         self.device, self.bucket_bytes, self.version = device, bucket_bytes, 0
         # a block's group: its sender and its receivers, in rank order (the group ranks)
@@ -70,7 +71,7 @@ class PoolWeightSync:
         # each block's layout, from its first receiver, to everyone: a training rank needs its own block's
         # vocabulary rows even when another rank sends
         self.layouts: list[RolloutLayout] = [
-            comm.broadcast_object(RolloutLayout.of(model) if self.rank == dst[0] else None, dst[0])
+            comm.broadcast_object((layout or RolloutLayout.of(model)) if self.rank == dst[0] else None, dst[0])
             for dst in self.plan.receivers]
         self.block = producer.groups.coords["gen_tp"] if self.trains else self.plan.block_of(self.rank)
         self.source = self.plan.sources[self.block]  # the training rank that sends this rank's block
@@ -165,6 +166,16 @@ class StagedWeights:
     def wait(self, timeout_s: float | None = None) -> None:
         self._thread.join(timeout_s)
 
+    def take(self) -> dict[str, torch.Tensor]:
+        """The received slices by vLLM parameter name, for engines in processes of their own
+        (:mod:`verl_mega.rollout.fleet`), which write them with :func:`write_weights`."""
+        self.wait()
+        if self.error is not None:
+            raise self.error
+        tensors, self.sink.tensors = self.sink.tensors, {}
+        self.sync.version += 1
+        return tensors
+
     @torch.no_grad()
     def apply(self) -> dict[str, float]:
         """Write the received weights into vLLM's parameters (its in-place reload where it repacks)."""
@@ -172,12 +183,23 @@ class StagedWeights:
         if self.error is not None:
             raise self.error
         start = time.perf_counter()
-        target = InPlaceTransport(self.sync.model, repacks=self.sync.repacks)
-        for name, tensor in self.sink.tensors.items():
-            target.buffer(name, tuple(tensor.shape)).copy_(tensor)
-        target.commit()
+        write_weights(self.sync.model, self.sync.repacks, self.sink.tensors)
         self.sink.tensors.clear()
         device_synchronize()
         self.sync.version += 1
         return {"weight_sync/seconds": self.seconds, "weight_sync/swap_seconds": time.perf_counter() - start,
                 "weight_sync/bytes_received": float(self.received), "weight_sync/version": float(self.sync.version)}
+
+
+def engine_layout(model: torch.nn.Module) -> RolloutLayout:
+    """The layout of an engine's slices (what its supervisor announces to the training pool)."""
+    return RolloutLayout.of(model)
+
+
+@torch.no_grad()
+def write_weights(model: torch.nn.Module, repacks: bool, tensors: dict[str, torch.Tensor]) -> None:
+    """Write received slices (by vLLM parameter name) into vLLM's parameters (its in-place reload where it repacks)."""
+    target = InPlaceTransport(model, repacks=repacks)
+    for name, tensor in tensors.items():
+        target.buffer(name, tuple(tensor.shape)).copy_(tensor)
+    target.commit()

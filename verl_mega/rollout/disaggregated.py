@@ -86,8 +86,10 @@ class RemoteRollout:
             del self._pending[first]
         result = self._results.pop(wanted)
         mine = engine_share(range(len(prompt_ids)), self.engine_index, self.num_engines)  # as a colocated engine
+        # a fleet's counters (rollout.fleet), counted once: the step sums every engine's counts
+        counts = {f"fleet/{k}": v if self.engine_index == 0 else 0.0 for k, v in result.get("fleet", {}).items()}
         return [Generated([s for s in samples if s.prompt in mine], result["version"], self.engine_index,
-                          self.engine_leader) for samples in result["samples"]]
+                          self.engine_leader, dict(counts)) for samples in result["samples"]]
 
     def update_weights(self) -> dict[str, float]:
         self._post({"op": "weights"})
@@ -348,10 +350,13 @@ class _Inbox:
             except Empty:
                 return self._ready
 
-    def take(self, *, wait: bool) -> list[dict]:
-        """The arrived commands, waiting for the next one first when ``wait``."""
+    def take(self, *, wait: bool, timeout: float | None = None) -> list[dict]:
+        """The arrived commands, waiting for the next one first when ``wait`` (at most ``timeout`` s)."""
         if wait and not self.drain():
-            self._put(self._queue.get())
+            try:
+                self._put(self._queue.get(timeout=timeout))
+            except Empty:
+                pass
         ready, self._ready = self._ready, []
         return ready
 

@@ -204,13 +204,14 @@ class RLTrainer:
             rows_of = [s.prompt * n + k for k, s in zip(_occurrence(s.prompt for s in gen.samples), gen.samples)]
             table, c = self.path.table(gen, rows_of, [offset + i // n for i in range(len(batch.items) * n)],
                                        counts=True)
-            counts = {k: counts.get(k, 0.0) + v for k, v in c.items()}
+            # a fleet's counters are the rollout pool's state after the batch, not per-batch amounts
+            counts = {k: v if k.startswith("fleet/") else counts.get(k, 0.0) + v for k, v in c.items()}
             local = {row: s._replace(prompt=s.prompt + offset) for row, s in zip(rows_of, gen.samples)}
             if len(generated) > 1:
                 data.baselines = self._engine_scores(generated[1], data, offset, len(batch.items))
             if not fcfg.enable:
                 data.table = table
-                return local, _episode_metrics(counts, frac)
+                return local, {**_episode_metrics(counts, frac), **_fleet_metrics(counts)}
             scores = self._engine_scores(gen, data, offset, len(table), rows_of=rows_of)
             candidates.append((table, local, scores))
             keep = algos.dynamic_sampling_keep(scores, table.prompt).rows
@@ -221,7 +222,7 @@ class RLTrainer:
         data.table, local, data.scores, metrics = _filter_groups(candidates, len(data.prompts))
         metrics["dapo/gen_batches"] = float(rounds)
         metrics["dapo/kept_group_frac"] = metrics.pop("kept_groups") / max(1, len(data.items))
-        return local, {**metrics, **_episode_metrics(counts, frac)}
+        return local, {**metrics, **_episode_metrics(counts, frac), **_fleet_metrics(counts)}
 
     def _generate(self, batch, specs, data: StepData):
         """The rollout of one prompt batch; with rollout.stream_scoring its samples are scored as they finish."""
@@ -540,6 +541,12 @@ def _episode_metrics(counts: dict[str, float], max_failure_frac: float) -> dict[
     episodes = counts["episodes"]
     return {"rollout/turns": counts["turns"] / episodes, "rollout/tool_calls": counts["tool_calls"] / episodes,
             "rollout/tool_error_frac": counts["tool_errors"] / max(counts["tool_calls"], 1.0)}
+
+
+def _fleet_metrics(counts: dict[str, float]) -> dict[str, float]:
+    """A rollout fleet's state after the step's batch (rollout.fleet): engines serving, prompt groups redone on
+    another engine and engine restarts, both since the job's attempt started."""
+    return {f"rollout/{k.removeprefix('fleet/')}": v for k, v in counts.items() if k.startswith("fleet/")}
 
 
 def _kept_groups(candidates) -> set[int]:

@@ -222,6 +222,19 @@ def build_rollout_server(cfg: TrainConfig, placement, bridge, path: Path):
     from verl_mega.rollout.vllm_rollout import VLLMRollout
 
     pool = placement.pool_of("rollout")
+    if cfg.rollout.fleet.engines:  # one supervising rank, each engine a process of its own
+        from verl_mega.hybrid.pool_sync import engine_layout, write_weights
+        from verl_mega.rollout.fleet_server import FleetServer
+
+        server = FleetServer(bridge, vllm_config(cfg, path, 1), (engine_layout, write_weights), cfg.rollout.fleet)
+        try:
+            layout = server.layout()  # the first engine up announces it
+            server.weight_sync = PoolWeightSync(placement, bucket_bytes=cfg.rollout.weight_bucket_mb << 20,
+                                                device=comm_device(), layout=layout, comm=bridge)
+        except BaseException:
+            server.shutdown()
+            raise
+        return server
     engine = VLLMRollout(vllm_config(cfg, path, pool.gen_tp))  # engines of consecutive ranks of the pool
     sync = PoolWeightSync(placement, bucket_bytes=cfg.rollout.weight_bucket_mb << 20, device=comm_device(),
                           model=engine.model, repacks=engine.is_cpu, comm=bridge)

@@ -1,0 +1,239 @@
+"""The rollout fleet's dispatcher (verl_mega/rollout/fleet.py) with scripted engine handles and a manual clock:
+whole groups redone after a death or a hang, nothing returned twice, refits before serving, bounded restarts, and
+the typed error that names every engine. The chaos test with real engine processes is in
+tests/distributed/test_fleet.py."""
+
+import pytest
+
+from verl_mega.config.base import ConfigError
+from verl_mega.config.rl import FleetConfig
+from verl_mega.rollout.base import SamplingSpec
+from verl_mega.rollout.fleet import Dispatcher, FleetError, Group
+from verl_mega.rollout.fleet_engine import faults
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeEngine:
+    """One incarnation: records what it was sent; the test scripts what it says and how it ends."""
+
+    def __init__(self, index: int, incarnation: int) -> None:
+        self.index, self.incarnation = index, incarnation
+        self.sent: list[tuple] = []
+        self.inbox: list[tuple] = []
+        self.ended: str | None = None
+        self.killed = False
+
+    def send(self, message: tuple) -> None:
+        self.sent.append(message)
+
+    def receive(self) -> list[tuple]:
+        out, self.inbox = self.inbox, []
+        return out
+
+    def exit_reason(self) -> str | None:
+        return self.ended
+
+    def kill(self) -> None:
+        self.killed = True
+        self.ended = self.ended or "killed"
+
+    def generating(self) -> list:
+        """Keys it was asked to generate."""
+        return [m[1] for m in self.sent if m[0] == "generate"]
+
+
+class Fleet:
+    def __init__(self, engines: int = 2, max_restarts: int = 1, hang: float = 10.0) -> None:
+        self.clock = Clock()
+        self.incarnations: dict[int, list[FakeEngine]] = {}
+        self.d = Dispatcher(engines, self.start, hang_timeout_s=hang, start_timeout_s=100.0,
+                            max_restarts=max_restarts, clock=self.clock)
+
+    def start(self, index: int) -> FakeEngine:
+        engine = FakeEngine(index, len(self.incarnations.get(index, [])))
+        self.incarnations.setdefault(index, []).append(engine)
+        return engine
+
+    def now(self, i: int) -> FakeEngine:
+        return self.incarnations[i][-1]
+
+    def ready(self, *engines: int) -> None:
+        for i in engines:
+            self.now(i).inbox.append(("ready", f"layout{i}"))
+        self.d.poll()
+
+    def finish(self, i: int, out: dict) -> None:
+        """Engine i returns every group it holds now."""
+        e = self.now(i)
+        for key in list(self.d.engines[i].held):
+            e.inbox.append(("done", key, f"samples of {key} by {i}.{e.incarnation}"))
+        out.update(self.d.poll())
+
+
+def groups(request: int, prompts: int, version: int = 0) -> list[Group]:
+    return [Group((request, 0, p), [p], SamplingSpec(n=4, seed=p), version) for p in range(prompts)]
+
+
+def test_groups_spread_over_serving_engines_and_come_back_once():
+    f = Fleet()
+    f.ready(0, 1)
+    assert f.d.layout == "layout0" and f.d.metrics()["healthy_engines"] == 2.0
+    f.d.submit(groups(0, 6))
+    f.d.poll()
+    assert sorted(f.now(0).generating() + f.now(1).generating()) == [(0, 0, p) for p in range(6)]
+    assert len(f.now(0).generating()) == len(f.now(1).generating()) == 3
+    out: dict = {}
+    f.finish(0, out)
+    f.finish(1, out)
+    assert sorted(out) == [(0, 0, p) for p in range(6)] and not f.d.busy
+    # an answer the engine no longer owes (sent twice, or late) is not returned again
+    f.now(0).inbox.append(("done", (0, 0, 0), "again"))
+    assert f.d.poll() == []
+
+
+def test_a_dead_engine_s_groups_are_redone_whole_on_the_other_and_it_restarts_with_the_weights():
+    f = Fleet()
+    f.ready(0, 1)
+    f.d.refit("w1", 1)  # the first weights: both engines refit before serving
+    assert f.d.metrics()["healthy_engines"] == 0.0
+    for i in (0, 1):
+        assert f.now(i).sent[-1] == ("weights", "w1", 1)
+        f.now(i).inbox.append(("refitted", 1))
+    f.d.poll()
+    f.d.submit(groups(3, 4, version=1))
+    f.d.poll()
+    lost = f.now(0).generating()
+    f.now(0).inbox.append(("done", lost[0], "finished before the death"))  # kept: not redone
+    out = dict(f.d.poll())
+    f.now(0).ended = "pid 1 was killed by SIGKILL"
+    out.update(f.d.poll())
+    assert f.d.redispatched == len(lost) - 1 == 1
+    assert f.now(1).generating() == [*[k for k in groups_keys(3, 4) if k not in lost], *lost[1:]]
+    assert len(f.incarnations[0]) == 2 and f.d.restarts == 1 and f.d.engines[0].state == "starting"
+    f.finish(1, out)
+    assert sorted(out) == groups_keys(3, 4)  # every group once
+    assert out[lost[0]] == "finished before the death"
+    # the new incarnation joins: refitted with the current weights before it is given anything
+    f.now(0).inbox.append(("ready", "layout0"))
+    f.d.submit(groups(4, 2, version=1))
+    f.d.poll()
+    assert f.now(0).sent == [("weights", "w1", 1)] and f.d.engines[0].state == "refitting"
+    assert f.now(1).generating()[-2:] == groups_keys(4, 2)
+    f.now(0).inbox.append(("refitted", 1))
+    f.d.poll()
+    assert f.d.metrics() == {"healthy_engines": 2.0, "redispatched_prompts": 1.0, "engine_restarts": 1.0}
+
+
+def groups_keys(request: int, prompts: int) -> list:
+    return [(request, 0, p) for p in range(prompts)]
+
+
+def test_a_hung_engine_is_killed_after_its_heartbeat_timeout_and_its_groups_move():
+    f = Fleet(hang=10.0)
+    f.ready(0, 1)
+    f.d.submit(groups(0, 4))
+    f.d.poll()
+    held = f.now(1).generating()
+    for _ in range(3):  # engine 0 keeps beating, engine 1 is silent (SIGSTOP)
+        f.clock.now += 4.0
+        f.now(0).inbox.append(("beat",))
+        f.d.poll()
+    assert f.incarnations[1][0].killed and len(f.incarnations[1]) == 2
+    assert f.d.engines[1].failures == ["sent no heartbeat for 12 s while serving (stopped or hung; "
+                                       "rollout.fleet.hang_timeout_s=10)"]
+    assert f.now(0).generating()[-len(held):] == held and f.d.redispatched == len(held)
+
+
+def test_restarts_are_bounded_and_the_last_error_names_every_engine():
+    f = Fleet(max_restarts=1)
+    f.ready(0, 1)
+    f.now(0).ended = "pid 10 exited with code 3"
+    f.d.poll()
+    f.now(0).inbox.append(("error", "RuntimeError: vLLM failed"))
+    f.d.poll()
+    assert f.d.engines[0].state == "failed" and len(f.incarnations[0]) == 2  # one restart, then given up
+    f.d.submit(groups(0, 2))
+    f.d.poll()
+    assert len(f.now(1).generating()) == 2  # the job goes on with engine 1
+    f.now(1).ended = "pid 11 was killed by SIGKILL"
+    f.d.poll()  # engine 1's restart
+    f.clock.now += 101.0  # ... never comes up: past rollout.fleet.start_timeout_s
+    with pytest.raises(FleetError) as err:
+        f.d.poll()
+    text = str(err.value)
+    assert text.startswith("no healthy rollout engine left (engine 0: pid 10 exited with code 3, then RuntimeError: "
+                           "vLLM failed; engine 1: pid 11 was killed by SIGKILL, then sent no heartbeat for 101 s "
+                           "while starting (stopped or hung; rollout.fleet.start_timeout_s=100))")
+    assert "rollout.fleet.max_restarts=1" in text and "\n" not in text
+    assert set(err.value.reasons) == {0, 1}
+
+
+def test_groups_wait_for_an_engine_of_their_weights():
+    f = Fleet(engines=1, max_restarts=0)
+    f.ready(0)
+    f.d.refit("w1", 1)
+    f.d.submit(groups(1, 2, version=1))
+    f.d.poll()
+    assert f.now(0).generating() == []  # still refitting
+    f.now(0).inbox.append(("refitted", 1))
+    f.d.poll()
+    assert f.now(0).generating() == groups_keys(1, 2)
+    with pytest.raises(Exception, match="between batches only"):
+        f.d.refit("w2", 2)
+
+
+def test_fleet_config_and_fault_spec_errors():
+    assert FleetConfig(engines=2).max_restarts == 3
+    with pytest.raises(ConfigError, match=r"rollout\.fleet\.hang_timeout_s"):
+        FleetConfig(engines=2, hang_timeout_s=0)
+    with pytest.raises(ConfigError, match=r"rollout\.fleet\.max_restarts"):
+        FleetConfig(max_restarts=-1)
+    assert faults("0:kill@2,1:stop@4") == {0: ("kill", 2), 1: ("stop", 4)}
+    with pytest.raises(ValueError, match="<engine>:<kill|stop>@<request>"):
+        faults("0:hang@2")
+
+
+def test_a_batch_becomes_seeded_groups_and_comes_back_in_prompt_order():
+    """The supervisor's side (rollout/fleet_server.py): one group per prompt and spec, prompt p seeded seed + p as on
+    a colocated engine (so a redone group draws the same samples), and the answer in prompt order, spec by spec."""
+    from types import SimpleNamespace
+
+    from verl_mega.rollout.fleet_server import FleetServer
+
+    specs = [SamplingSpec(n=2, seed=7), SamplingSpec(n=1, seed=None)]
+    command = {"id": 5, "prompts": [[1, 2], [3]], "specs": specs}
+    made = FleetServer._groups(command, version=3)
+    assert [(g.key, g.prompt_ids, g.spec.seed, g.version) for g in made] == [
+        ((5, 0, 0), [1, 2], 7, 3), ((5, 0, 1), [3], 8, 3), ((5, 1, 0), [1, 2], None, 3), ((5, 1, 1), [3], None, 3)]
+    # samples as engines return them: token ids, log-probs, per-token versions; they arrive in any order
+    results = {(5, 1, 1): ([[9]], [[-0.9]], [[3]]), (5, 0, 1): ([[6], [7]], [[-0.6], [-0.7]], [[3], [3]]),
+               (5, 0, 0): ([[4], [5]], [[-0.4], [-0.5]], [[3], [3]])}
+    assert not FleetServer._complete(command, results)
+    results[(5, 1, 0)] = ([[8]], [[-0.8]], [[3]])
+    assert FleetServer._complete(command, results)
+    server = SimpleNamespace(dispatcher=SimpleNamespace(metrics=lambda: {"engine_restarts": 1.0}))
+    answer = FleetServer._answer(server, command, results)
+    assert answer["id"] == 5 and answer["version"] == 3 and answer["fleet"] == {"engine_restarts": 1.0}
+    assert [[(s.prompt, s.ids, s.logprobs) for s in part] for part in answer["samples"]] == [
+        [(0, [4], [-0.4]), (0, [5], [-0.5]), (1, [6], [-0.6]), (1, [7], [-0.7])], [(0, [8], [-0.8]), (1, [9], [-0.9])]]
+    assert not results  # taken
+
+
+def test_weights_left_by_a_dead_supervisor_are_removed(tmp_path):
+    import os
+
+    from verl_mega.rollout.fleet_server import _remove_stale
+
+    dead, alive = tmp_path / "verl-mega-fleet-999999999-a", tmp_path / f"verl-mega-fleet-{os.getpid()}-b"
+    for d in (dead, alive):
+        d.mkdir()
+        (d / "weights-1.pt").write_bytes(b"x")
+    _remove_stale(str(tmp_path))
+    assert not dead.exists() and (alive / "weights-1.pt").exists()

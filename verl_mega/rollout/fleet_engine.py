@@ -1,0 +1,183 @@
+"""One engine of a rollout fleet: a process of its own, started by the rollout pool's rank
+(:class:`EngineProcess`), running one vLLM engine (gen_tp=1) in a world of one.
+
+It is an ordinary child process, not a launcher worker: its death is the supervisor's to handle, never the
+launcher's. It talks to the supervisor over one socket pair (pickled tuples, see
+:class:`~verl_mega.rollout.fleet.EngineHandle`): it announces its weight layout once its engine is built, beats a
+heartbeat from its main loop (every engine step, and while idle), generates prompt groups as they come
+(:class:`~verl_mega.rollout.streaming.StreamingEngine`, batches across groups) and reads new weights from a file
+the supervisor wrote. A stopped (SIGSTOP) or stuck engine stops beating; one whose supervisor is gone dies with it
+(PR_SET_PDEATHSIG) or ends at the closed socket.
+
+``VERL_MEGA_FLEET_FAULT`` (tests): ``<engine>:<kill|stop>@<request>[,...]``, read by the supervisor, makes an
+engine's first incarnation SIGKILL or SIGSTOP itself one engine step after it was given a group of that request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+BEAT_S = 0.5  # heartbeat period; the supervisor's bound (rollout.fleet.hang_timeout_s) is many of these
+FAULT_ENV = "VERL_MEGA_FLEET_FAULT"
+# launcher variables a child must not inherit: it is a world of one, not a rank of the job
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
+                  "MASTER_PORT", "VLLM_DIST_IDENT")
+_LAUNCHER_PREFIXES = ("OMPI_", "PMI_", "PMIX_", "SLURM_", "TORCHELASTIC_", "MPI_LOCAL")
+
+
+def faults(text: str | None) -> dict[int, tuple[str, int]]:
+    """``VERL_MEGA_FLEET_FAULT`` parsed: engine → (kill|stop, request)."""
+    out = {}
+    for item in filter(None, (text or "").split(",")):
+        try:
+            engine, rest = item.split(":")
+            action, request = rest.split("@")
+            if action not in ("kill", "stop"):
+                raise ValueError
+            out[int(engine)] = (action, int(request))
+        except ValueError:
+            raise ValueError(f"{FAULT_ENV}={text!r}: each item is <engine>:<kill|stop>@<request>, e.g. "
+                             f"0:kill@2") from None
+    return out
+
+
+class EngineProcess:
+    """The supervisor's handle on one incarnation of an engine (a :class:`~verl_mega.rollout.fleet.EngineHandle`).
+    ``setup``: what the engine needs (its vLLM config and the weight hooks), sent as its first message."""
+
+    def __init__(self, index: int, setup: dict[str, Any]) -> None:
+        import multiprocessing
+
+        ours, theirs = multiprocessing.Pipe(duplex=True)
+        env = {k: v for k, v in os.environ.items()
+               if k not in _LAUNCHER_VARS and not k.startswith(_LAUNCHER_PREFIXES)}
+        root = str(Path(__file__).resolve().parents[2])  # this checkout, wherever the interpreter was started
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, (root, env.get("PYTHONPATH"))))
+        self.index = index
+        self.proc = subprocess.Popen([sys.executable, "-m", "verl_mega.rollout.fleet_engine", "--fd",
+                                      str(theirs.fileno()), "--index", str(index)],
+                                     pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
+        theirs.close()
+        self.conn = ours
+        self.closed = False
+        self.send(("setup", setup))
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def send(self, message: tuple) -> None:
+        if self.closed:
+            return
+        try:
+            self.conn.send(message)
+        except OSError:  # it died: exit_reason says how, and its groups go elsewhere
+            self.closed = True
+
+    def receive(self) -> list[tuple]:
+        out = []
+        try:
+            while not self.closed and self.conn.poll(0):
+                out.append(self.conn.recv())
+        except (OSError, EOFError):
+            self.closed = True
+        return out
+
+    def exit_reason(self) -> str | None:
+        code = self.proc.poll()
+        if code is None:
+            return None
+        if code < 0:
+            return f"pid {self.pid} was killed by {signal.Signals(-code).name}"
+        return f"pid {self.pid} exited with code {code}"
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()  # SIGKILL ends a stopped process too
+            self.proc.wait()
+        self.closed = True
+        self.conn.close()
+
+
+# ---- the engine process --------------------------------------------------------------------------------------
+def _die_with_parent() -> None:
+    """SIGKILL this process when its supervisor dies (Linux); elsewhere the closed socket ends it."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def serve(conn: Connection, index: int) -> None:
+    from verl_mega.rollout.streaming import StreamingEngine
+    from verl_mega.rollout.vllm_rollout import VLLMRollout
+
+    _, setup = conn.recv()
+    layout_of, write = setup["hooks"]
+    rollout = VLLMRollout(setup["config"])  # a world of one, on a free port
+    stream = StreamingEngine(rollout, deltas=False)  # weights change between groups only
+    conn.send(("ready", layout_of(rollout.model)))
+    fault, armed = setup.get("fault"), False
+    beat = time.monotonic()
+    while True:
+        if time.monotonic() - beat >= BEAT_S:
+            conn.send(("beat",))
+            beat = time.monotonic()
+        while conn.poll(0 if stream.busy else BEAT_S / 2):
+            message = conn.recv()
+            if message[0] == "stop":
+                rollout.shutdown()
+                return
+            if message[0] == "weights":
+                import torch
+
+                write(rollout.model, rollout.is_cpu, torch.load(message[1], weights_only=True, mmap=True))
+                rollout.weight_version = message[2] - 1
+                stream.weights_changed()
+                conn.send(("refitted", message[2]))
+            elif message[0] == "generate":
+                _, key, prompt_ids, spec = message
+                stream.add(key, [prompt_ids], spec)
+                armed = armed or (fault is not None and key[0] >= fault[1])
+        if stream.busy:
+            for key in stream.step():
+                got = stream.take(key)
+                conn.send(("done", key, (got.token_ids, got.logprobs, got.versions)))
+            if armed:  # a test's fault, one engine step into the request
+                os.kill(os.getpid(), signal.SIGKILL if fault[0] == "kill" else signal.SIGSTOP)
+                armed, fault = False, None
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="one engine of a rollout fleet (started by its supervisor)")
+    parser.add_argument("--fd", type=int, required=True)
+    parser.add_argument("--index", type=int, required=True)
+    args = parser.parse_args(argv)
+    _die_with_parent()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # a preemption is the supervisor's to pass on, not an engine's
+        signal.signal(sig, signal.SIG_IGN)
+    conn = Connection(args.fd)
+    try:
+        serve(conn, args.index)
+    except (EOFError, OSError):  # the supervisor is gone
+        os._exit(1)
+    except BaseException as exc:  # noqa: BLE001 - reported, then the supervisor restarts this engine
+        try:
+            conn.send(("error", f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"))
+        except OSError:
+            pass
+        raise
+    os._exit(0)  # the engine's modules go with the process
+
+
+if __name__ == "__main__":
+    main()
