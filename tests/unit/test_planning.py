@@ -327,7 +327,7 @@ def test_moe_params_state_and_comm_by_hand():
 
 def test_moe_reshard_bytes_is_the_worst_rank():
     """The planner's reshard figure is the largest per-rank count over the whole pool (it evaluates a few ranks)."""
-    from verl_mega.planning.memory import reshard_bytes
+    from verl_mega.planning.generation import reshard_bytes
 
     for tp, pp, dp, ep, etp, tg, gen_ep in ((2, 2, 2, 2, 1, 2, 1), (2, 1, 4, 4, 2, 1, 1), (4, 2, 1, 2, 1, 2, 1),
                                             (1, 2, 4, 4, 1, 1, 1), (2, 2, 4, 8, 1, 2, 8), (2, 1, 4, 2, 2, 1, 4),

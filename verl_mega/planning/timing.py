@@ -35,7 +35,8 @@ from verl_mega.models.flops import GPU_PEAKS, attention_flops, attention_weights
 from verl_mega.models.hf_config import ModelArch
 from verl_mega.parallel.placement import Pool
 from verl_mega.planning.dp_sync import pool_dp_sync
-from verl_mega.planning.memory import MemoryPrediction, RoleSpec, RolloutSpec, Workload, kv_cache_bytes_per_token
+from verl_mega.planning.generation import kv_cache_bytes_per_token
+from verl_mega.planning.memory import MemoryPrediction, RoleSpec, RolloutSpec, Workload
 from verl_mega.planning.params import PlanningError, generation_params, stage_params
 
 GB = 1e9
