@@ -17,9 +17,12 @@ import errno
 import fcntl
 import logging
 import os
+import shutil
 import socket
 import time
 from pathlib import Path
+
+from verl_mega.trainer.failures import ATTEMPTS_DIR
 
 log = logging.getLogger("verl_mega.checkpoint")
 
@@ -77,8 +80,10 @@ def lock_output_dir(output_dir: str, resources: contextlib.ExitStack) -> None:
         lock.unlink(missing_ok=True)  # while holding it (see above)
         _HELD.discard(fd)
         os.close(fd)
-        if made and not any(path.iterdir()):
+        # this job's own attempt records (trainer/failures.py) are all a refused job leaves in a directory it made
+        if made and {p.name for p in path.iterdir()} <= {ATTEMPTS_DIR}:
             with contextlib.suppress(OSError):
+                shutil.rmtree(path / ATTEMPTS_DIR, ignore_errors=True)
                 path.rmdir()
 
     resources.callback(release)
