@@ -153,6 +153,21 @@ def _key(prompt_ids: Sequence[Sequence[int]], specs: Sequence[SamplingSpec]) -> 
     return [list(p) for p in prompt_ids], list(specs)
 
 
+def record_stop_signals() -> list[int]:
+    """Keep SIGTERM / SIGINT from ending a rollout rank: each is recorded (the most severe so far, an index into
+    STOP_REASONS, in the returned cell) for the training pool, which stops the job after its step, with a checkpoint."""
+    received = [0]
+
+    def on_signal(signum: int, frame) -> None:  # noqa: ARG001
+        received[0] = max(received[0], STOP_REASONS.index(signal.Signals(signum).name))
+        log.warning("rollout pool: %s received; the training pool stops the job after its step, with a checkpoint",
+                    signal.Signals(signum).name)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    return received
+
+
 class RolloutServer:
     """The rollout pool's loop. Its leader reads the trainer's commands (a thread waits for them) and shares them
     with the pool; every engine steps its share of every batch (:class:`~verl_mega.rollout.streaming.StreamingEngine`),
@@ -184,15 +199,7 @@ class RolloutServer:
         """Run commands until ``stop``. SIGTERM and SIGINT on any rank of the pool are passed on to the training
         pool, which decides when the job stops (it finishes its step, saves it, then sends ``stop``); a training
         pool that is gone ends this loop through the bridge."""
-        received = [0]  # the most severe signal any rank of the pool has received: an index into STOP_REASONS
-
-        def on_signal(signum: int, frame) -> None:  # noqa: ARG001
-            received[0] = max(received[0], STOP_REASONS.index(signal.Signals(signum).name))
-            log.warning("rollout pool: %s received; the training pool stops the job after its step, with a checkpoint",
-                        signal.Signals(signum).name)
-
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, on_signal)
+        received = record_stop_signals()  # the most severe signal this rank received: an index into STOP_REASONS
         passed_on = 0
         inbox = _Inbox(self.bridge, self.trainer) if self.leader else None
         self.outbox = _Outbox(self.bridge, self.trainer) if self.leader else None

@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import signal
 import tempfile
 from collections import OrderedDict, deque
 from dataclasses import replace
@@ -29,7 +28,7 @@ from typing import Any
 
 from verl_mega.parallel.pools import HEARTBEAT_S, Bridge
 from verl_mega.rollout.base import SEED_MODULUS, STOP_REASONS, Sample
-from verl_mega.rollout.disaggregated import _Inbox, _Outbox
+from verl_mega.rollout.disaggregated import _Inbox, _Outbox, record_stop_signals
 from verl_mega.rollout.fleet import Dispatcher, Group
 from verl_mega.rollout.fleet_engine import FAULT_ENV, EngineProcess, faults
 
@@ -91,15 +90,7 @@ class FleetServer:
     def serve(self) -> None:
         """Run the trainer's commands until ``stop`` (see :class:`~verl_mega.rollout.disaggregated.RolloutServer`
         for signals and the order of commands)."""
-        received = [0]
-
-        def on_signal(signum: int, frame) -> None:  # noqa: ARG001
-            received[0] = max(received[0], STOP_REASONS.index(signal.Signals(signum).name))
-            log.warning("rollout pool: %s received; the training pool stops the job after its step, with a checkpoint",
-                        signal.Signals(signum).name)
-
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, on_signal)
+        received = record_stop_signals()
         passed_on = 0
         inbox, outbox = _Inbox(self.bridge, self.trainer), _Outbox(self.bridge, self.trainer)
         queue: deque[dict] = deque()
