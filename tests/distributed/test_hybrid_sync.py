@@ -136,7 +136,9 @@ def test_hybrid_sync_deepseek(case, tmp_path):
     """DeepSeek-V3 in bf16 (vLLM-CPU's MLA runs only in bf16): vLLM starts from other weights; after the in-place
     sync its greedy tokens equal HF generate's, every vLLM tensor (fused_qkv_a_proj, the W_UK_T / W_UV vLLM splits
     out of kv_b_proj after the sync, fused experts, the fp32 correction bias) equals what vLLM's own loader builds,
-    and each rank's bytes equal a first-principles count and the planner's prediction."""
+    each rank's bytes equal a first-principles count and the planner's prediction, and Megatron's log-probs of vLLM's
+    tokens are within two bf16 spacings of the largest logit of vLLM's (logits here reach |z| ~ 130, where bf16's
+    spacing is 1: the rounding of two kernels, 0.19 apart on this AVX2-only CPU)."""
     pp, tp, ep, etp, tg = case
     model_dir = planted_deepseek(tmp_path / "deepseek_v3")
     other = make_tiny_hf_model(tmp_path / "start", model_type="deepseek_v3", vocab_size=512, hidden_size=128,
@@ -144,7 +146,7 @@ def test_hybrid_sync_deepseek(case, tmp_path):
                                with_tokenizer=False, seed=1, extra=moe_fields("deepseek_v3"))
     out = run_torchrun("hybrid_sync_job.py", tp * pp, "--pp", str(pp), "--tp", str(tp), "--ep", str(ep), "--etp",
                        str(etp), "--gen-tp", str(tg), "--model-dir", str(model_dir), "--vllm-model-dir", str(other),
-                       "--perturb", "0", "--dtype", "bfloat16", "--lp-tol", "0.15", timeout=540)
+                       "--perturb", "0", "--dtype", "bfloat16", "--lp-tol-ulps", "2", timeout=540)
     report = tagged_report(out, "HYBRID")
     ranks = report["ranks"]
     assert len(ranks) == tp * pp and all(r["checked"] > 0 for r in ranks)
