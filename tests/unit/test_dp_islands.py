@@ -63,39 +63,56 @@ def mcore_island_groups(spec: dict) -> dict:
     return out
 
 
-def _mcore_groups_somewhere(spec: dict) -> dict:
-    """In this process when it has no torch.distributed state, else in a fresh one (the fake world needs that)."""
+ISLAND_CASES = [(16, dict(tp=2, pp=2, ep=2), 4), (32, dict(tp=1), 8), (16, dict(tp=2, cp=2), 8),
+                (64, dict(tp=4, pp=2), 8), (64, dict(tp=2, pp=2, ep=4, etp=1), 8), (24, dict(tp=1, pp=3), 4)]
+
+
+def _island_case(world: int, dims: dict, island: int) -> tuple:
+    """The placement's pool, Megatron's arguments for it and the ranks to compare."""
+    pool = Placement.single(world, **dims).with_dp_hierarchy("node", island).pool("main")
+    mcore_dims = dict(tensor_model_parallel_size=pool.tp, pipeline_model_parallel_size=pool.pp,
+                      context_parallel_size=pool.cp, expert_model_parallel_size=pool.ep,
+                      expert_tensor_parallel_size=pool.etp, num_distributed_optimizer_instances=pool.dp_islands)
+    ranks = sorted({0, 1, world // 2 + 1, world - 1, island + pool.tp})
+    return pool, {"world": world, "dims": mcore_dims, "ranks": ranks}
+
+
+@pytest.fixture(scope="module")
+def mcore_groups_of_every_case() -> list[dict]:
+    """Megatron's groups for every case of ISLAND_CASES: in this process when it has no torch.distributed state,
+    else all of them in one fresh one (the fake world needs that; one interpreter start, not one per case)."""
     import subprocess
     import sys
 
     import torch.distributed as dist
 
+    specs = [_island_case(*case)[1] for case in ISLAND_CASES]
     if not dist.is_initialized():
-        return mcore_island_groups(spec)
+        return [mcore_island_groups(spec) for spec in specs]
     code = ("import json, sys, warnings; warnings.filterwarnings('ignore'); sys.path.insert(0, sys.argv[2]); "
             "from test_dp_islands import mcore_island_groups; "
-            "print('GROUPS ' + json.dumps(mcore_island_groups(json.loads(sys.argv[1]))))")
-    proc = subprocess.run([sys.executable, "-c", code, json.dumps(spec), str(Path(__file__).parent)],
+            "print('GROUPS ' + json.dumps([mcore_island_groups(s) for s in json.loads(sys.argv[1])]))")
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(specs), str(Path(__file__).parent)],
                           capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("GROUPS "))
-    return {int(k): v for k, v in json.loads(line[len("GROUPS "):]).items()}
+    return [{int(k): v for k, v in groups.items()} for groups in json.loads(line[len("GROUPS "):])]
 
 
-@pytest.mark.parametrize("world,dims,island", [
-    (16, dict(tp=2, pp=2, ep=2), 4), (32, dict(tp=1), 8), (16, dict(tp=2, cp=2), 8), (64, dict(tp=4, pp=2), 8),
-    (64, dict(tp=2, pp=2, ep=4, etp=1), 8), (24, dict(tp=1, pp=3), 4)])
-def test_island_groups_equal_megatrons_partial_distributed_optimizer(world, dims, island):
+def _case_id(i: int) -> str:
+    world, dims, island = ISLAND_CASES[i]
+    return "-".join([str(world), *(f"{k}{v}" for k, v in dims.items()), f"island{island}"])
+
+
+@pytest.mark.parametrize("case", range(len(ISLAND_CASES)), ids=_case_id)
+def test_island_groups_equal_megatrons_partial_distributed_optimizer(case, mcore_groups_of_every_case):
     """Megatron-Core's own initialize_model_parallel(num_distributed_optimizer_instances=I), run as every rank of a
     fake world, builds the same intra-island, inter-island and optimizer-instance groups as the placement."""
-    pool = Placement.single(world, **dims).with_dp_hierarchy("node", island).pool("main")
-    mcore_dims = dict(tensor_model_parallel_size=pool.tp, pipeline_model_parallel_size=pool.pp,
-                      context_parallel_size=pool.cp, expert_model_parallel_size=pool.ep,
-                      expert_tensor_parallel_size=pool.etp, num_distributed_optimizer_instances=pool.dp_islands)
+    world, dims, island = ISLAND_CASES[case]
+    pool, spec = _island_case(world, dims, island)
     assert pool.dp_islands == pool.tp * pool.cp * pool.dp // island
-    ranks = sorted({0, 1, world // 2 + 1, world - 1, island + pool.tp})
-    mcore = _mcore_groups_somewhere({"world": world, "dims": mcore_dims, "ranks": ranks})
-    for rank in ranks:
+    mcore = mcore_groups_of_every_case[case]
+    for rank in spec["ranks"]:
         assert {k: tuple(v) for k, v in mcore[rank].items()} == {
             k: pool.group_of(k, rank) for k in ("intra_dp", "intra_edp", "inter_dp", "dist_opt")}, rank
     # the intra-island groups lie inside islands of `island` consecutive ranks; the inter-island ones cross them

@@ -273,22 +273,50 @@ def test_dry_run_rejects_bad_rank_and_layout():
     assert dist.is_initialized() == was_initialized  # nothing was left behind
 
 
-def test_plan_cli_dry_run_bad_rank():
-    cmd = [sys.executable, str(REPO / "tools" / "plan.py"), "--model", str(MODEL), "--gpus", "16", "--tp", "8",
-           "--dry-run", "--rank", "16"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
-    assert proc.returncode == 2 and proc.stdout == ""
-    lines = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
-    assert len(lines) == 1 and "outside the world of 16" in lines[0], proc.stderr[-2000:]
+# tools/plan.py run as `python tools/plan.py ARGS` (as __main__, its exit code and its two streams) for several
+# ARGS in one interpreter: one start of torch and Megatron-Core for the three command lines below, not three
+_CLI_DRIVER = """
+import contextlib, io, json, runpy, sys
+results = []
+for argv in json.loads(sys.argv[1]):
+    out, err, sys.argv = io.StringIO(), io.StringIO(), argv
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_path(argv[0], run_name="__main__")
+            code = 0
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
+    results.append({"rc": code, "stdout": out.getvalue(), "stderr": err.getvalue()})
+sys.__stdout__.write("CLI " + json.dumps(results) + "\\n")
+"""
 
 
-def test_plan_cli_dry_run_json():
-    cmd = [sys.executable, str(REPO / "tools" / "plan.py"), "--model", str(MODEL), "--gpus", str(WORLD),
-           "--gpus-per-node", str(NODE), "--gpu-mem-gb", "80", "--tp", str(TP), "--pp", str(PP), "--gen-tp", str(TG),
-           "--vpp", "1", "--dry-run", "--rank", "517", "--json"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
+def run_plan_cli(*arg_lists: list[str]) -> list[subprocess.CompletedProcess]:
+    argvs = [[str(REPO / "tools" / "plan.py"), *args] for args in arg_lists]
+    proc = subprocess.run([sys.executable, "-c", _CLI_DRIVER, json.dumps(argvs)], capture_output=True, text=True,
+                          timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    data = json.loads(proc.stdout)
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("CLI "))
+    return [subprocess.CompletedProcess(argv, r["rc"], r["stdout"], r["stderr"])
+            for argv, r in zip(argvs, json.loads(line[len("CLI "):]))]
+
+
+def test_plan_cli_dry_run():
+    """A rank outside the world is one error line (exit 2, nothing on stdout); --json of a 1024-rank single-pool
+    layout; and the recipe whose placement has a 768-rank training pool and a 256-rank rollout pool."""
+    bad, single, two_pools = run_plan_cli(
+        ["--model", str(MODEL), "--gpus", "16", "--tp", "8", "--dry-run", "--rank", "16"],
+        ["--model", str(MODEL), "--gpus", str(WORLD), "--gpus-per-node", str(NODE), "--gpu-mem-gb", "80", "--tp",
+         str(TP), "--pp", str(PP), "--gen-tp", str(TG), "--vpp", "1", "--dry-run", "--rank", "517", "--json"],
+        ["--config", str(REPO / "configs" / "ppo_llama2_7b_two_pools.yaml"), "--model", str(MODEL), "--gpus",
+         str(WORLD), "--dry-run", "--rank", "5", "767", "768", "--json"])
+
+    assert bad.returncode == 2 and bad.stdout == ""
+    lines = [x for x in bad.stderr.splitlines() if x.startswith("error:")]
+    assert len(lines) == 1 and "outside the world of 16" in lines[0], bad.stderr[-2000:]
+
+    assert single.returncode == 0, single.stderr[-3000:]
+    data = json.loads(single.stdout)
     (rep,) = data["dry_run"]
     assert rep["world_size"] == WORLD and rep["rank"] == 517
     check_rank_groups(517, {k: tuple(v) for k, v in rep["groups"].items()})
@@ -297,16 +325,8 @@ def test_plan_cli_dry_run_json():
     best = data["plans"][0]
     assert (best["tp"], best["pp"], best["gen_tp"], best["dp"]) == (TP, PP, TG, DP)
 
-
-def test_plan_cli_dry_run_two_pool_recipe():
-    """tools/plan.py --dry-run on the recipe whose placement has a 768-rank training pool and a 256-rank rollout
-    pool."""
-    cmd = [sys.executable, str(REPO / "tools" / "plan.py"), "--config",
-           str(REPO / "configs" / "ppo_llama2_7b_two_pools.yaml"),
-           "--model", str(MODEL), "--gpus", str(WORLD), "--dry-run", "--rank", "5", "767", "768", "--json"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    data = json.loads(proc.stdout)
+    assert two_pools.returncode == 0, two_pools.stderr[-3000:]
+    data = json.loads(two_pools.stdout)
     reps = data["dry_run"]
     assert [r["pool"] for r in reps] == ["train", "train", "rollout"]
     assert reps[0]["groups"]["tp"] == [4, 5, 6, 7] and reps[0]["groups"]["gen_tp"] in ([4, 6], [5, 7])
