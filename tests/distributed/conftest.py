@@ -7,7 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from runs import QUIET, RESUME_RUN, metric_rows, resume_env, train
+from runs import (ASYNC_REFERENCE_STEPS, FLEET, FLEET_FAULT, QUIET, RESUME_RUN, metric_rows, resume_env,
+                  train)
 
 from shared_runs import shared_dir
 
@@ -65,8 +66,12 @@ def calculator_run(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def async_quickstart_run(tmp_path_factory) -> Path:
-    """configs/quickstart_async_cpu.yaml: rank 0 trains, rank 1 generates one step ahead, 150 steps."""
-    return _whole(tmp_path_factory, "quickstart-async", "quickstart_async_cpu.yaml", QUIET, nproc=2, env=ASYNC_ENV)
+    """configs/quickstart_async_cpu.yaml, every step of the recipe (rank 0 trains, rank 1 generates one step ahead),
+    run once as the chaos run of an engine fleet with two faults (runs.FLEET): its metrics are the plain run's bit
+    for bit. test_async.py holds it to the README's bar, test_fleet.py to the plain run's first
+    ASYNC_REFERENCE_STEPS steps and to what the fleet must do. Its log is ``out.log`` beside it."""
+    return _whole(tmp_path_factory, "quickstart-async-fleet", "quickstart_async_cpu.yaml", [*QUIET, *FLEET], nproc=2,
+                  env={**ASYNC_ENV, "VERL_MEGA_FLEET_FAULT": FLEET_FAULT})
 
 
 # ------------------------------------------------------------------ reference runs
@@ -103,9 +108,10 @@ def resume_reference(tmp_path_factory) -> tuple[Path, str]:
 
 @pytest.fixture(scope="session")
 def async_torchrun_reference(tmp_path_factory) -> list[dict]:
-    """3 steps of configs/quickstart_async_cpu.yaml under torchrun: what the other launchers must reproduce."""
+    """The first ASYNC_REFERENCE_STEPS steps of configs/quickstart_async_cpu.yaml under torchrun, no fleet: what the
+    other launchers (their first 3 steps) and the fleet's chaos run must reproduce."""
     def make(d: Path) -> None:
-        train(d / "torchrun", "quickstart_async_cpu.yaml", ["trainer.total_steps=3", *QUIET], nproc=2, env=ASYNC_ENV,
-              timeout=600)
+        train(d / "torchrun", "quickstart_async_cpu.yaml", [f"trainer.total_steps={ASYNC_REFERENCE_STEPS}", *QUIET],
+              nproc=2, env=ASYNC_ENV, timeout=600)
 
-    return metric_rows(shared_dir(tmp_path_factory, "async-torchrun-3", make) / "torchrun")
+    return metric_rows(shared_dir(tmp_path_factory, f"async-torchrun-{ASYNC_REFERENCE_STEPS}", make) / "torchrun")

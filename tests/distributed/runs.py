@@ -12,6 +12,15 @@ from torchrun_util import free_port, run_in_session
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
 QUIET = ["trainer.save_every=0", "logging.tensorboard=false", "logging.plot=false", "logging.progress_bar=false"]
+# The async quickstart's one whole run is the chaos run of an engine fleet: rank 1 supervises two vLLM engine
+# processes; engine 0 SIGKILLs itself one engine step into its request 2, engine 1 SIGSTOPs itself in its request
+# FLEET_STOP_AT. A fleet redoes a failed engine's prompt groups whole, with their own seeds, on the other engine, so
+# the run's metrics are the plain run's: the first ASYNC_REFERENCE_STEPS steps, which hold both faults, are compared.
+FLEET_HANG_S = 8
+FLEET_STOP_AT = 8
+FLEET = ["rollout.fleet.engines=2", f"rollout.fleet.hang_timeout_s={FLEET_HANG_S}", "rollout.fleet.max_restarts=1"]
+FLEET_FAULT = f"0:kill@2,1:stop@{FLEET_STOP_AT}"
+ASYNC_REFERENCE_STEPS = 12
 # the short runs of the checkpoint tests (result-changing settings; test_resume.py and test_bad_inputs.py)
 SHORT = ["data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "actor.micro_batch_size_per_gpu=8", "rollout.n=4",
          "rollout.max_response_length=6", "rollout.kv_cache_memory_bytes=33554432", "logging.progress_bar=false",
@@ -22,6 +31,13 @@ RESUME_RUN = [f"trainer.total_steps={RESUME_STEPS}", "trainer.save_every=2", "ch
 
 def metric_rows(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def recipe_steps(recipe: str) -> int:
+    """How many steps ``configs/<recipe>`` runs (its trainer.total_steps, defaults included)."""
+    from verl_mega.config import load_config
+
+    return load_config(CONFIGS / recipe).trainer.total_steps
 
 
 def train(out: Path, recipe: str, overrides: list[str], *, nproc: int = 1, env: dict | None = None,
