@@ -24,7 +24,7 @@ ASYNC_ENV = {"OMP_NUM_THREADS": "1", "VLLM_CPU_CI_ENV": "1", "PYTHONWARNINGS": "
 # ------------------------------------------------------------------ whole runs (the README's reward bars)
 @pytest.fixture(scope="session")
 def quickstart_run(tmp_path_factory) -> Path:
-    """configs/quickstart_cpu.yaml as the README runs it: 150 steps, checkpoints, curves, TensorBoard."""
+    """configs/quickstart_cpu.yaml as the README runs it: 100 steps, checkpoints, curves, TensorBoard."""
     return _whole(tmp_path_factory, "quickstart", "quickstart_cpu.yaml", ["logging.progress_bar=false"])
 
 

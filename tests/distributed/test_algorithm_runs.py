@@ -11,7 +11,7 @@ The runs are the session's whole runs (conftest.py); each is made once, side by 
 """
 
 import pytest
-from runs import metric_rows, train
+from runs import metric_rows, recipe_steps, train
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +22,7 @@ def _first_last(rows: list[dict], key: str) -> tuple[float, float]:
 
 def test_dapo_meets_the_quickstart_bar(dapo_run):
     dapo = metric_rows(dapo_run)
-    assert len(dapo) == 150
+    assert len(dapo) == recipe_steps("quickstart_cpu.yaml")
     first, last = _first_last(dapo, "dapo/generated_reward_mean")
     print(f"DAPO generated reward: first 10 steps {first:.3f}, last 10 steps {last:.3f}")
     assert first < 0.3 and last > 0.6, (first, last)
@@ -32,7 +32,7 @@ def test_dapo_meets_the_quickstart_bar(dapo_run):
 
 def test_gspo_meets_the_quickstart_bar(gspo_run):
     gspo = metric_rows(gspo_run)
-    assert len(gspo) == 150
+    assert len(gspo) == recipe_steps("quickstart_cpu.yaml")
     first, last = _first_last(gspo, "reward/mean")
     print(f"GSPO reward: first 10 steps {first:.3f}, last 10 steps {last:.3f}")
     assert first < 0.3 and last > 0.6, (first, last)

@@ -10,7 +10,7 @@ log-probs and the policy at the first mini-batch of the update, before any optim
   step's average in the runs whose rollout samples with the weights being trained (every run but the asynchronous one,
   whose batches come from the previous weights by design). Why these bounds: in fp32 the two engines compute the same
   log-softmax with different kernels, so they differ by float rounding only. Measured on these runs (2-core CPU box):
-  per-token max 5.3e-6 to 6.2e-6 in the single-turn runs (quickstart, MoE, DAPO, GSPO; 150 steps each), 2.5e-5 in the
+  per-token max 5.3e-6 to 6.2e-6 in the single-turn runs (quickstart, MoE, DAPO, GSPO; 150-step runs), 2.5e-5 in the
   multi-turn calculator run, whose vLLM prefills each turn's whole context again (its bound is ``MULTI_TURN_DIFF_MAX``
   = 1e-3); a step's mean at most 4.0e-7 in every run. A wrong weight shard, a missed sync, a temperature applied on
   one side only or tokens shifted by one give differences of 1e-2 and more, so the bounds leave 16-40x room for
