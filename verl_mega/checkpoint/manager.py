@@ -40,6 +40,7 @@ from verl_mega.checkpoint.integrity import (SCHEMA, BrokenCheckpointError, Resum
                                             block_items, find_checkpoint, hash_blocks, manifest_entries,
                                             verify_checkpoint, write_manifest)
 from verl_mega.config import to_dict
+from verl_mega.parallel.launch_env import restart_counters
 from verl_mega.parallel.state import pool_group
 
 if TYPE_CHECKING:
@@ -62,9 +63,16 @@ _NEARLY_FULL = 64 << 20  # bytes left on the disk after a failed save below whic
 
 def fault_point(phase: str, step: int) -> None:
     """Crash-consistency testing hook: ``VERL_MEGA_FAULT_INJECT=<phase>@<step>`` SIGKILLs this process at that
-    point (phases: step_start, save_begin, save_shards_written, save_renamed, save_done). Inert otherwise."""
+    point (phases: step_start, save_begin, save_shards_written, save_renamed, save_done); with ``/first`` appended,
+    only in the job's first attempt (no launcher has restarted it), so that a restarted job runs on. Inert
+    otherwise."""
     spec = os.environ.get(FAULT_ENV)
-    if spec and spec == f"{phase}@{step}":
+    if not spec:
+        return
+    point, _, attempt = spec.partition("/")
+    if attempt not in ("", "first"):
+        raise ValueError(f"{FAULT_ENV}={spec!r}: write <phase>@<step> or <phase>@<step>/first")
+    if point == f"{phase}@{step}" and (not attempt or not any(restart_counters().values())):
         os.kill(os.getpid(), 9)
 
 

@@ -23,7 +23,21 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Mapping, MutableMapping
 
-__all__ = ["DistEnv", "LaunchEnvError", "discover", "main"]
+__all__ = ["DistEnv", "LaunchEnvError", "RESTART_COUNTERS", "discover", "main", "restart_counters"]
+
+# the launchers' restart counters: torchrun's, Slurm's requeue count, and the launch/ scripts' own loops
+RESTART_COUNTERS = {"torchrun": "TORCHELASTIC_RESTART_COUNT", "slurm": "SLURM_RESTART_COUNT",
+                    "launcher": "VERL_MEGA_RESTART_COUNT"}
+
+
+def restart_counters(environ: Mapping[str, str] = os.environ) -> dict[str, int]:
+    """The launchers' restart counters present in the environment (name → count)."""
+    out = {}
+    for name, var in RESTART_COUNTERS.items():
+        value = environ.get(var, "")
+        if value.isdigit():
+            out[name] = int(value)
+    return out
 
 
 class LaunchEnvError(ValueError):

@@ -28,29 +28,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+from verl_mega.parallel.launch_env import restart_counters
+
 FAILURES_FILE = "failures.jsonl"
 ATTEMPTS_DIR = ".attempts"
 RUNNING = "running"
 OK = "ok"
-# the launchers' restart counters: torchrun's, Slurm's requeue count, and the launch/ scripts' own loops
-RESTART_COUNTERS = {"torchrun": "TORCHELASTIC_RESTART_COUNT", "slurm": "SLURM_RESTART_COUNT",
-                    "launcher": "VERL_MEGA_RESTART_COUNT"}
 SILENT = ("ended without a word: killed (SIGKILL, the OOM killer), crashed in native code, or its node was "
           "lost")
 
 __all__ = ["FAILURES_FILE", "ATTEMPTS_DIR", "start_attempt", "end_attempt", "record_restart", "restart_counters"]
 
 _record: Path | None = None  # this process's attempt record, once written
-
-
-def restart_counters() -> dict[str, int]:
-    """The launchers' restart counters present in this process's environment (name → count)."""
-    out = {}
-    for name, var in RESTART_COUNTERS.items():
-        value = os.environ.get(var, "")
-        if value.isdigit():
-            out[name] = int(value)
-    return out
 
 
 def _write(path: Path, record: dict[str, Any]) -> None:
