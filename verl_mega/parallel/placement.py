@@ -319,10 +319,16 @@ class Pool:
             raise PlacementError(f"rank {rank} is not in pool {self.name!r}")
         return self._member_of[kind][rank]
 
+    @cached_property
+    def _position(self) -> dict[int, int]:  # a planner asks for the coords of ~10^6 ranks: no linear search
+        return {r: i for i, r in enumerate(self.ranks)}
+
     def coords(self, rank: int) -> dict[str, int]:
         """The rank's position along every dimension: tp, cp, dp, pp, ep, etp, edp, gen_tp (its block j), engine,
         gen_ep (its expert-parallel generation rank: the experts it serves; 0 without gen_ep)."""
-        index = self.ranks.index(rank)
+        if rank not in self._position:
+            raise PlacementError(f"rank {rank} is not in pool {self.name!r}")
+        index = self._position[rank]
         out = {}
         for shape in (self._dense_shape, (("etp", self.etp), ("ep", self.ep), ("edp", self.edp), ("pp", self.pp))):
             rest = index
@@ -366,7 +372,9 @@ class Pool:
         """The routed experts ``rank`` serves in generation, as (first expert, end, first row, end row) of every MoE
         layer: rows [j·f/tg, (j+1)·f/tg) of all E experts (vLLM's TP slices every expert), or with gen_ep > 1 the
         whole experts [e·E/gen_ep, (e+1)·E/gen_ep) of its expert-parallel rank e."""
-        c = self.coords(rank)
+        return self._expert_slice_at(self.coords(rank), num_experts, width)
+
+    def _expert_slice_at(self, c: dict[str, int], num_experts: int, width: int) -> tuple[int, int, int, int]:
         if self.gen_ep > 1:
             per = num_experts // self.gen_ep
             return c["gen_ep"] * per, (c["gen_ep"] + 1) * per, 0, width
@@ -380,7 +388,7 @@ class Pool:
         (rows of ``row_bytes`` = h·element size), less what its own (ep, etp) training shard holds of it in the
         ``own_layers`` MoE layers of its own stage."""
         c = self.coords(rank)
-        e0, e1, r0, r1 = self.expert_slice(rank, num_experts, width)
+        e0, e1, r0, r1 = self._expert_slice_at(c, num_experts, width)
         local, fr = num_experts // self.ep, width // self.etp
         held_e = max(0, min(e1, (c["ep"] + 1) * local) - max(e0, c["ep"] * local))
         held_r = max(0, min(r1, (c["etp"] + 1) * fr) - max(r0, c["etp"] * fr))
