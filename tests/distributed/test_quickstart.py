@@ -59,8 +59,8 @@ def test_quickstart_lora(lora_quickstart_run, tmp_path):
 
     run = lora_quickstart_run
     rows = metric_rows(run)
-    assert [r["step"] for r in rows] == list(range(1, recipe_steps("quickstart_lora_cpu.yaml") + 1)) == \
-        list(range(1, 151))
+    assert recipe_steps("quickstart_lora_cpu.yaml") == 150  # the checkpoints read below are steps 100 and 150
+    assert [r["step"] for r in rows] == list(range(1, 151))
     first = sum(r["reward/mean"] for r in rows[:10]) / 10
     last = sum(r["reward/mean"] for r in rows[-10:]) / 10
     print(f"LoRA mean reward: first 10 steps {first:.3f}, last 10 steps {last:.3f}")

@@ -30,11 +30,11 @@ RESTART_COUNTERS = {"torchrun": "TORCHELASTIC_RESTART_COUNT", "slurm": "SLURM_RE
                     "launcher": "VERL_MEGA_RESTART_COUNT"}
 
 
-def restart_counters(environ: Mapping[str, str] = os.environ) -> dict[str, int]:
-    """The launchers' restart counters present in the environment (name → count)."""
+def restart_counters() -> dict[str, int]:
+    """The launchers' restart counters present in this process's environment (name → count)."""
     out = {}
     for name, var in RESTART_COUNTERS.items():
-        value = environ.get(var, "")
+        value = os.environ.get(var, "")
         if value.isdigit():
             out[name] = int(value)
     return out
