@@ -166,9 +166,18 @@ def test_a_weight_transfer_names_a_stopped_or_dead_peer(tmp_path, mode, survivor
 
 
 FAILS_FIRST = """
-import os, sys
-print("attempt", os.environ["VERL_MEGA_RESTART_COUNT"], "rank", os.environ["RANK"], flush=True)
-sys.exit(3 if os.environ["VERL_MEGA_RESTART_COUNT"] == "0" and os.environ["RANK"] == "1" else 0)
+import os, sys, time
+from pathlib import Path
+attempt, rank = os.environ["VERL_MEGA_RESTART_COUNT"], os.environ["RANK"]
+# Each rank records itself in a file (mpirun may kill a rank, and drop its output, once another has failed).
+with open(os.environ["ATTEMPTS_FILE"], "a") as f:
+    f.write(f"attempt {attempt} rank {rank}\\n")
+if attempt == "0" and rank == "1":
+    # Fail only after rank 0 has recorded itself, so what the test reads does not depend on scheduling.
+    deadline = time.time() + 60
+    while "attempt 0 rank 0" not in Path(os.environ["ATTEMPTS_FILE"]).read_text() and time.time() < deadline:
+        time.sleep(0.05)
+    sys.exit(3)
 """
 
 
@@ -186,11 +195,13 @@ def test_mpirun_sh_restarts_a_failed_job(tmp_path):
     env = {**_env(tmp_path), "PYTHON": sys.executable, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     for restarts, want_rc in (("1", 0), ("0", 3)):
         log = tmp_path / f"mpirun{restarts}.log"
+        attempts_file = tmp_path / f"attempts{restarts}.txt"
+        env["ATTEMPTS_FILE"] = str(attempts_file)
         cmd = ["bash", str(ROOT / "launch" / "mpirun.sh"), "-np", "2", "--max-restarts", restarts, "--", str(script)]
         rc = run_in_session(cmd, env=env, log=log, timeout=120, real=True)
         text = log.read_text()
         assert rc == want_rc, text[-3000:]
-        attempts = sorted(line for line in text.splitlines() if line.startswith("attempt "))
+        attempts = sorted(attempts_file.read_text().splitlines())
         want = ["attempt 0 rank 0", "attempt 0 rank 1"] + (["attempt 1 rank 0", "attempt 1 rank 1"] if restarts == "1"
                                                              else [])
         assert attempts == want, text[-3000:]
