@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from verl_mega.hybrid.convert import block_shape, vllm_name, vllm_vocab_rows, vocab_row_plan, write_block
+from verl_mega.models.arch import expert_sync_bytes_per_rank
 from verl_mega.models.hf_config import ModelArch
 from verl_mega.models.weights import hf_to_mcore_shard, rule_for
 
@@ -189,9 +190,9 @@ def test_expert_plan_builds_vllm_expert_blocks(world, tp, pp, ep, etp, tg, gen_e
                 assert torch.equal(w13[le], gate_up)
                 assert torch.equal(w2[le], hf[name + "down_proj.weight"][:, sl])
             received = sum(moved for _, _, moved in rows) * 3 * h
-            # Pool's count for this stage's one MoE layer, unit row bytes h
-            assert received == pool.expert_sync_bytes_per_rank(dst, num_layers=1, own_layers=1, num_experts=E,
-                                                               width=f, row_bytes=h)
+            # the byte model's count for this stage's one MoE layer, unit row bytes h
+            assert received == expert_sync_bytes_per_rank(pool, dst, num_layers=1, own_layers=1, num_experts=E,
+                                                          width=f, row_bytes=h)
 
 
 def test_expert_vllm_names():

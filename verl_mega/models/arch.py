@@ -22,6 +22,21 @@ def stage_layer_indices(num_layers: int, pp: int, vpp: int | None, stage: int) -
     return [i for c in range(v) for i in range((c * pp + stage) * per, (c * pp + stage + 1) * per)]
 
 
+def expert_sync_bytes_per_rank(pool, rank: int, *, num_layers: int, own_layers: int, num_experts: int, width: int,
+                               row_bytes: float) -> float:
+    """Routed-expert bytes ``rank`` of ``pool`` (a :class:`~verl_mega.parallel.placement.Pool`) receives at the
+    train → generate switch (docs/moe.md): its generation slice (``Pool.expert_slice``) of the gate, up and down
+    projections of every one of the ``num_layers`` MoE layers (rows of ``row_bytes`` = h·element size), less what its
+    own (ep, etp) training shard holds of it in the ``own_layers`` MoE layers of its own stage."""
+    c = pool.coords(rank)
+    e0, e1, r0, r1 = pool.expert_slice_at(c, num_experts, width)
+    local, fr = num_experts // pool.ep, width // pool.etp
+    held_e = max(0, min(e1, (c["ep"] + 1) * local) - max(e0, c["ep"] * local))
+    held_r = max(0, min(r1, (c["etp"] + 1) * fr) - max(r0, c["etp"] * fr))
+    need = num_layers * (e1 - e0) * 3 * (r1 - r0) * row_bytes
+    return need - own_layers * held_e * 3 * held_r * row_bytes
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelArch:
     """The architecture facts of a decoder, read from an HF config (one place, used by every converter).
@@ -183,13 +198,13 @@ class ModelArch:
         * TP-sharded tensors: generation block j of every one (S/tg) less the rank's own shard of its own stage
           (S_stage/t) — HybridFlow Table 2, (t·p − tg)/(tg·t·p)·M, when the stages are alike;
         * replicated tensors of the other stages (routers' correction biases in fp32: vLLM keeps them so);
-        * routed experts: :meth:`~verl_mega.parallel.placement.Pool.expert_sync_bytes_per_rank`."""
+        * routed experts: :func:`expert_sync_bytes_per_rank`."""
         stage = pool.coords(rank)["pp"]
         sharded, sharded_own, replicated_other, bias_other, moe_own = _stage_sums(self, pool.pp, pool.vpp, stage)
         out = (sharded / pool.gen_tp - sharded_own / pool.tp + replicated_other) * element_size + 4 * bias_other
         if self.is_moe:
-            out += pool.expert_sync_bytes_per_rank(
-                rank, num_layers=len(self.moe_layers), own_layers=moe_own, num_experts=self.num_experts,
+            out += expert_sync_bytes_per_rank(
+                pool, rank, num_layers=len(self.moe_layers), own_layers=moe_own, num_experts=self.num_experts,
                 width=self.moe_ffn_hidden_size, row_bytes=self.hidden_size * element_size)
         return out
 

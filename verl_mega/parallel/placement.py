@@ -372,28 +372,15 @@ class Pool:
         """The routed experts ``rank`` serves in generation, as (first expert, end, first row, end row) of every MoE
         layer: rows [j·f/tg, (j+1)·f/tg) of all E experts (vLLM's TP slices every expert), or with gen_ep > 1 the
         whole experts [e·E/gen_ep, (e+1)·E/gen_ep) of its expert-parallel rank e."""
-        return self._expert_slice_at(self.coords(rank), num_experts, width)
+        return self.expert_slice_at(self.coords(rank), num_experts, width)
 
-    def _expert_slice_at(self, c: dict[str, int], num_experts: int, width: int) -> tuple[int, int, int, int]:
+    def expert_slice_at(self, c: dict[str, int], num_experts: int, width: int) -> tuple[int, int, int, int]:
+        """:meth:`expert_slice` at coordinates ``c`` (:meth:`coords`)."""
         if self.gen_ep > 1:
             per = num_experts // self.gen_ep
             return c["gen_ep"] * per, (c["gen_ep"] + 1) * per, 0, width
         fj = width // self.gen_tp
         return 0, num_experts, c["gen_tp"] * fj, (c["gen_tp"] + 1) * fj
-
-    def expert_sync_bytes_per_rank(self, rank: int, *, num_layers: int, own_layers: int, num_experts: int,
-                                   width: int, row_bytes: float) -> float:
-        """Routed-expert bytes ``rank`` receives at the switch (docs/moe.md): its generation slice
-        (:meth:`expert_slice`) of the gate, up and down projections of every one of the ``num_layers`` MoE layers
-        (rows of ``row_bytes`` = h·element size), less what its own (ep, etp) training shard holds of it in the
-        ``own_layers`` MoE layers of its own stage."""
-        c = self.coords(rank)
-        e0, e1, r0, r1 = self._expert_slice_at(c, num_experts, width)
-        local, fr = num_experts // self.ep, width // self.etp
-        held_e = max(0, min(e1, (c["ep"] + 1) * local) - max(e0, c["ep"] * local))
-        held_r = max(0, min(r1, (c["etp"] + 1) * fr) - max(r0, c["etp"] * fr))
-        need = num_layers * (e1 - e0) * 3 * (r1 - r0) * row_bytes
-        return need - own_layers * held_e * 3 * held_r * row_bytes
 
     def generation_weight_bytes(self, model_bytes: float) -> float:
         """Generation weights one rank holds: M/tg."""
