@@ -59,6 +59,10 @@ class _CudaToCpuMode(TorchFunctionMode):
     """Rewrites CUDA placement to CPU for every torch function call made while active."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        # Every torch call of the process passes here (tensor properties too): the common case, nothing to rewrite,
+        # returns at once.
+        if not kwargs and func not in _REWRITTEN:
+            return func(*args)
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda:
             return args[0]
@@ -75,6 +79,11 @@ class _CudaToCpuMode(TorchFunctionMode):
         if kwargs.get("pin_memory"):
             kwargs["pin_memory"] = False
         return func(*args, **kwargs)
+
+
+# the functions rewritten even when called without keyword arguments (a device passed positionally)
+_REWRITTEN = frozenset({torch.Tensor.cuda, torch.device, torch.Tensor.type, torch.Tensor.to, torch.Tensor.new_empty,
+                        torch.Tensor.new_zeros})
 
 
 def cuda_available() -> bool:
