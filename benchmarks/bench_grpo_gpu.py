@@ -234,13 +234,33 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--group-size", type=int, default=8, help="samples per prompt (the GRPO group)")
 
 
+def run_baseline(args, cfg, job, model_dir: Path, cpu: bool, rank: int) -> list[dict]:
+    """The HF-generate baseline's steps, after the hybrid engine's (vLLM gives its memory back first)."""
+    job.rollout.release_memory()  # vLLM gives back its weights and KV cache: the baseline has the GPU to itself
+
+    from transformers import AutoModelForCausalLM
+
+    t = job.trainer
+    replica = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32 if cpu else torch.bfloat16)
+    replica = replica.to("cpu" if cpu else "cuda").eval()
+    hf_rollout = HFGenerateRollout(replica, actor_engine=t.actor.engine, arch=job.arch, tokenizer=t.tokenizer,
+                                   rollout_cfg=cfg.rollout)
+    pool = job.placement.pool_of("actor")
+    path = SamplePath(pool, rank, group=t.path.group, max_length=cfg.rollout.max_response_length,
+                      balance=cfg.trainer.balance_batch, engines=[(r,) for r in pool.ranks])
+    baseline_trainer = HFGenerateBaseline(cfg, actor=t.actor, ref=t.ref, critic=t.critic, reward_model=None,
+                                          rollout=hf_rollout, reward_pool=t.reward_pool, tokenizer=t.tokenizer,
+                                          profiler=job.profiler, kl_ctrl=t.kl_ctrl, sample_path=path, arch=job.arch)
+    return run_steps(baseline_trainer, job, args.warmup + args.baseline_steps)[args.warmup:]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_args(ap)
     ap.add_argument("--response-length", type=int, default=512, help="fixed generation length")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3, help="timed steps of the hybrid engine")
-    ap.add_argument("--baseline-steps", type=int, default=2, help="timed steps of the baseline")
+    ap.add_argument("--baseline-steps", type=int, default=2, help="timed steps of the baseline (0: no baseline)")
     ap.add_argument("--gen-tp", type=int, default=None, help="vLLM tensor parallel size (default: the world size)")
     ap.add_argument("--lengths", choices=["fixed", "lognormal"], default="fixed",
                     help="fixed: every sample --response-length tokens; lognormal: per-prompt lengths with median "
@@ -281,31 +301,18 @@ def main() -> None:
     rank = dist.get_rank()
 
     hybrid = run_steps(job.trainer, job, args.warmup + args.steps)[args.warmup:]
-    job.rollout.release_memory()  # vLLM gives back its weights and KV cache: the baseline has the GPU to itself
-
-    from transformers import AutoModelForCausalLM
-
-    t = job.trainer
-    replica = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32 if cpu else torch.bfloat16)
-    replica = replica.to("cpu" if cpu else "cuda").eval()
-    hf_rollout = HFGenerateRollout(replica, actor_engine=t.actor.engine, arch=job.arch, tokenizer=t.tokenizer,
-                                   rollout_cfg=cfg.rollout)
-    pool = job.placement.pool_of("actor")
-    path = SamplePath(pool, rank, group=t.path.group, max_length=cfg.rollout.max_response_length,
-                      balance=cfg.trainer.balance_batch, engines=[(r,) for r in pool.ranks])
-    baseline_trainer = HFGenerateBaseline(cfg, actor=t.actor, ref=t.ref, critic=t.critic, reward_model=None,
-                                          rollout=hf_rollout, reward_pool=t.reward_pool, tokenizer=t.tokenizer,
-                                          profiler=job.profiler, kl_ctrl=t.kl_ctrl, sample_path=path, arch=job.arch)
-    baseline = run_steps(baseline_trainer, job, args.warmup + args.baseline_steps)[args.warmup:]
+    baseline = run_baseline(args, cfg, job, model_dir, cpu, rank) if args.baseline_steps else None
 
     if rank == 0:
         samples = args.prompts * args.group_size
-        h, b = summarise(hybrid, world, job.arch, samples), summarise(baseline, world, job.arch, samples)
+        h = summarise(hybrid, world, job.arch, samples)
+        b = summarise(baseline, world, job.arch, samples) if baseline else None
         result = {"world": world, "device": torch.cuda.get_device_name() if not cpu else "cpu",
                   "lengths": args.lengths, "overrides": list(args.overrides), "prompts": args.prompts,
                   "n": args.group_size, "response_length": args.response_length,
                   "model_dir": str(model_dir), "hybrid": h, "baseline": b,
-                  "speedup_step": b["step_s"] / h["step_s"], "hybrid_steps": hybrid, "baseline_steps": baseline}
+                  "speedup_step": b["step_s"] / h["step_s"] if b else None, "hybrid_steps": hybrid,
+                  "baseline_steps": baseline}
         Path(args.out).write_text(json.dumps(result, indent=1))
         print(f"{'stage (mean s/step)':<34}{'verl_mega':>12}{'HF baseline':>14}")
         for key in [f"{s}_s" for s in STAGES] + ["step_s", "tokens_per_s_per_gpu", "generated_tokens_per_s_per_gpu",
@@ -313,8 +320,9 @@ def main() -> None:
                                                   "tflops_per_gpu", "mfu", "rollout_prefill_s", "rollout_decode_s",
                                                   "decode_step_ms", "actor_update_tflops_per_gpu",
                                                   "old_logprob_tflops_per_gpu", "mean_sequence_length"]:
-            print(f"{key:<34}{h[key]:>12.3f}{b[key]:>14.3f}")
-        print(f"speed-up (step time): {result['speedup_step']:.2f}x")
+            print(f"{key:<34}{h[key]:>12.3f}" + (f"{b[key]:>14.3f}" if b else f"{'-':>14}"))
+        if b:
+            print(f"speed-up (step time): {result['speedup_step']:.2f}x")
     job.close()
 
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU measurements (2×H200). Results go to $OUT (≤ 8 files).
-#   bash benchmarks/gpu_session.sh models|sync|rl|grpo|checks|tier|sample|moe|fwdbwd|pools|packedA|packedC|lora
+#   bash benchmarks/gpu_session.sh models|sync|rl|grpo|checks|tier|sample|moe|fwdbwd|pools|packedA|packedC|lora|
+#                                    loraprof|fp8|grpoC1
 set -uo pipefail
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
 LOG=$OUT/session.log
@@ -86,5 +87,28 @@ case "${1:-models}" in
     nvidia-smi --query-gpu=name,memory.total --format=csv >> "$LOG" 2>&1
     run timeout 500 python3 benchmarks/bench_lora_gpu.py --out "$OUT/lora_7b.json"
     run timeout 300 python3 -m pytest -q -x tests/gpu/test_lora_gpu.py -p no:warnings
+    ;;
+  loraprof)
+    # the LoRA step's operators (Qwen2.5-7B architecture, 14 layers), then vLLM's own LoRA (sync + generation)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >> "$LOG" 2>&1
+    run timeout ${LORA_TIMEOUT:-200} python3 benchmarks/bench_lora_gpu.py --mode lora --layers 14 --steps 3 --profile \
+        ${LORA_ARGS:-} --out "$OUT/lora14_lora.json"
+    run timeout ${LORA_TIMEOUT:-200} python3 benchmarks/bench_lora_gpu.py --mode adapter --layers 14 --steps 2 \
+        ${LORA_ARGS:-} --out "$OUT/lora14_adapter.json"
+    ;;
+  fp8)
+    # FP8 rollout at the Qwen2.5-7B architecture: bf16 / FP8 weights / FP8 weights + FP8 KV cache, side by side
+    run timeout ${FP8_TIMEOUT:-420} python3 benchmarks/bench_fp8_rollout_gpu.py --variants bf16,fp8,fp8_kv8 \
+        --sync-repeats 5 --gap-prompts 16 --variant-timeout 200 --out "$OUT/fp8_rollout_7b.json"
+    ;;
+  grpoC1)
+    # GRPO configuration C on one GPU (1.5B, 16 prompts × 8, lognormal ≤ 1024, packed), bf16 rollout vs FP8 rollout
+    for q in none fp8; do
+      run timeout ${GRPO_TIMEOUT:-280} torchrun --nproc-per-node 1 benchmarks/bench_grpo_gpu.py --gen-tp 1 \
+          --response-length 1024 --prompts 16 --lengths lognormal --warmup 1 --baseline-steps 0 --steps 3 \
+          --out "$OUT/grpo_C1_$q.json" parallel.tp=1 model.use_remove_padding=true actor.use_dynamic_bsz=true \
+          actor.max_tokens_per_gpu=16384 actor.micro_batch_size_per_gpu=16 actor.log_prob_micro_batch_size_per_gpu=16 \
+          rollout.quantization=$q
+    done
     ;;
 esac
