@@ -191,3 +191,32 @@ def test_planner_lora_terms():
     assert 2 / 3 < compute["lora"] / compute["full"] < 1
     assert times["lora"]["ref log-prob compute"].seconds == times["full"]["ref log-prob compute"].seconds
     assert f"P={adapter_params_per_rank(arch, spec, 8, range(80)):,}" in times["lora"]["actor optimizer step"].formula
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_frozen_output_layer_backward_is_one_gemm(world, tmp_path, batch, monkeypatch):
+    """The frozen output layer's backward multiplies the logits' gradient by the [V, h] weight as one GEMM: torch's
+    matmul made it a batched product of s matrix-vector products (one per token, each reading the whole weight) when
+    the gradient's leading strides were those of GPTModel's transposed logits."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from verl_mega.models import lora as L
+
+    base = make_tiny_hf_model(tmp_path / "base", model_type="qwen2", vocab_size=320)  # V ≠ every other width
+    arch, chunks = _lora_model(world, base, L.LoRASpec(rank=4, alpha=8.0))
+    model = chunks[0]
+    weight = list(model.output_layer.weight.shape)  # [V, h]
+    seq = 24
+    ids = torch.randint(0, arch.vocab_size, (batch, seq))
+
+    def products_over_vocab() -> tuple[int, int]:
+        """(batched products, GEMMs) with the output layer's weight as an operand, in one backward"""
+        out = model(input_ids=ids, position_ids=torch.arange(seq).expand(batch, seq), attention_mask=None)
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            out.float().logsumexp(-1).mean().backward()
+        spans = [e for e in prof.events() if any(list(s[-2:]) == weight for s in e.input_shapes if s)]
+        return sum(e.name == "aten::bmm" for e in spans), sum(e.name == "aten::mm" for e in spans)
+
+    assert products_over_vocab() == (0, 1)
+    monkeypatch.setattr(L, "_row_major", lambda grad: grad)  # without it, the product the fix replaced
+    assert products_over_vocab()[0] == 1

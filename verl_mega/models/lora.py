@@ -265,10 +265,33 @@ def has_adapters(modules: list[torch.nn.Module]) -> bool:
 
 
 def freeze_base(modules: list[torch.nn.Module]) -> None:
-    """Only the adapters train: every other parameter is frozen in place, in its dtype."""
+    """Only the adapters train: every other parameter is frozen in place, in its dtype. A frozen linear's output
+    gradient is handed to its backward with row-major strides (:func:`_fold_frozen_grad`)."""
     for m in modules:
         for name, p in m.named_parameters():
             p.requires_grad_(is_lora_param(name))
+        for layer in m.modules():
+            if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)) and not layer.weight.requires_grad \
+                    and not getattr(layer, "_folds_frozen_grad", False):
+                layer.register_forward_hook(_fold_frozen_grad)
+                layer._folds_frozen_grad = True
+
+
+def _row_major(grad: torch.Tensor) -> torch.Tensor:
+    """The same gradient with row-major strides: a view when its memory already is (only a size-1 dim's stride
+    differs), a copy otherwise."""
+    return grad.reshape(-1, grad.shape[-1]).view(grad.shape) if grad.dim() > 2 else grad
+
+
+def _fold_frozen_grad(module: torch.nn.Module, args, output) -> None:
+    """mcore runs a frozen linear through ``LinearWithFrozenWeight``, whose backward is ``torch.matmul(grad_output,
+    weight)``. torch folds a 3-D ``grad_output`` into one GEMM only when its leading strides are row-major; the output
+    layer's gradient arrives as the transpose of [b, s, V] (GPTModel returns ``logits.transpose(0, 1)``), so matmul
+    ran s matrix-vector products, each reading the whole [V, h] weight: 0.92 s per 4,096-token micro-batch at
+    Qwen2.5-7B's vocabulary on an H200, 86 % of a LoRA step's device time."""
+    out = output[0] if isinstance(output, tuple) else output
+    if isinstance(out, torch.Tensor) and out.requires_grad:
+        out.register_hook(_row_major)
 
 
 @contextlib.contextmanager
