@@ -22,7 +22,8 @@ def test_lora_vs_full_quick(tmp_path):
     out = tmp_path / "lora.json"
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_lora_gpu.py"), "--layers", "4", "--seq-len",
                     "1024", "--steps", "2", "--sync-repeats", "2", "--out", str(out)], check=True, timeout=1100,
-                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+                   env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                       p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)})
     rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
     print(json.dumps(rows, indent=1))
     full, lora, adapter = rows["full"], rows["lora"], rows["adapter"]
