@@ -193,8 +193,8 @@ def test_planner_lora_terms():
     assert f"P={adapter_params_per_rank(arch, spec, 8, range(80)):,}" in times["lora"]["actor optimizer step"].formula
 
 
-@pytest.mark.parametrize("batch", [1, 3])
-def test_frozen_output_layer_backward_is_one_gemm(world, tmp_path, batch, monkeypatch):
+@pytest.mark.parametrize("batch,tied", [(1, False), (3, True)], ids=["b1", "b3-tied"])
+def test_frozen_output_layer_backward_is_one_gemm(world, tmp_path, batch, tied, monkeypatch):
     """The frozen output layer's backward multiplies the logits' gradient by the [V, h] weight as one GEMM: torch's
     matmul made it a batched product of s matrix-vector products (one per token, each reading the whole weight) when
     the gradient's leading strides were those of GPTModel's transposed logits."""
@@ -202,10 +202,12 @@ def test_frozen_output_layer_backward_is_one_gemm(world, tmp_path, batch, monkey
 
     from verl_mega.models import lora as L
 
-    base = make_tiny_hf_model(tmp_path / "base", model_type="qwen2", vocab_size=320)  # V ≠ every other width
+    base = make_tiny_hf_model(tmp_path / "base", model_type="qwen2", vocab_size=320,  # V ≠ every other width
+                              tie_word_embeddings=tied)
     arch, chunks = _lora_model(world, base, L.LoRASpec(rank=4, alpha=8.0))
     model = chunks[0]
-    weight = list(model.output_layer.weight.shape)  # [V, h]
+    assert (model.output_layer.weight is None) == tied  # tied: the embedding's weight is passed in at run time
+    weight = list(model.embedding.word_embeddings.weight.shape)  # [V, h], the output layer's either way
     seq = 24
     ids = torch.randint(0, arch.vocab_size, (batch, seq))
 

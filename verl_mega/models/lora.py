@@ -270,8 +270,9 @@ def freeze_base(modules: list[torch.nn.Module]) -> None:
     for m in modules:
         for name, p in m.named_parameters():
             p.requires_grad_(is_lora_param(name))
-        for layer in m.modules():
-            if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)) and not layer.weight.requires_grad \
+        for layer in m.modules():  # (an output layer tied to the embedding holds no weight: it is frozen too)
+            if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)) \
+                    and (layer.weight is None or not layer.weight.requires_grad) \
                     and not getattr(layer, "_folds_frozen_grad", False):
                 layer.register_forward_hook(_fold_frozen_grad)
                 layer._folds_frozen_grad = True
