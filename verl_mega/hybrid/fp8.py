@@ -45,12 +45,16 @@ def row_scales(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
 
 
-def quantize_rows(dst: torch.Tensor, src: torch.Tensor, scale: torch.Tensor) -> None:
-    """``dst`` (e4m3) = ``src`` ([..., in], any float dtype) / ``scale`` ([..., 1]), rounded to nearest even and
-    saturated at ±448, in chunks of leading rows so the fp32 temporaries stay small."""
+def _check_shapes(dst: torch.Tensor, src: torch.Tensor, scale: torch.Tensor) -> None:
     if dst.shape != src.shape or scale.shape != (*src.shape[:-1], 1):
         raise ValueError(f"fp8 quantize: source {tuple(src.shape)}, destination {tuple(dst.shape)}, scales "
                          f"{tuple(scale.shape)}")
+
+
+def quantize_rows(dst: torch.Tensor, src: torch.Tensor, scale: torch.Tensor) -> None:
+    """``dst`` (e4m3) = ``src`` ([..., in], any float dtype) / ``scale`` ([..., 1]), rounded to nearest even and
+    saturated at ±448, in chunks of leading rows so the fp32 temporaries stay small."""
+    _check_shapes(dst, src, scale)
     step = max(1, _CHUNK_ELEMS // max(1, src[0].numel())) if src.dim() > 1 else 1
     if src.dim() == 1 or src.shape[0] <= step:
         dst.copy_((src.float() / scale).clamp_(-FP8_MAX, FP8_MAX))
@@ -63,10 +67,9 @@ def _amax_and_quantize(dst: torch.Tensor, src: torch.Tensor, scale_out: torch.Te
     """Per-row amax, scale and e4m3 codes of ``src`` written into ``dst`` / ``scale_out``: the arithmetic of
     :func:`row_scales` + :func:`quantize_rows`, in a form ``torch.compile`` fuses into one reduction and one
     element-wise kernel (src read twice, dst written once, no fp32 temporaries)."""
-    amax = src.abs().amax(dim=-1, keepdim=True).float()
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale = row_scales(src.abs().amax(dim=-1, keepdim=True))
     scale_out.copy_(scale)
-    dst.copy_((src.float() / scale).clamp(-FP8_MAX, FP8_MAX))
+    _quantize_with(dst, src, scale)
 
 
 def _quantize_with(dst: torch.Tensor, src: torch.Tensor, scale: torch.Tensor) -> None:
@@ -97,9 +100,7 @@ def quantize_rows_into(dst: torch.Tensor, scale_out: torch.Tensor, src: torch.Te
                        fused: bool | None = None) -> None:
     """Quantize whole rows of ``src`` into e4m3 ``dst`` with per-row scales written to ``scale_out`` ([..., 1]).
     ``fused``: the compiled kernels (default: :func:`use_fused`); both give the same codes and scales."""
-    if dst.shape != src.shape or scale_out.shape != (*src.shape[:-1], 1):
-        raise ValueError(f"fp8 quantize: source {tuple(src.shape)}, destination {tuple(dst.shape)}, scales "
-                         f"{tuple(scale_out.shape)}")
+    _check_shapes(dst, src, scale_out)
     if use_fused(src) if fused is None else fused:
         _compiled(_amax_and_quantize)(dst, src, scale_out)
         return
@@ -112,9 +113,7 @@ def quantize_rows_with(dst: torch.Tensor, src: torch.Tensor, scale: torch.Tensor
                        ) -> None:
     """:func:`quantize_rows`, through the compiled kernel where :func:`use_fused` (or ``fused``) says so."""
     if use_fused(src) if fused is None else fused:
-        if dst.shape != src.shape or scale.shape != (*src.shape[:-1], 1):
-            raise ValueError(f"fp8 quantize: source {tuple(src.shape)}, destination {tuple(dst.shape)}, scales "
-                             f"{tuple(scale.shape)}")
+        _check_shapes(dst, src, scale)
         _compiled(_quantize_with)(dst, src, scale)
         return
     quantize_rows(dst, src, scale)
