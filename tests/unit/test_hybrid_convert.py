@@ -106,10 +106,12 @@ def test_vllm_names():
 @pytest.mark.parametrize("vocab", [300, 512, 32000, 151936, 50257])
 @pytest.mark.parametrize("t,tg", [(1, 1), (2, 1), (2, 2), (4, 2), (8, 8), (8, 1)])
 def test_vocab_rows_each_needed_row_once_from_its_owner(vocab, t, tg):
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding, pad_vocab_size
+
     rows = vllm_vocab_rows(vocab, tg)
-    padded = -(-vocab // 64) * 64
-    assert [(r.start, r.end) for r in rows] == [
-        (min(j * padded // tg, vocab), min((j + 1) * padded // tg, vocab)) for j in range(tg)]
+    padded = pad_vocab_size(vocab, 64)
+    vllms = [VocabParallelEmbedding._get_indices(padded, padded, vocab, vocab, j, tg) for j in range(tg)]
+    assert [(r.start, r.end) for r in rows] == [(i.org_vocab_start_index, i.org_vocab_end_index) for i in vllms]
     assert all(r.partition_rows == padded // tg for r in rows)
     meg_padded = -(-vocab // (128 * t)) * 128 * t
     per = meg_padded // t

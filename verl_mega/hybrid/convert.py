@@ -155,15 +155,12 @@ class VocabRows:
 
 
 def vllm_vocab_rows(vocab_size: int, gen_tp: int, padding: int = 64) -> list[VocabRows]:
-    """vLLM's own vocab split (``VocabParallelEmbedding``: pad to ``padding``, equal parts, no added tokens)."""
-    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding, pad_vocab_size
-
-    padded = pad_vocab_size(vocab_size, padding)
-    rows = []
-    for j in range(gen_tp):
-        idx = VocabParallelEmbedding._get_indices(padded, padded, vocab_size, vocab_size, j, gen_tp)
-        rows.append(VocabRows(idx.org_vocab_start_index, idx.org_vocab_end_index, padded // gen_tp))
-    return rows
+    """vLLM's own vocab split (``VocabParallelEmbedding``: pad to ``padding``, equal parts, no added tokens).
+    Written out rather than asked of vLLM, whose import costs a training rank that runs no engine seconds; the
+    unit test holds it to vLLM's ``_get_indices``, and a colocated sync checks it against the engine's modules."""
+    padded = -(-vocab_size // padding) * padding
+    per = padded // gen_tp
+    return [VocabRows(min(j * per, vocab_size), min((j + 1) * per, vocab_size), per) for j in range(gen_tp)]
 
 
 @dataclass(frozen=True)

@@ -155,6 +155,7 @@ class RolloutLayout:
     names: tuple[str, ...]
     dtype: str  # the engine's weight dtype, e.g. "bfloat16": the trainer converts into it before sending
     vocab: Mapping[str, tuple[int, int, int]] = field(default_factory=dict)  # module → (padding, start, end)
+    elements: int = 0  # the block's parameter elements (0: not known); no staging bucket needs to be larger
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> "RolloutLayout":
@@ -165,7 +166,8 @@ class RolloutLayout:
                 vocab[mname] = (int(module.padding_size), int(idx.org_vocab_start_index),
                                 int(idx.org_vocab_end_index))
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-        return cls(tuple(sorted(n for n, _ in model.named_parameters())), dtype, vocab)
+        return cls(tuple(sorted(n for n, _ in model.named_parameters())), dtype, vocab,
+                   sum(p.numel() for p in model.parameters()))
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_lookup", {n: i for i, n in enumerate(self.names)})
@@ -190,6 +192,8 @@ class BucketSender:
         self.layout, self.dtype, self.device = layout, dtype, device
         self.group, self.group_src = group, group_src
         self.bucket_elems = max(1, bucket_bytes // torch.empty((), dtype=dtype).element_size())
+        if layout.elements:  # a small model's sync allocates (and, in deterministic mode, fills) only what it sends
+            self.bucket_elems = min(self.bucket_elems, layout.elements)
         self.sent_bytes = 0
         self._free: list[torch.Tensor] = []
         self._in_flight: list[tuple[torch.Tensor, list[Any], torch.Tensor]] = []  # bucket, works, header

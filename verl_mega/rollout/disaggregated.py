@@ -36,6 +36,8 @@ from verl_mega.rollout.vllm_rollout import VLLMRollout
 
 log = logging.getLogger(__name__)
 
+STAGED_POLL_S = 0.05  # how often a rank that waits for weights looks at signals and its peers
+
 
 class RemoteRollout:
     """The :class:`~verl_mega.rollout.base.Rollout` protocol on the training pool, for engines on another pool.
@@ -251,6 +253,10 @@ class RolloutServer:
                     continue
                 self._start(command)
                 started[command["id"]] = command
+            if staged is not None and not self.stream.busy:
+                # nothing to generate before the weights are in: block on them, for a spin here takes a core and
+                # holds the GIL that the receiving thread needs for each bucket
+                staged.wait(STAGED_POLL_S)
             self.stream.step()
 
     def _start(self, command: dict) -> None:
