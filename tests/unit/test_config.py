@@ -136,7 +136,7 @@ def test_train_batch_not_multiple_of_mini_batch():
 
 def test_mini_batch_not_divisible_over_dp_and_micro():
     cfg = load_config(QUICKSTART, ["actor.ppo_mini_batch_size=2", "data.train_batch_size=6",
-                                   "rollout.n=4"])  # 8 samples per mini
+                                   "rollout.n=4", "actor.micro_batch_size_per_gpu=8"])  # 8 samples per mini
     assert _error(cfg.validate_runtime, _placement(cfg, 3), cuda_available=False) == (
         "actor.ppo_mini_batch_size·rollout.n = 2·4 = 8 samples do not split over 3 data-parallel ranks; make "
         "actor.ppo_mini_batch_size·rollout.n a multiple of 3")
