@@ -112,6 +112,18 @@ def child(args) -> None:
                            f"{4 * arch.num_layers}")
     log(f"{args.variant}: in-place sync {out['sync']['median_ms']:.1f} ms (median of {len(times)}), "
         f"{out['sync']['quantized_params']:.0f} FP8 linears written")
+    if args.profile_sync:  # one more sync under the profiler: where its host and device time go
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        with profile(activities=activities) as prof:
+            cuda_ms(sync.sync)
+        averages = prof.key_averages()
+        out["sync_profile"] = {
+            "by_cpu_time": averages.table(sort_by="cpu_time_total", row_limit=20),
+            "by_device_time": averages.table(sort_by="self_device_time_total", row_limit=12)}
+        log(f"{args.variant}: sync profile\n{out['sync_profile']['by_cpu_time']}\n"
+            f"{out['sync_profile']['by_device_time']}")
 
     if args.variant != "fp8_kv8":
         out["gap"] = logprob_gap(args, rollout, chunks, cfg, groups, arch, SamplingSpec, MegatronEngine,
@@ -186,7 +198,8 @@ def parent(args) -> int:
     common = ["--model-dir", str(model_dir), "--prompts", str(args.prompts), "--prompt-len", str(args.prompt_len),
               "--median", str(args.median), "--cap", str(args.cap), "--sync-repeats", str(args.sync_repeats),
               "--gen-repeats", str(args.gen_repeats), "--gap-prompts", str(args.gap_prompts),
-              "--gap-tokens", str(args.gap_tokens), "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+              "--gap-tokens", str(args.gap_tokens), "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+              *(["--profile-sync"] if args.profile_sync else [])]
     results, failed = [], []
     start = time.perf_counter()
     for variant in args.variants.split(","):
@@ -252,6 +265,7 @@ def main() -> int:
     ap.add_argument("--cap", type=int, default=4096)
     ap.add_argument("--gen-repeats", type=int, default=1)
     ap.add_argument("--sync-repeats", type=int, default=5)
+    ap.add_argument("--profile-sync", action="store_true", help="profile one more sync per variant (torch.profiler)")
     ap.add_argument("--gap-prompts", type=int, default=32)
     ap.add_argument("--gap-tokens", type=int, default=64)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.6)

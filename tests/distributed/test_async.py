@@ -120,6 +120,7 @@ def test_kill9_then_resume_loses_no_prompt(tmp_path):
     rollout pool) and resumed: steps 1–6 trained on data batches 0–5, in order, each once. The in-flight batch was
     generated again by the resumed weights (staleness 0 at step 5), and the run went on one step off-policy."""
     small = ["trainer.total_steps=6", "trainer.save_every=2", "data.train_batch_size=8", "actor.ppo_mini_batch_size=4",
+             "actor.micro_batch_size_per_gpu=8",
              "rollout.n=4", "rollout.max_response_length=6", "rollout.kv_cache_memory_bytes=33554432",
              "logging.tensorboard=false", "logging.plot=false", "logging.progress_bar=false"]
     _train(tmp_path, "run", "quickstart_async_cpu.yaml", 2, *small, timeout=600, fault="step_start@5")
