@@ -89,28 +89,6 @@ def _compiled(fn: Callable) -> Callable:
     return _compile(fn, COMPILE_BACKEND)
 
 
-@functools.cache
-def vllm_row_quantizer() -> Callable | None:
-    """vLLM's dynamic per-token FP8 kernel (``torch.ops._C.dynamic_per_token_scaled_fp8_quant``, the one it runs on
-    activations): per-row amax, scale and codes in one pass over the slice, ~9 µs of host time a call. On one H200
-    (``benchmarks/bench_fp8_quantizer_gpu.py``, the 7B linears) it took 8.7 ms against 20.9 ms for the compiled
-    quantizer and 7.5 ms for the bf16 copy. Its codes are ``x · (448 / amax)``: at an exact tie a code may fall one
-    e4m3 step from ``x / scale``'s (1.6e-4 of the codes there), and a row whose amax is below 1/512 gets vLLM's floor
-    scale 1/(448·512), still exact for an all-zero row. None where vLLM has no CUDA kernels (vLLM-CPU)."""
-    try:
-        import vllm._custom_ops  # noqa: F401 - registers torch.ops._C
-        return torch.ops._C.dynamic_per_token_scaled_fp8_quant
-    except (ImportError, AttributeError, RuntimeError):
-        return None
-
-
-def use_vllm_kernel(dst: torch.Tensor, scale_out: torch.Tensor, src: torch.Tensor) -> bool:
-    """vLLM's kernel writes whole rows of row-major 2-D tensors: a CUDA slice whose destination rows and scales are
-    contiguous (every slice of the sync but a row-parallel weight split over micro-DP shards)."""
-    return (src.is_cuda and dst.is_contiguous() and scale_out.is_contiguous()
-            and vllm_row_quantizer() is not None)
-
-
 def use_fused(src: torch.Tensor) -> bool:
     """The compiled kernels on CUDA: the eager path makes ~6 passes over each slice with fp32 temporaries, which made
     the quantizing sync 5× the plain copy on an H200. Eager under ``torch.use_deterministic_algorithms`` (inductor
@@ -121,13 +99,8 @@ def use_fused(src: torch.Tensor) -> bool:
 def quantize_rows_into(dst: torch.Tensor, scale_out: torch.Tensor, src: torch.Tensor, *,
                        fused: bool | None = None) -> None:
     """Quantize whole rows of ``src`` into e4m3 ``dst`` with per-row scales written to ``scale_out`` ([..., 1]).
-    By default vLLM's kernel where :func:`use_vllm_kernel`, else the compiled kernels where :func:`use_fused`, else
-    eager; ``fused`` picks between the last two (both give the same codes and scales)."""
+    ``fused``: the compiled kernels (default: :func:`use_fused`); both give the same codes and scales."""
     _check_shapes(dst, src, scale_out)
-    if fused is None and use_vllm_kernel(dst, scale_out, src):
-        cols = src.shape[-1]
-        vllm_row_quantizer()(dst.view(-1, cols), src.contiguous().view(-1, cols), scale_out.view(-1, 1), None)
-        return
     if use_fused(src) if fused is None else fused:
         _compiled(_amax_and_quantize)(dst, src, scale_out)
         return
