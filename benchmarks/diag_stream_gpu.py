@@ -11,6 +11,11 @@ ignored), generation only (no Megatron):
   the reward pool (worker processes), as ``rollout.stream_scoring=reward`` does, at a GIL switch interval of
   ``--gil-ms``;
 - ``step+score-inline``: the same scoring, called in the stepping thread between engine steps (no thread);
+- ``step+score-async``: the scoring thread decodes each finished batch and hands it to the pool without waiting
+  (``pool.submit``), collecting every score after generation, as ``rollout.stream_scoring=reward`` now does;
+
+``--reward-delay-ms`` makes the reward wait that long per sample (benchmarks/slow_reward.py), ``--workers`` sets the
+pool's processes; ``rollout-end s`` is when generation ended and ``scored s`` when the last score arrived.
 
 Each mode reports seconds, engine steps and the distribution of one engine step's wall time.
 
@@ -38,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_streaming import model_dir, sync  # noqa: E402
 from long_tail import LengthDist, force_lengths  # noqa: E402
 
-MODES = ("generate", "step", "step+thread-idle", "step+busy", "step+score", "step+score-inline")
+MODES = ("generate", "step", "step+thread-idle", "step+busy", "step+score", "step+score-inline", "step+score-async")
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -62,6 +67,7 @@ def main() -> None:
     ap.add_argument("--gil-ms", type=float, default=0.5, help="GIL switch interval while scoring (step+score*)")
     ap.add_argument("--busy-us", type=float, default=200.0)
     ap.add_argument("--workers", type=int, default=4, help="reward worker processes")
+    ap.add_argument("--reward-delay-ms", type=float, default=0.0, help="a reward that waits this long per sample")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -84,7 +90,11 @@ def main() -> None:
     prompts = [torch.randint(3, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)]
     spec = SamplingSpec(n=args.n, max_tokens=args.high, temperature=1.0, seed=1234, logprobs=True)
     rollout.generate(prompts[:2], spec)  # warm-up outside the timings
-    pool = RewardPool("arithmetic", num_workers=args.workers)
+    import os
+
+    os.environ["VERL_MEGA_REWARD_DELAY_MS"] = str(args.reward_delay_ms)  # read by the spawned workers
+    slow = Path(__file__).resolve().parent / "slow_reward.py"
+    pool = RewardPool(f"{slow}:score" if args.reward_delay_ms else "arithmetic", num_workers=args.workers)
     from transformers import AutoTokenizer
 
     detok = AutoTokenizer.from_pretrained(path)  # the trainer decodes every finished sample before scoring it
@@ -94,6 +104,11 @@ def main() -> None:
 
     def score(done: list[list[int]]) -> None:
         pool.score([text(ids) for ids in done], ["0"] * len(done))
+
+    submitted: list = []
+
+    def submit(done: list[list[int]]) -> None:
+        submitted.append(pool.submit([text(ids) for ids in done], ["0"] * len(done)))
 
     def run(mode: str) -> dict:
         if mode == "generate":
@@ -107,11 +122,14 @@ def main() -> None:
         stop = threading.Event()
         thread = None
         old_interval = sys.getswitchinterval()
-        if mode in ("step+thread-idle", "step+score"):
+        submitted.clear()
+        if mode in ("step+thread-idle", "step+score", "step+score-async"):
             def consume() -> None:
                 while (item := inbox.get()) is not None:
                     if mode == "step+score":
                         score(item)
+                    elif mode == "step+score-async":
+                        submit(item)
             thread = threading.Thread(target=consume, daemon=True)
         elif mode == "step+busy":
             def busy() -> None:
@@ -148,9 +166,13 @@ def main() -> None:
         inbox.put(None)
         if thread is not None:
             thread.join()
+        for future in submitted:
+            future.result()
+        scored = time.perf_counter() - start
         sys.setswitchinterval(old_interval)
         tokens = sum(map(len, stream.take("b").token_ids))
-        return {"seconds": seconds, "tokens": tokens, "engine_steps": steps, **percentiles(step_s)}
+        return {"seconds": seconds, "scored_s": scored, "tokens": tokens, "engine_steps": steps,
+                **percentiles(step_s)}
 
     results: dict[str, list[dict]] = {m: [] for m in args.modes.split(",")}
     for _ in range(args.repeats):
@@ -159,7 +181,8 @@ def main() -> None:
             r = results[mode][-1]
             print(f"{mode:<20} {r['seconds']:8.2f} s {r['tokens']:8d} tok {r['tokens'] / r['seconds']:9.0f} tok/s "
                   f"steps {r.get('engine_steps', '-')!s:>6} p50 {r.get('p50_ms', 0):6.2f} ms "
-                  f"p90 {r.get('p90_ms', 0):6.2f} ms p99 {r.get('p99_ms', 0):6.2f} ms", flush=True)
+                  f"p90 {r.get('p90_ms', 0):6.2f} ms p99 {r.get('p99_ms', 0):6.2f} ms "
+                  f"scored {r.get('scored_s', r['seconds']):7.2f} s", flush=True)
     pool.close()
     if args.json:
         import vllm

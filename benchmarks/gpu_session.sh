@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU measurements (2×H200). Results go to $OUT (≤ 8 files).
 #   bash benchmarks/gpu_session.sh models|sync|rl|grpo|checks|tier|sample|moe|fwdbwd|pools|packedA|packedC|lora|
-#                                    loraprof|fp8|grpoC1
+#                                    loraprof|fp8|grpoC1|quant|stream20|fp8tests
 set -uo pipefail
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
 LOG=$OUT/session.log
@@ -100,6 +100,27 @@ case "${1:-models}" in
     # FP8 rollout at the Qwen2.5-7B architecture: bf16 / FP8 weights / FP8 weights + FP8 KV cache, side by side
     run timeout ${FP8_TIMEOUT:-420} python3 benchmarks/bench_fp8_rollout_gpu.py --variants bf16,fp8,fp8_kv8 \
         --sync-repeats 5 --gap-prompts 16 --variant-timeout 200 --out "$OUT/fp8_rollout_7b.json"
+    ;;
+  quant)
+    # the quantizing sync's Triton kernel: its GPU test, its kernels against the plain copy, then FP8 rollout at the
+    # Qwen2.5-7B architecture against bf16 (the in-place sync's time, generation, the log-prob gap)
+    python3 -m pytest -q -x tests/gpu/test_fp8_quant_gpu.py -p no:warnings > "$OUT/test_fp8_quant.log" 2>&1
+    tail -5 "$OUT/test_fp8_quant.log" | tee -a "$LOG"
+    run timeout 120 python3 benchmarks/bench_fp8_quantizer_gpu.py --out "$OUT/fp8_quantizer_7b_linears.json"
+    run timeout ${FP8_TIMEOUT:-330} python3 benchmarks/bench_fp8_rollout_gpu.py --variants bf16,fp8 \
+        --sync-repeats 5 --gap-prompts 16 --variant-timeout 160 --out "$OUT/fp8_rollout_7b.json"
+    ;;
+  stream20)
+    # streamed rewards with a 20 ms-per-sample reward and one reward worker: the engine alone, then the PPO step
+    run timeout 150 python3 benchmarks/diag_stream_gpu.py --modes generate,step,step+score,step+score-async \
+        --workers 1 --reward-delay-ms 20 --repeats 2 --json "$OUT/diag_stream_reward20ms.json"
+    run timeout ${STREAM_TIMEOUT:-400} torchrun --nproc-per-node 1 benchmarks/bench_colocated_streaming.py \
+        --prompts 32 --pairs ${PAIRS:-3} --modes sync,stream-reward --reward-delay-ms 20 \
+        --out "$OUT/colocated_streaming_reward20ms.json"
+    ;;
+  fp8tests)
+    python3 -m pytest -q -x tests/gpu/test_fp8_rollout_gpu.py -p no:warnings > "$OUT/test_fp8_rollout.log" 2>&1
+    tail -5 "$OUT/test_fp8_rollout.log" | tee -a "$LOG"
     ;;
   grpoC1)
     # GRPO configuration C on one GPU (1.5B, 16 prompts × 8, lognormal ≤ 1024, packed), bf16 rollout vs FP8 rollout

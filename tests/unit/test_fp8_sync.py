@@ -52,13 +52,8 @@ def assert_quantized(codes: torch.Tensor, scale: torch.Tensor, w: torch.Tensor, 
     assert (err <= bound * (1 + 1e-6) + s64 * 2.0 ** -9 * (off > 0)).all(), f"{where}: error beyond half a step"
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["eager", "fused"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_quantizer_against_float64(dtype, fused, monkeypatch):
-    import verl_mega.hybrid.fp8 as fp8
-
-    monkeypatch.setattr(fp8, "COMPILE_BACKEND", "aot_eager")  # the compiled path's graph, traced on a CPU
-    monkeypatch.setattr(fp8, "use_fused", lambda src: fused)
+def test_quantizer_against_float64(dtype):
     g = torch.Generator().manual_seed(0)
     rows, cols = 64, 96
     w = torch.randn(rows, cols, generator=g, dtype=torch.float64) * torch.exp(3 * torch.randn(rows, 1, generator=g))
@@ -91,33 +86,6 @@ def test_quantizer_chunks_long_slices(monkeypatch):
     chunked.copy_(w)
     assert torch.equal(whole.weight.view(torch.uint8), chunked.weight.view(torch.uint8))
     assert torch.equal(whole.scale, chunked.scale)
-
-
-def test_fused_quantizer_gives_the_eager_codes(monkeypatch):
-    """The compiled path (CUDA's default) traced on a CPU: the same codes and scales as the eager one, whole rows into a
-    strided destination (vLLM's transposed parameter) and column blocks with given scales (a row-parallel weight
-    gathered over micro-DP)."""
-    import verl_mega.hybrid.fp8 as fp8
-
-    monkeypatch.setattr(fp8, "COMPILE_BACKEND", "aot_eager")  # inductor's CUDA kernels are checked in tests/gpu
-    g = torch.Generator().manual_seed(2)
-    for dtype, (rows, cols) in ((torch.bfloat16, (48, 80)), (torch.float32, (33, 17))):
-        w = (torch.randn(rows, cols, generator=g) * torch.exp(2 * torch.randn(rows, 1, generator=g))).to(dtype)
-        w[4] = 0.0
-        fused = torch.zeros(cols, rows, dtype=FP8_DTYPE).t()  # row-major rows of a transposed parameter
-        fused_scale, eager, eager_scale = torch.empty(rows, 1), torch.empty(rows, cols, dtype=FP8_DTYPE), \
-            torch.empty(rows, 1)
-        fp8.quantize_rows_into(fused, fused_scale, w, fused=True)
-        fp8.quantize_rows_into(eager, eager_scale, w, fused=False)
-        assert torch.equal(fused.view(torch.uint8), eager.view(torch.uint8)), dtype
-        assert torch.equal(fused_scale, eager_scale)
-        half = cols // 2
-        blocks = torch.zeros(rows, cols, dtype=FP8_DTYPE)
-        for a, b in ((0, half), (half, cols)):
-            fp8.quantize_rows_with(blocks[:, a:b], w[:, a:b], eager_scale, fused=True)
-        assert torch.equal(blocks.view(torch.uint8), eager.view(torch.uint8))
-    with pytest.raises(ValueError, match="fp8 quantize"):
-        fp8.quantize_rows_into(torch.empty(2, 3, dtype=FP8_DTYPE), torch.empty(2, 1), torch.ones(2, 4), fused=True)
 
 
 class _Linear(torch.nn.Module):

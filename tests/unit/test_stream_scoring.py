@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import Future
 
 import pytest
 import torch
 
 from verl_mega.trainer.batch import Batch
 from verl_mega.trainer.profiler import StageProfiler
-from verl_mega.trainer.stream_scoring import StreamScorer, gather_rows
+from verl_mega.trainer.stream_scoring import PendingScores, StreamScorer, gather_rows
 
 
 def _pack(pairs):
@@ -67,6 +68,36 @@ def test_stages_run_during_the_generation_and_are_timed():
     assert iv["values"][0][1] <= rollout_end and iv["values"][0][1] - iv["values"][0][0] >= 0.05
     assert iv["values"][1][0] >= iv["values"][0][1]  # the last micro-batch after the first
     assert prof.step_summary()["overlap/efficiency"] > 0
+
+
+def test_pending_scores_do_not_hold_up_the_next_micro_batch():
+    """A stage that hands its micro-batch to a pool (PendingScores) returns at once: every micro-batch is submitted
+    before the first is scored, the outputs arrive by row, and each interval ends when its future completed."""
+    prof = StageProfiler()
+    futures: list[Future] = []
+    submitted = threading.Semaphore(0)
+
+    def reward(b):
+        future: Future = Future()
+        futures.append(future)
+        submitted.release()
+        return PendingScores(future, lambda b=b, future=future: {"r": b["x"] * future.result()})
+
+    scorer = StreamScorer(stages=[("reward", reward)], pack=_pack, chunk_rows=2, profiler=prof)
+    scorer.start()
+    scorer.add([(4, 1), (2, 2), (0, 3), (1, 4), (3, 5)])
+    scorer.close()
+    for _ in range(3):  # two full micro-batches and the last one, none of them scored yet
+        assert submitted.acquire(timeout=5), "a pending micro-batch held up the next one"
+    assert not any(f.done() for f in futures)
+    done_at = []
+    for i, future in enumerate(futures):
+        done_at.append(prof.now())
+        future.set_result(10.0 * (i + 1))
+    out = scorer.results()
+    assert {r: float(v) for r, v in out["r"].items()} == {4: 10, 2: 20, 0: 60, 1: 80, 3: 150}
+    ends = [end for _, end in prof.intervals()["reward"]]
+    assert len(ends) == 3 and all(end >= at for end, at in zip(ends, done_at)) and scorer.chunks == 3
 
 
 def test_errors_reach_the_caller_and_the_next_step_starts_clean():

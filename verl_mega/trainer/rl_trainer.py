@@ -21,7 +21,7 @@ from verl_mega.rollout.base import SEED_MODULUS, Sample, SamplingSpec
 from verl_mega.trainer.batch import Batch, pack_sequences
 from verl_mega.trainer.dataflow import DataflowBuilder, run_stage
 from verl_mega.rollout.multi_turn import check_tool_failures
-from verl_mega.trainer.stream_scoring import build_stream_scorer, gather_rows
+from verl_mega.trainer.stream_scoring import PendingScores, build_stream_scorer, gather_rows
 
 
 @dataclass
@@ -329,19 +329,30 @@ class RLTrainer:
     def _scores(self, texts: list[str], prompts: list, lengths, tally: RewardTally) -> torch.Tensor:
         """Reward-function scores plus, with reward.overlong_buffer, DAPO's overlong penalty. ``prompts``: each
         sample's prompt item (its ground truth, and its row's fields for the function: data_source, extra_info...)."""
-        result = self.reward_pool.score(texts, [p.ground_truth for p in prompts], [p.extra for p in prompts])
-        for key, (total, count) in result.info_sums().items():
-            mine = tally.infos.get(key, (0.0, 0))
-            tally.infos[key] = (mine[0] + total, mine[1] + count)
-        tally.errors, tally.timeouts = tally.errors + result.num_errors, tally.timeouts + result.num_timeouts
-        tally.samples += len(texts)
-        tally.first_error = tally.first_error or result.first_error
-        scores = torch.tensor(result.scores, dtype=torch.float32)
-        ob = self.cfg.reward.overlong_buffer
-        if ob.enable:
-            limit = self.cfg.rollout.max_response_length
-            scores = scores + algos.overlong_buffer_penalty(torch.as_tensor(lengths), limit, ob.len, ob.penalty_factor)
-        return scores
+        return self._submit_scores(texts, prompts, lengths, tally).finish()
+
+    def _submit_scores(self, texts: list[str], prompts: list, lengths, tally: RewardTally) -> PendingScores:
+        """:meth:`_scores` handed to the reward pool: returns at once; ``finish()`` waits for the pool and returns
+        the scores (counting the function's errors in ``tally``)."""
+        future = self.reward_pool.submit(texts, [p.ground_truth for p in prompts], [p.extra for p in prompts])
+
+        def finish() -> torch.Tensor:
+            result = future.result()
+            for key, (total, count) in result.info_sums().items():
+                mine = tally.infos.get(key, (0.0, 0))
+                tally.infos[key] = (mine[0] + total, mine[1] + count)
+            tally.errors, tally.timeouts = tally.errors + result.num_errors, tally.timeouts + result.num_timeouts
+            tally.samples += len(texts)
+            tally.first_error = tally.first_error or result.first_error
+            scores = torch.tensor(result.scores, dtype=torch.float32)
+            ob = self.cfg.reward.overlong_buffer
+            if ob.enable:
+                limit = self.cfg.rollout.max_response_length
+                scores = scores + algos.overlong_buffer_penalty(torch.as_tensor(lengths), limit, ob.len,
+                                                                ob.penalty_factor)
+            return scores
+
+        return PendingScores(future, finish)
 
     def _text(self, ids: list[int] | torch.Tensor) -> str:
         eos = self.tokenizer.eos_token_id

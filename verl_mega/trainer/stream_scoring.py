@@ -14,6 +14,10 @@ values, reward model and old log-probs.
   in the same order, and their collectives match.
 - Only the tail is exposed: once fewer samples than a micro-batch are still generating, the caller flushes each
   engine step's finished samples, and what finishes last is scored after generation ends.
+- The reward function runs in the reward pool's worker processes: its stage hands each micro-batch to the pool and
+  returns at once (:class:`PendingScores`), so the workers always have the next micro-batch queued and never wait
+  for this thread to decode it; the thread collects the scores at the end. With ``reward`` alone nothing is packed
+  into tensors: the function needs the texts only.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import queue
 import sys
 import threading
 import time
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -30,8 +36,19 @@ import torch
 from verl_mega.parallel.cpu_mode import comm_device
 from verl_mega.trainer.batch import Batch, pack_sequences
 
-#: a scoring stage: its profiler name and a function from a micro-batch to per-row tensors (first dim: its rows)
-ScoreStage = tuple[str, Callable[[Batch], dict[str, torch.Tensor]]]
+
+@dataclass
+class PendingScores:
+    """A stage's outputs still being computed elsewhere (the reward pool): ``future`` completes when they are ready,
+    then ``finish()`` returns them."""
+
+    future: Future
+    finish: Callable[[], dict[str, torch.Tensor]]
+
+
+#: a scoring stage: its profiler name and a function from a micro-batch to per-row tensors (first dim: its rows), or
+#: to :class:`PendingScores` of them
+ScoreStage = tuple[str, Callable[[Batch], "dict[str, torch.Tensor] | PendingScores"]]
 _END = object()
 GIL_SWITCH_INTERVAL_S = 0.0005
 
@@ -55,6 +72,7 @@ class StreamScorer:
         self._error: BaseException | None = None
         self._scored: dict[str, dict[int, torch.Tensor]] = {}
         self._chunks = self._live_chunks = 0
+        self._waiting: list = []
         self._collect = threading.Lock()
         self._outcome: tuple[bool, Any] | None = None  # what results() gave this step, for outputs()
 
@@ -68,6 +86,7 @@ class StreamScorer:
         if self._thread is not None:
             raise RuntimeError("StreamScorer.start: the previous step's scoring was not collected with results()")
         self._scored, self._error, self._chunks, self._live_chunks, self._outcome = {}, None, 0, 0, None
+        self._waiting: list = []  # (stage, start, {"at": end}, rows, PendingScores) in the order submitted
         # vLLM's loop and this thread share the GIL; a shorter switch interval hands it back to the engine
         # sooner after each of its device waits (the interval is restored in results())
         self._switch_interval = sys.getswitchinterval()
@@ -158,6 +177,10 @@ class StreamScorer:
                     pending = pending[self.chunk_rows:]
             if pending:
                 self._score(pending, stream, during_generation=False)
+            for name, start, done, rows, scores in self._waiting:
+                outputs = scores.finish()  # waits for the pool
+                self._store(name, start, done.get("at", self._now()), rows, outputs)
+            self._waiting = []
 
     def _score(self, pairs: list[tuple[int, Any]], stream, *, during_generation: bool) -> None:
         batch = self.pack(pairs)
@@ -165,22 +188,30 @@ class StreamScorer:
         for name, fn in self.stages:
             start = self._now()
             outputs = fn(batch)
+            if isinstance(outputs, PendingScores):  # its interval ends when the pool has scored it
+                done: dict[str, float] = {}
+                outputs.future.add_done_callback(lambda _, done=done: done.setdefault("at", self._now()))
+                self._waiting.append((name, start, done, rows, outputs))
+                continue
             if stream is not None:
                 stream.synchronize()
-            if self.profiler is not None:
-                self.profiler.record(name, start, self._now())
-            for key, value in outputs.items():
-                if len(value) != len(rows):
-                    raise ValueError(f"stream scoring stage {name!r} returned {len(value)} rows of {key!r} for a "
-                                     f"micro-batch of {len(rows)}")
-                into = self._scored.setdefault(key, {})
-                for row, v in zip(rows, value):
-                    into[row] = v
+            self._store(name, start, self._now(), rows, outputs)
         self._chunks += 1
         self._live_chunks += during_generation
         if self.profiler is not None:
             self.profiler.add_counter("stream_chunks", 1.0)
             self.profiler.add_counter("stream_chunks_during_generation", float(during_generation))
+
+    def _store(self, name: str, start: float, end: float, rows: list[int], outputs: dict[str, torch.Tensor]) -> None:
+        if self.profiler is not None:
+            self.profiler.record(name, start, end)
+        for key, value in outputs.items():
+            if len(value) != len(rows):
+                raise ValueError(f"stream scoring stage {name!r} returned {len(value)} rows of {key!r} for a "
+                                 f"micro-batch of {len(rows)}")
+            into = self._scored.setdefault(key, {})
+            for row, v in zip(rows, value):
+                into[row] = v
 
     def _now(self) -> float:
         return self.profiler.now() if self.profiler is not None else time.perf_counter()
@@ -194,24 +225,32 @@ def build_stream_scorer(trainer: Any, items: list, tally: Any, *, roles: bool) -
 
     def pack(pairs) -> Batch:
         samples = [s for _, s in pairs]
+        meta = {"row": [row for row, _ in pairs], "group": [s.prompt for s in samples], "ids": [s.ids for s in samples]}
+        if not roles:  # the reward function reads texts: nothing to pack into tensors
+            return Batch({}, meta)
         packed = pack_sequences([items[s.prompt].prompt_ids for s in samples], [s.ids for s in samples], pad_id=pad,
                                 max_response_length=limit, multiple_of=trainer.actor.engine.seq_multiple)
-        return Batch(packed, {"row": [row for row, _ in pairs], "group": [s.prompt for s in samples]})
+        return Batch(packed, meta)
 
     def old_logprob(b: Batch):
         out = trainer.actor.compute_logprobs(b, with_entropy=True)
         return {"old_logprobs": out["logprobs"], "entropy": out["entropy"]}
 
-    def reward(b: Batch):  # this rank's share of the micro-batch; the other ranks of its engine score the rest
+    def reward(b: Batch) -> PendingScores:  # this rank's share of the micro-batch; its engine's other ranks the rest
         rows = b.meta["row"]
         share = set(trainer.path.engine_share(rows))
         mine = [i for i, row in enumerate(rows) if row in share]
-        out = torch.zeros(len(rows), dtype=torch.float32)
-        if mine:
-            lengths = b["response_len"][mine].tolist()
-            out[mine] = trainer._scores([trainer._text(b["responses"][i, :n]) for i, n in zip(mine, lengths)],
-                                        [items[b.meta["group"][i]] for i in mine], lengths, tally)
-        return {"reward": out}
+        ids = [b.meta["ids"][i] for i in mine]
+        pending = trainer._submit_scores([trainer._text(x) for x in ids], [items[b.meta["group"][i]] for i in mine],
+                                         [min(len(x), limit) for x in ids], tally)
+
+        def finish() -> dict[str, torch.Tensor]:
+            out = torch.zeros(len(rows), dtype=torch.float32)
+            if mine:
+                out[mine] = pending.finish()
+            return {"reward": out}
+
+        return PendingScores(pending.future, finish)
 
     stages = []
     if roles:  # rollout.stream_scoring=all: the roles' forward passes too
@@ -236,4 +275,4 @@ def gather_rows(scored: dict[int, torch.Tensor], rows: Sequence[int]) -> torch.T
     return torch.stack([scored[r] for r in rows])
 
 
-__all__ = ["StreamScorer", "ScoreStage", "build_stream_scorer", "gather_rows"]
+__all__ = ["PendingScores", "StreamScorer", "ScoreStage", "build_stream_scorer", "gather_rows"]
