@@ -34,15 +34,18 @@ from verl_mega.models.weights import ParamRule
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(float8_e4m3fn).max
+# 1/448 rounded to fp32: a scale is amax · FP8_INV_MAX, the product torch computes for ``amax / 448`` on CUDA (a
+# division by a scalar is a multiplication by its fp32 reciprocal there), here on every device and in the kernel
+FP8_INV_MAX = float(torch.tensor(1.0 / FP8_MAX, dtype=torch.float32))
 # rows quantized per step: bounds the fp32 temporaries of one copy to ~64 MiB whatever the slice
 _CHUNK_ELEMS = 1 << 24
 
 
 def row_scales(amax: torch.Tensor) -> torch.Tensor:
-    """Per-row dequantization scales from per-row amax (fp32): amax / 448; an all-zero row gets scale 1 (its codes
-    are zeros, so any positive scale dequantizes it exactly)."""
+    """Per-row dequantization scales from per-row amax (fp32): amax / 448, as ``amax · fp32(1/448)``; an all-zero row
+    gets scale 1 (its codes are zeros, so any positive scale dequantizes it exactly)."""
     amax = amax.float()
-    return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return torch.where(amax > 0, amax * FP8_INV_MAX, torch.ones_like(amax))
 
 
 def _check_shapes(dst: torch.Tensor, src: torch.Tensor, scale: torch.Tensor) -> None:
@@ -74,8 +77,8 @@ def _launch(dst: torch.Tensor, src: torch.Tensor, scale: torch.Tensor, *, given_
     one_block = cols <= _ONE_BLOCK_COLS
     block = _next_power_of_2(cols) if one_block else _LOOP_BLOCK
     _rows_to_e4m3()[(rows,)](src2, dst2, scale2, cols, src2.stride(0), src2.stride(1), dst2.stride(0), dst2.stride(1),
-                             scale2.stride(0), FP8_MAX, BLOCK=block, ONE_BLOCK=one_block, GIVEN_SCALE=given_scale,
-                             num_warps=4 if block <= 2048 else 8)
+                             scale2.stride(0), FP8_MAX, FP8_INV_MAX, BLOCK=block, ONE_BLOCK=one_block,
+                             GIVEN_SCALE=given_scale, num_warps=4 if block <= 2048 else 8)
 
 
 # a row up to this long is held in registers (read once); a longer one is read twice (amax, then codes) in blocks
@@ -90,13 +93,16 @@ def _next_power_of_2(n: int) -> int:
 @functools.cache
 def _rows_to_e4m3():
     """The quantizer as one Triton kernel (built on first use: Triton comes with CUDA builds of torch only). One
-    program per row; the divisions are IEEE round-to-nearest (``div_rn``) and the cast rounds to nearest even, so
-    the codes and scales are bit for bit those of :func:`row_scales` + :func:`quantize_rows` (tests/gpu)."""
+    program per row; the scale is :func:`row_scales`' product, the codes' division is IEEE round-to-nearest
+    (``div_rn``) and the cast rounds to nearest even, so codes and scales are bit for bit those of :func:`row_scales`
+    + :func:`quantize_rows` (tests/gpu). A kernel whose scale was the division amax / 448 gave, on an H200, the codes
+    of vLLM's per-token kernel (x · 448 / amax), which differ from these in 1.7e-4 of a 7B model's codes (one e4m3
+    step at near-ties) and failed the sync's float64 check."""
     import triton
     import triton.language as tl
 
     @triton.jit
-    def rows_to_e4m3(src, dst, scale, cols, src_row, src_col, dst_row, dst_col, scale_row, fp8_max,
+    def rows_to_e4m3(src, dst, scale, cols, src_row, src_col, dst_row, dst_col, scale_row, fp8_max, fp8_inv_max,
                      BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, GIVEN_SCALE: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         src += row * src_row
@@ -108,7 +114,7 @@ def _rows_to_e4m3():
                 s = tl.load(scale + row * scale_row)
             else:
                 amax = tl.max(tl.abs(x), axis=0)
-                s = tl.where(amax > 0, tl.div_rn(amax, fp8_max), 1.0)
+                s = tl.where(amax > 0, amax * fp8_inv_max, 1.0)
                 tl.store(scale + row * scale_row, s)
             q = tl.clamp(tl.div_rn(x, s), -fp8_max, fp8_max)
             tl.store(dst + offs * dst_col, q.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=offs < cols)
@@ -122,7 +128,7 @@ def _rows_to_e4m3():
                     x = tl.load(src + idx * src_col, mask=idx < cols, other=0.0).to(tl.float32)
                     acc = tl.maximum(acc, tl.abs(x))
                 amax = tl.max(acc, axis=0)
-                s = tl.where(amax > 0, tl.div_rn(amax, fp8_max), 1.0)
+                s = tl.where(amax > 0, amax * fp8_inv_max, 1.0)
                 tl.store(scale + row * scale_row, s)
             for start in range(0, cols, BLOCK):
                 idx = start + offs
