@@ -141,6 +141,7 @@ class VLLMRollout:
             raise RolloutError("rollout.quantization=fp8, but this vLLM built its linears unquantized (it ignored the "
                                "quantization_config handed over in hf_overrides); use a vLLM with compressed-tensors "
                                "FP8 support or set rollout.quantization=none")
+        self._reset_kv_scales()
         self._capture = None
         if self.routing_mode == "capture":
             from verl_mega.rollout.routing_capture import RoutingCapture
@@ -236,6 +237,25 @@ class VLLMRollout:
         if not self.is_cpu:
             self.llm.wake_up(tags=sorted(wanted))
         self._sleeping -= wanted
+        if "weights" in wanted:  # sleep level 2 discards them with the weights
+            self._reset_kv_scales()
+
+    def _reset_kv_scales(self) -> None:
+        """An FP8 KV cache from random (``dummy``) weights: vLLM took its attention layers' KV, query and softmax
+        scales from the random values too (up to ±1e-3, which overflows e4m3: vLLM's log-probs were 4.7 nats from
+        Megatron's on an H200). The weight sync writes no such scale, so they are what vLLM uses for a checkpoint
+        without any: 1.0."""
+        if self.config.kv_cache_dtype == "auto" or self.config.load_format != "dummy":
+            return
+        for module in self.model.modules():
+            for name in ("_k_scale", "_v_scale", "_q_scale", "_prob_scale", "_k_scale_cpu", "_v_scale_cpu"):
+                scale = getattr(module, name, None)
+                if isinstance(scale, torch.Tensor):
+                    with torch.no_grad():
+                        scale.fill_(1.0)
+            for name in ("_k_scale_float", "_v_scale_float", "_q_scale_float"):
+                if isinstance(getattr(module, name, None), float):
+                    setattr(module, name, 1.0)
 
     def weights_updated(self) -> None:
         """Record new weights: bump the version and drop cached prefixes computed with the old ones."""
