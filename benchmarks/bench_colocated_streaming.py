@@ -65,8 +65,8 @@ def main() -> None:
     force_lengths(LengthDist(args.median, args.sigma, 1, args.cap))
     os.environ["VERL_MEGA_REWARD_DELAY_MS"] = str(args.reward_delay_ms)  # read by the reward workers
     model_dir = Path(args.model_dir or "/tmp/verl_mega_bench/" + ("tiny-random" if args.tiny
-                                                                   else "qwen2.5-1.5b-random-v2"))
-    make_model(model_dir, args.tiny)
+                                                                   else f"qwen2.5-{args.arch}-random-v2"))
+    make_model(model_dir, args.tiny, args.arch)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cpu = not torch.cuda.is_available()
     rows = args.prompts * args.group_size

@@ -161,8 +161,9 @@ class HFGenerateBaseline(RLTrainer):
     overlap_host_stages = False
 
 
-def make_model(path: Path, tiny: bool) -> None:
-    """A random-weight model plus the bundled character tokenizer, built once (other ranks wait on the lock)."""
+def make_model(path: Path, tiny: bool, arch: str = "1.5b") -> None:
+    """A random-weight model plus the bundled character tokenizer, built once (other ranks wait on the lock).
+    ``arch``: the Qwen2.5-1.5B or -7B architecture (ignored with ``tiny``)."""
     from verl_mega.models.tiny import build_char_tokenizer, make_tiny_hf_model
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -175,10 +176,11 @@ def make_model(path: Path, tiny: bool) -> None:
             make_tiny_hf_model(tmp, seed=0, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
                                num_kv_heads=2, tie_word_embeddings=True)
         else:
+            from bench_fp8_rollout_gpu import QWEN25_7B
             from bench_model_gpu import make_model as make_qwen
 
             tmp.mkdir(parents=True)
-            make_qwen(tmp)
+            make_qwen(tmp, QWEN25_7B if arch == "7b" else None)
             torch.cuda.empty_cache()  # vLLM's memory profiling must not see this memory being released later
             # reserved tokens fill the tokenizer up to the model's vocabulary, as a real model's would
             build_char_tokenizer(tmp, fill_to=json.loads((tmp / "config.json").read_text())["vocab_size"])
@@ -230,6 +232,8 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     """The model and batch arguments shared by the RL-step benchmarks."""
     ap.add_argument("--model-dir", default=None, help="where the random model is built once (default under /tmp)")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run on the bundled tiny model")
+    ap.add_argument("--arch", choices=["1.5b", "7b"], default="1.5b",
+                    help="the random model's architecture (Qwen2.5-1.5B or -7B); 7B needs LoRA on one GPU")
     ap.add_argument("--prompts", type=int, default=32, help="prompts per step")
     ap.add_argument("--group-size", type=int, default=8, help="samples per prompt (the GRPO group)")
 
@@ -277,9 +281,9 @@ def main() -> None:
     if args.lengths == "lognormal":
         LENGTHS = LengthDist(median=args.response_length // 4, sigma=1.0, low=16, high=args.response_length)
         _long_tailed_vllm()
-    default = "/tmp/verl_mega_bench/" + ("tiny-random" if args.tiny else "qwen2.5-1.5b-random-v2")
+    default = "/tmp/verl_mega_bench/" + ("tiny-random" if args.tiny else f"qwen2.5-{args.arch}-random-v2")
     model_dir = Path(args.model_dir or default)
-    make_model(model_dir, args.tiny)
+    make_model(model_dir, args.tiny, args.arch)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cpu = not torch.cuda.is_available()
     total = 2 * (args.warmup + max(args.steps, args.baseline_steps)) + 2

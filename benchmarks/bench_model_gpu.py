@@ -28,12 +28,13 @@ QWEN25_1_5B = {
 }
 
 
-def make_model(path: Path) -> None:
+def make_model(path: Path, config: dict | None = None) -> None:
+    """A random-weight HF model (``config``: the Qwen2.5-1.5B architecture by default), bf16, saved to ``path``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if (path / "model.safetensors").exists() or (path / "model.safetensors.index.json").exists():
         return
-    cfg = AutoConfig.for_model(**QWEN25_1_5B)
+    cfg = AutoConfig.for_model(**(config or QWEN25_1_5B))
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)

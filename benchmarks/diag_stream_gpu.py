@@ -155,7 +155,7 @@ def main() -> None:
             step_s.append(time.perf_counter() - t0)
             steps += 1
             if stream.finished:
-                done = [ids for key, p in stream.finished for ids, _ in stream.completions(key, p)]
+                done = [stream.completion(key, p, j)[0] for key, p, j in stream.finished]
                 if mode == "step+score-inline":
                     score(done)
                 elif thread is not None and mode != "step+busy":

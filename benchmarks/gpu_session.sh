@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU measurements (2×H200). Results go to $OUT (≤ 8 files).
 #   bash benchmarks/gpu_session.sh models|sync|rl|grpo|checks|tier|sample|moe|fwdbwd|pools|packedA|packedC|lora|
-#                                    loraprof|fp8|grpoC1|quant|stream20|fp8tests
+#                                    loraprof|fp8|grpoC1|quant|stream20|fp8tests|kv8|grpo7lora
 set -uo pipefail
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
 LOG=$OUT/session.log
@@ -121,6 +121,20 @@ case "${1:-models}" in
   fp8tests)
     python3 -m pytest -q -x tests/gpu/test_fp8_rollout_gpu.py -p no:warnings > "$OUT/test_fp8_rollout.log" 2>&1
     tail -5 "$OUT/test_fp8_rollout.log" | tee -a "$LOG"
+    ;;
+  kv8)
+    # FP8 weights with and without an FP8 KV cache at 7B (the KV-cache scales set to 1.0), bf16 beside them
+    run timeout ${FP8_TIMEOUT:-560} python3 benchmarks/bench_fp8_rollout_gpu.py --variants bf16,fp8,fp8_kv8 \
+        --sync-repeats 5 --gap-prompts 16 --variant-timeout 180 --out "$OUT/fp8_rollout_7b_kv8.json"
+    ;;
+  grpo7lora)
+    # a GRPO step at the Qwen2.5-7B architecture on one GPU: LoRA r=16 (merged into vLLM), configuration C's batch
+    # (16 prompts × 8, lognormal ≤ 1024, packed); one rollout precision per call: GRPO_Q=none|fp8
+    run timeout ${GRPO_TIMEOUT:-560} torchrun --nproc-per-node 1 benchmarks/bench_grpo_gpu.py --arch 7b --gen-tp 1 \
+        --response-length 1024 --prompts 16 --lengths lognormal --warmup 1 --baseline-steps 0 --steps 3 \
+        --out "$OUT/grpo_7b_lora_${GRPO_Q:-none}.json" parallel.tp=1 model.use_remove_padding=true \
+        actor.use_dynamic_bsz=true actor.max_tokens_per_gpu=16384 actor.micro_batch_size_per_gpu=16 \
+        actor.log_prob_micro_batch_size_per_gpu=16 model.lora.rank=16 rollout.quantization=${GRPO_Q:-none}
     ;;
   grpoC1)
     # GRPO configuration C on one GPU (1.5B, 16 prompts × 8, lognormal ≤ 1024, packed), bf16 rollout vs FP8 rollout

@@ -89,8 +89,9 @@ class Rollout(Protocol):
     """What the trainer needs from a rollout, wherever its engines run.
 
     - ``generate`` takes the global prompt batch and returns, on every rank of an engine, that engine's share of
-      the samples, one :class:`Generated` per spec. ``on_finished(samples, still_generating)``: called as prompts
-      finish, while the engine still generates the rest (one spec; a rollout that cannot stream refuses it).
+      the samples, one :class:`Generated` per spec. ``on_finished(samples, still_generating)``: called as samples
+      finish, each as (its index in its prompt's group, the sample), while the engine still generates the rest (one
+      spec; a rollout that cannot stream refuses it).
     - ``prefetch``: the asynchronous look-ahead. The requests a later ``generate`` will ask for, in order, sent
       now so that a rollout pool of its own generates them while the trainer trains (a no-op when colocated).
     - ``weight_version``: the weight updates it has received; ``stop_requested``: a signal (``SIGTERM``,
@@ -102,7 +103,7 @@ class Rollout(Protocol):
     @property
     def weight_version(self) -> int: ...
     def generate(self, prompt_ids: Sequence[Sequence[int]], specs: Sequence[SamplingSpec], *,
-                 on_finished: Callable[[list[Sample], int], None] | None = None) -> list[Generated]: ...
+                 on_finished: Callable[[list[tuple[int, Sample]], int], None] | None = None) -> list[Generated]: ...
     def prefetch(self, requests: Sequence[Request]) -> None: ...
     def update_weights(self) -> dict[str, float]: ...  # new weights from the trainer (collective)
     def release_memory(self) -> None: ...

@@ -83,12 +83,13 @@ class ColocatedRollout:
         return self._ready().weight_version
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], specs: Sequence[SamplingSpec], *,
-                 on_finished: Callable[[list[Sample], int], None] | None = None) -> list[Generated]:
+                 on_finished: Callable[[list[tuple[int, Sample]], int], None] | None = None) -> list[Generated]:
         """Every rank passes the global prompt batch; each engine generates its share under every spec (one wake
         for all of them) and its ranks return it. An explicit ``spec.seed`` is the batch's base seed: prompt i of
         the batch samples with ``seed + i``, whichever engine runs it. ``on_finished`` (one spec): the engine is
-        stepped here; after every engine step in which prompts finished, their samples are passed to it with the
-        number of this engine's samples still generating, identically on every rank of the engine."""
+        stepped here; after every engine step in which samples finished, they are passed to it as (index of the
+        sample in its prompt's group, sample) with the number of this engine's samples still generating,
+        identically on every rank of the engine."""
         import torch.distributed as dist
 
         engine, prof = self._ready(), self.profiler
@@ -134,8 +135,8 @@ class ColocatedRollout:
                 for part, c in zip(local, counts)]
 
     def _stream(self, engine: VLLMRollout, mine: list[int], prompts: list, spec: SamplingSpec,
-                on_finished: Callable[[list[Sample], int], None], num_specs: int):
-        """Generate by stepping vLLM's scheduler, handing each prompt's samples over as soon as they are done."""
+                on_finished: Callable[[list[tuple[int, Sample]], int], None], num_specs: int):
+        """Generate by stepping vLLM's scheduler, handing each sample over as soon as it is done."""
         from verl_mega.rollout.streaming import StreamingEngine
 
         if self.multi_turn is not None or num_specs != 1:
@@ -150,8 +151,7 @@ class ColocatedRollout:
             stream.step()
             steps += 1
             if stream.finished:
-                done = [Sample(mine[p], ids, lps) for key, p in stream.finished
-                        for ids, lps in stream.completions(key, p)]
+                done = [(j, Sample(mine[p], *stream.completion(key, p, j))) for key, p, j in stream.finished]
                 running -= len(done)
                 on_finished(done, running)
         prof.record("engine_steps", start, prof.now(), parent="rollout")

@@ -11,11 +11,15 @@ and steps it itself, so
   version that sampled it.
 
 Sampling is the same as :meth:`VLLMRollout.generate` (an explicit seed gives prompt i ``seed + i``): a batch that
-runs alone draws exactly the tokens ``generate`` would.
+runs alone draws exactly the tokens ``generate`` would. Each of a prompt's ``n`` samples is a request of its own
+(``n = 1``, sample j seeded ``seed + i + j``: the fan-out vLLM does itself for ``n > 1``), so a sample is handed over
+when it finishes rather than with its prompt's slowest sample (vLLM holds a final-only ``n > 1`` request's outputs
+until all of them are done).
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
@@ -52,8 +56,8 @@ class StreamingEngine:
         self._engine = rollout.llm.llm_engine
         self._batches: dict[Hashable, _Batch] = {}
         self._owner: dict[str, Hashable] = {}  # request id → its batch
-        #: (batch, prompt) of every request that finished in the last :meth:`step`
-        self.finished: list[tuple[Hashable, int]] = []
+        #: (batch, prompt, sample) of every sample that finished in the last :meth:`step`
+        self.finished: list[tuple[Hashable, int, int]] = []
 
     @property
     def version(self) -> int:
@@ -77,11 +81,17 @@ class StreamingEngine:
         batch = self._batches[key] = _Batch(spec, len(prompt_ids), set())
         for i, prompt in enumerate(prompt_ids):
             seed = None if spec.seed is None else spec.seed + i
-            request = f"{key}:{i}"
-            self._engine.add_request(request, {"prompt_token_ids": [int(t) for t in prompt]},
-                                     sampling_params(spec, seed, stream=self.deltas), **self.rollout._lora())
-            batch.open_requests.add(request)
-            self._owner[request] = key
+            params = sampling_params(spec, seed, stream=self.deltas)
+            for j in range(spec.n):  # vLLM's own fan-out of an n > 1 request: n = 1, seed + j
+                child = copy.copy(params)
+                child.n = 1
+                if seed is not None:
+                    child.seed = seed + j
+                request = f"{key}:{i}:{j}"
+                self._engine.add_request(request, {"prompt_token_ids": [int(t) for t in prompt]}, child,
+                                         **self.rollout._lora())
+                batch.open_requests.add(request)
+                self._owner[request] = key
 
     def step(self) -> list[Hashable]:
         """One engine step; returns the batches whose last request just finished."""
@@ -97,9 +107,9 @@ class StreamingEngine:
             if key is None:
                 continue
             batch = self._batches[key]
-            prompt = int(out.request_id.rpartition(":")[2])
-            for completion in out.outputs:
-                seq = batch.sequences.setdefault((prompt, completion.index), _Sequence())
+            prompt, sample = (int(x) for x in out.request_id.rsplit(":", 2)[1:])
+            for completion in out.outputs:  # one: each request is one sample
+                seq = batch.sequences.setdefault((prompt, sample), _Sequence())
                 new = list(completion.token_ids)
                 if not self.deltas:  # a final output holds the whole sequence
                     seq.ids, seq.versions, seq.logprobs = [], [], []
@@ -110,18 +120,17 @@ class StreamingEngine:
                 if completion.finish_reason is not None:
                     seq.finish_reason = str(completion.finish_reason)
             if out.finished:
-                self.finished.append((key, prompt))
+                self.finished.append((key, prompt, sample))
                 del self._owner[out.request_id]
                 batch.open_requests.discard(out.request_id)
                 if not batch.open_requests:
                     done.append(key)
         return done
 
-    def completions(self, key: Hashable, prompt: int) -> list[tuple[list[int], list[float]]]:
-        """The token ids and log-probs of a prompt's samples so far, by sample index (all of them once its request
-        is in :attr:`finished`)."""
-        seqs = self._batches[key].sequences
-        return [(seq.ids, seq.logprobs) for (p, _), seq in sorted(seqs.items()) if p == prompt]
+    def completion(self, key: Hashable, prompt: int, sample: int) -> tuple[list[int], list[float]]:
+        """The token ids and log-probs of one sample so far (all of them once it is in :attr:`finished`)."""
+        seq = self._batches[key].sequences[(prompt, sample)]
+        return seq.ids, seq.logprobs
 
     def take(self, key: Hashable) -> RolloutBatch:
         """A finished batch, prompt-major (like :meth:`VLLMRollout.generate`), with each token's weight version."""

@@ -234,11 +234,10 @@ class RLTrainer:
         scorer.start()
         data.streamed = scorer.outputs  # the first stage to ask waits for the last micro-batch
 
-        def finished(samples, running: int) -> None:  # a prompt's samples are rows prompt·n … prompt·n + n − 1
-            rows = [s.prompt * n + seen for seen, s in zip(_occurrence(s.prompt for s in samples), samples)]
+        def finished(samples, running: int) -> None:  # sample j of a prompt is row prompt·n + j
             # once fewer samples than a micro-batch are still generating, waiting for a full one is waiting for
             # the end: the tail is scored as it finishes
-            scorer.add(list(zip(rows, samples)), flush=running < chunk, generating=running)
+            scorer.add([(s.prompt * n + j, s) for j, s in samples], flush=running < chunk, generating=running)
 
         try:
             return self.rollout.generate(prompts, specs, on_finished=finished)
