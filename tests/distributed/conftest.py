@@ -45,7 +45,8 @@ def moe_quickstart_run(tmp_path_factory) -> Path:
 
 DAPO = ["actor.clip_ratio_high=0.28", "algorithm.filter_groups.enable=true", "reward.overlong_buffer.enable=true",
         "reward.overlong_buffer.len=4", "actor.use_kl_loss=false"]
-GSPO = ["actor.policy_loss=gspo", "actor.loss_agg_mode=seq-mean-token-mean"]
+# GSPO's run also generates with FP8 weights: the quickstart's reward bar with FP8 rollouts, in the same run
+GSPO = ["actor.policy_loss=gspo", "actor.loss_agg_mode=seq-mean-token-mean", "rollout.quantization=fp8"]
 ALGO_RUN = ["trainer.save_every=0", "logging.progress_bar=false"]
 
 

@@ -1,9 +1,10 @@
 """The algorithm menu on the README's bar, as users run it (slow: whole training runs).
 
 - GRPO + DAPO (clip-higher, dynamic sampling, overlong penalty, no KL loss) and GSPO runs of the quickstart: mean
-  reward over the first 10 steps < 0.3 and over the last 10 > 0.6, like the plain quickstart. For DAPO the bar is
-  read on the reward of every generated sample (`dapo/generated_reward_mean`): `reward/mean` is the filtered batch's,
-  which drops the all-wrong groups.
+  reward over the first 10 steps < 0.3 and over the last 10 > 0.6, like the plain quickstart. GSPO's run generates
+  with FP8 weights (rollout.quantization=fp8), so the bar also holds FP8 rollouts to the quickstart's. For DAPO the
+  bar is read on the reward of every generated sample (`dapo/generated_reward_mean`): `reward/mean` is the filtered
+  batch's, which drops the all-wrong groups.
 - The multi-turn calculator task (configs/multi_turn_calculator_cpu.yaml): the policy calls the calc tool and
   copies its answer; mean reward over the first 10 steps < 0.4, last 10 > 0.45 and at least 0.2 above the first.
 
@@ -34,8 +35,10 @@ def test_gspo_meets_the_quickstart_bar(gspo_run):
     gspo = metric_rows(gspo_run)
     assert len(gspo) == recipe_steps("quickstart_cpu.yaml")
     first, last = _first_last(gspo, "reward/mean")
-    print(f"GSPO reward: first 10 steps {first:.3f}, last 10 steps {last:.3f}")
+    print(f"GSPO reward with FP8 rollouts: first 10 steps {first:.3f}, last 10 steps {last:.3f}")
     assert first < 0.3 and last > 0.6, (first, last)
+    assert all(r["weight_sync/quantized_params"] == 8 for r in gspo)  # every linear of the 2 layers, every step
+    assert all(0 < r["rollout/logprob_diff_mean"] < 0.1 for r in gspo)  # the FP8 gap is there, and small
 
 
 def test_multi_turn_calculator_reward_rises(calculator_run, tmp_path):
