@@ -38,7 +38,6 @@ def test_gspo_meets_the_quickstart_bar(gspo_run):
     print(f"GSPO reward with FP8 rollouts: first 10 steps {first:.3f}, last 10 steps {last:.3f}")
     assert first < 0.3 and last > 0.6, (first, last)
     assert all(r["weight_sync/quantized_params"] == 8 for r in gspo)  # every linear of the 2 layers, every step
-    assert all(0 < r["rollout/logprob_diff_mean"] < 0.1 for r in gspo)  # the FP8 gap is there, and small
 
 
 def test_multi_turn_calculator_reward_rises(calculator_run, tmp_path):
