@@ -165,7 +165,7 @@ def quantize_rows_with(dst: torch.Tensor, src: torch.Tensor, scale: torch.Tensor
     """:func:`quantize_rows`, through the Triton kernel where :func:`use_kernel` (or ``kernel``) says so."""
     if use_kernel(src) if kernel is None else kernel:
         _check_shapes(dst, src, scale)
-        _launch(dst, src, scale.float() if scale.dtype != torch.float32 else scale, given_scale=True)
+        _launch(dst, src, scale.float(), given_scale=True)
         return
     quantize_rows(dst, src, scale)
 

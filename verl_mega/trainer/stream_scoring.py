@@ -86,7 +86,7 @@ class StreamScorer:
         if self._thread is not None:
             raise RuntimeError("StreamScorer.start: the previous step's scoring was not collected with results()")
         self._scored, self._error, self._chunks, self._live_chunks, self._outcome = {}, None, 0, 0, None
-        self._waiting: list = []  # (stage, start, {"at": end}, rows, PendingScores) in the order submitted
+        self._waiting = []  # (stage, start, {"at": end}, rows, PendingScores) in the order submitted
         # vLLM's loop and this thread share the GIL; a shorter switch interval hands it back to the engine
         # sooner after each of its device waits (the interval is restored in results())
         self._switch_interval = sys.getswitchinterval()
@@ -236,18 +236,19 @@ def build_stream_scorer(trainer: Any, items: list, tally: Any, *, roles: bool) -
         out = trainer.actor.compute_logprobs(b, with_entropy=True)
         return {"old_logprobs": out["logprobs"], "entropy": out["entropy"]}
 
-    def reward(b: Batch) -> PendingScores:  # this rank's share of the micro-batch; its engine's other ranks the rest
+    def reward(b: Batch):  # this rank's share of the micro-batch; its engine's other ranks score the rest
         rows = b.meta["row"]
         share = set(trainer.path.engine_share(rows))
         mine = [i for i, row in enumerate(rows) if row in share]
+        if not mine:  # nothing of it is this rank's to score
+            return {"reward": torch.zeros(len(rows), dtype=torch.float32)}
         ids = [b.meta["ids"][i] for i in mine]
         pending = trainer._submit_scores([trainer._text(x) for x in ids], [items[b.meta["group"][i]] for i in mine],
                                          [min(len(x), limit) for x in ids], tally)
 
         def finish() -> dict[str, torch.Tensor]:
             out = torch.zeros(len(rows), dtype=torch.float32)
-            if mine:
-                out[mine] = pending.finish()
+            out[mine] = pending.finish()
             return {"reward": out}
 
         return PendingScores(pending.future, finish)
