@@ -194,7 +194,8 @@ def run_steps(trainer, job, steps: int) -> list[dict[str, float]]:
     return out
 
 
-def summarise(steps: list[dict[str, float]], world: int, arch=None, samples: int = 0) -> dict[str, float]:
+def summarise(steps: list[dict[str, float]], world: int, arch=None, samples: int = 0,
+              frozen_base: bool = False) -> dict[str, float]:
     def mean(key: str) -> float:
         vals = [s[key] for s in steps if key in s]
         return statistics.fmean(vals) if vals else 0.0
@@ -221,7 +222,8 @@ def summarise(steps: list[dict[str, float]], world: int, arch=None, samples: int
         for stage, training in (("actor_update", True), ("old_logprob", False), ("ref_logprob", False)):
             per_token = transformer_flops_per_token(arch.num_layers, arch.hidden_size, arch.ffn_hidden_size,
                                                     arch.num_heads, arch.num_kv_heads, arch.head_dim,
-                                                    arch.vocab_size, int(context), training)
+                                                    arch.vocab_size, int(context), training,
+                                                    frozen_base=frozen_base and stage == "actor_update")
             seconds = res[f"{stage}_s"]
             res[f"{stage}_tflops_per_gpu"] = per_token * tokens / seconds / world / 1e12 if seconds else 0.0
         res["mean_sequence_length"] = context
@@ -309,8 +311,9 @@ def main() -> None:
 
     if rank == 0:
         samples = args.prompts * args.group_size
-        h = summarise(hybrid, world, job.arch, samples)
-        b = summarise(baseline, world, job.arch, samples) if baseline else None
+        lora = cfg.model.lora.enabled  # a frozen base: the update computes no weight gradients
+        h = summarise(hybrid, world, job.arch, samples, frozen_base=lora)
+        b = summarise(baseline, world, job.arch, samples, frozen_base=lora) if baseline else None
         result = {"world": world, "device": torch.cuda.get_device_name() if not cpu else "cpu",
                   "lengths": args.lengths, "overrides": list(args.overrides), "prompts": args.prompts,
                   "n": args.group_size, "response_length": args.response_length,

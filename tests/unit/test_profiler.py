@@ -254,6 +254,9 @@ def test_transformer_flops_against_published_parameter_counts():
     n_gpt2 = 124_439_808 - 1024 * 768 - 12 * (2304 + 768 + 3072 + 768) - 25 * 2 * 768
     gpt2 = transformer_flops_per_token(12, 768, 3072, 12, 12, 64, 50257, 1024, training=True, gated_mlp=False)
     assert gpt2 == 6 * n_gpt2 + 12 * 12 * 12 * 64 * 1024
+    # a frozen base (LoRA) computes its weights' input gradients only: 4N, attention still 3 forwards
+    assert transformer_flops_per_token(12, 768, 3072, 12, 12, 64, 50257, 1024, training=True, gated_mlp=False,
+                                       frozen_base=True) == 4 * n_gpt2 + 12 * 12 * 12 * 64 * 1024
 
     with pytest.raises(ValueError, match="kv_heads"):
         transformer_flops_per_token(2, 64, 128, 6, 4, 16, 100, 8, training=True)
@@ -290,13 +293,20 @@ def test_step_flops_hand_computed():
     arch = ModelArch(model_type="qwen2", num_layers=1, hidden_size=4, ffn_hidden_size=8, num_heads=2, num_kv_heads=1,
                      head_dim=2, vocab_size=10, max_position_embeddings=16, rope_theta=1e4, rms_norm_eps=1e-6,
                      tie_word_embeddings=False, qkv_bias=False, qk_norm=False)
-    cfg = SimpleNamespace(actor=SimpleNamespace(ppo_epochs=1), critic=SimpleNamespace(ppo_epochs=1))
+    cfg = SimpleNamespace(actor=SimpleNamespace(ppo_epochs=1), critic=SimpleNamespace(ppo_epochs=1),
+                          model=SimpleNamespace(lora=SimpleNamespace(enabled=False)))
     fake = SimpleNamespace(arch=arch, cfg=cfg, ref=object(), critic=None, reward_model=None)
     flops = RLTrainer._step_flops(fake, torch.tensor([2, 4]), torch.tensor([2, 4]))
     assert flops == 30432.0
     # a critic adds one forward and one forward+backward per token, with its value head: 12 · (392 + 1176) more
     fake.critic = object()
     assert RLTrainer._step_flops(fake, torch.tensor([2, 4]), torch.tensor([2, 4])) == 30432.0 + 12 * (392 + 1176)
+    # LoRA: the actor's frozen base skips its weight gradients; the update is 4N + 3·16s = 736 + 288 = 1024 per
+    # token instead of 1392 (the critic, trained in full, is unchanged): 12 · (1392 − 1024) fewer
+    cfg.model.lora.enabled = True
+    assert RLTrainer._step_flops(fake, torch.tensor([2, 4]), torch.tensor([2, 4])) == \
+        30432.0 + 12 * (392 + 1176) - 12 * 368
+    cfg.model.lora.enabled = False
     # MoE: a token runs k=2 routed experts of width 3 plus a shared expert of width 2, i.e. an MLP of width 8 (the
     # dense ffn_hidden_size is then unused), and its router over E=4 experts: E·h = 16 more weights, 2·16 = 32 more
     # FLOPs per forward. 12 tokens × (fwd + train + fwd = 1 + 3 + 1 forwards) + 6 generated tokens × 1 forward

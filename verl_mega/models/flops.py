@@ -55,21 +55,26 @@ def attention_flops(arch: Any, context: float) -> float:
     return 2.0 * arch.num_layers * arch.num_heads * dims * context
 
 
-def model_flops_per_token(arch: Any, *, context: float, training: bool, value_head: bool = False) -> float:
+def model_flops_per_token(arch: Any, *, context: float, training: bool, value_head: bool = False,
+                          frozen_base: bool = False) -> float:
     """Model FLOPs of one token against `context` tokens of attention: forward 2·N + attention, training (forward +
     backward) three times that. MFU takes the whole sequence as the context (causal masking not discounted, as in
-    PaLM's 6N + 12·L·a·d·s); generation with a KV cache takes the mean context."""
+    PaLM's 6N + 12·L·a·d·s); generation with a KV cache takes the mean context. ``frozen_base`` (LoRA): the weights
+    get no gradient, so their backward is the input gradient alone (training: 2 · 2N + 3 · attention); the adapters'
+    r-wide GEMMs are left out, as in the planner's step-time model (under 1 % of a 7B layer's at r = 16)."""
     dense, experts = matmul_weights(arch, value_head=value_head)
-    return _per_token(dense + experts, attention_flops(arch, context), training)
+    return _per_token(dense + experts, attention_flops(arch, context), training, frozen_base)
 
 
 def transformer_flops_per_token(num_layers: int, hidden: int, ffn: int, heads: int, kv_heads: int, head_dim: int,
-                                vocab: int, seq_len: int, training: bool, *, gated_mlp: bool = True) -> float:
+                                vocab: int, seq_len: int, training: bool, *, gated_mlp: bool = True,
+                                frozen_base: bool = False) -> float:
     """:func:`model_flops_per_token` of a dense model given by its sizes (no :class:`ModelArch` needed), with a
     plain up/down MLP (2·h·f) when ``gated_mlp`` is false:
 
     * training (forward + backward = 3× forward): ``6·N + 12·L·heads·head_dim·seq_len``
     * inference (forward only):                    ``2·N +  4·L·heads·head_dim·seq_len``
+    * training a frozen base (LoRA):               ``4·N + 12·L·heads·head_dim·seq_len``
     """
     for name, value in (("num_layers", num_layers), ("hidden", hidden), ("ffn", ffn), ("heads", heads),
                         ("kv_heads", kv_heads), ("head_dim", head_dim), ("vocab", vocab)):
@@ -81,12 +86,15 @@ def transformer_flops_per_token(num_layers: int, hidden: int, ffn: int, heads: i
         raise ValueError(f"transformer_flops_per_token: heads={heads} is not a multiple of kv_heads={kv_heads}")
     mlp = (3 if gated_mlp else 2) * hidden * ffn
     weights = num_layers * (_gqa_weights(hidden, heads, kv_heads, head_dim) + mlp) + hidden * vocab
-    return _per_token(weights, num_layers * heads * head_dim * seq_len * 4, training)
+    return _per_token(weights, num_layers * heads * head_dim * seq_len * 4, training, frozen_base)
 
 
-def _per_token(weights: int, attention: float, training: bool) -> float:
-    forward = 2 * weights + attention
-    return float(3 * forward if training else forward)
+def _per_token(weights: int, attention: float, training: bool, frozen_base: bool = False) -> float:
+    if not training:
+        return float(2 * weights + attention)
+    # backward: the input gradient (1 forward) and, for trained weights, the weight gradient (1 more); core
+    # attention has no weights, so its backward is 2 forwards either way
+    return float((2 if frozen_base else 3) * 2 * weights + 3 * attention)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

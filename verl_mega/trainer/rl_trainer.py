@@ -507,15 +507,18 @@ class RLTrainer:
     def _step_flops(self, prompt_len: torch.Tensor, response_len: torch.Tensor) -> float:
         """Model FLOPs of this step, all ranks: generation (forward per generated token at its mean context) plus
         every forward (old/ref log-probs, values, RM) and forward+backward (updates × ppo_epochs) over the batch;
-        the critic and the reward model end in a value head."""
+        the critic and the reward model end in a value head. With LoRA the actor's base weights are frozen: its
+        update skips their weight-gradient GEMMs."""
         from verl_mega.models.flops import model_flops_per_token
 
-        def per_token(context: float, training: bool = False, value_head: bool = False) -> float:
-            return model_flops_per_token(self.arch, context=int(context), training=training, value_head=value_head)
+        def per_token(context: float, training: bool = False, value_head: bool = False, frozen: bool = False) -> float:
+            return model_flops_per_token(self.arch, context=int(context), training=training, value_head=value_head,
+                                         frozen_base=frozen)
 
         lengths = (prompt_len + response_len).float()
         context = float(lengths.mean())
-        passes = per_token(context) + per_token(context, True) * self.cfg.actor.ppo_epochs
+        lora = self.cfg.model.lora.enabled
+        passes = per_token(context) + per_token(context, True, frozen=lora) * self.cfg.actor.ppo_epochs
         passes += per_token(context) * (self.ref is not None)
         passes += per_token(context, value_head=True) * (self.reward_model is not None)
         if self.critic is not None:
