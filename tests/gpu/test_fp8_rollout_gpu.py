@@ -20,19 +20,22 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-def test_fp8_sync_generation_and_gap(kv_cache_dtype, tmp_path):
+# An FP8 KV cache widens the gap on Hopper: vLLM's FlashAttention-3 path also casts the queries to e4m3 and multiplies
+# in FP8 (measured on an H200 for this model: 0.35 nats per token). KV scales taken from vLLM's random dummy weights,
+# the bug the FP8 KV case guards against, gave 4.66.
+@pytest.mark.parametrize("kv_cache_dtype, lp_tol", [("auto", 0.25), ("fp8", 0.5)])
+def test_fp8_sync_generation_and_gap(kv_cache_dtype, lp_tol, tmp_path):
     from verl_mega.models.tiny import make_tiny_hf_model
 
     model_dir = make_tiny_hf_model(tmp_path / "qwen2", model_type="qwen2", vocab_size=512, hidden_size=256,
                                    intermediate_size=512, num_heads=4, num_kv_heads=2, num_layers=2, init_std=0.1,
                                    with_tokenizer=False)
     out = run_torchrun("fp8_sync_job.py", 1, "--tp", "1", "--gen-tp", "1", "--model-dir", str(model_dir),
-                       "--dtype", "bfloat16", "--kv-cache-dtype", kv_cache_dtype, "--lp-tol", "0.25", timeout=800)
+                       "--dtype", "bfloat16", "--kv-cache-dtype", kv_cache_dtype, "--lp-tol", str(lp_tol), timeout=800)
     (rank,) = tagged_report(out, "FP8")["ranks"]
     print(json.dumps(rank))
     assert rank["quantized"] == 8 and rank["checked_elements"] > 0
-    assert rank["lp_diff_mean"] < 0.25
+    assert rank["lp_diff_mean"] < lp_tol
 
 
 @pytest.mark.timeout(900)
