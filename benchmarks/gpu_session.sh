@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU measurements (2×H200). Results go to $OUT (≤ 8 files).
 #   bash benchmarks/gpu_session.sh models|sync|rl|grpo|checks|tier|sample|moe|fwdbwd|pools|packedA|packedC|lora|
-#                                    loraprof|fp8|grpoC1|quant|stream20|fp8tests|kv8|grpo7lora
+#                                    loraprof|fp8|grpoC1|quant|stream20|streamrule|fp8tests|kv8|grpo7lora
 set -uo pipefail
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
 LOG=$OUT/session.log
@@ -118,9 +118,16 @@ case "${1:-models}" in
         --prompts 32 --pairs ${PAIRS:-3} --modes sync,stream-reward --reward-delay-ms 20 \
         --out "$OUT/colocated_streaming_reward20ms.json"
     ;;
+  streamrule)
+    # streamed rewards with the rule reward: PPO at 1.5B, `off` and `reward` alternating, three batches
+    run timeout ${STREAM_TIMEOUT:-380} torchrun --nproc-per-node 1 benchmarks/bench_colocated_streaming.py \
+        --prompts 32 --pairs ${PAIRS:-3} --modes sync,stream-reward --out "$OUT/colocated_streaming_rule.json"
+    ;;
   fp8tests)
-    python3 -m pytest -q -x tests/gpu/test_fp8_rollout_gpu.py -p no:warnings > "$OUT/test_fp8_rollout.log" 2>&1
-    tail -5 "$OUT/test_fp8_rollout.log" | tee -a "$LOG"
+    # the FP8 sync job on CUDA vLLM, with and without an FP8 KV cache (-s: each case's gap as a JSON line)
+    python3 -m pytest -q -s tests/gpu/test_fp8_rollout_gpu.py -k test_fp8_sync_generation_and_gap -p no:warnings \
+        > "$OUT/test_fp8_rollout.log" 2>&1
+    grep '"lp_diff_mean"\|passed\|failed' "$OUT/test_fp8_rollout.log" | tee -a "$LOG"
     ;;
   kv8)
     # FP8 weights with and without an FP8 KV cache at 7B (the KV-cache scales set to 1.0), bf16 beside them
