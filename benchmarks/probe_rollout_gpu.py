@@ -5,7 +5,8 @@
 shape, stride: the layout an in-place weight sync must write) and (b) generation tokens/s on the long-tailed
 workload (lognormal lengths, EOS ignored). Formats: ``bf16``; ``fp8`` (vLLM's online quantization, one scale per
 tensor); ``fp8-channel`` (compressed-tensors: one scale per output channel, activations per token); ``fp8-block``
-(128 x 128 blocks, DeepSeek's format); each optionally with ``+kv8`` (an FP8 KV cache).
+(128 x 128 blocks, DeepSeek's format); ``fp8-w8a16`` (weights per channel, activations in bf16); each optionally
+with ``+kv8`` (an FP8 KV cache).
 
 ``prefill``: how much of a rollout is prefill. The same requests run once in full and once with ``max_tokens=1``
 (prefill plus one token), for short prompts with long-tailed responses (the RL workload) and for long prompts
@@ -51,6 +52,9 @@ QUANT = {
                     "ignore": ["lm_head"]},
     "fp8-block": {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
 }
+# weight-only FP8, one scale per output channel, activations stay bf16 (vLLM's W8A16 scheme: its Marlin kernel)
+QUANT["fp8-w8a16"] = {**QUANT["fp8-channel"], "config_groups": {"group_0": {
+    k: v for k, v in QUANT["fp8-channel"]["config_groups"]["group_0"].items() if k != "input_activations"}}}
 
 
 def model_dir(root: Path, model: str, fmt: str) -> Path:
