@@ -168,7 +168,9 @@ def run_children(argv_list: list[list[str]]) -> list[dict]:
             results.append({"argv": argv, "error": proc.stderr[-3000:]})
         else:
             results.append(json.loads(line))
-        print(json.dumps(results[-1])[:2000], flush=True)
+        # a failure's cause is at the end of its traceback
+        text = json.dumps(results[-1])
+        print(text[-2000:] if "error" in results[-1] else text[:2000], flush=True)
     return results
 
 
