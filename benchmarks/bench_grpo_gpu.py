@@ -176,7 +176,7 @@ def make_model(path: Path, tiny: bool, arch: str = "1.5b") -> None:
             make_tiny_hf_model(tmp, seed=0, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
                                num_kv_heads=2, tie_word_embeddings=True)
         else:
-            from bench_fp8_rollout_gpu import QWEN25_7B
+            from bench_model_gpu import QWEN25_7B
             from bench_model_gpu import make_model as make_qwen
 
             tmp.mkdir(parents=True)

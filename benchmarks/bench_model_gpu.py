@@ -26,10 +26,18 @@ QWEN25_1_5B = {
     "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True,
     "vocab_size": 151936, "initializer_range": 0.02, "bos_token_id": 151643, "eos_token_id": 151643,
 }
+QWEN25_7B = {  # the FP8 rollout and the 7B GRPO step
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944,
+    "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
+    "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "hidden_act": "silu",
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 151643, "eos_token_id": 151643,
+    "initializer_range": 0.02,
+}
 
 
 def make_model(path: Path, config: dict | None = None) -> None:
-    """A random-weight HF model (``config``: the Qwen2.5-1.5B architecture by default), bf16, saved to ``path``."""
+    """A random-weight HF model (``config``: :data:`QWEN25_1_5B` by default, or :data:`QWEN25_7B`), bf16, saved to
+    ``path``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if (path / "model.safetensors").exists() or (path / "model.safetensors.index.json").exists():
