@@ -120,15 +120,55 @@ def test_a_dead_engine_s_groups_are_redone_whole_on_the_other_and_it_restarts_wi
     f.finish(1, out)
     assert sorted(out) == groups_keys(3, 4)  # every group once
     assert out[lost[0]] == "finished before the death"
-    # the new incarnation joins: refitted with the current weights before it is given anything
+    # the new incarnation joins: refitted with the current weights before it is sent anything; its share of the
+    # next batch is held for it meanwhile (the serving engine takes the first group of a tie)
     f.now(0).inbox.append(("ready", "layout0"))
     f.d.submit(groups(4, 2, version=1))
     f.d.poll()
     assert f.now(0).sent == [("weights", "w1", 1)] and f.d.engines[0].state == "refitting"
-    assert f.now(1).generating()[-2:] == groups_keys(4, 2)
+    assert f.now(1).generating()[-1] == (4, 0, 0) and (4, 0, 1) not in f.now(1).generating()
     f.now(0).inbox.append(("refitted", 1))
     f.d.poll()
+    assert f.now(0).generating() == [(4, 0, 1)]
     assert f.d.metrics() == {"healthy_engines": 2.0, "redispatched_prompts": 1.0, "engine_restarts": 1.0}
+    f.finish(0, out)
+    f.finish(1, out)
+    assert sorted(out) == groups_keys(3, 4) + groups_keys(4, 2) and not f.d.busy
+
+
+def test_after_a_refit_the_batch_is_shared_however_the_engines_finish_refitting():
+    """The engine that reports "refitted" first does not take the whole batch: the one still refitting keeps its
+    share, sent to it once it serves. An engine that dies while refitting gives its share back whole."""
+    f = Fleet(max_restarts=1)
+    f.ready(0, 1)
+    f.d.refit("w1", 1)
+    f.now(1).inbox.append(("refitted", 1))  # engine 1 first, before the batch comes
+    f.d.poll()
+    f.d.submit(groups(1, 6, version=1))
+    f.d.poll()
+    assert f.now(1).generating() == [(1, 0, 0), (1, 0, 2), (1, 0, 4)]
+    assert f.now(0).generating() == [] and list(f.d.engines[0].held) == [(1, 0, 1), (1, 0, 3), (1, 0, 5)]
+    f.now(0).inbox.append(("refitted", 1))
+    f.d.poll()
+    assert f.now(0).generating() == [(1, 0, 1), (1, 0, 3), (1, 0, 5)]
+    out: dict = {}
+    f.finish(0, out)
+    f.finish(1, out)
+    assert sorted(out) == groups_keys(1, 6) and not f.d.busy
+    # the next refit: engine 0 dies before it holds the new weights; its held share goes to engine 1, sent once
+    f.d.refit("w2", 2)
+    f.d.submit(groups(2, 4, version=2))
+    f.d.poll()
+    assert f.now(0).generating()[3:] == f.now(1).generating()[3:] == []  # both refitting: nothing sent yet
+    share = list(f.d.engines[0].held)
+    assert share == [(2, 0, 0), (2, 0, 2)]
+    f.now(0).ended = "pid 1 was killed by SIGKILL"
+    f.now(1).inbox.append(("refitted", 2))
+    f.d.poll()
+    assert f.d.redispatched == 2 and f.incarnations[0][0].generating() == [(1, 0, 1), (1, 0, 3), (1, 0, 5)]
+    assert f.now(1).generating()[3:] == [(2, 0, 1), (2, 0, 3), (2, 0, 0), (2, 0, 2)]  # its own, then the dead one's
+    f.finish(1, out)
+    assert sorted(k for k in out if k[0] == 2) == groups_keys(2, 4)
 
 
 def groups_keys(request: int, prompts: int) -> list:

@@ -14,6 +14,9 @@ of processes and clocks of its own (tested in-process with fake engines):
 - a failed engine is restarted, at most ``max_restarts`` times. It serves again only once it holds the current
   weights: a restarted engine is refitted first (``weights`` → ``refitted``). A group goes only to an engine
   whose weights are the group's version, so no sample mixes policies;
+- groups are shared out the least loaded engine first, counting engines that are still refitting to the groups'
+  weights: their share is held for them and sent when they report ``refitted``. Were only serving engines counted,
+  the first engine to finish a refit would take the whole batch;
 - with no engine left that is healthy or starting, :class:`FleetError` names every engine and why it failed.
 """
 
@@ -73,6 +76,7 @@ class _Engine:
     since: float = 0.0  # last heartbeat (or start)
     restarts: int = 0
     held: dict = field(default_factory=dict)  # key → Group, in the order given
+    unsent: list = field(default_factory=list)  # keys held for it while it refits, sent once it serves
     failures: list[str] = field(default_factory=list)
 
 
@@ -167,7 +171,11 @@ class Dispatcher:
                 e.state = SERVING
         elif kind == "refitted":
             e.version = message[1]
-            e.state = SERVING if e.version == self.version else e.state
+            if e.version == self.version:
+                e.state = SERVING
+                for key in e.unsent:
+                    self._send(e, e.held[key])
+                e.unsent.clear()
         elif kind == "done":
             group = e.held.pop(message[1], None)
             if group is not None:  # else an answer the engine no longer owes: never counted twice
@@ -181,6 +189,7 @@ class Dispatcher:
         e.failures.append(reason)
         lost = list(e.held.values())
         e.held.clear()
+        e.unsent.clear()
         self.pending.extendleft(reversed(lost))  # first in line, in their order
         self.redispatched += len(lost)
         log.warning("rollout engine %d failed: %s; %d prompt groups go to the other engines", e.index, reason,
@@ -196,18 +205,26 @@ class Dispatcher:
                     self.max_restarts)
 
     def _dispatch(self) -> None:
-        """Waiting groups to serving engines of their version, the least loaded first."""
+        """Waiting groups to engines of their version, the least loaded first (a serving one on a tie); an engine
+        refitting to that version counts, and its share waits for its ``refitted``."""
         kept: deque[Group] = deque()
         while self.pending:
             group = self.pending.popleft()
-            ready = [e for e in self.engines if e.state == SERVING and e.version == group.version]
-            if not ready:
+            candidates = [e for e in self.engines if (e.state == SERVING and e.version == group.version)
+                          or (e.state == REFITTING and self.version == group.version)]
+            if not candidates:
                 kept.append(group)
                 continue
-            e = min(ready, key=lambda x: len(x.held))
+            e = min(candidates, key=lambda x: (len(x.held), x.state != SERVING))
             e.held[group.key] = group
-            e.handle.send(("generate", group.key, group.prompt_ids, group.spec))
+            if e.state == SERVING:
+                self._send(e, group)
+            else:
+                e.unsent.append(group.key)
         self.pending = kept
 
+    @staticmethod
+    def _send(e: _Engine, group: Group) -> None:
+        e.handle.send(("generate", group.key, group.prompt_ids, group.spec))
 
 __all__ = ["Dispatcher", "EngineHandle", "FleetError", "Group"]
