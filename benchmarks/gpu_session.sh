@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU measurements (2×H200). Results go to $OUT (≤ 8 files).
 #   bash benchmarks/gpu_session.sh models|sync|rl|grpo|checks|tier|sample|moe|fwdbwd|pools|packedA|packedC|lora|
-#                                    loraprof|fp8|grpoC1|quant|stream20|streamrule|fp8tests|kv8|grpo7lora
+#                                    loraprof|fp8|grpoC1|quant|stream20|streamrule|fp8tests|kv8|grpo7lora|marlin|decode
 set -uo pipefail
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
 LOG=$OUT/session.log
@@ -142,6 +142,17 @@ case "${1:-models}" in
         --out "$OUT/grpo_7b_lora_${GRPO_Q:-none}.json" parallel.tp=1 model.use_remove_padding=true \
         actor.use_dynamic_bsz=true actor.max_tokens_per_gpu=16384 actor.micro_batch_size_per_gpu=16 \
         actor.log_prob_micro_batch_size_per_gpu=16 model.lora.rank=16 rollout.quantization=${GRPO_Q:-none}
+    ;;
+  marlin)
+    # FP8 kernels at 7B on the long-tailed workload and a small batch: vLLM's W8A8 (cutlass) against its
+    # weight-only Marlin kernel, bf16 beside them; one fresh process each. MARLIN_FORMATS picks a subset.
+    run timeout ${FP8_TIMEOUT:-560} python3 benchmarks/probe_rollout_gpu.py fp8 --model 7b --repeats 1 \
+        --formats ${MARLIN_FORMATS:-bf16,fp8-channel,fp8-channel+marlin} --json "$OUT/probe_marlin_7b.json"
+    ;;
+  decode)
+    # a decode step's wall time against the GPU's busy time, per batch size, bf16 and FP8 at 7B
+    run timeout ${FP8_TIMEOUT:-560} python3 benchmarks/probe_rollout_gpu.py decode --model 7b \
+        --formats ${DECODE_FORMATS:-bf16,fp8-channel} --json "$OUT/probe_decode_7b.json"
     ;;
   grpoC1)
     # GRPO configuration C on one GPU (1.5B, 16 prompts × 8, lognormal ≤ 1024, packed), bf16 rollout vs FP8 rollout

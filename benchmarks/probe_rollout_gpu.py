@@ -6,13 +6,19 @@ shape, stride: the layout an in-place weight sync must write) and (b) generation
 workload (lognormal lengths, EOS ignored). Formats: ``bf16``; ``fp8`` (vLLM's online quantization, one scale per
 tensor); ``fp8-channel`` (compressed-tensors: one scale per output channel, activations per token); ``fp8-block``
 (128 x 128 blocks, DeepSeek's format); ``fp8-w8a16`` (weights per channel, activations in bf16); each optionally
-with ``+kv8`` (an FP8 KV cache).
+with ``+kv8`` (an FP8 KV cache) and ``+marlin`` (vLLM's weight-only FP8 Marlin kernel, which it uses on Hopper only
+when forced). Each format also times a small batch (8 requests x 512 tokens): the long tail's regime.
+
+``decode``: where a decode step's time goes at small and large batches (the long tail is a few sequences decoding
+for thousands of steps). Per format and batch size: wall ms per step, and from torch's profiler the GPU's busy ms per
+step (the sum of its kernels' times); wall well above busy means the step waits on the host.
 
 ``prefill``: how much of a rollout is prefill. The same requests run once in full and once with ``max_tokens=1``
 (prefill plus one token), for short prompts with long-tailed responses (the RL workload) and for long prompts
 (multi-turn contexts), at several ``max_num_batched_tokens`` (chunked prefill's budget per engine step).
 
     python benchmarks/probe_rollout_gpu.py fp8 --model 1.5b --formats bf16,fp8,fp8-channel,fp8-block --json fp8.json
+    python benchmarks/probe_rollout_gpu.py decode --model 7b --formats bf16,fp8-channel --json decode.json
     python benchmarks/probe_rollout_gpu.py prefill --model 1.5b --json prefill.json
 """
 
@@ -57,8 +63,13 @@ QUANT["fp8-w8a16"] = {**QUANT["fp8-channel"], "config_groups": {"group_0": {
     k: v for k, v in QUANT["fp8-channel"]["config_groups"]["group_0"].items() if k != "input_activations"}}}
 
 
+def split_format(fmt: str) -> tuple[str, set[str]]:
+    base, *flags = fmt.split("+")
+    return base, set(flags)
+
+
 def model_dir(root: Path, model: str, fmt: str) -> Path:
-    base = fmt.removesuffix("+kv8")
+    base, _ = split_format(fmt)
     path = root / f"{model}-{base}"
     path.mkdir(parents=True, exist_ok=True)
     cfg = {**COMMON, **QWEN[model]}
@@ -79,10 +90,14 @@ def build_llm(path: Path, fmt: str, max_len: int, **kw):
     from vllm import LLM
 
     extra = {}
-    if fmt.removesuffix("+kv8") == "fp8":
+    base, flags = split_format(fmt)
+    if base == "fp8":
         extra["quantization"] = "fp8"
-    if fmt.endswith("+kv8"):
+    if "kv8" in flags:
         extra["kv_cache_dtype"] = "fp8"
+    if "marlin" in flags:  # vLLM takes Marlin for FP8 on compute capability >= 8.9 only when forced
+        os.environ["VLLM_TEST_FORCE_FP8_MARLIN"] = "1"
+        extra["kernel_config"] = {"linear_backend": "marlin"}
     return LLM(model=str(path), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", seed=0,
                max_model_len=max_len, gpu_memory_utilization=0.8, enable_prefix_caching=False, **extra, **kw)
 
@@ -134,6 +149,38 @@ def one_format(args) -> None:
         result["layer0_error"] = f"{type(exc).__name__}: {exc}"
     timed_generate(llm, prompts[:4], [16] * 4, 1)  # warm-up
     result["runs"] = [timed_generate(llm, prompts, per_prompt, args.n) for _ in range(args.repeats)]
+    result["small_batch"] = timed_generate(llm, prompts[:8], [512] * 8, 1)
+    print(json.dumps(result), flush=True)
+
+
+def one_decode(args) -> None:
+    """Child process: decode-step time per batch size for one format, wall against the GPU's busy time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    path = model_dir(Path(args.root), args.model, args.fmt)
+    steps = args.decode_steps
+    llm = build_llm(path, args.fmt, args.prompt_len + steps + 8, max_num_seqs=256)
+    engine_config = llm.llm_engine.vllm_config
+    result = {"format": args.fmt, "steps": steps,
+              "async_scheduling": bool(engine_config.scheduler_config.async_scheduling),
+              "cudagraph_mode": str(engine_config.compilation_config.cudagraph_mode), "batches": {}}
+    prompts = requests(max(args.batches), args.prompt_len, QWEN[args.model]["vocab_size"])
+    timed_generate(llm, prompts[:4], [16] * 4, 1)  # warm-up
+    for b in args.batches:
+        wall = timed_generate(llm, prompts[:b], [steps] * b, 1)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            timed_generate(llm, prompts[:b], [steps] * b, 1)
+        busy_us = sum(e.self_device_time_total for e in prof.key_averages()
+                      if e.device_type == torch.autograd.DeviceType.CUDA)
+        kernels: dict[str, float] = {}  # a kernel's name cut short, summed over the templates that share it
+        for e in prof.key_averages():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                kernels[e.key[:90]] = kernels.get(e.key[:90], 0.0) + e.self_device_time_total
+        result["batches"][b] = {"wall_ms_per_step": wall["seconds"] * 1e3 / steps,
+                                "gpu_busy_ms_per_step": busy_us / 1e3 / steps, "tokens_per_s": wall["tokens_per_s"],
+                                "top_kernels_us_per_step": {k: round(v / steps, 1) for k, v in sorted(
+                                    kernels.items(), key=lambda kv: -kv[1])[:12]}}
     print(json.dumps(result), flush=True)
 
 
@@ -176,7 +223,7 @@ def run_children(argv_list: list[list[str]]) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["fp8", "prefill", "_format", "_prefill"])
+    ap.add_argument("what", choices=["fp8", "decode", "prefill", "_format", "_decode", "_prefill"])
     ap.add_argument("--model", choices=list(QWEN), default="1.5b")
     ap.add_argument("--formats", default="bf16,fp8,fp8-channel,fp8-block")
     ap.add_argument("--fmt", default="bf16")
@@ -188,6 +235,8 @@ def main() -> None:
     ap.add_argument("--median", type=int, default=256)
     ap.add_argument("--high", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--batches", type=lambda t: [int(x) for x in t.split(",")], default=[1, 8, 64, 256])
+    ap.add_argument("--decode-steps", type=int, default=512)
     ap.add_argument("--root", default=None)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -195,12 +244,16 @@ def main() -> None:
         return one_format(args)
     if args.what == "_prefill":
         return one_prefill(args)
+    if args.what == "_decode":
+        return one_decode(args)
     root = args.root or tempfile.mkdtemp(prefix="probe_rollout_")
     common = ["--model", args.model, "--root", root, "--prompts", str(args.prompts), "--n", str(args.n),
               "--prompt-len", str(args.prompt_len), "--median", str(args.median), "--high", str(args.high),
               "--repeats", str(args.repeats)]
-    if args.what == "fp8":
-        results = run_children([["_format", "--fmt", f, *common] for f in args.formats.split(",")])
+    if args.what in ("fp8", "decode"):
+        child = "_format" if args.what == "fp8" else "_decode"
+        extra = ["--batches", ",".join(map(str, args.batches)), "--decode-steps", str(args.decode_steps)]
+        results = run_children([[child, "--fmt", f, *common, *extra] for f in args.formats.split(",")])
     else:
         results = run_children([["_prefill", "--budget", b, *common] for b in args.budgets.split(",")])
     if args.json:
