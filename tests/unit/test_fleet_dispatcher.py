@@ -175,6 +175,26 @@ def groups_keys(request: int, prompts: int) -> list:
     return [(request, 0, p) for p in range(prompts)]
 
 
+def test_an_idle_engine_takes_half_of_what_a_slow_refit_holds_unsent():
+    f = Fleet()
+    f.ready(0, 1)
+    f.d.refit("w1", 1)
+    f.d.submit(groups(1, 6, version=1))
+    f.d.poll()
+    assert [list(e.held) for e in f.d.engines] == [groups_keys(1, 6)[0::2], groups_keys(1, 6)[1::2]]
+    f.now(1).inbox.append(("refitted", 1))
+    out: dict = {}
+    f.finish(1, out)  # engine 1 serves its three and is idle; engine 0 is still refitting
+    assert f.now(1).generating()[3:] == [(1, 0, 2), (1, 0, 4)]  # the later half of engine 0's share
+    assert f.d.engines[0].unsent == [(1, 0, 0)] and list(f.d.engines[0].held) == [(1, 0, 0)]
+    f.now(0).inbox.append(("refitted", 1))
+    f.d.poll()
+    assert f.now(0).generating() == [(1, 0, 0)]
+    f.finish(0, out)
+    f.finish(1, out)
+    assert sorted(out) == groups_keys(1, 6) and not f.d.busy and f.d.redispatched == 0
+
+
 def test_a_hung_engine_is_killed_after_its_heartbeat_timeout_and_its_groups_move():
     f = Fleet(hang=10.0)
     f.ready(0, 1)

@@ -16,7 +16,8 @@ of processes and clocks of its own (tested in-process with fake engines):
   whose weights are the group's version, so no sample mixes policies;
 - groups are shared out the least loaded engine first, counting engines that are still refitting to the groups'
   weights: their share is held for them and sent when they report ``refitted``. Were only serving engines counted,
-  the first engine to finish a refit would take the whole batch;
+  the first engine to finish a refit would take the whole batch. A serving engine left idle takes half of what a
+  refitting engine holds unsent (it runs nowhere yet, so moving it costs nothing): a slow refit delays no batch;
 - with no engine left that is healthy or starting, :class:`FleetError` names every engine and why it failed.
 """
 
@@ -222,6 +223,24 @@ class Dispatcher:
             else:
                 e.unsent.append(group.key)
         self.pending = kept
+        self._rebalance()
+
+    def _rebalance(self) -> None:
+        """An idle serving engine takes the later half of the unsent share of the refitting engine that holds the
+        most unsent groups of its weights."""
+        for e in self.engines:
+            if e.state != SERVING or e.held:
+                continue
+            donors = [d for d in self.engines if d.unsent and d.held[d.unsent[0]].version == e.version]
+            if not donors:
+                continue
+            donor = max(donors, key=lambda d: len(d.unsent))
+            half = len(donor.unsent) // 2
+            for key in donor.unsent[half:]:
+                group = donor.held.pop(key)
+                e.held[key] = group
+                self._send(e, group)
+            del donor.unsent[half:]
 
     @staticmethod
     def _send(e: _Engine, group: Group) -> None:
