@@ -101,8 +101,8 @@ def test_groups_spread_over_serving_engines_and_come_back_once():
 def test_a_dead_engine_s_groups_are_redone_whole_on_the_other_and_it_restarts_with_the_weights():
     f = Fleet()
     f.ready(0, 1)
-    f.d.refit("w1", 1)  # the first weights: both engines refit before serving
-    assert f.d.metrics()["healthy_engines"] == 0.0
+    f.d.refit("w1", 1)  # the first weights: both engines refit before serving, and count as healthy meanwhile
+    assert [e.state for e in f.d.engines] == ["refitting"] * 2 and f.d.metrics()["healthy_engines"] == 2.0
     for i in (0, 1):
         assert f.now(i).sent[-1] == ("weights", "w1", 1)
         f.now(i).inbox.append(("refitted", 1))
@@ -117,6 +117,7 @@ def test_a_dead_engine_s_groups_are_redone_whole_on_the_other_and_it_restarts_wi
     assert f.d.redispatched == len(lost) - 1 == 1
     assert f.now(1).generating() == [*[k for k in groups_keys(3, 4) if k not in lost], *lost[1:]]
     assert len(f.incarnations[0]) == 2 and f.d.restarts == 1 and f.d.engines[0].state == "starting"
+    assert f.d.metrics()["healthy_engines"] == 1.0  # a starting engine is not
     f.finish(1, out)
     assert sorted(out) == groups_keys(3, 4)  # every group once
     assert out[lost[0]] == "finished before the death"

@@ -118,7 +118,8 @@ class Dispatcher:
                 e.state = REFITTING
 
     def metrics(self) -> dict[str, float]:
-        return {"healthy_engines": float(sum(e.state == SERVING for e in self.engines)),
+        # up and serving, or loading the current weights: a snapshot taken between batches finds engines refitting
+        return {"healthy_engines": float(sum(e.state in (SERVING, REFITTING) for e in self.engines)),
                 "redispatched_prompts": float(self.redispatched), "engine_restarts": float(self.restarts)}
 
     def poll(self) -> list[tuple[Hashable, Any]]:
