@@ -247,4 +247,5 @@ class Dispatcher:
     def _send(e: _Engine, group: Group) -> None:
         e.handle.send(("generate", group.key, group.prompt_ids, group.spec))
 
+
 __all__ = ["Dispatcher", "EngineHandle", "FleetError", "Group"]
