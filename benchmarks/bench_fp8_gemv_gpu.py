@@ -21,16 +21,20 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import sys
 import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from verl_mega.hybrid.fp8 import FP8_MAX, quantize_rows_into  # noqa: E402
+
 # Qwen2.5-7B: hidden 3584, 28 query heads and 4 KV heads of 128, MLP 18944; (name, out, in) per layer
 SHAPES_7B = [("gate_up_proj", 37888, 3584), ("down_proj", 3584, 18944), ("qkv_proj", 4608, 3584),
              ("o_proj", 3584, 3584)]  # the MLP's first: 87 % of the bytes
 LAYERS_7B = 28
-FP8_MAX = 448.0
 
 
 def _kernel():
@@ -95,10 +99,11 @@ def w8a16_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, *, b
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row e4m3 codes and fp32 scales (the rollout's FP8 format)."""
-    amax = w.float().abs().amax(dim=1)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    return (w.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+    """Per-row e4m3 codes and fp32 scales [out], by the rollout's FP8 sync's own quantizer."""
+    codes = torch.empty(w.shape, device=w.device, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(w.shape[0], 1, device=w.device, dtype=torch.float32)
+    quantize_rows_into(codes, scale, w)
+    return codes, scale.view(-1)
 
 
 def reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
