@@ -187,7 +187,7 @@ def test_an_idle_engine_takes_half_of_what_a_slow_refit_holds_unsent():
     out: dict = {}
     f.finish(1, out)  # engine 1 serves its three and is idle; engine 0 is still refitting
     assert f.now(1).generating()[3:] == [(1, 0, 2), (1, 0, 4)]  # the later half of engine 0's share
-    assert f.d.engines[0].unsent == [(1, 0, 0)] and list(f.d.engines[0].held) == [(1, 0, 0)]
+    assert f.d.engines[0].state == "refitting" and list(f.d.engines[0].held) == [(1, 0, 0)]
     f.now(0).inbox.append(("refitted", 1))
     f.d.poll()
     assert f.now(0).generating() == [(1, 0, 0)]

@@ -76,8 +76,7 @@ class _Engine:
     version: int = 0
     since: float = 0.0  # last heartbeat (or start)
     restarts: int = 0
-    held: dict = field(default_factory=dict)  # key → Group, in the order given
-    unsent: list = field(default_factory=list)  # keys held for it while it refits, sent once it serves
+    held: dict = field(default_factory=dict)  # key → Group, in the order given; sent once it serves
     failures: list[str] = field(default_factory=list)
 
 
@@ -173,11 +172,10 @@ class Dispatcher:
                 e.state = SERVING
         elif kind == "refitted":
             e.version = message[1]
-            if e.version == self.version:
+            if e.version == self.version:  # what it holds was held for it while it refitted
                 e.state = SERVING
-                for key in e.unsent:
-                    self._send(e, e.held[key])
-                e.unsent.clear()
+                for group in e.held.values():
+                    self._send(e, group)
         elif kind == "done":
             group = e.held.pop(message[1], None)
             if group is not None:  # else an answer the engine no longer owes: never counted twice
@@ -191,7 +189,6 @@ class Dispatcher:
         e.failures.append(reason)
         lost = list(e.held.values())
         e.held.clear()
-        e.unsent.clear()
         self.pending.extendleft(reversed(lost))  # first in line, in their order
         self.redispatched += len(lost)
         log.warning("rollout engine %d failed: %s; %d prompt groups go to the other engines", e.index, reason,
@@ -221,27 +218,24 @@ class Dispatcher:
             e.held[group.key] = group
             if e.state == SERVING:
                 self._send(e, group)
-            else:
-                e.unsent.append(group.key)
         self.pending = kept
         self._rebalance()
 
     def _rebalance(self) -> None:
-        """An idle serving engine takes the later half of the unsent share of the refitting engine that holds the
-        most unsent groups of its weights."""
+        """An idle serving engine takes the later half of the share held for the refitting engine that holds the
+        most groups of its weights. (A refitting engine has been sent none of what it holds: a refit starts only with
+        nothing held, and a restarted engine's groups went back to the queue.)"""
         for e in self.engines:
             if e.state != SERVING or e.held:
                 continue
-            donors = [d for d in self.engines if d.unsent and d.held[d.unsent[0]].version == e.version]
+            donors = [d for d in self.engines if d.state == REFITTING and d.held
+                      and next(iter(d.held.values())).version == e.version]
             if not donors:
                 continue
-            donor = max(donors, key=lambda d: len(d.unsent))
-            half = len(donor.unsent) // 2
-            for key in donor.unsent[half:]:
-                group = donor.held.pop(key)
-                e.held[key] = group
+            donor = max(donors, key=lambda d: len(d.held))
+            for key in list(donor.held)[len(donor.held) // 2:]:
+                e.held[key] = group = donor.held.pop(key)
                 self._send(e, group)
-            del donor.unsent[half:]
 
     @staticmethod
     def _send(e: _Engine, group: Group) -> None:
