@@ -172,7 +172,7 @@ class Dispatcher:
                 e.state = SERVING
         elif kind == "refitted":
             e.version = message[1]
-            if e.version == self.version:  # what it holds was held for it while it refitted
+            if e.version == self.version and e.state == REFITTING:  # what it holds waited for this refit
                 e.state = SERVING
                 for group in e.held.values():
                     self._send(e, group)
