@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU measurements (2×H200). Results go to $OUT (≤ 8 files).
 #   bash benchmarks/gpu_session.sh models|sync|rl|grpo|checks|tier|sample|moe|fwdbwd|pools|packedA|packedC|lora|
-#                                    loraprof|fp8|grpoC1|quant|stream20|streamrule|fp8tests|kv8|grpo7lora|marlin|decode
+#                                    loraprof|fp8|grpoC1|quant|stream20|streamrule|fp8tests|kv8|kv8long|grpo7lora|marlin|decode
 set -uo pipefail
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
 LOG=$OUT/session.log
@@ -133,6 +133,13 @@ case "${1:-models}" in
     # FP8 weights with and without an FP8 KV cache at 7B (the KV-cache scales set to 1.0), bf16 beside them
     run timeout ${FP8_TIMEOUT:-560} python3 benchmarks/bench_fp8_rollout_gpu.py --variants bf16,fp8,fp8_kv8 \
         --sync-repeats 5 --gap-prompts 16 --variant-timeout 180 --out "$OUT/fp8_rollout_7b_kv8.json"
+    ;;
+  kv8long)
+    # the same three variants on long contexts (1,024-token prompts, lengths median 2,048 capped at 8,192, 64
+    # requests): the regime where a decode step reads more KV cache than weights
+    run timeout ${FP8_TIMEOUT:-585} python3 benchmarks/bench_fp8_rollout_gpu.py --variants bf16,fp8,fp8_kv8 \
+        --prompts 64 --prompt-len 1024 --median 2048 --cap 8192 --sync-repeats 3 --gap-prompts 8 \
+        --variant-timeout 190 --out "$OUT/fp8_rollout_7b_kv8_long.json"
     ;;
   grpo7lora)
     # a GRPO step at the Qwen2.5-7B architecture on one GPU: LoRA r=16 (merged into vLLM), configuration C's batch
