@@ -79,7 +79,7 @@ def pick_split(n: int, k: int, block_n: int, block_k: int) -> int:
 
 @functools.cache
 def _kernels():
-    """The two Triton kernels (built on first use: Triton comes with CUDA builds of torch, and with its interpreter
+    """The Triton kernels (built on first use: Triton comes with CUDA builds of torch, and with its interpreter
     for the CPU tests)."""
     import triton
     import triton.language as tl
@@ -87,7 +87,10 @@ def _kernels():
     @triton.jit
     def w8a16(x, w, scale, bias, out, part, M, N, K, k_per_split, x_row, w_row, out_row,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
-              HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, DOT_BF16: tl.constexpr):
+              HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, DOT_BF16: tl.constexpr, GEMV: tl.constexpr):
+        # [BLOCK_M, BLOCK_N] outputs per program. The tensor-core form loads the weight tile as [BLOCK_K, BLOCK_N]
+        # for tl.dot; GEMV loads it as [BLOCK_N, BLOCK_K], widens it to fp32 in the registers it was loaded into (no
+        # shared memory, no operand layout change) and reduces the products along K with FMAs
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         pid_m = tl.program_id(2)
@@ -96,20 +99,26 @@ def _kernels():
         col_ok = cols < N
         # rows past M and columns past N read row 0 / column 0 instead of masking: in bounds, and never stored
         x_ptr = x + tl.where(rows < M, rows, 0)[:, None].to(tl.int64) * x_row
-        w_ptr = w + tl.where(col_ok, cols, 0)[None, :].to(tl.int64) * w_row
+        if GEMV:
+            w_ptr = w + tl.where(col_ok, cols, 0)[:, None].to(tl.int64) * w_row
+        else:
+            w_ptr = w + tl.where(col_ok, cols, 0)[None, :].to(tl.int64) * w_row
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         k_lo = pid_k * k_per_split
         k_hi = tl.minimum(k_lo + k_per_split, K)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
+            w_ks = ks[None, :] if GEMV else ks[:, None]
             if EVEN_K:
                 a = tl.load(x_ptr + ks[None, :])
-                b = tl.load(w_ptr + ks[:, None])
+                b = tl.load(w_ptr + w_ks)
             else:
                 a = tl.load(x_ptr + ks[None, :], mask=ks[None, :] < k_hi, other=0.0)
-                b = tl.load(w_ptr + ks[:, None], mask=ks[:, None] < k_hi, other=0)
+                b = tl.load(w_ptr + w_ks, mask=w_ks < k_hi, other=0)
             b = b.to(tl.float8e4nv, bitcast=True)
-            if DOT_BF16:  # e4m3 → bf16 is exact; tensor cores with fp32 accumulation
+            if GEMV:
+                acc += tl.sum(a.to(tl.float32)[:, None, :] * b.to(tl.float32)[None, :, :], axis=2)
+            elif DOT_BF16:  # e4m3 → bf16 is exact; tensor cores with fp32 accumulation
                 acc = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
             else:  # Triton's CPU interpreter multiplies bf16 wrongly: the same sums in fp32 there
                 acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
@@ -162,42 +171,6 @@ def _kernels():
             tl.store(out + rows[None, :] * out_row + cols[:, None], acc.to(out.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def w8a16_gemv(x, w, scale, bias, out, part, M, N, K, k_per_split, x_row, w_row, out_row,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, DOT_BF16: tl.constexpr):
-        # [BLOCK_M, BLOCK_N] outputs per program from a [BLOCK_N, BLOCK_K] weight tile per step, widened to fp32 in
-        # the registers it was loaded into (no shared memory, no operand layout change) and reduced along K
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        pid_m = tl.program_id(2)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < N
-        x_ptr = x + tl.where(rows < M, rows, 0)[:, None].to(tl.int64) * x_row
-        w_ptr = w + tl.where(col_ok, cols, 0)[:, None].to(tl.int64) * w_row
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        k_lo = pid_k * k_per_split
-        k_hi = tl.minimum(k_lo + k_per_split, K)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            if EVEN_K:
-                b = tl.load(w_ptr + ks[None, :])
-                a = tl.load(x_ptr + ks[None, :])
-            else:
-                b = tl.load(w_ptr + ks[None, :], mask=ks[None, :] < k_hi, other=0)
-                a = tl.load(x_ptr + ks[None, :], mask=ks[None, :] < k_hi, other=0.0)
-            b = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            acc += tl.sum(a.to(tl.float32)[:, None, :] * b[None, :, :], axis=2)
-        mask = (rows[:, None] < M) & col_ok[None, :]
-        if PARTIAL:
-            tl.store(part + (pid_k * M + rows[:, None]) * N + cols[None, :], acc, mask=mask)
-        else:
-            acc = acc * tl.load(scale + cols, mask=col_ok, other=0.0)[None, :]
-            if HAS_BIAS:
-                acc += tl.load(bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(out + rows[:, None] * out_row + cols[None, :], acc.to(out.dtype.element_ty), mask=mask)
-
-    @triton.jit
     def reduce_splits(part, scale, bias, out, M, N, SPLIT_K, out_row, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):
         row = tl.program_id(1)
         cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -210,7 +183,7 @@ def _kernels():
             acc += tl.load(bias + cols, mask=ok, other=0.0).to(tl.float32)
         tl.store(out + row * out_row + cols, acc.to(out.dtype.element_ty), mask=ok)
 
-    return w8a16, w8a16_swapped, w8a16_gemv, reduce_splits
+    return w8a16, w8a16_swapped, reduce_splits
 
 
 def w8a16_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
@@ -232,14 +205,13 @@ def w8a16_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias
     part = torch.empty((split, m, n), device=x.device, dtype=torch.float32) if split > 1 else out
     scale = scale.reshape(-1)
     has_bias = bias is not None
-    w8a16, w8a16_swapped, w8a16_gemv, reduce_splits = _kernels()
+    w8a16, w8a16_swapped, reduce_splits = _kernels()
     grid = (-(-n // cfg.block_n), split, -(-m // block_m))
-    kernel = w8a16_gemv if cfg.gemv else w8a16_swapped if cfg.swap else w8a16
+    kernel, form = (w8a16_swapped, {}) if cfg.swap else (w8a16, {"GEMV": cfg.gemv})
     kernel[grid](x, codes.view(torch.uint8), scale, bias if has_bias else scale, out, part, m, n, k, k_per_split,
                 x.stride(0), codes.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_N=cfg.block_n,
                 BLOCK_K=cfg.block_k, PARTIAL=split > 1, HAS_BIAS=has_bias, EVEN_K=k % k_per_split == 0,
-                DOT_BF16=x.is_cuda, num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages)
+                DOT_BF16=x.is_cuda, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **form)
     if split > 1:
         block = 1024
         reduce_splits[(-(-n // block), m)](part, scale, bias if has_bias else scale, out, m, n, split, out.stride(0),
