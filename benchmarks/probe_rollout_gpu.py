@@ -6,8 +6,10 @@ shape, stride: the layout an in-place weight sync must write) and (b) generation
 workload (lognormal lengths, EOS ignored). Formats: ``bf16``; ``fp8`` (vLLM's online quantization, one scale per
 tensor); ``fp8-channel`` (compressed-tensors: one scale per output channel, activations per token); ``fp8-block``
 (128 x 128 blocks, DeepSeek's format); ``fp8-w8a16`` (weights per channel, activations in bf16); each optionally
-with ``+kv8`` (an FP8 KV cache) and ``+marlin`` (vLLM's weight-only FP8 Marlin kernel, which it uses on Hopper only
-when forced). Each format also times a small batch (8 requests x 512 tokens): the long tail's regime.
+with ``+kv8`` (an FP8 KV cache), ``+marlin`` (vLLM's weight-only FP8 Marlin kernel, which it uses on Hopper only
+when forced) and ``+cq`` (the activations' per-token quantization by vLLM's CUDA ``quant_fp8`` op, fused with the
+RMSNorm in front of it by vLLM's own pass, instead of the kernels Inductor generates). Each format also times a
+small batch (8 requests x 512 tokens): the long tail's regime.
 
 ``decode``: where a decode step's time goes at small and large batches (the long tail is a few sequences decoding
 for thousands of steps). Per format and batch size: wall ms per step, and from torch's profiler the GPU's busy ms per
@@ -98,6 +100,8 @@ def build_llm(path: Path, fmt: str, max_len: int, **kw):
     if "marlin" in flags:  # vLLM takes Marlin for FP8 on compute capability >= 8.9 only when forced
         os.environ["VLLM_TEST_FORCE_FP8_MARLIN"] = "1"
         extra["kernel_config"] = {"linear_backend": "marlin"}
+    if "cq" in flags:  # vLLM's CUDA per-token quantization op (and with it its RMSNorm + quant fusion), not Inductor's
+        extra["compilation_config"] = {"custom_ops": ["+quant_fp8"]}
     return LLM(model=str(path), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", seed=0,
                max_model_len=max_len, gpu_memory_utilization=0.8, enable_prefix_caching=False, **extra, **kw)
 
