@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU measurements (2×H200). Results go to $OUT (≤ 8 files).
 #   bash benchmarks/gpu_session.sh models|sync|rl|grpo|checks|tier|sample|moe|fwdbwd|pools|packedA|packedC|lora|
-#                                    loraprof|fp8|grpoC1|quant|stream20|streamrule|fp8tests|kv8|kv8long|grpo7lora|marlin|decode
+#                                    loraprof|fp8|grpoC1|quant|stream20|streamrule|fp8tests|kv8|kv8long|grpo7lora|marlin|cq|decode
 set -uo pipefail
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
 LOG=$OUT/session.log
@@ -155,6 +155,12 @@ case "${1:-models}" in
     # weight-only Marlin kernel, bf16 beside them; one fresh process each. MARLIN_FORMATS picks a subset.
     run timeout ${FP8_TIMEOUT:-560} python3 benchmarks/probe_rollout_gpu.py fp8 --model 7b --repeats 1 \
         --formats ${MARLIN_FORMATS:-bf16,fp8-channel,fp8-channel+marlin} --json "$OUT/probe_marlin_7b.json"
+    ;;
+  cq)
+    # FP8 at 7B with the activations' per-token quantization by vLLM's CUDA op (and its RMSNorm + quant fusion)
+    # against Inductor's kernels, bf16 beside them; the probe writes its JSON after every format
+    run timeout ${FP8_TIMEOUT:-560} python3 benchmarks/probe_rollout_gpu.py fp8 --model 7b --repeats 1 \
+        --formats ${CQ_FORMATS:-fp8-channel+cq,fp8-channel,bf16} --json "$OUT/probe_cq_7b.json"
     ;;
   decode)
     # a decode step's wall time against the GPU's busy time, per batch size, bf16 and FP8 at 7B

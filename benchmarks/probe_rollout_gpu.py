@@ -208,7 +208,8 @@ def one_prefill(args) -> None:
     print(json.dumps(out), flush=True)
 
 
-def run_children(argv_list: list[list[str]]) -> list[dict]:
+def run_children(argv_list: list[list[str]], save=None) -> list[dict]:
+    """One fresh process per argv; ``save(results)`` after each, so a run cut short keeps what it measured."""
     results = []
     for argv in argv_list:
         proc = subprocess.run([sys.executable, __file__, *argv], capture_output=True, text=True,
@@ -218,9 +219,11 @@ def run_children(argv_list: list[list[str]]) -> list[dict]:
             results.append({"argv": argv, "error": proc.stderr[-3000:]})
         else:
             results.append(json.loads(line))
-        # a failure's cause is at the end of its traceback
-        text = json.dumps(results[-1])
+        # a failure's cause is at the end of its traceback; a result's timings before its (long) layer listing
+        text = json.dumps({k: v for k, v in results[-1].items() if k != "layer0"})
         print(text[-2000:] if "error" in results[-1] else text[:2000], flush=True)
+        if save is not None:
+            save(results)
     return results
 
 
@@ -253,13 +256,10 @@ def main() -> None:
     common = ["--model", args.model, "--root", root, "--prompts", str(args.prompts), "--n", str(args.n),
               "--prompt-len", str(args.prompt_len), "--median", str(args.median), "--high", str(args.high),
               "--repeats", str(args.repeats)]
-    if args.what in ("fp8", "decode"):
-        child = "_format" if args.what == "fp8" else "_decode"
-        extra = ["--batches", ",".join(map(str, args.batches)), "--decode-steps", str(args.decode_steps)]
-        results = run_children([[child, "--fmt", f, *common, *extra] for f in args.formats.split(",")])
-    else:
-        results = run_children([["_prefill", "--budget", b, *common] for b in args.budgets.split(",")])
-    if args.json:
+
+    def save(results: list[dict]) -> None:
+        if not args.json:
+            return
         import torch
         import vllm
 
@@ -267,6 +267,12 @@ def main() -> None:
                                          "device": torch.cuda.get_device_name(), "vllm": vllm.__version__,
                                          "torch": torch.__version__, "results": results}, indent=1))
 
+    if args.what in ("fp8", "decode"):
+        child = "_format" if args.what == "fp8" else "_decode"
+        extra = ["--batches", ",".join(map(str, args.batches)), "--decode-steps", str(args.decode_steps)]
+        run_children([[child, "--fmt", f, *common, *extra] for f in args.formats.split(",")], save)
+    else:
+        run_children([["_prefill", "--budget", b, *common] for b in args.budgets.split(",")], save)
 
 if __name__ == "__main__":
     main()
