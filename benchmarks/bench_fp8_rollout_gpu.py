@@ -14,6 +14,8 @@ never leak between variants):
   ``rollout/behaviour_kl`` / ``_k3``, computed by the trainer's own functions). Random weights give near-uniform
   next-token distributions, so the gap is a lower bound for a trained model's, not its estimate.
 * ``fp8_kv8``: the FP8 engine with ``rollout.kv_cache_dtype=fp8`` (and the same sync, and the same gap).
+* ``fp8_cq``: the FP8 engine with the activations' per-token quantization by vLLM's CUDA op instead of Inductor's
+  kernels (``ENGINE_KWARGS``).
 
 Every variant then generates the same long-tailed workload through ``VLLMRollout.generate``: ``--prompts`` prompts of
 ``--prompt-len`` random tokens, one sample each, lengths lognormal (median ``--median``, capped at ``--cap``, EOS
@@ -39,7 +41,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_model_gpu import QWEN25_7B  # noqa: E402
 
-VARIANTS = {"bf16": ("none", "auto"), "fp8": ("fp8", "auto"), "fp8_kv8": ("fp8", "fp8")}
+VARIANTS = {"bf16": ("none", "auto"), "fp8": ("fp8", "auto"), "fp8_kv8": ("fp8", "fp8"), "fp8_cq": ("fp8", "auto")}
+# engine settings a variant adds: fp8_cq quantizes the activations with vLLM's CUDA per-token op (its `quant_fp8`
+# custom op, with its RMSNorm + quant fusion pass) where vLLM's default compiles them into Inductor kernels
+ENGINE_KWARGS = {"fp8_cq": {"compilation_config": {"custom_ops": ["+quant_fp8"]}}}
 
 
 def log(msg: str) -> None:
@@ -90,7 +95,8 @@ def child(args) -> None:
         model_path=args.model_dir, gen_tp=1, dtype="bfloat16", load_format="dummy", quantization=quantization,
         kv_cache_dtype=kv_dtype, max_model_len=args.prompt_len + args.cap + 8, max_num_seqs=args.prompts,
         gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False,
-        kv_cache_memory_bytes=None if torch.cuda.is_available() else 256 << 20))
+        kv_cache_memory_bytes=None if torch.cuda.is_available() else 256 << 20,
+        engine_kwargs=ENGINE_KWARGS.get(args.variant, {})))
     out["vllm_init_s"] = time.perf_counter() - t0
     log(f"{args.variant}: vLLM built in {out['vllm_init_s']:.1f} s")
     model = rollout.model
@@ -131,7 +137,8 @@ def child(args) -> None:
                for _ in range(args.prompts)]
     specs = [SamplingSpec(max_tokens=lengths.of_key(str(i)), temperature=1.0, ignore_eos=True, seed=1000 + i,
                           logprobs=True) for i in range(len(prompts))]
-    rollout.generate(prompts[:8], [SamplingSpec(max_tokens=16, ignore_eos=True, seed=i) for i in range(8)])
+    warm = min(8, len(prompts))
+    rollout.generate(prompts[:warm], [SamplingSpec(max_tokens=16, ignore_eos=True, seed=i) for i in range(warm)])
     runs = []
     for _ in range(args.gen_repeats):
         ms, batch = cuda_ms(lambda: rollout.generate(prompts, specs))
@@ -197,6 +204,14 @@ def parent(args) -> int:
               *(["--profile-sync"] if args.profile_sync else [])]
     results, failed = [], []
     start = time.perf_counter()
+
+    def write_report() -> dict:  # after every variant: a run cut short keeps what it measured
+        report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "vllm": _vllm_version(),
+                  "model": "Qwen2.5-7B architecture, random weights", "layers": config["num_hidden_layers"],
+                  "args": vars(args), "seconds": time.perf_counter() - start, "results": results}
+        Path(args.out).write_text(json.dumps(report, indent=1))
+        return report
+
     for variant in args.variants.split(","):
         if variant not in VARIANTS:
             raise SystemExit(f"--variants: unknown {variant!r}; choose from {','.join(VARIANTS)}")
@@ -216,10 +231,7 @@ def parent(args) -> int:
             failed.append(variant)
             results.append({"variant": variant, "error": f"exit {rc} (its output is above)"})
             log(f"{variant}: FAILED ({rc})")
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "vllm": _vllm_version(),
-              "model": "Qwen2.5-7B architecture, random weights", "layers": config["num_hidden_layers"],
-              "args": vars(args), "seconds": time.perf_counter() - start, "results": results}
-    Path(args.out).write_text(json.dumps(report, indent=1))
+        report = write_report()
     print_table(results)
     log(f"wrote {args.out} after {report['seconds']:.0f} s")
     if failed:

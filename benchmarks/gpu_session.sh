@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU measurements (2×H200). Results go to $OUT (≤ 8 files).
 #   bash benchmarks/gpu_session.sh models|sync|rl|grpo|checks|tier|sample|moe|fwdbwd|pools|packedA|packedC|lora|
-#                                    loraprof|fp8|grpoC1|quant|stream20|streamrule|fp8tests|kv8|kv8long|grpo7lora|marlin|cq|decode
+#                                    loraprof|fp8|grpoC1|quant|stream20|streamrule|fp8tests|kv8|kv8long|grpo7lora|marlin|cq|cqrollout|decode
 set -uo pipefail
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
 LOG=$OUT/session.log
@@ -161,6 +161,11 @@ case "${1:-models}" in
     # against Inductor's kernels, bf16 beside them; the probe writes its JSON after every format
     run timeout ${FP8_TIMEOUT:-560} python3 benchmarks/probe_rollout_gpu.py fp8 --model 7b --repeats 1 \
         --formats ${CQ_FORMATS:-fp8-channel+cq,fp8-channel,bf16} --json "$OUT/probe_cq_7b.json"
+    ;;
+  cqrollout)
+    # the same through the rollout (the in-place quantizing sync, the log-prob gap): bf16, FP8, FP8 + vLLM's quant op
+    run timeout ${FP8_TIMEOUT:-585} python3 benchmarks/bench_fp8_rollout_gpu.py --variants fp8_cq,fp8,bf16 \
+        --sync-repeats 3 --gap-prompts 16 --variant-timeout 190 --out "$OUT/fp8_rollout_7b_cq.json"
     ;;
   decode)
     # a decode step's wall time against the GPU's busy time, per batch size, bf16 and FP8 at 7B

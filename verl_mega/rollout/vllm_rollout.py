@@ -21,7 +21,7 @@ from typing import Any, Iterator, Literal, Mapping, Sequence
 
 import torch
 
-from verl_mega.config.base import option
+from verl_mega.config.base import option, thaw
 from verl_mega.config.rl import VLLMConfig
 from verl_mega.rollout.base import RolloutError, SamplingSpec, engine_share
 
@@ -469,7 +469,7 @@ def _build_llm(config: VLLMRolloutConfig, is_cpu: bool, routing_mode: str | None
     elif routing_mode == "capture":  # the hook sees only the tokens the model runs, in eager Python
         kwargs["enable_prefix_caching"] = False
         kwargs["enforce_eager"] = True
-    kwargs.update(config.engine_kwargs)
+    kwargs.update(thaw(config.engine_kwargs))  # plain dicts and lists: vLLM validates nested configs by type
     return LLM(**kwargs)
 
 

@@ -1,0 +1,52 @@
+"""What the rollout hands ``vllm.LLM``: the engine arguments built from ``rollout.*`` (a stand-in LLM records them)."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+from verl_mega.config.base import FrozenDict
+from verl_mega.rollout.vllm_rollout import FP8_QUANTIZATION_CONFIG, VLLMRolloutConfig, _build_llm
+
+
+def _engine_args(monkeypatch, config: VLLMRolloutConfig, *, is_cpu: bool = True) -> dict:
+    seen: dict = {}
+
+    class RecordingLLM:
+        def __init__(self, **kwargs):
+            seen.update(kwargs)
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=RecordingLLM))
+    _build_llm(config, is_cpu)
+    return seen
+
+
+def _plain(value) -> bool:
+    if isinstance(value, FrozenDict) or isinstance(value, tuple):
+        return False
+    if isinstance(value, dict):
+        return all(_plain(v) for v in value.values())
+    if isinstance(value, list):
+        return all(_plain(v) for v in value)
+    return True
+
+
+def test_nested_engine_kwargs_reach_vllm_as_plain_dicts_and_lists(monkeypatch):
+    # the config freezes mappings; vLLM's pydantic configs refuse a FrozenDict (compilation_config and the like)
+    config = VLLMRolloutConfig(model_path="m", engine_kwargs={"compilation_config": {"custom_ops": ["+quant_fp8"]},
+                                                               "max_loras": 1})
+    assert isinstance(config.engine_kwargs["compilation_config"], FrozenDict)
+    args = _engine_args(monkeypatch, config)
+    assert args["compilation_config"] == {"custom_ops": ["+quant_fp8"]}
+    assert args["max_loras"] == 1
+    assert _plain(args)
+
+
+def test_fp8_settings_become_vllm_arguments(monkeypatch):
+    args = _engine_args(monkeypatch, VLLMRolloutConfig(model_path="m", quantization="fp8", kv_cache_dtype="fp8"),
+                        is_cpu=False)
+    assert args["hf_overrides"] == {"quantization_config": dict(FP8_QUANTIZATION_CONFIG)}
+    assert args["kv_cache_dtype"] == "fp8" and args["load_format"] == "dummy"
+    assert args["enable_sleep_mode"] is True and "kv_cache_memory_bytes" not in args
+    plain = _engine_args(monkeypatch, VLLMRolloutConfig(model_path="m"))
+    assert "hf_overrides" not in plain and "kv_cache_dtype" not in plain and "kv_cache_memory_bytes" in plain
