@@ -285,6 +285,19 @@ def _reward_fn(k: str, v: Any, ctx: Ctx) -> Map | Same:
     return Map({"reward.function": f"{expand(v)}:{name}"})
 
 
+def _vllm_engine_kwargs(k: str, v: Any, ctx: Ctx) -> Map | Same | Unsupported:
+    """verl's engine_kwargs.vllm.<arg>[.<sub>...] → rollout.engine_kwargs.<arg>[...], unless the rollout sets <arg>."""
+    from verl_mega.config.rl import ROLLOUT_ENGINE_ARGS
+
+    path = k.split(".engine_kwargs.vllm", 1)[1].lstrip(".")
+    if not path:
+        return Same("no extra vLLM engine arguments") if _off(v) else Map({"rollout.engine_kwargs": dict(v)})
+    arg = path.split(".")[0]
+    if arg in ROLLOUT_ENGINE_ARGS:
+        return Unsupported(f"vLLM's {arg} is set by verl_mega's rollout (from {ROLLOUT_ENGINE_ARGS[arg]})")
+    return Map({f"rollout.engine_kwargs.{path}": v})
+
+
 def _reward_kwargs(k: str, v: Any, ctx: Ctx) -> Map | Same:
     return Map({"reward.kwargs": dict(v)}) if v else Same("no reward kwargs")
 

@@ -17,7 +17,8 @@ from verl_key_handlers import (  # noqa: I001
     _logger, _loss_mode, _loss_option, _megatron_dim, _micro_global, _min_lr_ratio, _multi_turn, _n, _offload,
     _optimizer, _output_dir, _per_gpu, _recompute, _resume_mode, _resume_path, _reward_fn, _reward_kwargs, _rm_path,
     _rollout_is, _router_replay, _save_contents, _seed, _tp_gen, _train_steps, _truncation, _val_temperature,
-    _warmup, any_on, expand, files, gated, off_only, role_key, role_to, same, to, unsupported, when,
+    _vllm_engine_kwargs, _warmup, any_on, expand, files, gated, off_only, role_key, role_to, same, to, unsupported,
+    when,
 )
 
 __all__ = ["RULES", "classify", "Map", "Same", "Unsupported", "Ctx"]
@@ -308,7 +309,10 @@ RULES: list[tuple[str, Handler]] = [
     ("actor_rollout_ref.rollout.skip_tokenizer_init", same("prompts go to vLLM as token ids")),
     ("actor_rollout_ref.rollout.enable_rollout_routing_replay", lambda k, v, c: Same("off") if not v else
      Map({"actor.routing_replay": "r3"})),
-    ("actor_rollout_ref.rollout.engine_kwargs.*", off_only("extra vLLM engine arguments: not exposed")),
+    ("actor_rollout_ref.rollout.engine_kwargs.vllm", _vllm_engine_kwargs),
+    ("actor_rollout_ref.rollout.engine_kwargs.vllm.*", _vllm_engine_kwargs),
+    ("actor_rollout_ref.rollout.engine_kwargs.*", off_only("SGLang / TensorRT-LLM engine arguments: verl_mega "
+                                                           "generates with vLLM")),
     ("actor_rollout_ref.rollout.disaggregation.*", gated("disaggregation", "enabled", "prefill/decode "
                                                                                         "disaggregation: not in "
                                                                                         "verl_mega")),

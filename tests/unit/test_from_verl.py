@@ -171,3 +171,24 @@ def test_bad_inputs_are_one_line(tmp_path, capsys):
     rc, recipe, report = _run(tmp_path, "actor_rollout_ref.rollout.n=4", "data.train_batch_size=2",
                               "actor_rollout_ref.actor.ppo_mini_batch_size=3")
     assert rc == 1 and "the recipe does not load in verl_mega" in report  # our validation, reported
+
+
+def test_vllm_engine_kwargs_pass_through_and_the_rollouts_own_are_refused(tmp_path):
+    flat = {"actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config.custom_ops": ["+quant_fp8"],
+            "actor_rollout_ref.rollout.engine_kwargs.vllm.block_size": 32,
+            "actor_rollout_ref.rollout.engine_kwargs.sglang": {},
+            "actor_rollout_ref.rollout.engine_kwargs.trtllm": {}}
+    ours, rows, _ = from_verl.convert(flat, overridden=set())
+    assert ours == {"rollout.engine_kwargs.compilation_config.custom_ops": ["+quant_fp8"],
+                    "rollout.engine_kwargs.block_size": 32}
+    assert all(isinstance(outcome, Same) for key, _, outcome in rows if ".sglang" in key or ".trtllm" in key)
+    assert isinstance(classify("actor_rollout_ref.rollout.engine_kwargs.vllm", {}, Ctx({})), Same)
+    refused = classify("actor_rollout_ref.rollout.engine_kwargs.vllm.max_model_len", 4096, Ctx({}))
+    assert isinstance(refused, Unsupported) and "data.max_prompt_length" in refused.reason
+    assert isinstance(classify("actor_rollout_ref.rollout.engine_kwargs.sglang.attention_backend", "fa3", Ctx({})),
+                      Unsupported)
+    # the converted recipe loads, and the arguments reach the rollout's config as given
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(from_verl.nest({**ours, "model.path": "m"})))
+    cfg = load_config(path, check_paths=False)
+    assert cfg.rollout.engine_kwargs == {"compilation_config": {"custom_ops": ("+quant_fp8",)}, "block_size": 32}

@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import sys
 import types
+from pathlib import Path
 
+import pytest
+
+from verl_mega.config import ConfigError, load_config
 from verl_mega.config.base import FrozenDict
 from verl_mega.rollout.vllm_rollout import FP8_QUANTIZATION_CONFIG, VLLMRolloutConfig, _build_llm
+from verl_mega.trainer.rollout_setup import vllm_config
+
+RECIPE = Path(__file__).resolve().parents[2] / "configs" / "quickstart_cpu.yaml"
 
 
 def _engine_args(monkeypatch, config: VLLMRolloutConfig, *, is_cpu: bool = True) -> dict:
@@ -50,3 +57,15 @@ def test_fp8_settings_become_vllm_arguments(monkeypatch):
     assert args["enable_sleep_mode"] is True and "kv_cache_memory_bytes" not in args
     plain = _engine_args(monkeypatch, VLLMRolloutConfig(model_path="m"))
     assert "hf_overrides" not in plain and "kv_cache_dtype" not in plain and "kv_cache_memory_bytes" in plain
+
+
+def test_rollout_engine_kwargs_reach_the_engine_and_may_not_set_what_the_rollout_sets(tmp_path):
+    cfg = load_config(RECIPE, ["rollout.engine_kwargs.block_size=32",
+                                                      "model.lora.rank=4", "model.lora.rollout_sync=adapter"],
+                      check_paths=False)
+    engine = vllm_config(cfg, tmp_path, gen_tp=1)
+    assert engine.engine_kwargs["block_size"] == 32 and engine.engine_kwargs["enable_lora"] is True
+    for key, hint in (("tensor_parallel_size", "rollout.gen_tp"), ("max_loras", "model.lora.rollout_sync"),
+                      ("hf_overrides", "rollout.quantization")):
+        with pytest.raises(ConfigError, match=rf"rollout.engine_kwargs.{key}: .*{hint}"):
+            load_config(RECIPE, [f"rollout.engine_kwargs.{key}=1"], check_paths=False)

@@ -3,10 +3,29 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal, Mapping
 
-from verl_mega.config.base import ConfigSection, option
+from verl_mega.config.base import ConfigSection, FrozenDict, option
 from verl_mega.config.roles import KLEstimator
+
+# vllm.LLM arguments the rollout sets itself → the key that decides each (rollout.engine_kwargs may not set them)
+ROLLOUT_ENGINE_ARGS = {
+    "model": "model.path", "tokenizer": "model.path", "dtype": "model.dtype",
+    "max_model_len": "data.max_prompt_length + rollout.max_response_length", "seed": "rollout.seed",
+    "tensor_parallel_size": "rollout.gen_tp", "data_parallel_size": "rollout.gen_ep",
+    "enable_expert_parallel": "rollout.gen_ep", "distributed_executor_backend": "the launcher (external_launcher)",
+    "gpu_memory_utilization": "rollout.gpu_memory_utilization",
+    "kv_cache_memory_bytes": "rollout.kv_cache_memory_bytes",
+    "max_num_seqs": "rollout.max_num_seqs", "max_num_batched_tokens": "rollout.max_num_batched_tokens",
+    "enforce_eager": "rollout.enforce_eager", "enable_prefix_caching": "rollout.enable_prefix_caching",
+    "quantization": "rollout.quantization", "hf_overrides": "rollout.quantization (vLLM's model config must match "
+    "the trainer's)", "kv_cache_dtype": "rollout.kv_cache_dtype", "enable_sleep_mode": "rollout.free_cache_engine",
+    "load_format": "the weight sync", "skip_tokenizer_init": "the rollout (prompts go in as token ids)",
+    "logprobs_mode": "the rollout", "max_logprobs": "the rollout", "disable_log_stats": "trainer.profile",
+    "trust_remote_code": "model.trust_remote_code", "enable_return_routed_experts": "actor.routing_replay",
+    "enable_lora": "model.lora.rollout_sync", "max_lora_rank": "model.lora.rank",
+    "max_loras": "model.lora.rollout_sync",
+}
 
 GENERATED_PREFIX = "generated:"  # data.train_files entry naming a built-in generated task, e.g. generated:arithmetic
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -131,6 +150,11 @@ class VLLMConfig(ConfigSection):
     sleep_level: Literal[1, 2] = option(
         2, help="vLLM sleep level when it sleeps: 1 keeps its weights in host memory, 2 discards them (the weight "
                 "sync rewrites them anyway; least host memory).", affects_results=False)
+    engine_kwargs: Mapping[str, Any] = option(
+        FrozenDict(), help="More vllm.LLM engine arguments, passed as they are (verl's rollout.engine_kwargs.vllm), "
+                           "e.g. `{compilation_config: {custom_ops: ['+quant_fp8']}, block_size: 32}`. Not those the "
+                           "rollout sets from its own keys (model, dtype, gen_tp, memory, max_num_seqs, "
+                           "quantization, ...): the error names the key to set instead.")
 
     def validate(self) -> None:
         self._check_range("gen_tp", ge=1)
@@ -215,6 +239,10 @@ class RolloutConfig(VLLMConfig):
                       f"rollout.quantization={self.quantization} needs the in-place weight sync (vLLM's own loader "
                       f"cannot fill FP8 parameters from bf16 tensors); set rollout.weight_sync=inplace")
         self._check_range("stream_chunk", ge=1, example=16)
+        for arg in self.engine_kwargs:
+            self._require(arg not in ROLLOUT_ENGINE_ARGS,
+                          f"rollout.engine_kwargs.{arg}: the rollout sets vLLM's {arg} itself (from "
+                          f"{ROLLOUT_ENGINE_ARGS.get(arg)}); remove it from rollout.engine_kwargs")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -45,8 +45,8 @@ FP8_QUANTIZATION_CONFIG: Mapping[str, Any] = {
 @dataclass(frozen=True, kw_only=True)
 class VLLMRolloutConfig(VLLMConfig):
     """What a vLLM engine is built with: the engine settings of ``rollout.*`` (:class:`VLLMConfig`: gen_tp, memory,
-    max_num_seqs, ...) and the model and the job's settings. ``engine_kwargs`` go straight to ``vllm.LLM`` (passed
-    through, not re-declared)."""
+    max_num_seqs, ...) and the model and the job's settings. ``engine_kwargs`` (rollout.engine_kwargs, and LoRA's
+    adapter settings) go straight to ``vllm.LLM`` (passed through, not re-declared)."""
 
     model_path: str = option(help="HF model directory vLLM loads (its architecture and tokenizer files).")
     dtype: Literal["float32", "bfloat16", "float16"] = option("bfloat16", help="Weights and activations.")
@@ -58,7 +58,6 @@ class VLLMRolloutConfig(VLLMConfig):
     trust_remote_code: bool = option(False, help="Run the model's own code in model_path (trusted directories only).")
     request_stats: bool = option(False, help="Per-request timestamps: the prefill/decode split (cost engine time).")
     return_routed_experts: bool = option(False, help="MoE: each token's routed experts (R3; routing_capture.py).")
-    engine_kwargs: Mapping[str, Any] = option(factory=dict, help="Passed to vllm.LLM as they are.")
 
     def validate(self) -> None:
         super().validate()
