@@ -298,6 +298,63 @@ def _vllm_engine_kwargs(k: str, v: Any, ctx: Ctx) -> Map | Same | Unsupported:
     return Map({f"rollout.engine_kwargs.{path}": v})
 
 
+# verl's Megatron LoRA names the fused projections; verl_mega names the HF projections inside them
+_MEGATRON_LORA_TARGETS = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
+                          "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
+_HF_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_LORA_CRITIC = "LoRA on the critic: verl_mega's model.lora adapts the policy; the critic trains full weights"
+
+
+def _lora_rank(ctx: Ctx, head: str) -> int:
+    """The LoRA rank a verl role's model section sets: FSDP's ``lora_rank`` or Megatron's ``lora.rank``."""
+    for key in (f"{head}.lora_rank", f"{head}.lora.rank"):
+        value = ctx.flat.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            return int(value)
+    return 0
+
+
+def _lora(k: str, v: Any, ctx: Ctx) -> Map | Same | Unsupported:
+    """verl's LoRA keys (FSDP's ``model.lora_rank`` / ``lora_alpha`` / ``target_modules``, Megatron's
+    ``model.lora.*``) → model.lora.*, for the actor; the rest of LoRA's keys are the same while it is off."""
+    head = k[: k.index(".model.") + len(".model")]
+    name = k[len(head) + 1:].replace("lora.", "", 1).replace("lora_", "", 1)
+    rank = _lora_rank(ctx, head)
+    if not rank:
+        return Same("LoRA off in this config (full fine-tuning)")
+    if not head.startswith("actor_rollout_ref."):
+        return Unsupported(_LORA_CRITIC)
+    if name == "rank":
+        return Map({"model.lora.rank": rank})
+    if name == "alpha":
+        return Map({"model.lora.alpha": float(v)})
+    if name == "dropout":
+        return Map({"model.lora.dropout": float(v or 0.0)})
+    if name == "target_modules":
+        targets: list[str] = []
+        for t in [v] if isinstance(v, str) else list(v or ["all-linear"]):
+            if t in ("all-linear", *_HF_LORA_TARGETS):
+                targets.append(t)
+            elif t in _MEGATRON_LORA_TARGETS:
+                targets.extend(_MEGATRON_LORA_TARGETS[t])
+            else:
+                return Unsupported(f"LoRA target {t!r}: verl_mega adapts {', '.join(_HF_LORA_TARGETS)} (or "
+                                   f"all-linear)")
+        return Map({"model.lora.target_modules": list(dict.fromkeys(targets))})
+    if name == "type":
+        return Same("plain LoRA") if v in (None, "lora") else Unsupported(f"LoRA type {v!r}: verl_mega has plain "
+                                                                          "LoRA")
+    if name == "A_init_method":
+        return Map({"model.lora.init": "gaussian" if v in ("normal", "gaussian") else "kaiming"},
+                   "" if v in ("normal", "gaussian", "kaiming") else f"no {v!r} init of A; Kaiming-uniform (PEFT's)")
+    if name == "B_init_method":
+        return Same("B starts at zero") if v in (None, "zero") else Unsupported(f"B init {v!r}: B starts at zero")
+    if name in ("merge", "dropout_position", "dtype") or name.startswith("freeze_"):
+        return Same("adapters on the input of each targeted projection, in model.dtype, merged into vLLM's weights at "
+                    "every sync (model.lora.rollout_sync)")
+    return off_only(f"LoRA's {name}: not in verl_mega")(k, v, ctx)
+
+
 def _reward_kwargs(k: str, v: Any, ctx: Ctx) -> Map | Same:
     return Map({"reward.kwargs": dict(v)}) if v else Same("no reward kwargs")
 

@@ -14,7 +14,7 @@ from typing import Any
 from verl_key_handlers import (  # noqa: I001
     Ctx, Handler, Map, ROLES, Same, Unsupported, _adv, _betas, _clip_ratio, _critic_enable, _critic_path,
     _decay_style, _do_sample, _dtype, _filter_overlong, _free_cache, _freq, _granularity, _kl_type, _launch,
-    _logger, _loss_mode, _loss_option, _megatron_dim, _micro_global, _min_lr_ratio, _multi_turn, _n, _offload,
+    _logger, _lora, _loss_mode, _loss_option, _megatron_dim, _micro_global, _min_lr_ratio, _multi_turn, _n, _offload,
     _optimizer, _output_dir, _per_gpu, _recompute, _resume_mode, _resume_path, _reward_fn, _reward_kwargs, _rm_path,
     _rollout_is, _router_replay, _save_contents, _seed, _tp_gen, _train_steps, _truncation, _val_temperature,
     _vllm_engine_kwargs, _warmup, any_on, expand, files, gated, off_only, role_key, role_to, same, to, unsupported,
@@ -28,7 +28,6 @@ FSDP = ("FSDP engine setting: verl_mega trains with Megatron-Core (parallel.* se
 MCORE_INTERNAL = "Megatron engine setting that verl_mega decides itself"
 PROFILER = "verl's profilers (nsys, torch, npu): verl_mega has trainer.profile and docs/profiling.md"
 INTERP = "an interpolation of another verl key, converted there"
-LORA = "LoRA: verl_mega trains full weights"
 MTP = "multi-token prediction: not in verl_mega"
 VISION = "multi-modal inputs: verl_mega trains text models"
 RAY = ("verl's Ray single controller: verl_mega is SPMD (every rank runs the step; launch/ray_launch.py starts it "
@@ -93,10 +92,10 @@ RULES: list[tuple[str, Handler]] = [
     ("*.model.use_liger", off_only("Liger kernels: verl_mega has its own fused kernels (model.fused_kernels)")),
     ("*.model.fused_kernel_options.*", same("verl's fused-kernel backend choice")),
     ("*.model.tiled_mlp.*", gated("tiled_mlp", "enabled", "tiled MLP: not in verl_mega")),
-    ("*.model.lora.*", gated("lora", "rank", LORA)),
-    ("*.model.lora_*", gated("model", "lora_rank", LORA)),
-    ("*.model.target_modules", same(LORA)),
-    ("*.model.exclude_modules", same(LORA)),
+    ("*.model.lora.*", _lora),
+    ("*.model.lora_*", _lora),
+    ("*.model.target_modules", _lora),
+    ("*.model.exclude_modules", _lora),
     ("*.model.mtp.*", gated("mtp", "enable", MTP)),
     ("actor_rollout_ref.rollout.mtp", same(MTP)),
     ("*.model.custom_chat_template", same("the actor's chat template is the one used")),

@@ -145,12 +145,12 @@ def test_overrides_become_a_recipe_that_loads(tmp_path):
     assert recipe["trainer"]["output_dir"] == "checkpoints/p/e" and recipe["trainer"]["save_every"] == 0
     assert recipe["logging"]["mlflow"] is True and recipe["logging"]["wandb"] is False
     assert recipe["rollout"]["max_response_length"] == 512
-    # every key is reported; the LoRA rank has no counterpart, with its reason
-    assert "actor_rollout_ref.model.lora_rank=8" in report.split("unsupported:")[1].split("the same")[0]
-    assert "LoRA: verl_mega trains full weights" in report
+    # every key is reported; verl's LoRA rank becomes the actor's adapters
+    assert "actor_rollout_ref.model.lora_rank=8 -> model.lora.rank=8" in report
+    assert recipe["model"]["lora"]["rank"] == 8
     assert "torchrun --nnodes 1 --nproc-per-node 4" in report
     cfg = load_config(tmp_path / "recipe.yaml", check_paths=False)
-    assert (cfg.actor.lr, cfg.rollout.n, cfg.parallel.tp) == (2e-6, 5, 2)
+    assert (cfg.actor.lr, cfg.rollout.n, cfg.parallel.tp, cfg.model.lora.rank) == (2e-6, 5, 2, 8)
     assert cfg.reward.function == f"{reward}:compute_score"
 
 
@@ -192,3 +192,32 @@ def test_vllm_engine_kwargs_pass_through_and_the_rollouts_own_are_refused(tmp_pa
     path.write_text(yaml.safe_dump(from_verl.nest({**ours, "model.path": "m"})))
     cfg = load_config(path, check_paths=False)
     assert cfg.rollout.engine_kwargs == {"compilation_config": {"custom_ops": ("+quant_fp8",)}, "block_size": 32}
+
+
+def test_lora_keys_become_the_actors_adapters():
+    fsdp = {"actor_rollout_ref.model.lora_rank": 32, "actor_rollout_ref.model.lora_alpha": 64,
+            "actor_rollout_ref.model.target_modules": ["q_proj", "v_proj"], "actor_rollout_ref.model.exclude_modules":
+            None, "actor_rollout_ref.model.lora_adapter_path": None, "critic.model.lora_rank": 0,
+            "critic.model.lora_alpha": 16}
+    ours, rows, _ = from_verl.convert(fsdp, overridden=set())
+    assert ours == {"model.lora.rank": 32, "model.lora.alpha": 64.0, "model.lora.target_modules": ["q_proj", "v_proj"]}
+    assert not [key for key, _, outcome in rows if isinstance(outcome, Unsupported)]
+    megatron = {"actor_rollout_ref.model.lora.rank": 16, "actor_rollout_ref.model.lora.alpha": 32,
+                "actor_rollout_ref.model.lora.dropout": 0.05, "actor_rollout_ref.model.lora.type": "lora",
+                "actor_rollout_ref.model.lora.target_modules": ["linear_qkv", "linear_proj", "linear_fc1",
+                                                                 "linear_fc2"],
+                "actor_rollout_ref.model.lora.lora_A_init_method": "xavier",
+                "actor_rollout_ref.model.lora.lora_B_init_method": "zero", "actor_rollout_ref.model.lora.merge": False}
+    ours, rows, _ = from_verl.convert(megatron, overridden=set())
+    assert ours["model.lora.target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                 "down_proj"]
+    assert (ours["model.lora.rank"], ours["model.lora.alpha"], ours["model.lora.dropout"]) == (16, 32.0, 0.05)
+    assert ours["model.lora.init"] == "kaiming"  # verl's xavier has no counterpart: mapped with a note
+    assert any("xavier" in outcome.note for _, _, outcome in rows if isinstance(outcome, Map))
+    # the critic's adapters, an excluded module or a LoRA variant are refused with the reason
+    assert isinstance(classify("critic.model.lora_rank", 8, Ctx({"critic.model.lora_rank": 8})), Unsupported)
+    on = Ctx({"actor_rollout_ref.model.lora.rank": 8})
+    assert isinstance(classify("actor_rollout_ref.model.lora.exclude_modules", ["o_proj"], on), Unsupported)
+    assert isinstance(classify("actor_rollout_ref.model.lora.type", "dora", on), Unsupported)
+    assert isinstance(classify("actor_rollout_ref.model.target_modules", ["lm_head"],
+                               Ctx({"actor_rollout_ref.model.lora_rank": 8})), Unsupported)
