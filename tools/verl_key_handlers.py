@@ -355,6 +355,24 @@ def _lora(k: str, v: Any, ctx: Ctx) -> Map | Same | Unsupported:
     return off_only(f"LoRA's {name}: not in verl_mega")(k, v, ctx)
 
 
+def _gen_ep(k: str, v: Any, ctx: Ctx) -> Map | Same:
+    """verl's rollout expert_parallel_size (= tensor × data parallel size of vLLM) is rollout.gen_ep."""
+    return Same("no expert parallelism in generation") if v in (None, 1) else Map({"rollout.gen_ep": int(v)})
+
+
+def _gen_dp(k: str, v: Any, ctx: Ctx) -> Same | Unsupported:
+    """vLLM data parallelism: only as the attention engines of expert-parallel generation (gen_ep / gen_tp)."""
+    if v in (None, 1):
+        return Same("one engine per generation-TP group")
+    ep = ctx.flat.get("actor_rollout_ref.rollout.expert_parallel_size") or 1
+    tp = ctx.flat.get("actor_rollout_ref.rollout.tensor_model_parallel_size") or 1
+    if ep > 1 and ep == tp * v:
+        return Same("the rollout.gen_ep / rollout.gen_tp data-parallel attention engines of expert-parallel "
+                    "generation")
+    return Unsupported("vLLM data parallelism without expert parallelism: verl_mega runs one engine per "
+                       "generation-TP group")
+
+
 def _reward_kwargs(k: str, v: Any, ctx: Ctx) -> Map | Same:
     return Map({"reward.kwargs": dict(v)}) if v else Same("no reward kwargs")
 

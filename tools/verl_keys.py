@@ -12,8 +12,8 @@ from fnmatch import fnmatchcase
 from typing import Any
 
 from verl_key_handlers import (  # noqa: I001
-    Ctx, Handler, Map, ROLES, Same, Unsupported, _adv, _betas, _clip_ratio, _critic_enable, _critic_path,
-    _decay_style, _do_sample, _dtype, _filter_overlong, _free_cache, _freq, _granularity, _kl_type, _launch,
+    Ctx, Handler, Map, ROLES, Same, Unsupported, _adv, _betas, _clip_ratio, _critic_enable, _critic_path, _decay_style,
+    _do_sample, _dtype, _filter_overlong, _free_cache, _freq, _gen_dp, _gen_ep, _granularity, _kl_type, _launch,
     _logger, _lora, _loss_mode, _loss_option, _megatron_dim, _micro_global, _min_lr_ratio, _multi_turn, _n, _offload,
     _optimizer, _output_dir, _per_gpu, _recompute, _resume_mode, _resume_path, _reward_fn, _reward_kwargs, _rm_path,
     _rollout_is, _router_replay, _save_contents, _seed, _tp_gen, _train_steps, _truncation, _val_temperature,
@@ -315,11 +315,8 @@ RULES: list[tuple[str, Handler]] = [
     ("actor_rollout_ref.rollout.disaggregation.*", gated("disaggregation", "enabled", "prefill/decode "
                                                                                         "disaggregation: not in "
                                                                                         "verl_mega")),
-    ("actor_rollout_ref.rollout.data_parallel_size", when(1, "one engine per generation-TP group",
-                                                          "vLLM data parallelism inside an engine: verl_mega runs "
-                                                          "one engine per generation-TP group")),
-    ("actor_rollout_ref.rollout.expert_parallel_size", when(1, "no expert parallelism in generation",
-                                                            "vLLM expert parallelism: see docs/moe.md")),
+    ("actor_rollout_ref.rollout.data_parallel_size", _gen_dp),
+    ("actor_rollout_ref.rollout.expert_parallel_size", _gen_ep),
     ("actor_rollout_ref.rollout.pipeline_model_parallel_size", when(1, "no pipeline in generation",
                                                                     "pipeline parallelism in vLLM: not supported")),
     ("actor_rollout_ref.rollout.nnodes", same("the rollout shares the training pool unless placement.roles says "

@@ -221,3 +221,15 @@ def test_lora_keys_become_the_actors_adapters():
     assert isinstance(classify("actor_rollout_ref.model.lora.type", "dora", on), Unsupported)
     assert isinstance(classify("actor_rollout_ref.model.target_modules", ["lm_head"],
                                Ctx({"actor_rollout_ref.model.lora_rank": 8})), Unsupported)
+
+
+def test_expert_parallel_generation_becomes_gen_ep():
+    # verl: expert_parallel_size = tensor_model_parallel_size × data_parallel_size, as rollout.gen_ep's engines
+    flat = {"actor_rollout_ref.rollout.expert_parallel_size": 8, "actor_rollout_ref.rollout.data_parallel_size": 4,
+            "actor_rollout_ref.rollout.tensor_model_parallel_size": 2}
+    ours, rows, _ = from_verl.convert(flat, overridden=set())
+    assert ours["rollout.gen_ep"] == 8 and ours["rollout.gen_tp"] == 2
+    assert not [key for key, _, outcome in rows if isinstance(outcome, Unsupported)]
+    plain_dp = Ctx({"actor_rollout_ref.rollout.data_parallel_size": 2})
+    assert isinstance(classify("actor_rollout_ref.rollout.data_parallel_size", 2, plain_dp), Unsupported)
+    assert isinstance(classify("actor_rollout_ref.rollout.expert_parallel_size", 1, Ctx({})), Same)
