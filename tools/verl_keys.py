@@ -439,8 +439,7 @@ RULES: list[tuple[str, Handler]] = [
     ("trainer.nnodes", _launch),
     ("trainer.save_freq", _freq("trainer.save_every")),
     ("trainer.test_freq", _freq("trainer.val_every")),
-    ("trainer.val_before_train", off_only("validation before the first step: verl_mega validates every "
-                                          "trainer.val_every steps and at the end", "off")),
+    ("trainer.val_before_train", to("trainer.val_before_train", bool)),
     ("trainer.val_only", off_only("validation only: not a verl_mega mode")),
     ("trainer.resume_mode", _resume_mode),
     ("trainer.resume_from_path", _resume_path),

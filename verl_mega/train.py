@@ -55,9 +55,12 @@ def run(job) -> dict[str, float]:
     logger = MetricsLogger(cfg.trainer.output_dir, console=cfg.logging.console,
                            progress_bar=cfg.logging.progress_bar, jsonl=cfg.logging.jsonl,
                            tensorboard=cfg.logging.tensorboard, plot=cfg.logging.plot, total_steps=total_steps,
-                           rank=dist.get_rank(), resume_step=start_step, log_every=cfg.trainer.log_every,
+                           rank=dist.get_rank(), resume_step=start_step or None, log_every=cfg.trainer.log_every,
                            wandb=cfg.logging.wandb, mlflow=cfg.logging.mlflow, project=cfg.logging.project,
                            run_name=cfg.logging.run_name, config=to_dict(cfg))
+
+    if cfg.trainer.val_before_train and start_step == 0:  # the initial policy's score, as verl logs it
+        logger.log(trainer.validate(), 0)
 
     # --- the RL loop
     metrics: dict[str, float] = {}

@@ -26,17 +26,22 @@ def _run(args: list[str], tmp_path: Path, timeout: float = 900) -> subprocess.Co
 
 @pytest.mark.slow
 def test_remax_with_validation(tmp_path):
-    """ReMax trains from a greedy baseline per prompt; validation scores greedy answers on data.val_files."""
+    """ReMax trains from a greedy baseline per prompt; validation scores greedy answers on data.val_files, also before
+    the first step (trainer.val_before_train)."""
     val = tmp_path / "val.jsonl"
     records = generated_task("addition_small").generate(12, seed=123)
     val.write_text("".join(json.dumps({"prompt": r["prompt"], "answer": r["answer"]}) + "\n" for r in records))
     out = tmp_path / "run"
     proc = _run(["-m", "verl_mega.train", "--config", "configs/quickstart_cpu.yaml", f"trainer.output_dir={out}",
                  "algorithm.adv_estimator=remax", "trainer.total_steps=4", "trainer.val_every=2",
+                 "trainer.val_before_train=true",
                  f"data.val_files=[{val}]", "reward.function=arithmetic", *QUICK], tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    before, rows = rows[0], rows[1:]  # trainer.val_before_train: the initial weights' score, nothing trained yet
+    assert set(before) == {"step", "val/reward/mean", "val/response_length", "val/num_samples"}
+    assert before["val/num_samples"] == 12 and 0.0 <= before["val/reward/mean"] <= 1.0
     for r in rows:
         assert 0.0 <= r["reward/baseline_mean"] <= 1.0 and abs(r["actor/pg_loss"]) < 1e3
         assert ("val/reward/mean" in r) == (r["step"] % 2 == 0)

@@ -58,6 +58,9 @@ class TrainerConfig(ConfigSection):
                            affects_results=False)
     val_every: int = option(0, help="Validate every N steps (needs data.val_files); 0 disables.",
                             affects_results=False)
+    val_before_train: bool = option(False, help="Validate once before the first step of a fresh run, logged as "
+                                                "step 0 (verl's trainer.val_before_train; needs data.val_files). A "
+                                                "resumed run does not repeat it.", affects_results=False)
     balance_batch: bool = option(True, help="Give each data-parallel rank the same number of rows with similar "
                                             "token counts (whole groups, longest first to the least-loaded rank); "
                                             "false: contiguous blocks of the batch.")

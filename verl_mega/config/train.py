@@ -107,6 +107,9 @@ class TrainConfig(ConfigSection):
         self._require(self.trainer.val_every == 0 or bool(self.data.val_files),
                       f"trainer.val_every={self.trainer.val_every} needs data.val_files; set data.val_files=[...] "
                       f"or trainer.val_every=0")
+        self._require(not self.trainer.val_before_train or bool(self.data.val_files),
+                      "trainer.val_before_train=true needs data.val_files; set data.val_files=[...] or "
+                      "trainer.val_before_train=false")
 
     def _replace(self, section: str, **changes: Any) -> None:
         object.__setattr__(self, section, dataclasses.replace(getattr(self, section), **changes))
