@@ -218,6 +218,10 @@ def _megatron_dim(k: str, v: Any, ctx: Ctx) -> Map | Same | Unsupported:
     if k.startswith("actor_rollout_ref.actor."):
         if v is None and ours in ("vpp", "etp"):
             return Same(f"unset: parallel.{ours}=null")
+        tp = ctx.flat.get("actor_rollout_ref.actor.megatron.tensor_model_parallel_size") or 1
+        if ours == "sequence_parallel" and v and tp == 1:  # Megatron turns it off at tp = 1 (verl's default pair)
+            return Map({"parallel.sequence_parallel": False}, "no sequence parallelism without tensor parallelism, "
+                                                              "as Megatron decides at tp=1")
         return Map({f"parallel.{ours}": v})
     actor = ctx.flat.get(f"actor_rollout_ref.actor.megatron.{name}")
     if v == actor or k.startswith("reward_model.") and not ctx.get("reward_model.enable"):

@@ -233,3 +233,12 @@ def test_expert_parallel_generation_becomes_gen_ep():
     plain_dp = Ctx({"actor_rollout_ref.rollout.data_parallel_size": 2})
     assert isinstance(classify("actor_rollout_ref.rollout.data_parallel_size", 2, plain_dp), Unsupported)
     assert isinstance(classify("actor_rollout_ref.rollout.expert_parallel_size", 1, Ctx({})), Same)
+
+
+def test_sequence_parallel_at_tp1_is_off_as_megatron_decides():
+    # verl's Megatron defaults pair sequence_parallel=true with tensor_model_parallel_size=1
+    for tp, sp in ((1, False), (2, True)):
+        flat = {"actor_rollout_ref.actor.megatron.sequence_parallel": True,
+                "actor_rollout_ref.actor.megatron.tensor_model_parallel_size": tp}
+        ours, _, _ = from_verl.convert(flat, overridden=set())
+        assert ours["parallel.sequence_parallel"] is sp and ours["parallel.tp"] == tp
