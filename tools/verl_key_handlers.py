@@ -305,7 +305,6 @@ def _vllm_engine_kwargs(k: str, v: Any, ctx: Ctx) -> Map | Same | Unsupported:
 # verl's Megatron LoRA names the fused projections; verl_mega names the HF projections inside them
 _MEGATRON_LORA_TARGETS = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
                           "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
-_HF_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _LORA_CRITIC = "LoRA on the critic: verl_mega's model.lora adapts the policy; the critic trains full weights"
 
 
@@ -321,6 +320,8 @@ def _lora_rank(ctx: Ctx, head: str) -> int:
 def _lora(k: str, v: Any, ctx: Ctx) -> Map | Same | Unsupported:
     """verl's LoRA keys (FSDP's ``model.lora_rank`` / ``lora_alpha`` / ``target_modules``, Megatron's
     ``model.lora.*``) → model.lora.*, for the actor; the rest of LoRA's keys are the same while it is off."""
+    from verl_mega.config.model import LORA_TARGETS
+
     head = k[: k.index(".model.") + len(".model")]
     name = k[len(head) + 1:].replace("lora.", "", 1).replace("lora_", "", 1)
     rank = _lora_rank(ctx, head)
@@ -337,12 +338,12 @@ def _lora(k: str, v: Any, ctx: Ctx) -> Map | Same | Unsupported:
     if name == "target_modules":
         targets: list[str] = []
         for t in [v] if isinstance(v, str) else list(v or ["all-linear"]):
-            if t in ("all-linear", *_HF_LORA_TARGETS):
+            if t in ("all-linear", *LORA_TARGETS):
                 targets.append(t)
             elif t in _MEGATRON_LORA_TARGETS:
                 targets.extend(_MEGATRON_LORA_TARGETS[t])
             else:
-                return Unsupported(f"LoRA target {t!r}: verl_mega adapts {', '.join(_HF_LORA_TARGETS)} (or "
+                return Unsupported(f"LoRA target {t!r}: verl_mega adapts {', '.join(LORA_TARGETS)} (or "
                                    f"all-linear)")
         return Map({"model.lora.target_modules": list(dict.fromkeys(targets))})
     if name == "type":

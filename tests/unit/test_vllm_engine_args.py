@@ -10,6 +10,7 @@ import pytest
 
 from verl_mega.config import ConfigError, load_config
 from verl_mega.config.base import FrozenDict
+from verl_mega.config.rl import ROLLOUT_ENGINE_ARGS
 from verl_mega.rollout.vllm_rollout import FP8_QUANTIZATION_CONFIG, VLLMRolloutConfig, _build_llm
 from verl_mega.trainer.rollout_setup import vllm_config
 
@@ -60,12 +61,20 @@ def test_fp8_settings_become_vllm_arguments(monkeypatch):
 
 
 def test_rollout_engine_kwargs_reach_the_engine_and_may_not_set_what_the_rollout_sets(tmp_path):
-    cfg = load_config(RECIPE, ["rollout.engine_kwargs.block_size=32",
-                                                      "model.lora.rank=4", "model.lora.rollout_sync=adapter"],
-                      check_paths=False)
+    cfg = load_config(RECIPE, ["rollout.engine_kwargs.block_size=32", "model.lora.rank=4",
+                               "model.lora.rollout_sync=adapter"], check_paths=False)
     engine = vllm_config(cfg, tmp_path, gen_tp=1)
     assert engine.engine_kwargs["block_size"] == 32 and engine.engine_kwargs["enable_lora"] is True
     for key, hint in (("tensor_parallel_size", "rollout.gen_tp"), ("max_loras", "model.lora.rollout_sync"),
                       ("hf_overrides", "rollout.quantization")):
         with pytest.raises(ConfigError, match=rf"rollout.engine_kwargs.{key}: .*{hint}"):
             load_config(RECIPE, [f"rollout.engine_kwargs.{key}=1"], check_paths=False)
+
+
+def test_every_argument_the_rollout_sets_is_reserved(monkeypatch):
+    # rollout.engine_kwargs may not override them: ROLLOUT_ENGINE_ARGS must name each one _build_llm passes
+    configs = [(VLLMRolloutConfig(model_path="m", max_num_batched_tokens=512), True),
+               (VLLMRolloutConfig(model_path="m", quantization="fp8", kv_cache_dtype="fp8", gen_ep=2), False),
+               (VLLMRolloutConfig(model_path="m", kv_cache_memory_bytes=1 << 30), False)]
+    for config, is_cpu in configs:
+        assert set(_engine_args(monkeypatch, config, is_cpu=is_cpu)) <= set(ROLLOUT_ENGINE_ARGS)

@@ -21,7 +21,8 @@ ROLLOUT_ENGINE_ARGS = {
     "quantization": "rollout.quantization", "hf_overrides": "rollout.quantization (vLLM's model config must match "
     "the trainer's)", "kv_cache_dtype": "rollout.kv_cache_dtype", "enable_sleep_mode": "rollout.free_cache_engine",
     "load_format": "the weight sync", "skip_tokenizer_init": "the rollout (prompts go in as token ids)",
-    "logprobs_mode": "the rollout", "max_logprobs": "the rollout", "disable_log_stats": "trainer.profile",
+    "logprobs_mode": "the rollout", "max_logprobs": "the rollout", "use_tqdm_on_load": "the rollout",
+    "disable_log_stats": "trainer.profile",
     "trust_remote_code": "model.trust_remote_code", "enable_return_routed_experts": "actor.routing_replay",
     "enable_lora": "model.lora.rollout_sync", "max_lora_rank": "model.lora.rank",
     "max_loras": "model.lora.rollout_sync",
