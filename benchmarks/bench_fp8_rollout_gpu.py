@@ -14,8 +14,8 @@ never leak between variants):
   ``rollout/behaviour_kl`` / ``_k3``, computed by the trainer's own functions). Random weights give near-uniform
   next-token distributions, so the gap is a lower bound for a trained model's, not its estimate.
 * ``fp8_kv8``: the FP8 engine with ``rollout.kv_cache_dtype=fp8`` (and the same sync, and the same gap).
-* ``fp8_cq``: the FP8 engine with the activations' per-token quantization by vLLM's CUDA op instead of Inductor's
-  kernels (``ENGINE_KWARGS``).
+* ``fp8_cq`` / ``fp8_kv8_cq``: ``fp8`` / ``fp8_kv8`` with the activations' per-token quantization by vLLM's CUDA op
+  instead of Inductor's kernels (``ENGINE_KWARGS``).
 
 Every variant then generates the same long-tailed workload through ``VLLMRollout.generate``: ``--prompts`` prompts of
 ``--prompt-len`` random tokens, one sample each, lengths lognormal (median ``--median``, capped at ``--cap``, EOS
@@ -41,10 +41,12 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_model_gpu import QWEN25_7B  # noqa: E402
 
-VARIANTS = {"bf16": ("none", "auto"), "fp8": ("fp8", "auto"), "fp8_kv8": ("fp8", "fp8"), "fp8_cq": ("fp8", "auto")}
-# engine settings a variant adds: fp8_cq quantizes the activations with vLLM's CUDA per-token op (its `quant_fp8`
+VARIANTS = {"bf16": ("none", "auto"), "fp8": ("fp8", "auto"), "fp8_kv8": ("fp8", "fp8"), "fp8_cq": ("fp8", "auto"),
+            "fp8_kv8_cq": ("fp8", "fp8")}
+# engine settings a variant adds: *_cq quantizes the activations with vLLM's CUDA per-token op (its `quant_fp8`
 # custom op, with its RMSNorm + quant fusion pass) where vLLM's default compiles them into Inductor kernels
-ENGINE_KWARGS = {"fp8_cq": {"compilation_config": {"custom_ops": ["+quant_fp8"]}}}
+_CUDA_QUANT = {"compilation_config": {"custom_ops": ["+quant_fp8"]}}
+ENGINE_KWARGS = {"fp8_cq": _CUDA_QUANT, "fp8_kv8_cq": _CUDA_QUANT}
 
 
 def log(msg: str) -> None:

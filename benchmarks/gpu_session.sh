@@ -143,12 +143,13 @@ case "${1:-models}" in
     ;;
   grpo7lora)
     # a GRPO step at the Qwen2.5-7B architecture on one GPU: LoRA r=16 (merged into vLLM), configuration C's batch
-    # (16 prompts × 8, lognormal ≤ 1024, packed); one rollout precision per call: GRPO_Q=none|fp8
+    # (16 prompts × 8, lognormal ≤ 1024, packed); one rollout precision per call: GRPO_Q=none|fp8; GRPO_EXTRA adds
+    # overrides (e.g. rollout.engine_kwargs.compilation_config.custom_ops=[+quant_fp8]) and GRPO_TAG names the JSON
     run timeout ${GRPO_TIMEOUT:-560} torchrun --nproc-per-node 1 benchmarks/bench_grpo_gpu.py --arch 7b --gen-tp 1 \
         --response-length 1024 --prompts 16 --lengths lognormal --warmup 1 --baseline-steps 0 --steps 3 \
-        --out "$OUT/grpo_7b_lora_${GRPO_Q:-none}.json" parallel.tp=1 model.use_remove_padding=true \
+        --out "$OUT/grpo_7b_lora_${GRPO_Q:-none}${GRPO_TAG:-}.json" parallel.tp=1 model.use_remove_padding=true \
         actor.use_dynamic_bsz=true actor.max_tokens_per_gpu=16384 actor.micro_batch_size_per_gpu=16 \
-        actor.log_prob_micro_batch_size_per_gpu=16 model.lora.rank=16 rollout.quantization=${GRPO_Q:-none}
+        actor.log_prob_micro_batch_size_per_gpu=16 model.lora.rank=16 rollout.quantization=${GRPO_Q:-none} ${GRPO_EXTRA:-}
     ;;
   marlin)
     # FP8 kernels at 7B on the long-tailed workload and a small batch: vLLM's W8A8 (cutlass) against its
@@ -163,8 +164,9 @@ case "${1:-models}" in
         --formats ${CQ_FORMATS:-fp8-channel+cq,fp8-channel,bf16} --json "$OUT/probe_cq_7b.json"
     ;;
   cqrollout)
-    # the same through the rollout (the in-place quantizing sync, the log-prob gap): bf16, FP8, FP8 + vLLM's quant op
-    run timeout ${FP8_TIMEOUT:-585} python3 benchmarks/bench_fp8_rollout_gpu.py --variants fp8_cq,fp8,bf16 \
+    # the same through the rollout (the in-place quantizing sync, the log-prob gap): FP8 weights + FP8 KV cache with
+    # and without vLLM's quant op, bf16 beside them (CQ_VARIANTS picks others)
+    run timeout ${FP8_TIMEOUT:-585} python3 benchmarks/bench_fp8_rollout_gpu.py --variants ${CQ_VARIANTS:-fp8_kv8_cq,fp8_kv8,bf16} \
         --sync-repeats 3 --gap-prompts 16 --variant-timeout 190 --out "$OUT/fp8_rollout_7b_cq.json"
     ;;
   decode)
