@@ -9,10 +9,12 @@ never leak between variants):
 * ``bf16`` and ``fp8``: Megatron-Core holds the model (random bf16 weights, its own init); vLLM starts from random
   weights (``load_format=dummy``, FP8 through ``rollout.quantization=fp8``) and receives Megatron's through the
   colocated in-place sync (t = tg = 1: the reused copy plan; FP8: quantizing each slice as it copies), timed over
-  ``--sync-repeats`` after a warm-up. Then the log-prob gap: ``--gap-prompts`` prompts sampled at temperature 1, and
-  Megatron's bf16 log-probs of the same tokens against vLLM's (``rollout/logprob_diff_*`` and
-  ``rollout/behaviour_kl`` / ``_k3``, computed by the trainer's own functions). Random weights give near-uniform
-  next-token distributions, so the gap is a lower bound for a trained model's, not its estimate.
+  ``--sync-repeats`` after a warm-up: as the trainer runs it (the copy plan replayed as a CUDA graph on CUDA) and,
+  beside it, with the plan's copies launched one by one (``eager``). Then the log-prob gap: ``--gap-prompts`` prompts
+  sampled at temperature 1, and Megatron's bf16 log-probs of the same tokens against vLLM's
+  (``rollout/logprob_diff_*`` and ``rollout/behaviour_kl`` / ``_k3``, computed by the trainer's own functions).
+  Random weights give near-uniform next-token distributions, so the gap is a lower bound for a trained model's, not
+  its estimate.
 * ``fp8_kv8``: the FP8 engine with ``rollout.kv_cache_dtype=fp8`` (and the same sync, and the same gap).
 * ``fp8_cq`` / ``fp8_kv8_cq``: ``fp8`` / ``fp8_kv8`` with the activations' per-token quantization by vLLM's CUDA op
   instead of Inductor's kernels (``ENGINE_KWARGS``).
@@ -105,15 +107,31 @@ def child(args) -> None:
     out["vllm_weight_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
     out["fp8_linears"] = sum(1 for p in model.parameters() if p.dtype == torch.float8_e4m3fn)
 
-    sync = WeightSync(WeightProducer(groups=groups, arch=arch, chunks=chunks), rollout)
-    first_ms, metrics = cuda_ms(sync.sync)  # builds the copy plan
-    times = [cuda_ms(sync.sync)[0] for _ in range(args.sync_repeats)]
+    producer = WeightProducer(groups=groups, arch=arch, chunks=chunks)
+    sync = WeightSync(producer, rollout)
+    # the sync as a trainer runs it (its copy plan replayed as a CUDA graph from the second sync on), and beside it
+    # the same plan's copies launched one by one
+    producer.cuda_graph = False
+    first_ms, metrics = cuda_ms(sync.sync)  # builds the copy plan, compiles the quantizer
+    eager = [cuda_ms(sync.sync)[0] for _ in range(args.sync_repeats)]
+    producer.cuda_graph = True
+    producer.drop_plan()
+    cuda_ms(sync.sync)  # the plan again, eager
+    capture_ms, _ = cuda_ms(sync.sync)  # captures the graph and replays it
+    times, graphed = [], []
+    for _ in range(args.sync_repeats):
+        ms, m = cuda_ms(sync.sync)
+        times.append(ms)
+        graphed.append(m["weight_sync/cuda_graph"])
     out["sync"] = {"first_ms": first_ms, "ms": times, "min_ms": min(times), "median_ms": sorted(times)[len(times) // 2],
+                   "cuda_graph": min(graphed), "capture_ms": capture_ms, "eager_ms": eager,
+                   "eager_median_ms": sorted(eager)[len(eager) // 2],
                    "quantized_params": metrics["weight_sync/quantized_params"]}
     if quantization == "fp8" and metrics["weight_sync/quantized_params"] != 4 * arch.num_layers:
         raise RuntimeError(f"the sync quantized {metrics['weight_sync/quantized_params']} linears, expected "
                            f"{4 * arch.num_layers}")
-    log(f"{args.variant}: in-place sync {out['sync']['median_ms']:.1f} ms (median of {len(times)}), "
+    log(f"{args.variant}: in-place sync {out['sync']['median_ms']:.1f} ms (median of {len(times)}, CUDA graph "
+        f"{min(graphed):.0f}; {out['sync']['eager_median_ms']:.1f} ms launching each copy), "
         f"{out['sync']['quantized_params']:.0f} FP8 linears written")
     if args.profile_sync:  # one more sync under the profiler: where its host and device time go
         from torch.profiler import ProfilerActivity, profile
@@ -249,8 +267,8 @@ def _vllm_version() -> str:
 
 
 def print_table(results: list[dict]) -> None:
-    print(f"{'variant':<9} {'tok/s':>8} {'sync ms':>8} {'vLLM GB':>8} {'|Δlp| mean':>10} {'|Δlp| max':>9} "
-          f"{'behav_kl':>9} {'kl_k3':>8}")
+    print(f"{'variant':<9} {'tok/s':>8} {'sync ms':>8} {'eager ms':>8} {'vLLM GB':>8} {'|Δlp| mean':>10} "
+          f"{'|Δlp| max':>9} {'behav_kl':>9} {'kl_k3':>8}")
     for r in results:
         if "error" in r:
             print(f"{r['variant']:<9} {r['error']}")
@@ -260,7 +278,8 @@ def print_table(results: list[dict]) -> None:
         cols = [gap.get(k) for k in ("rollout/logprob_diff_mean", "rollout/logprob_diff_max", "rollout/behaviour_kl",
                                      "rollout/behaviour_kl_k3")]
         cells = " ".join("-".rjust(w) if v is None else f"{v:{w}.4f}" for v, w in zip(cols, (10, 9, 9, 8)))
-        print(f"{r['variant']:<9} {tps:8.0f} {r['sync']['median_ms']:8.1f} {r['vllm_weight_bytes'] / 1e9:8.2f} {cells}")
+        print(f"{r['variant']:<9} {tps:8.0f} {r['sync']['median_ms']:8.1f} {r['sync']['eager_median_ms']:8.1f} "
+              f"{r['vllm_weight_bytes'] / 1e9:8.2f} {cells}")
 
 
 def main() -> int:

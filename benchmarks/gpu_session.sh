@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU measurements (2×H200). Results go to $OUT (≤ 8 files).
 #   bash benchmarks/gpu_session.sh models|sync|rl|grpo|checks|tier|sample|moe|fwdbwd|pools|packedA|packedC|lora|
-#                                    loraprof|fp8|grpoC1|quant|stream20|streamrule|fp8tests|kv8|kv8long|grpo7lora|marlin|cq|cqrollout|decode
+#                                    loraprof|fp8|grpoC1|quant|stream20|streamrule|fp8tests|kv8|kv8long|grpo7lora|marlin|cq|cqrollout|graphsync|decode
 set -uo pipefail
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
 LOG=$OUT/session.log
@@ -168,6 +168,14 @@ case "${1:-models}" in
     # and without vLLM's quant op, bf16 beside them (CQ_VARIANTS picks others)
     run timeout ${FP8_TIMEOUT:-585} python3 benchmarks/bench_fp8_rollout_gpu.py --variants ${CQ_VARIANTS:-fp8_kv8_cq,fp8_kv8,bf16} \
         --sync-repeats 3 --gap-prompts 16 --variant-timeout 190 --out "$OUT/fp8_rollout_7b_cq.json"
+    ;;
+  graphsync)
+    # the colocated sync's copy plan as a CUDA graph: the FP8 GPU tests (three syncs, the third a replay, exact codes),
+    # then the 7B sync, graph against one launch per copy, bf16 and FP8 (a short generation only)
+    run timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -x -s tests/gpu/test_fp8_rollout_gpu.py -p no:warnings
+    run timeout ${FP8_TIMEOUT:-280} python3 benchmarks/bench_fp8_rollout_gpu.py --variants ${SYNC_VARIANTS:-bf16,fp8} \
+        --prompts 32 --median 128 --cap 512 --sync-repeats 5 --gap-prompts 4 --variant-timeout 140 \
+        --out "$OUT/fp8_sync_graph_7b.json"
     ;;
   decode)
     # a decode step's wall time against the GPU's busy time, per batch size, bf16 and FP8 at 7B

@@ -35,6 +35,7 @@ def test_fp8_sync_generation_and_gap(kv_cache_dtype, lp_tol, tmp_path):
     (rank,) = tagged_report(out, "FP8")["ranks"]
     print(json.dumps(rank))
     assert rank["quantized"] == 8 and rank["checked_elements"] > 0
+    assert rank["cuda_graph"] == 1  # the third sync replayed the copy plan's CUDA graph, and wrote exact codes
     assert rank["lp_diff_mean"] < lp_tol
 
 
@@ -50,5 +51,6 @@ def test_bench_fp8_rollout_quick(tmp_path):
     by = {r["variant"]: r for r in report["results"]}
     assert set(by) == {"bf16", "fp8", "fp8_kv8"}
     assert by["bf16"]["sync"]["quantized_params"] == 0 and by["fp8"]["sync"]["quantized_params"] == 8
+    assert all(r["sync"]["cuda_graph"] == 1 for r in by.values())  # t = tg = 1 on CUDA: the copy plan is a graph
     assert by["fp8"]["vllm_weight_bytes"] < by["bf16"]["vllm_weight_bytes"]
     assert all(run["tokens"] > 0 for r in by.values() for run in r["generation"])

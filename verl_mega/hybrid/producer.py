@@ -33,6 +33,7 @@ import torch.distributed as dist
 from verl_mega.hybrid.convert import (block_copies, block_shape, canonical_name, expert_block_shape,
                                       expert_dest_views, expert_plan, expert_source_views, vllm_name, vllm_slot,
                                       vllm_vocab_rows, vocab_row_plan, write_block)
+from verl_mega.hybrid.copy_plan import CopyPlan
 from verl_mega.hybrid.transport import InPlaceTransport, WeightSyncError, device_synchronize, is_fp8_linear
 from verl_mega.models.hf_config import ModelArch
 from verl_mega.models.loader import iter_hf_tensors, unwrap
@@ -95,7 +96,8 @@ class WeightProducer:
         self.received = self.peak = 0
         self._layers = self._local_layers()
         self._top = self._local_top_params()
-        self._direct: tuple[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+        self._direct: CopyPlan | None = None
+        self.cuda_graph = True  # replay the direct copy plan as a CUDA graph where it can (the benchmark turns it off)
         self.lora = has_adapters(self.chunks)  # the merged weights are new tensors at every sync
         self._experts = self._expert_exchange() if arch.is_moe else None
         self._stage_slots = self._all_stage_slots()
@@ -180,6 +182,15 @@ class WeightProducer:
         """Bytes this rank should receive, by the planner's arithmetic (:meth:`ModelArch.hybrid_sync_bytes`)."""
         return self.arch.hybrid_sync_bytes(self.pool, self.groups.rank, self._layers[0][1][0].tensor.element_size())
 
+    def drop_plan(self) -> None:
+        """Forget the direct copy plan (and its graph): the next sync builds it again."""
+        self._direct = None
+
+    @property
+    def direct_graphed(self) -> bool:
+        """Whether the last sync's layer copies replayed a CUDA graph (:class:`CopyPlan`)."""
+        return self._direct is not None and self._direct.graphed
+
     # ---- produce -----------------------------------------------------------------------------------------
     @torch.no_grad()
     def produce(self, sink: InPlaceTransport) -> None:
@@ -214,8 +225,9 @@ class WeightProducer:
         """No communication (t = tg, p = 1): strided copies from Megatron's parameters straight into vLLM's.
 
         The copy plan is built once and reused while both sides keep their storage (offload/onload or a vLLM
-        restart moves it, which the pointer key detects). With LoRA adapters each layer's merged weights are made,
-        copied and dropped in turn (the extra peak is one layer's)."""
+        restart moves it, which the pointer key detects); on CUDA its reuses replay a CUDA graph (:class:`CopyPlan`).
+        With LoRA adapters each layer's merged weights are made, copied and dropped in turn (the extra peak is one
+        layer's)."""
         if self.lora:
             for _, params in self._layers:
                 for p in params:
@@ -225,15 +237,14 @@ class WeightProducer:
             return
         key = tuple(p.tensor.data_ptr() for _, params in self._layers for p in params)
         key += tuple(t.data_ptr() for t in sink.params.values())
-        if self._direct is None or self._direct[0] != key:
+        if self._direct is None or self._direct.key != key:
             pairs = []
             for _, params in self._layers:
                 for p in params:
                     shape = block_shape(p.rule, p.tensor.shape, 1)
                     pairs += block_copies(p.rule, sink.buffer(vllm_name(p.rule), shape), [p.tensor.data], self.arch)
-            self._direct = (key, pairs)
-        for dst, src in self._direct[1]:
-            dst.copy_(src)
+            self._direct = CopyPlan(key, pairs, graph=self.cuda_graph)
+        self._direct.run()
 
     def _slot_of(self, slot: _Slot) -> tuple[str, int, int | None]:
         return vllm_slot(rule_for(f"decoder.layers.0.{slot.suffix}", self.arch, slot.layer), self.arch)
@@ -449,6 +460,7 @@ class WeightSync:
             "weight_sync/model_bytes": float(model_bytes),
             "weight_sync/version": float(self.version),
             "weight_sync/quantized_params": float(quantized),
+            "weight_sync/cuda_graph": float(producer.direct_graphed),
         }
 
 

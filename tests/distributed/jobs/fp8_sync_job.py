@@ -10,7 +10,8 @@ Args: --tp --pp --gen-tp --model-dir DIR [--dtype float32] [--kv-cache-dtype aut
 4. every FP8 weight and scale equals the per-row float64 quantization of the rows vLLM's loader would keep, cut here
    from the full HF tensors (gathered from Megatron);
 5. vLLM generates; the Megatron model's log-probs of the generated tokens against vLLM's: the FP8 log-prob gap;
-6. a second perturbation and sync (the destinations reused) changes the weights again, with the same coverage.
+6. a second perturbation and sync (the destinations reused) changes the weights again, with the same coverage; a
+   third does too (on CUDA the second captured the copies in a CUDA graph and the third replays it).
 Rank 0 prints ``FP8 {json}``.
 """
 
@@ -171,11 +172,22 @@ def main() -> None:
     stats2 = check_all()
     again = rollout.generate(prompts, greedy)
     assert again.weight_version == 2
+    # on CUDA the second sync captured the copy plan in a CUDA graph; a third replays it and must write new weights
+    assert metrics2["weight_sync/cuda_graph"] == float(cuda and pool.micro_dp == 1 and pool.pp == 1), metrics2
+    before = {m: model.get_submodule(m).weight.t().float().clone() for m in quantized}
+    perturb(chunks, arch, coords, 0.3)
+    metrics3 = engine.update_weights()
+    engine.restore_memory()
+    assert metrics3["weight_sync/quantized_params"] == len(quantized)
+    assert metrics3["weight_sync/cuda_graph"] == metrics2["weight_sync/cuda_graph"], metrics3
+    assert all(not torch.equal(before[m], model.get_submodule(m).weight.t().float()) for m in before)
+    stats3 = check_all()
 
     everyone = [None] * world
     dist.all_gather_object(everyone, {"rank": rank, "quantized": len(quantized), "lp_diff_mean": lp_mean,
                                       "lp_diff_max": lp_max, "checked_elements": stats["elements"],
-                                      "off_by_one": stats["off_by_one"] + stats2["off_by_one"],
+                                      "off_by_one": stats["off_by_one"] + stats2["off_by_one"] + stats3["off_by_one"],
+                                      "cuda_graph": metrics3["weight_sync/cuda_graph"],
                                       "sync_s": metrics["weight_sync/seconds"],
                                       "bytes": metrics["weight_sync/bytes_received"]})
     if rank == 0:
