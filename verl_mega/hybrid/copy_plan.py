@@ -93,6 +93,8 @@ def _all_cuda(pairs: Sequence[Pair]) -> bool:
 
 def _cuda_graph(copies: Callable[[], None]) -> Any:
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # thread-local: a background thread's CUDA calls during the capture (an asynchronous checkpoint's copies) are
+    # neither refused nor captured
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         copies()
     return graph
