@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU measurements (2×H200). Results go to $OUT (≤ 8 files).
 #   bash benchmarks/gpu_session.sh models|sync|rl|grpo|checks|tier|sample|moe|fwdbwd|pools|packedA|packedC|lora|
-#                                    loraprof|fp8|grpoC1|quant|stream20|streamrule|fp8tests|kv8|kv8long|grpo7lora|marlin|cq|cqrollout|graphsync|decode
+#                                    loraprof|fp8|grpoC1|quant|stream20|streamrule|fp8tests|kv8|kv8long|grpo7lora|marlin|cq|blockcq|cqrollout|graphsync|decode
 set -uo pipefail
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
 LOG=$OUT/session.log
@@ -162,6 +162,12 @@ case "${1:-models}" in
     # against Inductor's kernels, bf16 beside them; the probe writes its JSON after every format
     run timeout ${FP8_TIMEOUT:-560} python3 benchmarks/probe_rollout_gpu.py fp8 --model 7b --repeats 1 \
         --formats ${CQ_FORMATS:-fp8-channel+cq,fp8-channel,bf16} --json "$OUT/probe_cq_7b.json"
+    ;;
+  blockcq)
+    # 128 x 128 block FP8 at 7B with vLLM's CUDA quant op: its fusion passes fuse both the RMSNorms and the SiLU with
+    # a 128-group activation quantization (the per-channel format gets only the first), against per-channel and bf16
+    run timeout ${FP8_TIMEOUT:-560} python3 benchmarks/probe_rollout_gpu.py fp8 --model 7b --repeats 1 \
+        --formats ${BLOCK_FORMATS:-fp8-block+cq,fp8-channel,bf16} --json "$OUT/probe_block_cq_7b.json"
     ;;
   cqrollout)
     # the same through the rollout (the in-place quantizing sync, the log-prob gap): FP8 weights + FP8 KV cache with
