@@ -302,6 +302,24 @@ def _vllm_engine_kwargs(k: str, v: Any, ctx: Ctx) -> Map | Same | Unsupported:
     return Map({f"rollout.engine_kwargs.{path}": v})
 
 
+def _rollout_quantization(k: str, v: Any, ctx: Ctx) -> Map | Same | Unsupported:
+    """verl's rollout quantization → rollout.quantization: FP8 weights in vLLM, quantized by the weight sync."""
+    if _off(v):
+        return Same("the rollout generates in model.dtype (rollout.quantization=none)")
+    if v == "fp8":
+        return Map({"rollout.quantization": "fp8"}, "verl quantizes in 128x128 blocks, verl_mega with one scale per "
+                                                  "output channel (docs/performance.md)")
+    return Unsupported(f"rollout quantization {v!r}: verl_mega's rollout quantizes to fp8 only "
+                       "(rollout.quantization=fp8)")
+
+
+def _cudagraph_sizes(k: str, v: Any, ctx: Ctx) -> Map | Same:
+    """verl's cudagraph_capture_sizes → vLLM's own compilation setting, through rollout.engine_kwargs."""
+    if v is None:
+        return Same("vLLM's own capture sizes")
+    return Map({"rollout.engine_kwargs.compilation_config.cudagraph_capture_sizes": [int(x) for x in v]})
+
+
 # verl's Megatron LoRA names the fused projections; verl_mega names the HF projections inside them
 _MEGATRON_LORA_TARGETS = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
                           "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}

@@ -12,13 +12,13 @@ from fnmatch import fnmatchcase
 from typing import Any
 
 from verl_key_handlers import (  # noqa: I001
-    Ctx, Handler, Map, ROLES, Same, Unsupported, _adv, _betas, _clip_ratio, _critic_enable, _critic_path, _decay_style,
-    _do_sample, _dtype, _filter_overlong, _free_cache, _freq, _gen_dp, _gen_ep, _granularity, _kl_type, _launch,
-    _logger, _lora, _loss_mode, _loss_option, _megatron_dim, _micro_global, _min_lr_ratio, _multi_turn, _n, _offload,
-    _optimizer, _output_dir, _per_gpu, _recompute, _resume_mode, _resume_path, _reward_fn, _reward_kwargs, _rm_path,
-    _rollout_is, _router_replay, _save_contents, _seed, _tp_gen, _train_steps, _truncation, _val_temperature,
-    _vllm_engine_kwargs, _warmup, any_on, expand, files, gated, off_only, role_key, role_to, same, to, unsupported,
-    when,
+    Ctx, Handler, Map, ROLES, Same, Unsupported, _adv, _betas, _clip_ratio, _critic_enable, _critic_path,
+    _cudagraph_sizes, _decay_style, _do_sample, _dtype, _filter_overlong, _free_cache, _freq, _gen_dp, _gen_ep,
+    _granularity, _kl_type, _launch, _logger, _lora, _loss_mode, _loss_option, _megatron_dim, _micro_global,
+    _min_lr_ratio, _multi_turn, _n, _offload, _optimizer, _output_dir, _per_gpu, _recompute, _resume_mode, _resume_path,
+    _reward_fn, _reward_kwargs, _rm_path, _rollout_is, _rollout_quantization, _router_replay, _save_contents, _seed,
+    _tp_gen, _train_steps, _truncation, _val_temperature, _vllm_engine_kwargs, _warmup, any_on, expand, files, gated,
+    off_only, role_key, role_to, same, to, unsupported, when,
 )
 
 __all__ = ["RULES", "classify", "Map", "Same", "Unsupported", "Ctx"]
@@ -321,8 +321,31 @@ RULES: list[tuple[str, Handler]] = [
                                                                     "pipeline parallelism in vLLM: not supported")),
     ("actor_rollout_ref.rollout.nnodes", same("the rollout shares the training pool unless placement.roles says "
                                               "otherwise")),
-    ("actor_rollout_ref.rollout.*", same("vLLM engine detail that verl_mega sets itself (chunked prefill, prefix "
-                                         "caching, CUDA graphs, stats)")),
+    ("actor_rollout_ref.rollout.quantization", _rollout_quantization),
+    ("actor_rollout_ref.rollout.quantization_config_file", off_only(
+        "a quantization config file (torchao): verl_mega's rollout quantizes with rollout.quantization=fp8 only",
+        "null here")),
+    ("actor_rollout_ref.rollout.enable_prefix_caching", to("rollout.enable_prefix_caching", bool)),
+    ("actor_rollout_ref.rollout.cudagraph_capture_sizes", _cudagraph_sizes),
+    ("actor_rollout_ref.rollout.max_model_len", same("data.max_prompt_length + rollout.max_response_length")),
+    ("actor_rollout_ref.rollout.enable_chunked_prefill", same("vLLM's chunked prefill is on")),
+    ("actor_rollout_ref.rollout.disable_log_stats", same("vLLM's stats are off; trainer.profile turns its request "
+                                                         "timestamps on")),
+    ("actor_rollout_ref.rollout.multi_stage_wake_up", same("SGLang's option in verl; verl_mega wakes vLLM's weights "
+                                                           "before the weight sync and its KV cache after it")),
+    ("actor_rollout_ref.rollout.over_sample_rate", when(0, "every request runs to its end",
+                                                        "verl's early abort of a rollout's last requests: not in "
+                                                        "verl_mega")),
+    ("actor_rollout_ref.rollout.scheduling_policy", when("fcfs", "vLLM schedules first come, first served",
+                                                         "vLLM's priority scheduling: not exposed")),
+    ("actor_rollout_ref.rollout.skip_rollout", off_only("verl's rollout dump and replay for debugging: not in "
+                                                        "verl_mega")),
+    ("actor_rollout_ref.rollout.skip_dump_dir", same("see skip_rollout")),
+    ("actor_rollout_ref.rollout.full_determinism", off_only("deterministic vLLM generation: not in verl_mega")),
+    ("actor_rollout_ref.rollout.moe_load_balance_metrics_interval", same("vLLM's MoE load-balance metrics: not "
+                                                                         "collected")),
+    ("actor_rollout_ref.rollout.qat", off_only("quantization-aware training: not in verl_mega")),
+    ("actor_rollout_ref.rollout.mtp.*", same(INTERP)),
     # ------------------------------------------------------------ critic
     ("critic.enable", _critic_enable),
     ("critic.cliprange_value", to("critic.cliprange_value", float)),

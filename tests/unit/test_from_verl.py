@@ -242,3 +242,29 @@ def test_sequence_parallel_at_tp1_is_off_as_megatron_decides():
                 "actor_rollout_ref.actor.megatron.tensor_model_parallel_size": tp}
         ours, _, _ = from_verl.convert(flat, overridden=set())
         assert ours["parallel.sequence_parallel"] is sp and ours["parallel.tp"] == tp
+
+
+def test_rollout_engine_keys_that_carry_intent_convert_or_are_refused(tmp_path):
+    flat = {"actor_rollout_ref.rollout.quantization": "fp8", "actor_rollout_ref.rollout.quantization_config_file": None,
+            "actor_rollout_ref.rollout.enable_prefix_caching": False,
+            "actor_rollout_ref.rollout.cudagraph_capture_sizes": [1, 2, 4, 8],
+            "actor_rollout_ref.rollout.over_sample_rate": 0, "actor_rollout_ref.rollout.scheduling_policy": "fcfs",
+            "actor_rollout_ref.rollout.skip_rollout": False, "actor_rollout_ref.rollout.max_model_len": None}
+    ours, rows, _ = from_verl.convert(flat, overridden=set())
+    assert ours == {"rollout.quantization": "fp8", "rollout.enable_prefix_caching": False,
+                    "rollout.engine_kwargs.compilation_config.cudagraph_capture_sizes": [1, 2, 4, 8]}
+    assert not [key for key, _, outcome in rows if isinstance(outcome, Unsupported)]
+    # verl's FP8 blocks differ from our per-channel scales: said in the mapping's note
+    assert any("128x128" in outcome.note for _, _, outcome in rows if isinstance(outcome, Map))
+    assert isinstance(classify("actor_rollout_ref.rollout.quantization", None, Ctx({})), Same)
+    for key, value in (("quantization", "torchao"), ("quantization_config_file", "torchao_config.json"),
+                       ("over_sample_rate", 0.1), ("scheduling_policy", "priority"), ("skip_rollout", True),
+                       ("full_determinism", True)):
+        assert isinstance(classify(f"actor_rollout_ref.rollout.{key}", value, Ctx({})), Unsupported), key
+    # a rollout key this converter does not know is reported, not passed over
+    assert isinstance(classify("actor_rollout_ref.rollout.no_such_key", 1, Ctx({})), Unsupported)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(from_verl.nest({**ours, "model.path": "m"})))
+    cfg = load_config(path, check_paths=False)
+    assert (cfg.rollout.quantization, cfg.rollout.enable_prefix_caching) == ("fp8", False)
+    assert cfg.rollout.engine_kwargs == {"compilation_config": {"cudagraph_capture_sizes": (1, 2, 4, 8)}}

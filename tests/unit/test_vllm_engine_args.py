@@ -78,3 +78,20 @@ def test_every_argument_the_rollout_sets_is_reserved(monkeypatch):
                (VLLMRolloutConfig(model_path="m", kv_cache_memory_bytes=1 << 30), False)]
     for config, is_cpu in configs:
         assert set(_engine_args(monkeypatch, config, is_cpu=is_cpu)) <= set(ROLLOUT_ENGINE_ARGS)
+
+
+def test_the_keys_the_refusals_name_exist(monkeypatch, tmp_path):
+    # a refused engine argument names the key to set instead: each such key must be one a recipe can set
+    import re
+
+    cfg = load_config(RECIPE, ["rollout.enable_prefix_caching=false"], check_paths=False)
+    named = {m for hint in ROLLOUT_ENGINE_ARGS.values()
+             for m in re.findall(r"\b(?:rollout|model|data|actor|trainer)\.[a-z_.]*[a-z_]", hint)}
+    assert len(named) > 10
+    for key in sorted(named):
+        node = cfg
+        for part in key.split("."):
+            assert hasattr(node, part), f"ROLLOUT_ENGINE_ARGS names {key}, which is not a config key"
+            node = getattr(node, part)
+    assert _engine_args(monkeypatch, vllm_config(cfg, tmp_path, gen_tp=1))["enable_prefix_caching"] is False
+    assert _engine_args(monkeypatch, VLLMRolloutConfig(model_path="m"))["enable_prefix_caching"] is True

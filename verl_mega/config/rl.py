@@ -137,6 +137,10 @@ class VLLMConfig(ConfigSection):
                                                            "default.", affects_results=False)
     enforce_eager: bool = option(False, help="Disable CUDA graphs in vLLM (slower decode, faster start-up).",
                                  affects_results=False)
+    enable_prefix_caching: bool = option(
+        True, help="Reuse the KV cache of a shared prompt prefix (GRPO's samples of one prompt prefill it once). "
+                   "Every weight sync resets the cache. Routing replay decides it itself (actor.routing_replay).",
+        affects_results=False)
     quantization: Literal["none", "fp8"] = option(
         "none", help="Weights vLLM generates with. `fp8`: float8 e4m3 linear weights with one scale per output "
                      "channel (compressed-tensors W8A8, activations quantized per token on the fly); the colocated "

@@ -51,7 +51,6 @@ class VLLMRolloutConfig(VLLMConfig):
     model_path: str = option(help="HF model directory vLLM loads (its architecture and tokenizer files).")
     dtype: Literal["float32", "bfloat16", "float16"] = option("bfloat16", help="Weights and activations.")
     max_model_len: int = option(2048, help="Longest prompt + response.")
-    enable_prefix_caching: bool = option(True, help="Reuse the KV cache of shared prefixes.")
     load_format: str = option("auto", help="`dummy`: random weights, the real ones arrive through the weight sync.")
     seed: int | None = option(0, help="vLLM's own seed (requests carry explicit seeds).")
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = option("raw_logprobs", help="What vLLM reports.")

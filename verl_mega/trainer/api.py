@@ -32,7 +32,8 @@ class vLLMBackend:  # noqa: N801 — the name users were promised
     """Rollout on in-process vLLM through the 3D-HybridEngine: ``vLLMBackend(model_name=None, **settings)``. The
     settings are vLLM's engine settings of the config (:class:`~verl_mega.config.rl.VLLMConfig`: gen_tp, gen_ep,
     gpu_memory_utilization, kv_cache_memory_bytes, max_num_seqs, max_num_batched_tokens, enforce_eager,
-    sleep_level), checked as the config checks them; a setting left out (or None) keeps the recipe's value.
+    enable_prefix_caching, sleep_level), checked as the config checks them; a setting left out (or None) keeps the
+    recipe's value.
 
     ``model_name`` may only name the actor's own model: vLLM generates with the actor's weights, synced after every
     update, so a different model would be a different policy.
