@@ -282,6 +282,12 @@ RULES: list[tuple[str, Handler]] = [
     ("actor_rollout_ref.rollout.val_kwargs.temperature", _val_temperature),
     ("actor_rollout_ref.rollout.val_kwargs.do_sample", _do_sample),
     ("actor_rollout_ref.rollout.val_kwargs.n", _n),
+    ("actor_rollout_ref.rollout.val_kwargs.top_p", when(1.0, "validation samples at top_p 1",
+                                                        "validation at top_p < 1: verl_mega validates at top_p 1 "
+                                                        "(rollout.val_temperature sets its temperature)")),
+    ("actor_rollout_ref.rollout.val_kwargs.top_k", lambda k, v, c: Same("validation samples with no top-k") if v in
+     (None, -1, 0) else Unsupported("validation with top-k: verl_mega validates with no top-k "
+                                    "(rollout.val_temperature sets its temperature)")),
     ("actor_rollout_ref.rollout.val_kwargs.*", same("validation samples at top_p 1, no top-k")),
     ("actor_rollout_ref.rollout.multi_turn.enable", _multi_turn),
     ("actor_rollout_ref.rollout.multi_turn.max_assistant_turns", lambda k, v, c: Same("null") if v is None else
