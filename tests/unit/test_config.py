@@ -353,10 +353,13 @@ def test_rollout_is_thresholds():
         "actor.rollout_is expects token | sequence | null, got 'geometric'")
 
 
-def test_rollout_is_needs_unit_temperature():
-    assert _error(load_config, QUICKSTART, ["actor.rollout_is=token", "rollout.temperature=0.7"]) == (
-        "actor.rollout_is=token compares vLLM's log-probs, taken before temperature scaling, with the actor's at "
-        "rollout.temperature=0.7; set rollout.temperature=1.0 or actor.rollout_is=null")
+def test_rollout_is_needs_a_sampling_temperature():
+    # vLLM reports the sampled distribution's log-probs, the actor scores at rollout.temperature: any T > 0 agrees
+    assert load_config(QUICKSTART, ["actor.rollout_is=token", "rollout.temperature=0.7"]).actor.rollout_is == "token"
+    assert _error(load_config, QUICKSTART, ["actor.rollout_is=token", "rollout.temperature=0",
+                                          "algorithm.adv_estimator=reinforce_plus_plus"]) == (
+        "actor.rollout_is=token weights tokens by the sampling distribution's log-probs, but rollout.temperature=0 "
+        "decodes greedily; set rollout.temperature > 0 or actor.rollout_is=null")
 
 
 def test_rollout_is_resolves_and_round_trips(tmp_path):
@@ -384,9 +387,12 @@ def test_decoupled_ppo_keys():
     assert _error(load_config, None, ["actor.policy_loss=decoupled_ppo", "actor.rollout_is=sequence"]) == (
         "actor.policy_loss=decoupled_ppo already weights every token by π_old/π_rollout, actor.rollout_is=sequence "
         "would correct the same gap twice; set actor.rollout_is=null")
-    assert _error(load_config, QUICKSTART, ["actor.policy_loss=decoupled_ppo", "rollout.temperature=0.7"]) == (
-        "actor.policy_loss=decoupled_ppo compares vLLM's log-probs, taken before temperature scaling, with the "
-        "actor's at rollout.temperature=0.7; set rollout.temperature=1.0 or actor.policy_loss=vanilla")
+    assert load_config(QUICKSTART, ["actor.policy_loss=decoupled_ppo", "rollout.temperature=0.7"]
+                       ).rollout.temperature == 0.7
+    assert _error(load_config, QUICKSTART, ["actor.policy_loss=decoupled_ppo", "rollout.temperature=0",
+                                          "algorithm.adv_estimator=reinforce_plus_plus"]) == (
+        "actor.policy_loss=decoupled_ppo weights tokens by the sampling distribution's log-probs, but "
+        "rollout.temperature=0 decodes greedily; set rollout.temperature > 0 or actor.policy_loss=vanilla")
 
 
 def test_override_without_equals():

@@ -35,9 +35,9 @@ class TrainConfig(ConfigSection):
       `generated:<task>` data, else `reward.function` or `reward.reward_model_path` is required.
     - with `use_dynamic_bsz`, `max_tokens_per_gpu` must hold one full sequence (max_prompt_length +
       max_response_length); `trainer.val_every` > 0 needs `data.val_files`.
-    - `actor.rollout_is` and `actor.policy_loss=decoupled_ppo` need `rollout.temperature` = 1: vLLM reports
-      log-probs before temperature scaling, the actor computes them at `rollout.temperature`, so the two only measure
-      the same distribution at 1.
+    - `actor.rollout_is` and `actor.policy_loss=decoupled_ppo` need `rollout.temperature` > 0: they weight tokens by
+      the ratio of the actor's log-probs at `rollout.temperature` to vLLM's of the distribution it sampled from, and
+      greedy decoding has no such distribution.
 
     Checks that need the world size run in `validate_runtime(placement)`: the mini-batch (in samples) must split
     evenly over the actor pool's data-parallel ranks and then into micro-batches, and
@@ -178,10 +178,9 @@ class TrainConfig(ConfigSection):
         elif self.actor.policy_loss == "decoupled_ppo":
             correction = ("actor.policy_loss=decoupled_ppo", "actor.policy_loss=vanilla")
         if correction is not None:
-            self._require(self.rollout.temperature == 1.0,
-                          f"{correction[0]} compares vLLM's log-probs, taken before "
-                          f"temperature scaling, with the actor's at rollout.temperature={self.rollout.temperature}; "
-                          f"set rollout.temperature=1.0 or {correction[1]}")
+            self._require(self.rollout.temperature > 0,
+                          f"{correction[0]} weights tokens by the sampling distribution's log-probs, but "
+                          f"rollout.temperature=0 decodes greedily; set rollout.temperature > 0 or {correction[1]}")
         for flag, on in (("algorithm.use_kl_in_reward", self.algorithm.use_kl_in_reward),
                          ("actor.use_kl_loss", self.actor.use_kl_loss)):
             self._require(not on or ref.enable, f"{flag}=true needs the reference policy but ref.enable=false; set "

@@ -53,7 +53,10 @@ class VLLMRolloutConfig(VLLMConfig):
     max_model_len: int = option(2048, help="Longest prompt + response.")
     load_format: str = option("auto", help="`dummy`: random weights, the real ones arrive through the weight sync.")
     seed: int | None = option(0, help="vLLM's own seed (requests carry explicit seeds).")
-    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = option("raw_logprobs", help="What vLLM reports.")
+    # processed: the log-probs of the distribution vLLM sampled from (logits / temperature, top-k/p applied), what
+    # the trainer scores at rollout.temperature; raw ones (the logits as they are) differ at any temperature but 1
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = option(
+        "processed_logprobs", help="What vLLM reports.")
     trust_remote_code: bool = option(False, help="Run the model's own code in model_path (trusted directories only).")
     request_stats: bool = option(False, help="Per-request timestamps: the prefill/decode split (cost engine time).")
     return_routed_experts: bool = option(False, help="MoE: each token's routed experts (R3; routing_capture.py).")

@@ -247,30 +247,47 @@ def main() -> None:
     engine.restore_memory()
 
     # Log-prob parity: Megatron's log-probs of vLLM's tokens (same sequences on every rank).
-    seqs = [p + t for p, t in zip(prompts, after.token_ids)]
-    width = max(len(s) for s in seqs)
     mcore_engine = MegatronEngine(chunks, cfg, groups)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    lp_diff = max_logit = 0.0
-    for i, seq in enumerate(seqs):
-        ids = torch.tensor([seq + [0] * (width - len(seq))], device=device)
-        mb = {"input_ids": ids, "position_ids": torch.arange(width, device=device)[None]}
 
-        def post(output, mb):
-            lp, _ = vocab_parallel_logprobs_entropy(output[:, :-1], mb["input_ids"][:, 1:],
-                                                    vocab_size=arch.vocab_size, tp_group=groups["tp"])
-            return {"logprobs": lp, "max_logit": output.detach().float().abs().amax()[None]}
+    def logprob_gap(batch, temperature: float) -> tuple[float, float]:
+        """max |Megatron's log-prob at ``temperature`` − vLLM's| over ``batch``'s tokens, and the largest |logit|."""
+        seqs = [p + t for p, t in zip(prompts, batch.token_ids)]
+        width = max(len(s) for s in seqs)
+        gap = top = 0.0
+        for i, seq in enumerate(seqs):
+            ids = torch.tensor([seq + [0] * (width - len(seq))], device=device)
+            mb = {"input_ids": ids, "position_ids": torch.arange(width, device=device)[None]}
 
-        out = mcore_engine.forward([mb], post)[0]
-        n = len(prompts[i])
-        mcore_lp = out["logprobs"][0][n - 1:n - 1 + MAX_NEW].double().cpu()
-        lp_diff = max(lp_diff, (mcore_lp - torch.tensor(after.logprobs[i]).double()).abs().max().item())
-        max_logit = max(max_logit, out["max_logit"].max().item())
+            def post(output, mb):
+                lp, _ = vocab_parallel_logprobs_entropy(output[:, :-1], mb["input_ids"][:, 1:],
+                                                        vocab_size=arch.vocab_size, tp_group=groups["tp"],
+                                                        temperature=temperature)
+                return {"logprobs": lp, "max_logit": output.detach().float().abs().amax()[None]}
+
+            out = mcore_engine.forward([mb], post)[0]
+            n, m = len(prompts[i]), len(batch.token_ids[i])
+            mcore_lp = out["logprobs"][0][n - 1:n - 1 + m].double().cpu()
+            gap = max(gap, (mcore_lp - torch.tensor(batch.logprobs[i]).double()).abs().max().item())
+            top = max(top, out["max_logit"].max().item())
+        return gap, top
+
+    lp_diff, max_logit = logprob_gap(after, 1.0)
     # Both engines round each logit to --dtype; a log-prob (z_t - logsumexp z) moves by up to the spacing there of
     # the logit and of the largest one. In bf16 that is 0.5 at |z| = 100: a fixed bound is only right by luck.
     tol = args.lp_tol if args.lp_tol_ulps is None else args.lp_tol_ulps * spacing(max_logit, args.dtype)
     assert lp_diff < tol, (f"rank {rank}: vLLM vs Megatron log-probs differ by {lp_diff} (bound {tol}, "
                            f"max |logit| {max_logit})")
+    # Sampled at a temperature: vLLM reports the log-probs of the distribution it sampled from, which is the one the
+    # trainer scores (logits / T). Seeded, so every engine draws the same tokens (Megatron's forward is collective).
+    hot = rollout.generate(prompts, SamplingSpec(max_tokens=MAX_NEW, temperature=0.6, ignore_eos=True, seed=3))
+    drawn = [None] * world
+    dist.all_gather_object(drawn, hot.token_ids)
+    assert all(d == hot.token_ids for d in drawn), f"rank {rank}: engines drew different tokens with one seed"
+    hot_diff, hot_logit = logprob_gap(hot, 0.6)
+    hot_tol = args.lp_tol if args.lp_tol_ulps is None else args.lp_tol_ulps * spacing(hot_logit / 0.6, args.dtype)
+    assert hot_diff < hot_tol, (f"rank {rank}: at temperature 0.6 vLLM vs Megatron log-probs differ by {hot_diff} "
+                                f"(bound {hot_tol})")
 
     # Random sampling: ranks of one engine must draw the same tokens even when training left their global RNGs in
     # different states, and the training RNG must come back untouched.
@@ -316,7 +333,8 @@ def main() -> None:
     expected = expected_bytes(arch, pool, coords, elem)
     assert measured == expected, f"rank {rank}: received {measured} bytes, expected {expected}"
     per_rank = [None] * world
-    dist.all_gather_object(per_rank, {"rank": rank, "bytes": measured, "lp_diff": lp_diff, "checked": checked,
+    dist.all_gather_object(per_rank, {"rank": rank, "bytes": measured, "lp_diff": lp_diff, "lp_diff_hot": hot_diff,
+                                      "checked": checked,
                                       "predicted": metrics["weight_sync/predicted_bytes"],
                                       "sync_s": metrics["weight_sync/seconds"],
                                       "ref_bytes": ref_metrics["weight_sync/bytes_received"],
