@@ -302,8 +302,10 @@ RULES: list[tuple[str, Handler]] = [
                                                "rollout (rollout.multi_turn)")),
     ("actor_rollout_ref.rollout.calculate_log_probs", same("vLLM's log-probs are always kept (rollout/logprob_diff_*, "
                                                            "actor.rollout_is)")),
-    ("actor_rollout_ref.rollout.logprobs_mode", same("log-probs of the processed (temperature-scaled) "
-                                                     "distribution, as verl's processed_logprobs")),
+    ("actor_rollout_ref.rollout.logprobs_mode", when("processed_logprobs", "vLLM reports the log-probs of the "
+                                                     "distribution it sampled from (temperature, top-k/p applied)",
+                                                     "vLLM's raw log-probs or logits: verl_mega's rollout reports "
+                                                     "those of the sampled distribution (processed_logprobs)")),
     ("actor_rollout_ref.rollout.dtype", same("vLLM runs in model.dtype")),
     ("actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes",
      to("rollout.weight_bucket_mb", int)),

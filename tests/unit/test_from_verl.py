@@ -261,6 +261,8 @@ def test_rollout_engine_keys_that_carry_intent_convert_or_are_refused(tmp_path):
                        ("over_sample_rate", 0.1), ("scheduling_policy", "priority"), ("skip_rollout", True),
                        ("full_determinism", True)):
         assert isinstance(classify(f"actor_rollout_ref.rollout.{key}", value, Ctx({})), Unsupported), key
+    assert isinstance(classify("actor_rollout_ref.rollout.logprobs_mode", "processed_logprobs", Ctx({})), Same)
+    assert isinstance(classify("actor_rollout_ref.rollout.logprobs_mode", "raw_logprobs", Ctx({})), Unsupported)
     # validation samples at top_p 1 with no top-k: verl's other settings are refused
     for key, same_value, other in (("top_p", 1.0, 0.9), ("top_k", -1, 20)):
         assert isinstance(classify(f"actor_rollout_ref.rollout.val_kwargs.{key}", same_value, Ctx({})), Same)
