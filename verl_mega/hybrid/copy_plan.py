@@ -47,26 +47,24 @@ class CopyPlan:
         if self._graph is None and self._capture is not None and self.runs >= 1:
             self._graph = self._captured()
         if self._graph is None:
-            for dst, src in self.pairs:
-                dst.copy_(src)
+            self._copies()
         else:
             self._graph.replay()
             for counts, name, n in self._writes:
                 counts[name] = counts.get(name, 0) + n
         self.runs += 1
 
+    def _copies(self) -> None:
+        for dst, src in self.pairs:
+            dst.copy_(src)
+
     def _captured(self) -> Any:
         """The pairs' copies captured once; the recording destinations' counts are what one replay writes. A capture
         that fails leaves the plan eager (the copies still run, at their launch cost), with a warning."""
         records = {id(r[0]): r[0] for dst, _ in self.pairs if (r := getattr(dst, "record", None)) is not None}
         before = {key: dict(counts) for key, counts in records.items()}
-
-        def copies() -> None:
-            for dst, src in self.pairs:
-                dst.copy_(src)
-
         try:
-            graph = self._capture(copies)
+            graph = self._capture(self._copies)
         except Exception as exc:  # noqa: BLE001 - a graph is an optimisation; the eager copies are always right
             log.warning("weight sync: capturing its %d copies in a CUDA graph failed (%s); they run one by one",
                         len(self.pairs), exc)

@@ -280,14 +280,16 @@ def main() -> None:
                            f"max |logit| {max_logit})")
     # Sampled at a temperature: vLLM reports the log-probs of the distribution it sampled from, which is the one the
     # trainer scores (logits / T). Seeded, so every engine draws the same tokens (Megatron's forward is collective).
-    hot = rollout.generate(prompts, SamplingSpec(max_tokens=MAX_NEW, temperature=0.6, ignore_eos=True, seed=3))
+    temperature = 0.6
+    hot = rollout.generate(prompts, SamplingSpec(max_tokens=MAX_NEW, temperature=temperature, ignore_eos=True, seed=3))
     drawn = [None] * world
     dist.all_gather_object(drawn, hot.token_ids)
     assert all(d == hot.token_ids for d in drawn), f"rank {rank}: engines drew different tokens with one seed"
-    hot_diff, hot_logit = logprob_gap(hot, 0.6)
-    hot_tol = args.lp_tol if args.lp_tol_ulps is None else args.lp_tol_ulps * spacing(hot_logit / 0.6, args.dtype)
-    assert hot_diff < hot_tol, (f"rank {rank}: at temperature 0.6 vLLM vs Megatron log-probs differ by {hot_diff} "
-                                f"(bound {hot_tol})")
+    hot_diff, hot_logit = logprob_gap(hot, temperature)
+    hot_tol = (args.lp_tol if args.lp_tol_ulps is None
+               else args.lp_tol_ulps * spacing(hot_logit / temperature, args.dtype))
+    assert hot_diff < hot_tol, (f"rank {rank}: at temperature {temperature} vLLM vs Megatron log-probs differ by "
+                                f"{hot_diff} (bound {hot_tol})")
 
     # Random sampling: ranks of one engine must draw the same tokens even when training left their global RNGs in
     # different states, and the training RNG must come back untouched.
