@@ -237,6 +237,9 @@ class WeightProducer:
             return
         key = tuple(p.tensor.data_ptr() for _, params in self._layers for p in params)
         key += tuple(t.data_ptr() for t in sink.params.values())
+        # the plan's FP8 destinations record into this transport's dict: a new transport (a new vLLM model, which may
+        # sit at the old addresses) needs a new plan, or its coverage check would read counts the plan never makes
+        key += (id(sink.quantized_written),)
         if self._direct is None or self._direct.key != key:
             pairs = []
             for _, params in self._layers:
