@@ -8,7 +8,7 @@ import torch
 
 from verl_mega.algos import masked_whiten
 from verl_mega.parallel.placement import Placement
-from verl_mega.parallel.rows import RowTable, assign_rows, imbalance, plan_routes
+from verl_mega.parallel.rows import RowTable, assign_rows, imbalance, plan_routes, split_groups
 from verl_mega.rollout.base import Sample
 from verl_mega.trainer.transfer import exchange
 
@@ -37,6 +37,20 @@ def test_balanced_assignment_keeps_groups_whole_and_tokens_even(groups, n, dp):
     balanced = imbalance(owner, tokens, dp)
     print(f"token imbalance: contiguous {contiguous:.3f}, balanced {balanced:.3f}")
     assert balanced <= 0.10 and balanced < contiguous
+
+
+def test_groups_stay_whole_when_their_ids_are_out_of_order():
+    # DAPO's batch: the kept groups, then dropped ones that fill it, so the prompt ids are not ascending
+    prompt = torch.tensor([0, 2, 5, 1, 7, 3, 4, 6]).repeat_interleave(4)
+    tokens = _long_tailed(32, seed=2)
+    owner = assign_rows(prompt, tokens, 2, balance=True)
+    assert torch.bincount(owner).tolist() == [16, 16]
+    assert split_groups(prompt, owner) == []
+    # a group's rows need not even be next to each other
+    shuffled = torch.randperm(32, generator=torch.Generator().manual_seed(0))
+    owner = assign_rows(prompt[shuffled], tokens[shuffled], 4, balance=True)
+    assert torch.bincount(owner).tolist() == [8] * 4 and split_groups(prompt[shuffled], owner) == []
+    assert split_groups(prompt, torch.arange(32) % 2) == [0, 1, 2, 3, 4, 5, 6, 7]
 
 
 def test_rows_are_balanced_one_by_one_when_groups_cannot_stay_whole():

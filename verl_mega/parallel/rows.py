@@ -50,8 +50,10 @@ def assign_rows(prompt: torch.Tensor, tokens: torch.Tensor, dp: int, *, balance:
         raise ValueError(f"{rows} rows do not split over {dp} data-parallel ranks")
     if not balance:
         return torch.arange(rows) // (rows // dp)
-    groups = torch.unique_consecutive(prompt)
-    whole = len(groups) % dp == 0 and bool((prompt[1:] >= prompt[:-1]).all())
+    # a group is its prompt's rows wherever they sit: DAPO's batch puts its kept groups before the dropped ones that
+    # fill it, so the ids are not in order, and group baselines still need each group on one replica
+    groups, sizes = torch.unique(prompt, return_counts=True)
+    whole = len(groups) % dp == 0 and bool((sizes == sizes[0]).all())
     if whole:
         units = [torch.nonzero(prompt == g).flatten() for g in groups.tolist()]
     else:
@@ -66,6 +68,11 @@ def assign_rows(prompt: torch.Tensor, tokens: torch.Tensor, dp: int, *, balance:
         load[r] += weights[k]
         count[r] += 1
     return owner
+
+
+def split_groups(prompt: torch.Tensor, owner: torch.Tensor) -> list[int]:
+    """The prompts whose rows ``owner`` puts on more than one replica."""
+    return [g for g in torch.unique(prompt).tolist() if len(torch.unique(owner[prompt == g])) > 1]
 
 
 def imbalance(owner: torch.Tensor, tokens: torch.Tensor, dp: int) -> float:

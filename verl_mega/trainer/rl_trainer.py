@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from verl_mega import algos
 from verl_mega.config import TrainConfig
-from verl_mega.parallel.rows import RowTable, imbalance
+from verl_mega.config.rl import GROUP_ESTIMATORS
+from verl_mega.parallel.rows import RowTable, imbalance, split_groups
 from verl_mega.rollout.base import SEED_MODULUS, Sample, SamplingSpec
 from verl_mega.trainer.batch import Batch, pack_sequences
 from verl_mega.trainer.dataflow import DataflowBuilder, run_stage
@@ -156,6 +157,9 @@ class RLTrainer:
         packing_from = self.profiler.now()
         prompt_len = torch.tensor([len(items[p].prompt_ids) for p in table.prompt.tolist()])
         data.rows, owner = self.path.deliver(local, table, prompt_len, by_engine=self.stream_scoring == "all")
+        if self.cfg.algorithm.adv_estimator in GROUP_ESTIMATORS and (split := split_groups(table.prompt, owner)):
+            raise RuntimeError(f"prompt groups {split[:4]} are split over data-parallel replicas: their baselines "
+                               "would be taken over part of each group")
         mine = sorted(data.rows)
         samples = [data.rows[row] for row in mine]
         packed = pack_sequences([items[s.prompt].prompt_ids for s in samples], [s.ids for s in samples],
