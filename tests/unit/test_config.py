@@ -146,7 +146,11 @@ def test_mini_batch_not_divisible_over_dp_and_micro():
     cfg.validate_runtime(_placement(cfg, 1), cuda_available=False)
 
 
-def test_remax_needs_sampling():
+def test_training_needs_sampling():
+    for est in ("gae", "reinforce_plus_plus"):  # log-probs at logits / 0 would be NaN
+        assert "rollout.temperature=0 decodes greedily, which gives the policy no log-probs to train" in _error(
+            load_config, QUICKSTART, [f"algorithm.adv_estimator={est}", "rollout.temperature=0"]
+            + (["critic.enable=true"] if est == "gae" else []))
     assert _error(load_config, QUICKSTART, ["algorithm.adv_estimator=remax", "rollout.temperature=0"]) == (
         "algorithm.adv_estimator=remax compares samples with the greedy answer but rollout.temperature=0 makes them "
         "the greedy answer; set rollout.temperature=1.0")

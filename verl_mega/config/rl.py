@@ -178,7 +178,8 @@ class RolloutConfig(VLLMConfig):
     SECTION: ClassVar[str] = "rollout"
 
     n: int = option(1, help="Samples generated per prompt (the group size of GRPO/RLOO).")
-    temperature: float = option(1.0, help="Sampling temperature; 0 is greedy.")
+    temperature: float = option(1.0, help="Sampling temperature of the training rollouts, > 0 (the actor and reference "
+                                "score tokens at logits / temperature).")
     top_p: float = option(1.0, help="Nucleus sampling probability mass, in (0, 1].")
     top_k: int = option(-1, help="Top-k sampling; -1 disables.")
     max_response_length: int = option(512, help="Maximum generated tokens per sample.")

@@ -181,6 +181,11 @@ class TrainConfig(ConfigSection):
             self._require(self.rollout.temperature > 0,
                           f"{correction[0]} weights tokens by the sampling distribution's log-probs, but "
                           f"rollout.temperature=0 decodes greedily; set rollout.temperature > 0 or {correction[1]}")
+        # every estimator: the actor and the reference score the sampled tokens at logits / rollout.temperature
+        self._require(self.rollout.temperature > 0,
+                      f"rollout.temperature=0 decodes greedily, which gives the policy no log-probs to train "
+                      f"(algorithm.adv_estimator={est}); set rollout.temperature > 0, e.g. 1.0 (validation decodes "
+                      "at rollout.val_temperature)")
         for flag, on in (("algorithm.use_kl_in_reward", self.algorithm.use_kl_in_reward),
                          ("actor.use_kl_loss", self.actor.use_kl_loss)):
             self._require(not on or ref.enable, f"{flag}=true needs the reference policy but ref.enable=false; set "
