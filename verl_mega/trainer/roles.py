@@ -155,9 +155,7 @@ class Actor(PolicyRole):
         batch, off_policy = self._off_policy(batch)
         history: list[dict[str, float]] = []
         for _ in range(cfg.ppo_epochs):
-            order = torch.randperm(len(batch)) if cfg.shuffle else torch.arange(len(batch))
-            for start in range(0, len(batch), mini_batch_rows):
-                mini = batch.select(order[start:start + mini_batch_rows])
+            for mini in mini_batches(batch, mini_batch_rows, shuffle=cfg.shuffle):
                 mbs = self._split(mini, keys).batches
                 for mb in mbs:
                     if "routed_experts" in mb:  # the router-agreement metric counts real tokens only
@@ -237,6 +235,13 @@ class Actor(PolicyRole):
         return loss_fn
 
 
+def mini_batches(batch: Batch, rows: int, *, shuffle: bool) -> list[Batch]:
+    """One epoch's mini-batches of ``rows`` rows: in row order, or in a fresh random order (``shuffle``, drawn from
+    torch's generator, which checkpoints save)."""
+    order = torch.randperm(len(batch)) if shuffle else torch.arange(len(batch))
+    return [batch.select(order[start:start + rows]) for start in range(0, len(batch), rows)]
+
+
 class Critic:
     def __init__(self, engine: MegatronEngine, cfg, *, packed: bool = False) -> None:
         self.engine = engine
@@ -263,8 +268,7 @@ class Critic:
         keys = ("input_ids", "prompt_len", "response_mask", "values", "returns")
         history = []
         for _ in range(cfg.ppo_epochs):
-            for start in range(0, len(batch), mini_batch_rows):
-                mini = batch.select(range(start, min(start + mini_batch_rows, len(batch))))
+            for mini in mini_batches(batch, mini_batch_rows, shuffle=cfg.shuffle):
                 mbs = self._split(mini, keys).batches
                 normalizer = self.engine.dp_all_reduce(sum(algos.agg_loss_normalizer(mb["response_mask"])
                                                            for mb in mbs))
