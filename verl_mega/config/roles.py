@@ -120,8 +120,8 @@ class ActorConfig(TrainableRoleConfig):
                    "1.0.")
     behaviour_weight_cap: float | None = option(
         None, help="Decoupled PPO: truncate the behaviour weight π_old/π_rollout of each token at this value (> 1; "
-                   "AReaL's behav_imp_weight_cap); only with policy_loss=decoupled_ppo, where null leaves it "
-                   "untruncated.")
+                   "AReaL's behav_imp_weight_cap zeroes a token's weight above the cap instead); only with "
+                   "policy_loss=decoupled_ppo, where null leaves it untruncated.")
     rollout_is: Literal["token", "sequence"] | None = option(
         None, help="Correct the policy loss for the rollout engine sampling from slightly different probabilities "
                    "than training computes: importance weights π_train/π_rollout per token, or their product per "
