@@ -78,5 +78,12 @@ class AdapterSync:
                 "weight_sync/model_bytes": float(self.producer.model_bytes()),
                 "weight_sync/version": float(self.version)}
 
+    @torch.no_grad()
+    def restore(self) -> float:
+        """The base again (adapters off), as the same version: vLLM discarded it (a level-2 sleep). vLLM reloads
+        the adapter itself (its request loads in place)."""
+        with adapters_off(self.producer.chunks):
+            return self.base_sync.restore()
+
     def close(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)

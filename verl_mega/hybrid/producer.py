@@ -433,6 +433,31 @@ class WeightSync:
     @torch.no_grad()
     def sync(self) -> dict[str, float]:
         """Write the current training weights into vLLM; returns bytes, timing and the new weight version."""
+        seconds, quantized = self._write()
+        self.version += 1
+        self.rollout.weights_updated()
+        producer = self.producer
+        model_bytes, pool = producer.model_bytes(), producer.pool
+        return {
+            "weight_sync/seconds": seconds,
+            "weight_sync/bytes_received": float(producer.received),
+            "weight_sync/predicted_bytes": float(producer.predicted_bytes()),
+            "weight_sync/peak_buffer_bytes": float(producer.peak),
+            "weight_sync/generation_weight_bytes": float(pool.generation_weight_bytes(model_bytes)),
+            "weight_sync/model_bytes": float(model_bytes),
+            "weight_sync/version": float(self.version),
+            "weight_sync/quantized_params": float(quantized),
+            "weight_sync/cuda_graph": float(producer.direct_graphed),
+        }
+
+    @torch.no_grad()
+    def restore(self) -> float:
+        """Write the same weights again, as the same version: vLLM discarded its copy (a level-2 sleep) and no new
+        weights came since (a validation or a further DAPO round generates next). Returns its seconds."""
+        return self._write()[0]
+
+    def _write(self) -> tuple[float, int]:
+        """Every vLLM weight written from the current training weights: (seconds, FP8 linears written)."""
         producer = self.producer
         producer.received = producer.peak = 0
         self.rollout.wake_up(["weights"])  # a sleeping engine's weight memory may be unmapped (GPU, level 2)
@@ -450,21 +475,8 @@ class WeightSync:
         else:
             self.rollout.load_full_weights(producer.full_tensors())
         device_synchronize()
-        seconds = time.perf_counter() - start
-        self.version += 1
-        self.rollout.weights_updated()
-        model_bytes, pool = producer.model_bytes(), producer.pool
-        return {
-            "weight_sync/seconds": seconds,
-            "weight_sync/bytes_received": float(producer.received),
-            "weight_sync/predicted_bytes": float(producer.predicted_bytes()),
-            "weight_sync/peak_buffer_bytes": float(producer.peak),
-            "weight_sync/generation_weight_bytes": float(pool.generation_weight_bytes(model_bytes)),
-            "weight_sync/model_bytes": float(model_bytes),
-            "weight_sync/version": float(self.version),
-            "weight_sync/quantized_params": float(quantized),
-            "weight_sync/cuda_graph": float(producer.direct_graphed),
-        }
+        self.rollout.weights_discarded = False
+        return time.perf_counter() - start, quantized
 
 
 def check_quantized_coverage(transport: InPlaceTransport) -> int:

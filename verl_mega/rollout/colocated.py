@@ -94,6 +94,10 @@ class ColocatedRollout:
 
         engine, prof = self._ready(), self.profiler
         t0 = prof.now()
+        if engine.weights_discarded:  # asleep at level 2 since the last sync (a validation or DAPO round came first)
+            self.weight_sync.restore()
+            prof.record("weight_restore", t0, prof.now(), parent="rollout")
+            t0 = prof.now()
         self._offload(True)  # free the accelerator for the KV cache while vLLM generates
         if torch.cuda.is_available():  # training's cached blocks go back to the device before vLLM maps its memory
             torch.cuda.empty_cache()

@@ -125,6 +125,9 @@ class VLLMRollout:
         self.is_cpu = _compat_is_cpu()
         self.weight_version = 0
         self._sleeping: set[str] = set()  # vLLM memory tags currently released
+        # a level-2 sleep frees the weights' memory without keeping them: they must be written whole (a weight sync)
+        # before the next generation, which finds garbage there otherwise
+        self.weights_discarded = False
         self._calls = 0
         # vLLM's own LoRA (model.lora.rollout_sync=adapter): the request every generation runs with
         self.lora_request = None
@@ -227,6 +230,7 @@ class VLLMRollout:
             return
         if not self.is_cpu:
             self.llm.sleep(level=self.config.sleep_level)
+            self.weights_discarded = self.weights_discarded or self.config.sleep_level == 2
         self._sleeping = {"weights", "kv_cache"}
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:

@@ -12,7 +12,9 @@ Args: --tp --pp --gen-tp --model-dir DIR [--dtype float32] [--kv-cache-dtype aut
 5. vLLM generates; the Megatron model's log-probs of the generated tokens against vLLM's: the FP8 log-prob gap;
 6. a second perturbation and sync (the destinations reused) changes the weights again, with the same coverage; a
    third does too (on CUDA the second captured the copies in a CUDA graph and the third replays it); a fourth through
-   a new transport builds a new plan, whose writes its coverage check counts.
+   a new transport builds a new plan, whose writes its coverage check counts;
+7. two generations through the colocated rollout with no sync between decode the same tokens (on CUDA vLLM's
+   level-2 sleep after the first discards the weights, which the second must have written again).
 Rank 0 prints ``FP8 {json}``.
 """
 
@@ -191,6 +193,11 @@ def main() -> None:
     engine.restore_memory()
     assert metrics4["weight_sync/quantized_params"] == len(quantized), metrics4
     stats4 = check_all()
+    # two generations with no sync between: on CUDA each ends in vLLM's level-2 sleep, which discards the weights, so
+    # the second has them written again first (the same version) and decodes the same greedy tokens
+    first, second = (engine.generate(prompts, [greedy])[0] for _ in range(2))
+    assert [s.ids for s in first.samples] == [s.ids for s in second.samples], "generation after a sleep differs"
+    assert first.version == second.version == 4 and not rollout.weights_discarded
 
     everyone = [None] * world
     dist.all_gather_object(everyone, {"rank": rank, "quantized": len(quantized), "lp_diff_mean": lp_mean,
