@@ -276,3 +276,34 @@ def test_model_tiny_task_names_a_generated_task():
     assert set(TinyTask.__args__) == set(GENERATED_TASKS)  # the config's list is the tasks'
     cfg = load_config(ROOT / "configs/quickstart_cpu.yaml", ["model.tiny_task=calculator"])
     assert cfg.model.tiny_task == "calculator"
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3"])
+def test_fp8_rollouts_of_moe_or_mla_models_are_refused_before_the_build(tmp_path, model_type):
+    """The FP8 sync covers dense decoders with multi-head attention: a MoE or MLA model is refused from its config,
+    before Megatron or vLLM allocate anything."""
+    from verl_mega.config import ConfigError, load_config
+    from verl_mega.models.tiny import make_tiny_hf_model, moe_fields
+    from verl_mega.parallel.placement import Placement
+    from verl_mega.trainer.setup import _check_model
+
+    path = make_tiny_hf_model(tmp_path / model_type, model_type=model_type, vocab_size=64, hidden_size=64,
+                              intermediate_size=64, num_layers=2, num_kv_heads=4, extra=moe_fields(model_type),
+                              with_tokenizer=False)
+    cfg = load_config("configs/quickstart_cpu.yaml", [f"model.path={path}", "rollout.quantization=fp8"])
+    kind = "routed experts" if model_type == "qwen3_moe" else "routed experts and multi-head latent attention"
+    with pytest.raises(ConfigError, match=f"rollout.quantization=fp8 covers the linears of dense decoders .* "
+                                          f"{model_type} with {kind}; set rollout.quantization=none"):
+        _check_model(cfg, path, Placement.single(1))
+
+
+def test_lora_adapter_sync_is_refused_with_fp8_or_a_rollout_pool():
+    from verl_mega.config import ConfigError, load_config
+
+    lora = ["model.lora.rank=8", "model.lora.rollout_sync=adapter"]
+    with pytest.raises(ConfigError, match="model.lora.rollout_sync=adapter has vLLM's LoRA wrap its linears; set "
+                                          "model.lora.rollout_sync=merge or rollout.quantization=none"):
+        load_config("configs/quickstart_cpu.yaml", [*lora, "rollout.quantization=fp8"])
+    with pytest.raises(ConfigError, match="model.lora.rollout_sync=adapter runs vLLM's LoRA on the actor's pool only"):
+        load_config("configs/quickstart_async_cpu.yaml", lora)
+    load_config("configs/quickstart_cpu.yaml", [*lora])  # alone, it is fine

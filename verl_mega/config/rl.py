@@ -13,6 +13,7 @@ ROLLOUT_ENGINE_ARGS = {
     "model": "model.path", "tokenizer": "model.path", "dtype": "model.dtype",
     "max_model_len": "data.max_prompt_length + rollout.max_response_length", "seed": "rollout.seed",
     "tensor_parallel_size": "rollout.gen_tp", "data_parallel_size": "rollout.gen_ep",
+    "pipeline_parallel_size": "rollout.gen_tp (generation has no pipeline stages)",
     "enable_expert_parallel": "rollout.gen_ep", "distributed_executor_backend": "the launcher (external_launcher)",
     "gpu_memory_utilization": "rollout.gpu_memory_utilization",
     "kv_cache_memory_bytes": "rollout.kv_cache_memory_bytes",

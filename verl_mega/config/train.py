@@ -100,6 +100,15 @@ class TrainConfig(ConfigSection):
                       f"rollout.quantization={self.rollout.quantization} quantizes inside the colocated weight sync, "
                       f"but placement.roles.rollout gives the rollout a pool of its own; set rollout.quantization=none "
                       f"or remove placement.roles.rollout")
+        adapter = self.model.lora.enabled and self.model.lora.rollout_sync == "adapter"
+        self._require(not adapter or "rollout" not in self.placement.roles,
+                      "model.lora.rollout_sync=adapter runs vLLM's LoRA on the actor's pool only, but "
+                      "placement.roles.rollout gives the rollout a pool of its own; set model.lora.rollout_sync=merge "
+                      "or remove placement.roles.rollout")
+        self._require(not adapter or self.rollout.quantization == "none",
+                      f"rollout.quantization={self.rollout.quantization} quantizes the merged weights the in-place "
+                      f"sync writes, but model.lora.rollout_sync=adapter has vLLM's LoRA wrap its linears; set "
+                      f"model.lora.rollout_sync=merge or rollout.quantization=none")
         tp, gen_tp = self.parallel.tp, self.rollout.gen_tp
         self._require(tp % gen_tp == 0, f"rollout.gen_tp={gen_tp} must divide parallel.tp={tp} (generation TP groups "
                                         f"are carved out of each training TP group); set rollout.gen_tp to a divisor "

@@ -376,6 +376,12 @@ def _check_model(cfg: TrainConfig, path: Path, placement) -> ModelArch:
                           f"model.path is a dense {arch.model_type}; set actor.routing_replay=none")
     if cfg.actor.routing_replay == "r3":
         check_routed_experts_support()
+    unquantizable = [name for name, has in (("routed experts", arch.is_moe),
+                                            ("multi-head latent attention", arch.is_mla)) if has]
+    if cfg.rollout.quantization != "none" and unquantizable:
+        raise ConfigError(f"rollout.quantization={cfg.rollout.quantization} covers the linears of dense decoders "
+                          f"with multi-head attention, but model.path is a {arch.model_type} with "
+                          f"{' and '.join(unquantizable)}; set rollout.quantization=none")
     for weights in {path, resolve_critic_path(cfg, path) if cfg.critic.enable else path,
                     *([Path(cfg.reward.reward_model_path)] if cfg.reward.reward_model_path else [])}:
         check_checkpoint_matches(HFCheckpointReader(weights), model_arch(weights))  # headers only
