@@ -426,7 +426,10 @@ RULES: list[tuple[str, Handler]] = [
                                                                          "verl_mega")),
     # ------------------------------------------------------------ data
     ("data.train_files", to("data.train_files", files)),
-    ("data.val_files", lambda k, v, c: Same("no validation") if not v else Map({"data.val_files": files(v)})),
+    ("data.val_files", lambda k, v, c: Same("no validation") if not v else
+     Same("no validation runs (trainer.val_before_train false, test_freq ≤ 0), so the files are not read")
+     if not c.get("trainer.val_before_train", True) and int(c.get("trainer.test_freq", -1)) <= 0 else
+     Map({"data.val_files": files(v)})),
     ("data.prompt_key", lambda k, v, c: Same("prompt") if v == "prompt" else Map({"data.prompt_key": v})),
     ("data.reward_fn_key", when("data_source", "data_source reaches the reward function",
                                 "a data-source field other than data_source: rename the column")),

@@ -248,6 +248,15 @@ def test_rollout_pool_and_staleness_errors():
         cfg = load_config(QUICKSTART, pools + extra)
         assert _error(cfg.validate_runtime, _placement(cfg, 2), cuda_available=False).startswith(start), extra
     assert _error(load_config, QUICKSTART, ["rollout.max_staleness=-1"]).startswith("rollout.max_staleness")
+    # what acts only on a vLLM sharing the training GPUs is refused, not ignored
+    cfg = load_config(QUICKSTART, pools + ["actor.offload_params=true", "rollout.sleep_level=1"])
+    assert _error(cfg.validate_runtime, _placement(cfg, 2), cuda_available=False) == (
+        "actor.offload_params, rollout.sleep_level=1: these act on the switch between training and a vLLM on the same "
+        "GPUs, but placement.roles.rollout gives the rollout a pool of its own; remove them or map "
+        "placement.roles.rollout to the actor's pool")
+    cfg = load_config(QUICKSTART, pools + ["rollout.weight_sync=reference"])
+    assert _error(cfg.validate_runtime, _placement(cfg, 2), cuda_available=False).startswith(
+        "rollout.weight_sync=reference: it acts on the switch")
     colocated = load_config(QUICKSTART, ["rollout.fleet.engines=2"])
     assert _error(colocated.validate_runtime, _placement(colocated, 1), cuda_available=False).startswith(
         "rollout.fleet.engines=2 supervises engines on a rollout pool of its own, but the rollout shares the actor's")
@@ -511,6 +520,14 @@ def test_reward_function_required_for_own_data():
     assert _error(load_config, None, ["data.train_files=[train.jsonl]"], check_paths=False) == (
         "reward.function is required for data.train_files=['train.jsonl']; set reward.function=gsm8k (built-in), "
         "a dotted path, or reward.reward_model_path")
+
+
+def test_a_reward_model_alone_scores_a_run_but_not_dynamic_sampling():
+    only_rm = ["reward.function=null", "reward.reward_model_path=rm"]
+    assert load_config(QUICKSTART, only_rm, check_paths=False).reward.function is None
+    assert _error(load_config, QUICKSTART, [*only_rm, "algorithm.filter_groups.enable=true"], check_paths=False) == (
+        "algorithm.filter_groups.enable=true keeps groups whose reward-function scores differ, but only a reward "
+        "model scores this run (reward.function is unset); set reward.function or algorithm.filter_groups.enable=false")
 
 
 # ---------------------------------------------------------------- loading, overrides, immutability
@@ -778,3 +795,19 @@ def test_deterministic_mode_runs_eager_kernels():
                          cuda=False)
     with pytest.raises(ValueError, match=r"^model.fused_kernels=true compiles kernels .* model.fused_kernels=auto"):
         load_config(QUICKSTART, ["trainer.deterministic=true", "model.fused_kernels=true"])
+
+
+def test_keys_that_would_do_nothing_are_refused():
+    """A key that is accepted must act: these would be read by nothing in the configuration they are set in."""
+    assert _error(load_config, QUICKSTART, ["algorithm.kl_ctrl.target_kl=0.05"]) == (
+        "algorithm.kl_ctrl.target_kl=0.05 steers the adaptive controller only, but algorithm.kl_ctrl.type=fixed; set "
+        "algorithm.kl_ctrl.type=adaptive or remove target_kl")
+    assert _error(load_config, QUICKSTART, ["model.tokenizer_path=/tmp"]) == (
+        "model.tokenizer_path='/tmp' with model.path=tiny: the tiny model brings its own tokenizer; remove "
+        "model.tokenizer_path or set model.path to your model")
+    assert _error(load_config, QUICKSTART, ["model.path=/some/model", "model.tiny_task=calculator"],
+                  check_paths=False) == ("model.tiny_task shapes the bundled tiny model, but "
+                                         "model.path='/some/model'; remove it or set model.path=tiny")
+    assert _error(load_config, QUICKSTART, ["data.val_files=[generated:addition_small]"]) == (
+        "data.val_files is set but no validation runs (trainer.val_every=0, trainer.val_before_train=false); set "
+        "trainer.val_every=N or trainer.val_before_train=true, or data.val_files=[]")

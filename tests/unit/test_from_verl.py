@@ -235,6 +235,14 @@ def test_expert_parallel_generation_becomes_gen_ep():
     assert isinstance(classify("actor_rollout_ref.rollout.expert_parallel_size", 1, Ctx({})), Same)
 
 
+def test_validation_files_travel_only_when_validation_runs():
+    files = ["/data/test.parquet"]
+    for before, freq, kept in ((False, -1, False), (True, -1, True), (False, 5, True)):
+        flat = {"data.val_files": files, "trainer.val_before_train": before, "trainer.test_freq": freq}
+        ours, _, _ = from_verl.convert(flat, overridden=set())
+        assert ("data.val_files" in ours) is kept, (before, freq, ours)
+
+
 def test_sequence_parallel_at_tp1_is_off_as_megatron_decides():
     # verl's Megatron defaults pair sequence_parallel=true with tensor_model_parallel_size=1
     for tp, sp in ((1, False), (2, True)):

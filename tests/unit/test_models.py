@@ -249,3 +249,10 @@ def test_converter_output_in_a_file_is_one_line(tmp_path, capsys, where):
     err = capsys.readouterr().err.strip()
     assert err == f"error: output: {blocker} is a file, not a directory; choose a new --output directory"
     assert sorted(p.name for p in tmp_path.iterdir()) == before and blocker.read_text() == "x"
+
+
+def test_expert_tensor_parallelism_needs_experts():
+    dense = arch_from_hf(json.loads((FIXTURES / "qwen3-8b.json").read_text()))
+    with pytest.raises(ModelConfigError, match="parallel.etp=2 needs a Mixture-of-Experts model; qwen3 is dense"):
+        transformer_config(dense, tp=4, etp=2)
+    transformer_config(dense, tp=4, etp=4)  # what the placement fills in when etp is unset

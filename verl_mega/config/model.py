@@ -133,6 +133,13 @@ class ModelConfig(ConfigSection):
         self._require(bool(self.path.strip()), "model.path is empty; set model.path to an HF model directory or tiny")
         if self.tokenizer_path is None:
             self._set("tokenizer_path", self.path)
+        tiny = self.path == "tiny"
+        self._require(not tiny or self.tokenizer_path == "tiny",
+                      f"model.tokenizer_path={self.tokenizer_path!r} with model.path=tiny: the tiny model brings its "
+                      f"own tokenizer; remove model.tokenizer_path or set model.path to your model")
+        given = [k for k in ("tiny_task", "tiny_warmstart_target") if getattr(self, k) is not None]
+        self._require(tiny or not given, f"model.{given[0] if given else ''} shapes the bundled tiny model, but "
+                                         f"model.path={self.path!r}; remove it or set model.path=tiny")
         self._check_range("make_vocab_size_divisible_by", ge=1, example=128)
         self._check_range("tiny_warmstart_steps", ge=0, example=20)
         self._check_range("tiny_warmstart_target", gt=0.0, lt=1.0, example=0.2)

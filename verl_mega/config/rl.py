@@ -272,6 +272,9 @@ class KLControlConfig(ConfigSection):
         self._require(self.type != "adaptive" or self.target_kl is not None,
                       "algorithm.kl_ctrl.type=adaptive needs algorithm.kl_ctrl.target_kl; set e.g. "
                       "algorithm.kl_ctrl.target_kl=0.1 or use algorithm.kl_ctrl.type=fixed")
+        self._require(self.type == "adaptive" or self.target_kl is None,
+                      f"algorithm.kl_ctrl.target_kl={self.target_kl} steers the adaptive controller only, but "
+                      f"algorithm.kl_ctrl.type=fixed; set algorithm.kl_ctrl.type=adaptive or remove target_kl")
 
 
 @dataclass(frozen=True, kw_only=True)

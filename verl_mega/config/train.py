@@ -116,6 +116,9 @@ class TrainConfig(ConfigSection):
         self._require(self.trainer.val_every == 0 or bool(self.data.val_files),
                       f"trainer.val_every={self.trainer.val_every} needs data.val_files; set data.val_files=[...] "
                       f"or trainer.val_every=0")
+        self._require(not self.data.val_files or self.trainer.val_every > 0 or self.trainer.val_before_train,
+                      "data.val_files is set but no validation runs (trainer.val_every=0, trainer.val_before_train="
+                      "false); set trainer.val_every=N or trainer.val_before_train=true, or data.val_files=[]")
         self._require(not self.trainer.val_before_train or bool(self.data.val_files),
                       "trainer.val_before_train=true needs data.val_files; set data.val_files=[...] or "
                       "trainer.val_before_train=false")
@@ -160,6 +163,10 @@ class TrainConfig(ConfigSection):
                 raise ConfigError(f"reward.function is required for data.train_files={fmt(self.data.train_files)}; "
                                   f"set reward.function=gsm8k (built-in), a dotted path, or reward.reward_model_path")
             self._replace("reward", function=generated.pop())
+        self._require(self.reward.function is not None or not self.algorithm.filter_groups.enable,
+                      "algorithm.filter_groups.enable=true keeps groups whose reward-function scores differ, but only "
+                      "a reward model scores this run (reward.function is unset); set reward.function or "
+                      "algorithm.filter_groups.enable=false")
 
     def _check_roles(self) -> None:
         est, critic, ref = self.algorithm.adv_estimator, self.critic, self.ref
@@ -325,6 +332,20 @@ class TrainConfig(ConfigSection):
                           f"in placement.pools/placement.roles, or set rollout.fleet.engines=0")
             return
         self._validate_fleet(placement)
+        # what the colocated switch does (offload while vLLM generates, vLLM's sleep, the weight sync's mode) has
+        # nothing to act on when vLLM has GPUs of its own
+        colocated_only = [f"{role}.{key}" for role in ("actor", "critic", "ref")
+                          for key in ("offload_params", "offload_grads", "offload_optimizer")
+                          if getattr(getattr(self, role), key, False)]
+        ro = self.rollout
+        colocated_only += [key for key, on in (("rollout.free_cache_engine=true", ro.free_cache_engine is True),
+                                               ("rollout.sleep_level=1", ro.sleep_level == 1),
+                                               ("rollout.weight_sync=reference", ro.weight_sync != "inplace")) if on]
+        self._require(not colocated_only,
+                      f"{', '.join(colocated_only)}: {'these act' if len(colocated_only) > 1 else 'it acts'} on the "
+                      f"switch between training and a vLLM on the same GPUs, but placement.roles.rollout gives the "
+                      f"rollout a pool of its own; remove {'them' if len(colocated_only) > 1 else 'it'} or map "
+                      f"placement.roles.rollout to the actor's pool")
         self._require(k >= 1 or not self.rollout.partial_rollouts,
                       "rollout.partial_rollouts=true needs batches generating while weights arrive, but "
                       "rollout.max_staleness=0 sends each batch after the weights it uses; set "

@@ -297,8 +297,9 @@ def transformer_config(
     )
     if arch.is_moe:
         kwargs.update(moe_kwargs(arch, ep=ep, etp=etp or tp))
-    elif ep != 1:
-        raise ModelConfigError(f"parallel.ep={ep} needs a Mixture-of-Experts model; {arch.model_type} is dense")
+    elif ep != 1 or etp not in (None, tp):
+        key = f"parallel.ep={ep}" if ep != 1 else f"parallel.etp={etp}"
+        raise ModelConfigError(f"{key} needs a Mixture-of-Experts model; {arch.model_type} is dense")
     if arch.is_mla:
         kwargs.update(mla_kwargs(arch))
     kwargs.update(overrides)
