@@ -307,3 +307,19 @@ def test_lora_adapter_sync_is_refused_with_fp8_or_a_rollout_pool():
     with pytest.raises(ConfigError, match="model.lora.rollout_sync=adapter runs vLLM's LoRA on the actor's pool only"):
         load_config("configs/quickstart_async_cpu.yaml", lora)
     load_config("configs/quickstart_cpu.yaml", [*lora])  # alone, it is fine
+
+
+def test_lora_that_would_adapt_nothing_on_an_all_moe_model_is_refused(tmp_path):
+    from verl_mega.config import ConfigError, load_config
+    from verl_mega.models.tiny import make_tiny_hf_model, moe_fields
+    from verl_mega.parallel.placement import Placement
+    from verl_mega.trainer.setup import _check_model
+
+    path = make_tiny_hf_model(tmp_path / "moe", model_type="qwen3_moe", vocab_size=64, hidden_size=64,
+                              intermediate_size=64, num_layers=2, extra=moe_fields("qwen3_moe"), with_tokenizer=False)
+    mlp = ["model.lora.rank=8", "model.lora.target_modules=[gate_proj, up_proj, down_proj]", f"model.path={path}"]
+    with pytest.raises(ConfigError, match=r"adapts MLP projections only, but every layer of this qwen3_moe routes its "
+                                          r"MLP to experts, which carry no adapters: nothing would train"):
+        _check_model(load_config("configs/quickstart_cpu.yaml", mlp), path, Placement.single(1))
+    attention = ["model.lora.rank=8", "model.lora.target_modules=[o_proj, down_proj]", f"model.path={path}"]
+    _check_model(load_config("configs/quickstart_cpu.yaml", attention), path, Placement.single(1))
