@@ -811,3 +811,5 @@ def test_keys_that_would_do_nothing_are_refused():
     assert _error(load_config, QUICKSTART, ["data.val_files=[generated:addition_small]"]) == (
         "data.val_files is set but no validation runs (trainer.val_every=0, trainer.val_before_train=false); set "
         "trainer.val_every=N or trainer.val_before_train=true, or data.val_files=[]")
+    assert _error(load_config, QUICKSTART, ["model.path=/some/model", "critic.model_path=tiny"],
+                  check_paths=False).startswith("critic.model_path=tiny starts the critic from the bundled tiny model")

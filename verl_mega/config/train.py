@@ -202,6 +202,10 @@ class TrainConfig(ConfigSection):
                       f"rollout.temperature=0 decodes greedily, which gives the policy no log-probs to train "
                       f"(algorithm.adv_estimator={est}); set rollout.temperature > 0, e.g. 1.0 (validation decodes "
                       "at rollout.val_temperature)")
+        self._require(critic.model_path != TINY_MODEL or self.model.path == TINY_MODEL,
+                      f"critic.model_path=tiny starts the critic from the bundled tiny model, but model.path="
+                      f"{self.model.path!r}; remove critic.model_path (the critic starts from the actor's model) or "
+                      f"give an HF directory")
         for flag, on in (("algorithm.use_kl_in_reward", self.algorithm.use_kl_in_reward),
                          ("actor.use_kl_loss", self.actor.use_kl_loss)):
             self._require(not on or ref.enable, f"{flag}=true needs the reference policy but ref.enable=false; set "
