@@ -118,14 +118,15 @@ class PoolWeightSync:
 
 
 class _StagingSink:
-    """Receives a sync's slices into fresh tensors (the receiving side of ``receive_buckets``)."""
+    """Receives a sync's slices into fresh tensors (the receiving side of ``receive_buckets``), each in the dtype it
+    travelled in (DeepSeek's fp32 correction bias stays fp32 until it is written into vLLM)."""
 
-    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
-        self.dtype, self.device = dtype, device
+    def __init__(self, layout: RolloutLayout, device: torch.device) -> None:
+        self.layout, self.device = layout, device
         self.tensors: dict[str, torch.Tensor] = {}
 
     def buffer(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        self.tensors[name] = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self.tensors[name] = torch.empty(shape, dtype=self.layout.wire_dtype(name), device=self.device)
         return self.tensors[name]
 
     def commit(self) -> None:
@@ -138,12 +139,12 @@ class StagedWeights:
 
     def __init__(self, sync: PoolWeightSync, group, group_src: int) -> None:
         self.sync = sync
-        self.sink = _StagingSink(sync.dtype, sync.device)
+        layout = sync.layouts[sync.block]
+        self.sink = _StagingSink(layout, sync.device)
         self.error: BaseException | None = None
         self.received = 0
         self.start = time.perf_counter()
         self.seconds = 0.0
-        layout = sync.layouts[sync.block]
         self._thread = threading.Thread(target=self._receive, args=(layout, group, group_src), daemon=True,
                                         name="weights-in-background")
         self._thread.start()

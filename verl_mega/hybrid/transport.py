@@ -48,7 +48,7 @@ class InPlaceTransport:
         self.quantized_written: dict[str, int] = {}  # FP8 parameter → elements written since refresh()
         self.quantized_sizes: dict[str, int] = {}  # FP8 parameter → elements of the block the sync writes
         self._index()
-        # the dtype slices travel in (the model's; FP8 weights are quantized from it on arrival)
+        # the model's dtype (FP8 weights are quantized from it on arrival)
         self.dtype = next(p.dtype for p in self.params.values() if p.dtype != FP8_DTYPE)
 
     def _index(self) -> None:
@@ -143,19 +143,22 @@ def fp8_destination(name: str, module: torch.nn.Module, shape: tuple[int, ...],
 
 
 HEADER_SLICES = 1024  # slices named by one bucket's header at most
-_SLICE_WORDS = 6  # name index, element offset, ndim, up to three dims
+_SLICE_WORDS = 6  # name index, byte offset, ndim, up to three dims
 _END = -1  # header count that ends a sync
 
 
 @dataclass(frozen=True)
 class RolloutLayout:
     """What a trainer needs to know of one generation block's vLLM model: its parameter names (the wire indexes
-    them) and, per vocabulary module, vLLM's padding and the rows the block keeps."""
+    them), the dtype each travels in and, per vocabulary module, vLLM's padding and the rows the block keeps."""
 
     names: tuple[str, ...]
     dtype: str  # the engine's weight dtype, e.g. "bfloat16": the trainer converts into it before sending
     vocab: Mapping[str, tuple[int, int, int]] = field(default_factory=dict)  # module → (padding, start, end)
-    elements: int = 0  # the block's parameter elements (0: not known); no staging bucket needs to be larger
+    nbytes: int = 0  # the block's bytes on the wire (0: not known); no staging bucket needs to be larger
+    # parameters vLLM keeps in another dtype than ``dtype`` (DeepSeek's fp32 e_score_correction_bias): they travel in
+    # their own, so the engine gets the trainer's values bit for bit
+    dtypes: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> "RolloutLayout":
@@ -165,9 +168,17 @@ class RolloutLayout:
             if idx is not None and hasattr(module, "padding_size"):
                 vocab[mname] = (int(module.padding_size), int(idx.org_vocab_start_index),
                                 int(idx.org_vocab_end_index))
-        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-        return cls(tuple(sorted(n for n, _ in model.named_parameters())), dtype, vocab,
-                   sum(p.numel() for p in model.parameters()))
+        params = dict(model.named_parameters())
+        counts: dict[torch.dtype, int] = {}
+        for p in params.values():
+            if p.dtype != FP8_DTYPE:
+                counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+        dtype = max(counts, key=counts.__getitem__)  # the weights' dtype (the most elements), not a stray fp32 one
+        # FP8 weights travel in the model's dtype and are quantized on arrival
+        wire = {n: dtype if p.dtype == FP8_DTYPE else p.dtype for n, p in params.items()}
+        return cls(tuple(sorted(params)), _dtype_name(dtype), vocab,
+                   sum(p.numel() * wire[n].itemsize for n, p in params.items()),
+                   {n: _dtype_name(dt) for n, dt in wire.items() if dt != dtype})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_lookup", {n: i for i, n in enumerate(self.names)})
@@ -178,6 +189,14 @@ class RolloutLayout:
                 return self._lookup[candidate]  # type: ignore[attr-defined]
         raise WeightSyncError(f"the rollout model has no parameter {name!r}; the model families differ")
 
+    def wire_dtype(self, name: str) -> torch.dtype:
+        """The dtype ``name``'s slices travel in (one of :attr:`names`)."""
+        return getattr(torch, self.dtypes.get(name, self.dtype))
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
 
 class BucketSender:
     """Trainer end of a sync across pools. The producer writes its generation block's slices into views of staging
@@ -185,21 +204,25 @@ class BucketSender:
     broadcast from group rank ``group_src`` over ``group`` (this block's rollout ranks), a header first. Broadcasts
     are asynchronous, so producing the next layers overlaps sending the last. Without a group (a training rank whose
     block another rank sends) the buckets are scratch, reused at once: the rank still joins the producer's
-    collectives."""
+    collectives.
+
+    Buckets are bytes: each slice is a view in its layout dtype (:meth:`RolloutLayout.wire_dtype`), aligned to its
+    element size. ``dtype`` is the model's, in which the producer stages what it exchanges."""
 
     def __init__(self, layout: RolloutLayout, *, dtype: torch.dtype, device: torch.device, bucket_bytes: int,
                  group: Any = None, group_src: int = 0) -> None:
         self.layout, self.dtype, self.device = layout, dtype, device
         self.group, self.group_src = group, group_src
-        self.bucket_elems = max(1, bucket_bytes // torch.empty((), dtype=dtype).element_size())
-        if layout.elements:  # a small model's sync allocates (and, in deterministic mode, fills) only what it sends
-            self.bucket_elems = min(self.bucket_elems, layout.elements)
+        self.bucket_bytes = max(1, bucket_bytes)
+        if layout.nbytes:  # a small model's sync allocates (and, in deterministic mode, fills) only what it sends
+            self.bucket_bytes = min(self.bucket_bytes, layout.nbytes)
         self.sent_bytes = 0
         self._free: list[torch.Tensor] = []
         self._in_flight: list[tuple[torch.Tensor, list[Any], torch.Tensor]] = []  # bucket, works, header
         self._pending: list[tuple[torch.Tensor, list[list[int]]]] = []  # (bucket, slices) written since last send
         self._named: dict[str, torch.Tensor] = {}  # the slices written since the last send, by parameter
-        self._used = 0
+        self._used = 0  # bytes used of the last pending bucket
+        self._pending_bytes = 0
 
     def module(self, name: str) -> SimpleNamespace:
         if name not in self.layout.vocab:
@@ -209,25 +232,31 @@ class BucketSender:
             org_vocab_start_index=start, org_vocab_end_index=end))
 
     def buffer(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        n = math.prod(shape)
+        # a fused parameter written in parts (MLA's fused_qkv_a_proj) is one slice: looked up before a full bucket
+        # opens another, which would stay empty
+        if name in self._named:
+            return self._named[name]
         if len(shape) > 3:
             raise WeightSyncError(f"{name}: {len(shape)}-d slices cannot travel across pools (3 dims at most)")
-        if not self._pending or self._used + n > self._pending[-1][0].numel() \
+        index = self.layout.index(name)
+        dtype = self.layout.wire_dtype(self.layout.names[index])
+        size = dtype.itemsize
+        n = math.prod(shape) * size
+        start = -(-self._used // size) * size  # aligned, so the byte view can take the slice's dtype
+        if not self._pending or start + n > self._pending[-1][0].numel() \
                 or len(self._pending[-1][1]) == HEADER_SLICES:
             self._pending.append((self._bucket(n), []))
-            self._used = 0
-        if name in self._named:  # a fused parameter written in parts (MLA's fused_qkv_a_proj): one slice
-            return self._named[name]
+            start = 0
         bucket, slices = self._pending[-1]
-        slices.append([self.layout.index(name), self._used, len(shape), *shape, *[0] * (3 - len(shape))])
-        view = self._named[name] = bucket[self._used:self._used + n].view(shape)
-        self._used += n
+        slices.append([index, start, len(shape), *shape, *[0] * (3 - len(shape))])
+        view = self._named[name] = bucket[start:start + n].view(dtype).view(shape)
+        self._used = start + n
+        self._pending_bytes += n
         return view
 
     def commit(self) -> None:
         """Everything handed out so far is written: send once a bucket's worth is pending."""
-        pending = sum(sum(math.prod(s[3:3 + s[2]]) for s in slices) for _, slices in self._pending)
-        if pending >= self.bucket_elems:
+        if self._pending_bytes >= self.bucket_bytes:
             self._send_pending()
 
     def finish(self) -> None:
@@ -243,46 +272,50 @@ class BucketSender:
 
     def _send_pending(self) -> None:
         for bucket, slices in self._pending:
-            used = max(s[1] + math.prod(s[3:3 + s[2]]) for s in slices)
             if self.group is None:
                 self._free.append(bucket)
                 continue
+            used = max(s[1] + self._slice_bytes(s) for s in slices)
             header = self._header(len(slices), used, slices)
             works = [group_broadcast(header, self.group, self.group_src, async_op=True),
                      group_broadcast(bucket[:used], self.group, self.group_src, async_op=True)]
             self._in_flight.append((bucket, works, header))
-            self.sent_bytes += used * bucket.element_size()
+            self.sent_bytes += used
         self._pending.clear()
         self._named.clear()
-        self._used = 0
+        self._used = self._pending_bytes = 0
+
+    def _slice_bytes(self, s: list[int]) -> int:
+        return math.prod(s[3:3 + s[2]]) * self.layout.wire_dtype(self.layout.names[s[0]]).itemsize
 
     def _header(self, count: int, used: int, slices: list[list[int]]) -> torch.Tensor:
-        """A bucket's header on the wire: slice count (or the end marker), elements used, then the slices."""
+        """A bucket's header on the wire: slice count (or the end marker), bytes used, then the slices."""
         header = torch.zeros(2 + HEADER_SLICES * _SLICE_WORDS, dtype=torch.long)
         header[0], header[1] = count, used
         if slices:
             header[2:2 + len(slices) * _SLICE_WORDS] = torch.tensor(slices, dtype=torch.long).view(-1)
         return header.to(self.device)
 
-    def _bucket(self, elems: int) -> torch.Tensor:
-        """A free staging bucket of at least ``elems`` (the oldest one in flight once it is out)."""
+    def _bucket(self, nbytes: int) -> torch.Tensor:
+        """A free staging bucket of at least ``nbytes`` (the oldest one in flight once it is out)."""
         for i, b in enumerate(self._free):
-            if b.numel() >= elems:
+            if b.numel() >= nbytes:
                 return self._free.pop(i)
         if self._in_flight and len(self._in_flight) + len(self._pending) >= 2:
             bucket, works, _ = self._in_flight.pop(0)
             for w in works:
                 w.wait()
-            if bucket.numel() >= elems:
+            if bucket.numel() >= nbytes:
                 return bucket
-        return torch.empty(max(elems, self.bucket_elems), dtype=self.dtype, device=self.device)
+        return torch.empty(max(nbytes, self.bucket_bytes), dtype=torch.uint8, device=self.device)
 
 
 def receive_buckets(sink: Any, layout: RolloutLayout, *, group: Any, group_src: int, device: torch.device) -> int:
-    """Rollout end of a sync across pools: receive buckets until the end marker and write every slice into
-    ``sink`` (an :class:`InPlaceTransport` of this rank's vLLM model). Returns the bytes received."""
+    """Rollout end of a sync across pools: receive buckets until the end marker and write every slice, read in its
+    layout dtype, into ``sink`` (an :class:`InPlaceTransport` of this rank's vLLM model). Returns the bytes
+    received."""
     header = torch.empty(2 + HEADER_SLICES * _SLICE_WORDS, dtype=torch.long, device=device)
-    recv = torch.empty(0, dtype=sink.dtype, device=device)
+    recv = torch.empty(0, dtype=torch.uint8, device=device)
     received = 0
     while True:
         group_broadcast(header, group, group_src)
@@ -290,12 +323,14 @@ def receive_buckets(sink: Any, layout: RolloutLayout, *, group: Any, group_src: 
         if count == _END:
             break
         if recv.numel() < used:
-            recv = torch.empty(used, dtype=sink.dtype, device=device)
+            recv = torch.empty(used, dtype=torch.uint8, device=device)
         group_broadcast(recv[:used], group, group_src)
-        received += used * recv.element_size()
+        received += used
         for name_index, offset, ndim, *dims in header[2:2 + count * _SLICE_WORDS].view(count, -1).tolist():
-            shape = tuple(dims[:ndim])
-            sink.buffer(layout.names[name_index], shape).copy_(recv[offset:offset + math.prod(shape)].view(shape))
+            name, shape = layout.names[name_index], tuple(dims[:ndim])
+            dtype = layout.wire_dtype(name)
+            data = recv[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+            sink.buffer(name, shape).copy_(data)
     sink.commit()
     return received
 

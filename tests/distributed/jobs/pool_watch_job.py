@@ -34,8 +34,6 @@ LAYOUT = RolloutLayout(("a", "b", "c"), "float32")
 class HarmOnSecondSlice:
     """The receiving end's sink: writes nothing anywhere, and harms its own process on the second slice."""
 
-    dtype = torch.float32
-
     def __init__(self, sig: int | None) -> None:
         self.sig, self.slices = sig, 0
 
