@@ -44,13 +44,14 @@ def run(job) -> dict[str, float]:
 
     from verl_mega.checkpoint.manager import fault_point
     from verl_mega.config.loader import to_dict
+    from verl_mega.trainer.loop import next_prompts, run_step
     from verl_mega.trainer.metrics import MetricsLogger, write_summary
     from verl_mega.trainer.stop import StopRequest
 
     if job.server is not None:  # a rank of a rollout pool of its own: serve the trainer until it stops
         job.server.serve()
         return {}
-    cfg, trainer, loader, ckpt = job.cfg, job.trainer, job.loader, job.ckpt
+    cfg, trainer, ckpt = job.cfg, job.trainer, job.ckpt
     start_step, total_steps = job.start_step, job.total_steps
     logger = MetricsLogger(cfg.trainer.output_dir, console=cfg.logging.console,
                            progress_bar=cfg.logging.progress_bar, jsonl=cfg.logging.jsonl,
@@ -62,26 +63,17 @@ def run(job) -> dict[str, float]:
     if cfg.trainer.val_before_train and start_step == 0:  # the initial policy's score, as verl logs it
         logger.log(trainer.validate(), 0)
 
-    # --- the RL loop
+    # --- the RL loop: the step and what follows it are trainer/loop.py's, which the Python API shares
     metrics: dict[str, float] = {}
     with StopRequest(cfg.trainer.time_limit_s, started=job.started) as stop:
         for step in range(start_step + 1, total_steps + 1):
             began = time.monotonic()
             fault_point("step_start", step)
-            prompts = loader.next_batch()
-            if prompts is None:
+            prompts = next_prompts(job, step)
+            if prompts is None:  # the data ran out first (dynamic sampling): the last step trained was saved
                 break
-            job.rollout.prefetch(job.lookahead(prompts))  # async: batches t..t+k to a rollout pool of its own
-            metrics = trainer.step(prompts)
-            ckpt.guard_nonfinite(metrics, step)
-            if cfg.trainer.val_every and (step % cfg.trainer.val_every == 0 or step == total_steps):
-                metrics.update(trainer.validate())
-            logger.log(metrics, step)
-            reason = stop.agreed(time.monotonic() - began, peer=job.rollout.stop_requested)
-            if ckpt.should_save(step, total_steps) or reason:
-                ckpt.save(step)
+            metrics, reason = run_step(job, step, prompts, stop=stop, began=began, logger=logger)
             if reason:
-                log.warning("stopping after step %d (%s) with a checkpoint of that step", step, reason)
                 break
         ckpt.close()  # a background save (checkpoint.async_save) becomes complete and visible
     logger.close()

@@ -27,6 +27,11 @@ def test_create_and_step(tmp_path):
         assert r["count/decode_steps"] >= r["rollout/response_length"] - 1  # longest sample − 1 ≥ mean − 1
         assert r["timing/decode_step_ms"] > 0
     assert "overlap efficiency" in log.lower()  # enable_profiling printed the stage tree
+    # checkpoints as train.run saves them (trainer.save_every=2, and the last step), complete once close() returned
+    ckpts = out / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_000002", "step_000003"]
+    assert (ckpts / "latest").read_text() == "step_000003\n" and (ckpts / "step_000003" / "COMPLETE").exists()
+    assert json.loads((ckpts / "step_000003" / "trainer.json").read_text())["step"] == 3
 
 
 def test_backend_validation():

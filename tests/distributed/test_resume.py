@@ -177,6 +177,8 @@ def test_broken_newest_checkpoint_falls_back_and_reproduces(reference, tmp_path,
     problem = f"has {len(data)} bytes" if damage == "truncate" else "does not match its SHA-256"
     assert f"{shard} {problem}" in text and "resuming from the older step_000004 instead" in text, text[-4000:]
     assert "resumed from" in text and "step_000004 (step 4)" in text
+    (earlier,) = (out / "earlier_runs").iterdir()  # the broken one, set aside: pruning and resume=auto never see it
+    assert sorted(p.name for p in (earlier / "checkpoints").iterdir()) == ["step_000006"]
     _check_checkpoints(out)
     assert _rows(out) == ref_rows
 

@@ -244,3 +244,73 @@ def test_legacy_checkpoint_without_manifest(run, caplog):
     with caplog.at_level(logging.WARNING):
         assert verify_checkpoint(cfg, newest) == newest
     assert "written without a manifest" in caplog.text
+
+
+def _fake_world(monkeypatch, *, rank: int, rank0_path):
+    """This process as rank `rank` of 2: rank 0's broadcast delivers `rank0_path`; rank 0 finds every block
+    intact."""
+    monkeypatch.setattr(integrity.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(integrity.dist, "get_world_size", lambda *a, **k: 2)
+    monkeypatch.setattr(integrity.dist, "get_rank", lambda *a, **k: rank)
+
+    def broadcast_object_list(objects, src, group=None):
+        assert src == 0
+        objects[0] = None if rank0_path is None else str(rank0_path)
+
+    def all_gather_object(out, obj, group=None):
+        out[:] = [[], obj] if rank == 1 else [obj, []]
+
+    monkeypatch.setattr(integrity.dist, "broadcast_object_list", broadcast_object_list)
+    monkeypatch.setattr(integrity.dist, "all_gather_object", all_gather_object)
+
+
+def test_every_rank_resumes_from_rank_0s_choice(run, monkeypatch, caplog):
+    """Each rank runs the cheap checks alone, before the process group exists: a transient read error made rank 1
+    fall back to the older checkpoint while rank 0 chose the newest. Every rank must load rank 0's choice."""
+    cfg, (older, newest) = run
+    _fake_world(monkeypatch, rank=1, rank0_path=newest)
+    with caplog.at_level(logging.WARNING):
+        assert verify_checkpoint(cfg, older) == newest
+    assert f"this rank (1) chose {older} on its own, rank 0 chose {newest}" in caplog.text
+    caplog.clear()
+    skip = _cfg(cfg.trainer.output_dir, "checkpoint.verify_checksums=false")  # no hashing: still one choice
+    assert verify_checkpoint(skip, older) == newest
+    _fake_world(monkeypatch, rank=1, rank0_path=None)  # rank 0 starts fresh, so does every rank
+    assert verify_checkpoint(cfg, older) is None
+
+
+def _with_loader_state(path: Path, **loader) -> None:
+    state = json.loads((path / "trainer.json").read_text())
+    state["loader"] = {"epoch": 0, "index": 0, "seed": 0, "dataset_size": 40, "global_batch_size": 2, **loader}
+    (path / "trainer.json").write_text(json.dumps(state))
+    write_manifest(path, digest_files(path, checkpoint_files(path)))
+
+
+def _loader(prompts: int = 40, num_epochs: int = 1):
+    from verl_mega.data.loader import PromptItem, PromptLoader
+
+    return PromptLoader([PromptItem(i, [1, 2], "p", 0) for i in range(prompts)], global_batch_size=2,
+                        num_epochs=num_epochs)
+
+
+def test_a_loader_state_that_does_not_fit_the_data_is_refused_before_the_build(run):
+    """A dataset that changed size since the save: refused with the checks that run before anything is built
+    (setup.py passes the loader), not after every model is built and the checkpoint loaded."""
+    _, (_, newest) = run
+    _with_loader_state(newest, index=3)
+    check_steps_left(newest, 20, loader=_loader(), complete_ok=True)
+    with pytest.raises(ResumeError, match=f"resume: {newest}: data loader state has dataset_size=40 but this run "
+                                          "has 44; resume with the same data") as info:
+        check_steps_left(newest, 20, loader=_loader(44), complete_ok=True)
+    assert "\n" not in str(info.value)
+
+
+def test_a_checkpoint_where_the_data_ran_out_is_a_complete_run(run):
+    """Dynamic sampling with trainer.total_epochs: the data ran out at step 4 of a run of 20 batches, and the run
+    saved step 4 there. A relaunch finds the run complete instead of building everything to train nothing."""
+    _, (_, newest) = run
+    _with_loader_state(newest, epoch=1, index=0)  # after the last of the 20 batches of the only epoch
+    check_steps_left(newest, 20, loader=_loader(), complete_ok=True)
+    with pytest.raises(RunComplete, match="already holds step 4, where the data ran out"):
+        check_steps_left(newest, 20, loader=_loader())
+    check_steps_left(newest, 40, loader=_loader(num_epochs=2))  # trainer.total_epochs raised: steps are left

@@ -110,3 +110,23 @@ def test_a_fresh_run_sets_the_earlier_run_aside(tmp_path, caplog):
     _earlier_run(out)
     again = set_aside_earlier_run(str(out))
     assert again != dest and again.parent == out / EARLIER_RUNS and (dest / "metrics.jsonl").exists()
+
+
+def test_a_resumed_run_sets_later_checkpoints_aside(tmp_path, caplog):
+    """Resuming from step 2 (a rollback, or resume=auto past a broken step 4): step 4 goes to earlier_runs/, step 2
+    and everything else stay, and `latest` names step 2 again; from another directory's checkpoint, `latest` goes."""
+    from verl_mega.trainer.run_dir import set_aside_later_checkpoints
+
+    out = tmp_path / "run"
+    _earlier_run(out)
+    assert set_aside_later_checkpoints(str(out), 4) is None  # the newest: nothing to move
+    with caplog.at_level(logging.WARNING):
+        dest = set_aside_later_checkpoints(str(out), 2)
+    assert dest.parent == out / EARLIER_RUNS and sorted(p.name for p in dest.iterdir()) == ["checkpoints"]
+    assert sorted(p.name for p in (dest / "checkpoints").iterdir()) == ["step_000004"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_000002"]
+    assert (out / "checkpoints" / "latest").read_text() == "step_000002\n"
+    assert (out / "metrics.jsonl").exists()  # the metrics logger truncates it to the resumed step itself
+    assert "held later ones (step_000004..step_000004)" in caplog.text
+    set_aside_later_checkpoints(str(out), 1)  # resumed from step 1 of another directory
+    assert not (out / "checkpoints" / "latest").exists()

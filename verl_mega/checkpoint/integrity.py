@@ -6,8 +6,9 @@ at save time (the blocks are split over the ranks, and over threads within a ran
 * on every rank, before anything is built (:func:`find_checkpoint`): ``trainer.json`` parses and has the fields of its
   schema; every file of the manifest is present with its size; each role's dist-checkpoint metadata reads through the
   allow-list of :mod:`verl_mega.checkpoint.safe_load`; result-changing config keys and the optimizer type agree;
-* once the process group exists (:func:`verify_checkpoint`, collective): every block's SHA-256 equals the manifest's,
-  each rank hashing its share on its threads (``checkpoint.verify_checksums=false`` skips this).
+* once the process group exists (:func:`verify_checkpoint`, collective): every rank takes rank 0's choice, and every
+  block's SHA-256 equals the manifest's, each rank hashing its share on its threads
+  (``checkpoint.verify_checksums=false`` skips the hashing).
 
 A broken checkpoint (unreadable, missing or truncated file, wrong checksum) is an error naming the file; with
 ``trainer.resume=auto`` the newest intact checkpoint is used instead, with a warning. A file the allow-list refuses,
@@ -315,9 +316,26 @@ def find_checkpoint(cfg, *, after: Path | None = None) -> Path | None:
     return None
 
 
+def rank0_choice(path: Path | None) -> Path | None:
+    """Rank 0's choice of checkpoint, on every rank of the pool (collective). Each rank runs the cheap checks on its
+    own, before any process group exists, so a transient read error can make ranks choose differently; all of them
+    must load one checkpoint, whose checksums they then verify together."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return path
+    box = [None if path is None else str(path)]
+    dist.broadcast_object_list(box, src=0, group=pool_group())
+    chosen = None if box[0] is None else Path(box[0])
+    if chosen != path:
+        log.warning("resume: this rank (%d) chose %s on its own, rank 0 chose %s; every rank resumes from rank 0's "
+                    "choice", dist.get_rank(), path, chosen)
+    return chosen
+
+
 def verify_checkpoint(cfg, path: Path | None) -> Path | None:
-    """Check `path`'s files against its manifest's SHA-256 (collective: each rank hashes its share, all ranks get the
-    same verdict) and fall back like find_checkpoint. Returns the checkpoint to load."""
+    """Make every rank take rank 0's choice, check `path`'s files against its manifest's SHA-256 (collective: each
+    rank hashes its share, all ranks get the same verdict) and fall back like find_checkpoint. Returns the
+    checkpoint to load."""
+    path = rank0_choice(path)
     while path is not None and cfg.checkpoint.verify_checksums:
         manifest = read_manifest(path)
         if manifest is None:
@@ -333,7 +351,7 @@ def verify_checkpoint(cfg, path: Path | None) -> Path | None:
             return path
         older = [p for p in _candidates(cfg) if p.name < path.name] if cfg.trainer.resume == "auto" else []
         _fall_back(cfg, path, BrokenCheckpointError(sorted(bad)[0]), older)
-        path = find_checkpoint(cfg, after=path)
+        path = rank0_choice(find_checkpoint(cfg, after=path))
     return path
 
 
@@ -345,15 +363,29 @@ class RunComplete(Exception):
     """The checkpoint to resume from already holds the run's last step: there is nothing to train."""
 
 
-def check_steps_left(path: Path, total_steps: int, *, complete_ok: bool = False) -> None:
-    """Before building: the checkpoint's step must be below the run's last step (trainer.total_steps, or the
-    batches of trainer.total_epochs). ``complete_ok``: a checkpoint at the last step passes (its checksums are not
+def check_steps_left(path: Path, total_steps: int, *, loader=None, complete_ok: bool = False) -> None:
+    """Before building: the checkpoint must leave steps to train: its step below the run's last step
+    (trainer.total_steps, or the batches of trainer.total_epochs) and, given this run's data `loader`, its data
+    position before the loader's end (dynamic sampling draws extra batches, so the data can end first); and its
+    loader state must fit `loader`. ``complete_ok``: a checkpoint at the last step passes (its checksums are not
     verified yet, and a broken one would be replaced by an older one)."""
-    step = checkpoint_step(path)
+    state = read_trainer_state(path)
+    step = int(state["step"])
+    if loader is not None:
+        try:  # refused here, not after every model is built and the checkpoint loaded
+            loader.check_state(state["loader"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ResumeError(f"resume: {path}: {exc}") from None
     if step > total_steps:
         raise ResumeError(f"trainer.total_steps={total_steps} is below step {step} of {path}: that run went further "
                           f"already; set trainer.total_steps above {step} to continue it, or trainer.resume=off (or "
                           f"another trainer.output_dir) to start over")
-    if step == total_steps and not complete_ok:
+    if complete_ok:
+        return
+    if step == total_steps:
         raise RunComplete(f"{path} already holds step {step}, the last of this run; nothing to train (raise "
                           f"trainer.total_steps to continue, or set trainer.resume=off to start over)")
+    if loader is not None and loader.ends_at(state["loader"]):
+        raise RunComplete(f"{path} already holds step {step}, where the data ran out (the last of its "
+                          f"{loader.total_batches} prompt batches; dynamic sampling drew extra ones); nothing to "
+                          f"train (raise trainer.total_epochs to continue, or set trainer.resume=off to start over)")

@@ -13,6 +13,8 @@ Layout under ``<trainer.output_dir>/checkpoints/``::
 
 Every rank writes into ``.tmp-step_N``; after a barrier rank 0 marks it COMPLETE and renames it. A directory
 without COMPLETE is never loaded, so a kill at any point leaves either the previous or the new checkpoint usable.
+A checkpoint is deleted (pruning) by renaming it to ``.trash-step_N`` first, so a kill midway never leaves a partial
+``step_N``; the next save removes every ``.tmp-*`` and ``.trash-*`` left behind.
 With ``checkpoint.async_save`` mcore's background writer writes the shards while training goes on; the same
 finalisation runs once every rank has finished (checked each step, awaited before the next save and at the end).
 """
@@ -58,6 +60,7 @@ class NonFiniteError(RuntimeError):
 
 
 FAULT_ENV = "VERL_MEGA_FAULT_INJECT"
+TMP_PREFIX, TRASH_PREFIX = ".tmp-", ".trash-"  # hidden names: glob("step_*") and resume never see them
 _NEARLY_FULL = 64 << 20  # bytes left on the disk after a failed save below which the disk is named as the cause
 
 
@@ -130,6 +133,27 @@ def async_save_request(sharded_sd: dict, checkpoint_dir: Path) -> "AsyncRequest"
                                    preprocess_common_before_consistancy_check=optim_state.common_for_consistency_check)
 
 
+def discard(path: Path) -> None:
+    """Delete checkpoint directory `path` so that no partial `step_N` is ever visible: renamed (atomically) to a
+    hidden ``.trash-`` name first, then removed. A kill midway leaves only the hidden name (removed at the next
+    save); an rmtree in place could leave COMPLETE and trainer.json without the manifest, a pre-manifest look-alike
+    that would load unverified."""
+    trash = path.with_name(f"{TRASH_PREFIX}{path.name}")
+    if trash.exists():
+        shutil.rmtree(trash)
+    os.replace(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def remove_leftovers(root: Path) -> list[str]:
+    """Remove what failed or killed saves (``.tmp-step_*``) and deletions (``.trash-*``) left under `root` (rank 0,
+    with no save in flight); returns their names."""
+    found = sorted(p for pattern in (f"{TMP_PREFIX}step_*", f"{TRASH_PREFIX}*") for p in root.glob(pattern))
+    for path in found:
+        shutil.rmtree(path, ignore_errors=True)
+    return [p.name for p in found]
+
+
 def _flat(model_sd: dict) -> dict:
     """The model part as the optimizer expects it: one dict over all (virtual-pipeline) chunks."""
     return {k: v for d in model_sd.values() for k, v in d.items()} if len(model_sd) > 1 else model_sd["model"]
@@ -145,6 +169,7 @@ class CheckpointManager:
         self.loader = loader
         self.kl_ctrl = kl_ctrl
         self._nonfinite = 0
+        self.last_saved = 0  # the newest step saved or resumed from (its checkpoint may still be in flight)
         self._async_queue = None
         if cfg.checkpoint.async_save:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
@@ -166,6 +191,12 @@ class CheckpointManager:
         if self._async_queue is not None:
             self._async_queue.maybe_finalize_async_calls(blocking=blocking)
 
+    def save_last(self, step: int) -> None:
+        """The run ends at `step`, before trainer.total_steps (the data ran out first): save it, as should_save
+        does for the last step, unless it was saved (collective)."""
+        if self.cfg.trainer.save_every and step > self.last_saved:
+            self.save(step)
+
     def close(self) -> None:
         """Wait until a pending background save is complete and visible (collective)."""
         if self._async_queue is not None:
@@ -176,11 +207,13 @@ class CheckpointManager:
         background and the checkpoint becomes visible (COMPLETE, rename, `latest`) at a later poll/save/close.
         A full disk is reported as an OSError naming the checkpoint directory."""
         try:
-            return self._save(step)
+            path = self._save(step)
+            self.last_saved = step
+            return path
         except BaseException as exc:  # torch's CheckpointException (per-rank write failures) is a BaseException
             from verl_mega.checkpoint.safe_load import disk_full_error
 
-            tmp = str(self.root / f".tmp-step_{step:06d}")
+            tmp = str(self.root / f"{TMP_PREFIX}step_{step:06d}")
             full = disk_full_error(exc)
             # torch's zip writer reports a full disk without its errno ("unexpected pos …"): look at the disk itself
             if full is None and not isinstance(exc, (KeyboardInterrupt, SystemExit)) \
@@ -198,9 +231,11 @@ class CheckpointManager:
         self.poll(blocking=True)  # one save in flight at a time: the previous one is finalised first
         fault_point("save_begin", step)
         name = f"step_{step:06d}"
-        tmp = self.root / f".tmp-{name}"
+        tmp = self.root / f"{TMP_PREFIX}{name}"
         if _rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            left = remove_leftovers(self.root)  # nothing is in flight now (polled above)
+            if left:
+                log.info("removed what failed or interrupted saves and deletions left: %s", ", ".join(left))
             tmp.mkdir(parents=True)
         _barrier()
         requests = []
@@ -244,7 +279,7 @@ class CheckpointManager:
         """All shards of `tmp` are on disk on every rank (collective): rank 0 writes trainer.json, the ranks hash a
         share of the files each, rank 0 writes the manifest, marks the directory COMPLETE and makes it visible."""
         fault_point("save_shards_written", step)
-        final = self.root / tmp.name.removeprefix(".tmp-")
+        final = self.root / tmp.name.removeprefix(TMP_PREFIX)
         if _rank() == 0:
             (tmp / "trainer.json").write_text(trainer_json)
         _barrier()
@@ -253,13 +288,13 @@ class CheckpointManager:
             write_manifest(tmp, entries)
             (tmp / "COMPLETE").write_text("ok\n")
             if final.exists():
-                shutil.rmtree(final)
+                discard(final)
             os.replace(tmp, final)
             fault_point("save_renamed", step)
             latest_tmp = self.root / ".latest.tmp"
             latest_tmp.write_text(final.name + "\n")
             os.replace(latest_tmp, self.root / "latest")
-            self._prune()
+            self._prune(final)
             log.info("checkpoint %s complete", final)
         _barrier()
         fault_point("save_done", step)
@@ -311,11 +346,17 @@ class CheckpointManager:
             write_peft_adapter(out.parent / "hf_adapter", adapters, lora_spec_of(actor.modules),
                                str(self.hf_source) if self.hf_source is not None else None)
 
-    def _prune(self) -> None:
+    def _prune(self, final: Path) -> None:
+        """Keep the newest checkpoint.keep_last complete checkpoints, counting from `final`, the one just written:
+        it always stays, and so does any newer one (an abandoned run's, set aside at resume; never this save's to
+        delete)."""
         keep = self.cfg.checkpoint.keep_last
-        done = sorted(p for p in self.root.glob("step_*") if (p / "COMPLETE").exists())
-        for old in done[:-keep] if keep else []:
-            shutil.rmtree(old, ignore_errors=True)
+        older = sorted(p for p in self.root.glob("step_*") if (p / "COMPLETE").exists() and p.name < final.name)
+        for old in older[:max(0, len(older) - keep + 1)] if keep else []:
+            try:
+                discard(old)
+            except OSError as exc:  # the new checkpoint is complete: a failed deletion must not fail the save
+                log.warning("checkpoint %s could not be removed (%s); it stays", old, exc)
 
     # ------------------------------------------------------------------ resume
     def maybe_resume(self, path: Path | None | str = "select") -> int:
@@ -366,7 +407,8 @@ class CheckpointManager:
             log.warning("resume: %s was saved by %d ranks, this run has %d; RNG streams restart from the seed "
                         "(results will differ from an uninterrupted run)", path.name, state["world_size"], world)
         log.info("resumed from %s (step %d)", path, state["step"])
-        return int(state["step"])
+        self.last_saved = int(state["step"])
+        return self.last_saved
 
     # ------------------------------------------------------------------ guards
     def guard_nonfinite(self, metrics: dict[str, float], step: int) -> None:

@@ -150,9 +150,9 @@ class PromptLoader:
             "global_batch_size": self.global_batch_size,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume at the saved position; refuses a state from a different dataset size / batch size / seed, since
-        the same position would then mean different prompts."""
+    def check_state(self, state: dict[str, Any]) -> None:
+        """Refuse a saved state from a different dataset size / batch size / seed, since the same position would then
+        mean different prompts, and an impossible position."""
         for key, mine in (("dataset_size", len(self.dataset)), ("global_batch_size", self.global_batch_size),
                           ("seed", self.seed)):
             if key in state and state[key] != mine:
@@ -163,4 +163,12 @@ class PromptLoader:
         epoch, index = int(state["epoch"]), int(state["index"])
         if not 0 <= index < max(1, self.batches_per_epoch) or epoch < 0:
             raise PromptDataError(f"data loader state has an invalid position (epoch {epoch}, index {index})")
-        self.epoch, self.index = epoch, index
+
+    def ends_at(self, state: dict[str, Any]) -> bool:
+        """Whether a saved position is at this loader's end: it has no batch left to serve from there."""
+        return int(state["epoch"]) * self.batches_per_epoch + int(state["index"]) >= self.total_batches
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at the saved position (checked first: :meth:`check_state`)."""
+        self.check_state(state)
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])

@@ -2,7 +2,8 @@
 
 A thin façade over the recipe machinery: the arguments become dotted config overrides of a recipe, and
 :func:`verl_mega.trainer.setup.build_job` builds exactly what ``python -m verl_mega.train`` builds. The façade owns
-that job (:class:`TrainingRun`) and steps it as :func:`verl_mega.train.run` does::
+that job (:class:`TrainingRun`) and steps it as :func:`verl_mega.train.run` does, through the same functions
+(:mod:`verl_mega.trainer.loop`: non-finite guard, validation, stop agreement, checkpoints)::
 
     from verl_mega import RLTrainer, vLLMBackend
 
@@ -16,7 +17,9 @@ that job (:class:`TrainingRun`) and steps it as :func:`verl_mega.train.run` does
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -93,22 +96,42 @@ class RLTrainer(_Step):
 
 class TrainingRun:
     """A built job driven from Python (what :meth:`RLTrainer.create` returns): it owns the job (data loader,
-    checkpoints, vLLM, reward pool) and steps its trainer on the job's data, the look-ahead first."""
+    checkpoints, vLLM, reward pool) and steps its trainer on the job's data, the look-ahead first.
+
+    The steps drawn from the job's data are the run's numbered steps and end as ``python -m verl_mega.train``'s do
+    (:func:`verl_mega.trainer.loop.run_step`): the non-finite guard, validation every trainer.val_every, a checkpoint
+    every trainer.save_every and at the last step, and the stop agreement: SIGTERM or SIGINT during a step, or
+    trainer.time_limit_s, saves that step and the next :meth:`step` raises StopIteration. A step on a batch of the
+    caller's own is not numbered: only the non-finite guard follows it."""
 
     def __init__(self, job: Job) -> None:
+        from verl_mega.trainer.stop import StopRequest
+
         self.job, self.trainer = job, job.trainer
         self.steps_done = job.start_step  # a resumed job starts after its checkpoint
+        self.stopped = ""  # why the run stopped (a signal, the time limit), once it has
+        self._stop = StopRequest(job.cfg.trainer.time_limit_s, started=job.started)
 
     def step(self, prompt_batch=None) -> dict[str, float]:
         """One RL step on ``prompt_batch`` (by default the next batch of the job's data loader)."""
+        from verl_mega.trainer.loop import next_prompts, run_step
+
+        if self.stopped:
+            raise StopIteration(f"the run stopped after step {self.steps_done} ({self.stopped}), with a checkpoint")
+        if prompt_batch is not None:
+            self.job.rollout.prefetch(self.job.lookahead(prompt_batch))  # the asynchronous window, as run_step's
+            metrics = self.trainer.step(prompt_batch)
+            self.job.ckpt.guard_nonfinite(metrics, self.steps_done)
+            return metrics
+        if self.steps_done < self.job.total_steps:
+            prompt_batch = next_prompts(self.job, self.steps_done + 1)
         if prompt_batch is None:
-            if self.steps_done < self.job.total_steps:
-                prompt_batch = self.job.loader.next_batch()
-            if prompt_batch is None:
-                raise StopIteration(f"trainer.total_steps={self.job.total_steps} (or the data) is exhausted")
-            self.steps_done += 1
-        self.job.rollout.prefetch(self.job.lookahead(prompt_batch))  # the asynchronous window, as train.run sends it
-        return self.trainer.step(prompt_batch)
+            raise StopIteration(f"trainer.total_steps={self.job.total_steps} (or the data) is exhausted")
+        self.steps_done += 1
+        # signals are the run's during a step only: between steps the caller's code keeps Python's handling
+        with self._stop if threading.current_thread() is threading.main_thread() else contextlib.nullcontext():
+            metrics, self.stopped = run_step(self.job, self.steps_done, prompt_batch, stop=self._stop)
+        return metrics
 
     def __getattr__(self, name: str) -> Any:  # validate(), enable_profiling(), the profiler: the trainer's
         return getattr(self.__dict__.get("trainer"), name)

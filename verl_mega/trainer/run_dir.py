@@ -8,6 +8,10 @@
   in a directory that holds an earlier run's records first moves them into ``<output_dir>/earlier_runs/<time>/``:
   its checkpoints would otherwise outrank the new ones (pruning and ``resume=auto`` keep the highest step numbers)
   and its metrics would mix with the new run's. Nothing is deleted.
+* **One timeline.** A run that resumes from step K while newer ``step_N`` (N > K) are there (a rollback with
+  ``trainer.resume=PATH``, or ``auto`` falling back past a broken newest checkpoint) moves those into
+  ``<output_dir>/earlier_runs/<time>/checkpoints/`` the same way: pruning and ``resume=auto`` would keep them, the
+  abandoned run's, over the resumed run's own.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from verl_mega.trainer.failures import ATTEMPTS_DIR
 
 log = logging.getLogger("verl_mega.checkpoint")
 
-__all__ = ["LOCK_FILE", "EARLIER_RUNS", "RUN_RECORDS", "lock_output_dir", "set_aside_earlier_run"]
+__all__ = ["LOCK_FILE", "EARLIER_RUNS", "RUN_RECORDS", "lock_output_dir", "set_aside_earlier_run",
+           "set_aside_later_checkpoints"]
 
 LOCK_FILE = ".lock"
 # flock belongs to the open file, which a forked child shares (mcore's background checkpoint writer is one): a child
@@ -96,13 +101,7 @@ def set_aside_earlier_run(output_dir: str) -> Path | None:
     found = [root / name for name in RUN_RECORDS if (root / name).exists()]
     if not found:
         return None
-    stamp = time.strftime("%Y%m%dT%H%M%S")
-    dest = root / EARLIER_RUNS / stamp
-    n = 1
-    while dest.exists():
-        n += 1
-        dest = root / EARLIER_RUNS / f"{stamp}-{n}"
-    dest.mkdir(parents=True)
+    dest = _new_earlier_run(root)
     for item in found:
         os.replace(item, dest / item.name)
     steps = sorted(p.name for p in (dest / "checkpoints").glob("step_*")) if (dest / "checkpoints").is_dir() else []
@@ -110,4 +109,48 @@ def set_aside_earlier_run(output_dir: str) -> Path | None:
                      + [p.name for p in found if p.name != "checkpoints"])
     log.warning("trainer.output_dir=%s held an earlier run (%s); this run starts fresh, so it was moved to %s",
                 output_dir, held or "an empty checkpoints/", dest)
+    return dest
+
+
+def set_aside_later_checkpoints(output_dir: str, step: int) -> Path | None:
+    """Move the checkpoints past `step`, the one this run resumed from, out of its way (rank 0, under the lock): an
+    abandoned timeline's (a rollback) or a broken one that resume=auto passed over. Returns where they went, or None
+    when there were none."""
+    root = Path(output_dir) / "checkpoints"
+    later = sorted(p for p in root.glob("step_*") if _step_of(p) > step) if root.is_dir() else []
+    if not later:
+        return None
+    dest = _new_earlier_run(Path(output_dir)) / "checkpoints"
+    dest.mkdir()
+    for path in later:
+        os.replace(path, dest / path.name)
+    latest = root / "latest"
+    if latest.exists() and not (root / latest.read_text().strip()).exists():  # it named a checkpoint moved away
+        resumed = root / f"step_{step:06d}"
+        if resumed.is_dir():
+            tmp = root / ".latest.tmp"
+            tmp.write_text(resumed.name + "\n")
+            os.replace(tmp, latest)
+        else:  # resumed from another directory: this one has no checkpoint of the run yet
+            latest.unlink()
+    log.warning("resumed from step %d, but checkpoints/ held later ones (%s..%s) of an abandoned or broken run: "
+                "moved to %s, so that pruning and trainer.resume=auto see this run's own", step, later[0].name,
+                later[-1].name, dest)
+    return dest.parent
+
+
+def _step_of(path: Path) -> int:
+    digits = path.name.removeprefix("step_")
+    return int(digits) if digits.isdigit() else -1
+
+
+def _new_earlier_run(root: Path) -> Path:
+    """A new, empty ``<root>/earlier_runs/<time>/``."""
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    dest = root / EARLIER_RUNS / stamp
+    n = 1
+    while dest.exists():
+        n += 1
+        dest = root / EARLIER_RUNS / f"{stamp}-{n}"
+    dest.mkdir(parents=True)
     return dest

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from verl_mega.config import ConfigError, TrainConfig
+from verl_mega.config.model import LORA_TARGETS
 from verl_mega.engine.megatron_engine import MegatronEngine, ScheduleSpec
 from verl_mega.models.build import build_model_chunks
 from verl_mega.models.hf_config import (ModelArch, arch_from_hf, check_arch_layout, check_rollout_architecture,
@@ -239,25 +240,26 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
     from verl_mega.rewards.pool import RewardPool
     from verl_mega.trainer.profiler import StageProfiler
     from verl_mega.trainer.rl_trainer import RLTrainer
-    from verl_mega.trainer.run_dir import set_aside_earlier_run
+    from verl_mega.trainer.run_dir import set_aside_earlier_run, set_aside_later_checkpoints
 
     # --- check everything that can be checked before any heavy allocation
     cfg, placement, device, records_rank, reward_fn = _check_placement(cfg, resources)
     path = resolve_model_path(cfg)
     arch = _check_model(cfg, path, placement)
-    resume_path = find_checkpoint(cfg)  # a bad resume target fails here, before anything is built
+    resume_path = find_checkpoint(cfg)  # a bad resume target fails here, before anything is built (per rank)
     tokenizer = load_tokenizer(Path(cfg.model.tokenizer_path) if cfg.model.path != "tiny" else path,
                                trust_remote_code=cfg.model.trust_remote_code, model_vocab_size=arch.vocab_size,
                                chat_template=cfg.model.chat_template)
     loader, val_prompts, total_steps = _data(cfg, tokenizer)
-    if resume_path is not None:
-        check_steps_left(resume_path, total_steps, complete_ok=True)
+    if resume_path is not None:  # a loader state that does not fit the data is refused here too
+        check_steps_left(resume_path, total_steps, loader=loader, complete_ok=True)
 
     # --- worlds, the checkpoint to resume from, and a rollout pool's own server
     bridge, records = _init_worlds(cfg, placement, device, resources)
     job_rank = bridge.rank if bridge is not None else dist.get_rank()
     start_attempt(cfg.trainer.output_dir, job_rank)  # every rank of the job has joined: the records are this job's
-    # every file's checksum, each rank hashing a share; a broken newest checkpoint falls back (resume=auto)
+    # every rank takes rank 0's choice, then every file's checksum, each rank hashing a share; a broken newest
+    # checkpoint falls back (resume=auto)
     if bridge is None or bridge.trains:
         resume_path = verify_checkpoint(cfg, resume_path)
     if bridge is not None:  # the rollout pool learns the training pool's decision (collective over the job)
@@ -271,7 +273,7 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
         if restart is not None:
             log.warning("restarted after a failure (%s): %s", FAILURES_FILE, restart["cause"])
     if resume_path is not None:
-        check_steps_left(resume_path, total_steps)  # a complete run ends here, before anything is built
+        check_steps_left(resume_path, total_steps, loader=loader)  # a complete run ends here, before the build
     if bridge is not None and not bridge.trains:
         server = build_rollout_server(cfg, placement, bridge, path)
         resources.callback(server.shutdown)
@@ -309,6 +311,8 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
     start_step = ckpt.maybe_resume(resume_path)
     if start_step:
         rollout.update_weights()
+    if records_rank and start_step:  # checkpoints past the resumed one (a rollback) would outrank this run's
+        set_aside_later_checkpoints(cfg.trainer.output_dir, start_step)
     elif records_rank:  # a fresh run's records never mix with an earlier run's
         set_aside_earlier_run(cfg.trainer.output_dir)
     write_placement_json(placement, device, Path(cfg.trainer.output_dir) / "placement.json",  # all was built
@@ -326,14 +330,15 @@ def _check_placement(cfg: TrainConfig, resources: contextlib.ExitStack):
     from verl_mega.parallel.placement import Placement
     from verl_mega.parallel.scheduler import place_on_devices
     from verl_mega.parallel.state import set_deterministic
-    from verl_mega.rewards.loader import load_reward_fn
+    from verl_mega.rewards.loader import NO_REWARD_FUNCTION, load_reward_fn
     from verl_mega.trainer.preflight import probe_output_dir
     from verl_mega.trainer.run_dir import lock_output_dir
 
     env = launch_env.discover()
     env.export_to_os_environ()
     set_deterministic(cfg.trainer.deterministic)  # before any CUDA kernel
-    reward_fn = load_reward_fn(cfg.reward.function, reward_kwargs=dict(cfg.reward.kwargs))
+    # without reward.function the config has a reward model (TrainConfig checks it), whose score is the reward
+    reward_fn = load_reward_fn(cfg.reward.function or NO_REWARD_FUNCTION, reward_kwargs=dict(cfg.reward.kwargs))
     if cfg.rollout.multi_turn.enable:
         from verl_mega.rollout.tools import load_tool
 
@@ -382,6 +387,13 @@ def _check_model(cfg: TrainConfig, path: Path, placement) -> ModelArch:
         raise ConfigError(f"rollout.quantization={cfg.rollout.quantization} covers the linears of dense decoders "
                           f"with multi-head attention, but model.path is a {arch.model_type} with "
                           f"{' and '.join(unquantizable)}; set rollout.quantization=none")
+    lora = cfg.model.lora
+    targets = set(LORA_TARGETS) if "all-linear" in lora.target_modules else set(lora.target_modules)
+    attention = {"q_proj", "k_proj", "v_proj", "o_proj"}
+    if lora.enabled and not targets & attention and all(arch.is_moe_layer(i) for i in range(arch.num_layers)):
+        raise ConfigError(f"model.lora.target_modules={list(lora.target_modules)} adapts MLP projections only, but "
+                          f"every layer of this {arch.model_type} routes its MLP to experts, which carry no adapters: "
+                          f"nothing would train; add {', '.join(sorted(attention))} or use all-linear")
     for weights in {path, resolve_critic_path(cfg, path) if cfg.critic.enable else path,
                     *([Path(cfg.reward.reward_model_path)] if cfg.reward.reward_model_path else [])}:
         check_checkpoint_matches(HFCheckpointReader(weights), model_arch(weights))  # headers only

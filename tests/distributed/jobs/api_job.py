@@ -1,4 +1,5 @@
-"""Job: the Python entry point — RLTrainer.create(actor="tiny", actor_backend=vLLMBackend(...)) then trainer.step().
+"""Job: the Python entry point — RLTrainer.create(actor="tiny", actor_backend=vLLMBackend(...)) then trainer.step(),
+saving as `python -m verl_mega.train` does (trainer.save_every=2 of 3 steps: steps 2 and 3).
 
 Args: OUTPUT_DIR. Writes OUTPUT_DIR/api_metrics.json (rank 0)."""
 
@@ -15,7 +16,7 @@ def main() -> None:
 
     trainer = RLTrainer.create(
         actor="tiny", actor_backend=vLLMBackend(gen_tp=1, kv_cache_memory_bytes=64 << 20, enforce_eager=True),
-        overrides={"trainer.total_steps": 3, "trainer.output_dir": str(out), "trainer.save_every": 0,
+        overrides={"trainer.total_steps": 3, "trainer.output_dir": str(out), "trainer.save_every": 2,
                    "data.train_batch_size": 4, "actor.ppo_mini_batch_size": 4, "logging.tensorboard": False,
                    "trainer.profile": True})  # profile: vLLM also reports per-request stats
     trainer.enable_profiling()
