@@ -44,17 +44,26 @@ def rl_steps_run(factory, recipe: str, tp: str, pp: str) -> Path:
 def test_rl_steps_data_parallel(tmp_path):
     """tp=pp=1 on 2 ranks: dp=2 (each rank trains half the samples, the distributed optimizer shards over dp) and
     two vLLM engines at tg=1 (each generates half the prompts); PPO so the critic's dp reductions and the whitening
-    over both ranks run too. Each rank receives only its rows; the gather-everything transport gives the same
-    metrics, bit for bit."""
+    over both ranks run too, scored by a reward model alone (reward.reward_model_path, no reward.function: a tiny
+    value-head model of its own, each replica scoring its rows). Each rank receives only its rows; the
+    gather-everything transport gives the same metrics, bit for bit."""
+    from verl_mega.models.tiny import make_tiny_hf_model
+    from verl_mega.trainer.setup import tiny_sizes
+
+    reward_model = make_tiny_hf_model(tmp_path / "reward_model", seed=7, with_tokenizer=False, **tiny_sizes("qwen2"))
     runs = {}
     for transport in ("scatter", "gather"):
         out = tmp_path / transport
         run_torchrun("rl_steps.py", 2, str(ROOT / "configs" / "ppo_cpu.yaml"), str(out), "parallel.tp=1",
                      "parallel.pp=1", "rollout.gen_tp=1", "critic.micro_batch_size_per_gpu=4",
-                     f"trainer.sample_transport={transport}", *SMALL,
+                     f"trainer.sample_transport={transport}", "reward.function=null",
+                     f"reward.reward_model_path={reward_model}", *SMALL,
                      env={"VERL_MEGA_CACHE": os.environ.get("VERL_MEGA_CACHE", str(tmp_path / "cache"))}, timeout=600)
         runs[transport] = check(str(out), 3, critic=True)
     assert runs["scatter"]["kl/actor_ref"] != 0.0
+    rows = [json.loads(line) for line in (tmp_path / "scatter" / "metrics.jsonl").read_text().splitlines()]
+    # the rewards are the reward model's scores: they differ between samples (a rule reward of 0 alone would not)
+    assert all(r["reward/max"] > r["reward/min"] and r["timing/rm_score_s"] > 0 for r in rows), rows
     assert same_results(tmp_path / "scatter", tmp_path / "gather")
 
 

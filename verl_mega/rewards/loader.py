@@ -48,6 +48,8 @@ BUILTIN_REWARDS = {
 }
 _BUILTIN_KWARGS = {"gsm8k_flexible": {"method": "flexible"}}
 _DEFAULT_FN_NAME = "compute_score"
+# the function of a run that a reward model alone scores (reward.reward_model_path without reward.function)
+NO_REWARD_FUNCTION = "verl_mega.rewards.loader:no_reward"
 # verl's reward functions: the names verl passes by keyword (verl/workers/reward_manager/naive.py and batch.py)
 VERL_PARAMS = ("data_source", "solution_str", "ground_truth", "extra_info")
 VERL_BATCH_PARAMS = ("data_sources", "solution_strs", "ground_truths", "extra_infos")
@@ -55,6 +57,11 @@ ACCEPTED_FORMS = ("verl's compute_score(data_source, solution_str, ground_truth,
                   "compute_score(data_sources, solution_strs, ground_truths, extra_infos)), called by keyword; or "
                   "fn(response, ground_truth, **extras) (batched: fn(responses, ground_truths, **extras))")
 Contract = Literal["ours", "verl"]
+
+
+def no_reward(response: str, ground_truth: Any) -> float:
+    """0 for every response: the reward model's score is then the whole reward."""
+    return 0.0
 
 
 class RewardFunctionError(ValueError):
