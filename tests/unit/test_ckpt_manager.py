@@ -130,3 +130,33 @@ def test_the_next_save_removes_what_failed_saves_left(tmp_path, caplog):
     assert _steps(out) == ["step_000005"]
     assert json.loads((out / "checkpoints" / "step_000005" / "trainer.json").read_text()) == {"step": 5}
     assert "left: .tmp-step_000003, .trash-step_000001" in caplog.text
+
+
+def test_the_hf_export_carries_the_tokenizer_the_run_used(tmp_path, monkeypatch):
+    """checkpoint.export_hf writes the run's tokenizer (model.tokenizer_path, model.chat_template applied), not the
+    tokenizer files that happen to sit in model.path."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    import verl_mega.models.loader as loader
+    import verl_mega.models.lora as lora
+    from verl_mega.models.tiny import build_char_tokenizer
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(build_char_tokenizer(tmp_path / "tokenizer")))
+    tokenizer.chat_template = "{{ messages[0]['content'] }} ="
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "qwen2"}')
+    (model / "tokenizer_config.json").write_text('{"chat_template": "stale"}')
+    monkeypatch.setattr(loader, "iter_hf_tensors", lambda *args: iter([("lm_head.weight", torch.zeros(2, 2))]))
+    monkeypatch.setattr(lora, "has_adapters", lambda modules: False)
+    mgr = _manager(tmp_path / "run")
+    mgr.engines = {"actor": SimpleNamespace(modules=[], chunks=[], groups=None)}
+    mgr.hf_source, mgr.tokenizer = model, tokenizer
+    mgr._export_hf(tmp_path / "hf")
+    exported = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    assert exported.chat_template == tokenizer.chat_template
+    assert exported("12+34").input_ids == tokenizer("12+34").input_ids
+    assert json.loads((tmp_path / "hf" / "config.json").read_text()) == {"model_type": "qwen2"}

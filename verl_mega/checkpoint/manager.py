@@ -161,9 +161,10 @@ def _flat(model_sd: dict) -> dict:
 
 class CheckpointManager:
     def __init__(self, cfg, *, engines: dict[str, Any], loader, kl_ctrl, hf_source: Path | None = None,
-                 arch=None) -> None:
+                 arch=None, tokenizer=None) -> None:
         self.cfg = cfg
-        self.hf_source, self.arch = hf_source, arch
+        # the export's tokenizer is the run's (model.tokenizer_path, model.chat_template), not model.path's files
+        self.hf_source, self.arch, self.tokenizer = hf_source, arch, tokenizer
         self.root = Path(cfg.trainer.output_dir) / "checkpoints"
         self.engines = {k: v for k, v in engines.items() if v is not None}
         self.loader = loader
@@ -339,9 +340,11 @@ class CheckpointManager:
             return
         out.mkdir(parents=True)
         write_hf_checkpoint(out, ((k, v.cpu()) for k, v in stream))
-        for name in ("config.json", *TOKENIZER_FILES):
+        for name in ("config.json", *(() if self.tokenizer is not None else TOKENIZER_FILES)):
             if self.hf_source is not None and (self.hf_source / name).exists():
                 shutil.copy2(self.hf_source / name, out / name)
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(str(out))
         if adapters is not None:
             write_peft_adapter(out.parent / "hf_adapter", adapters, lora_spec_of(actor.modules),
                                str(self.hf_source) if self.hf_source is not None else None)

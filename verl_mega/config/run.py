@@ -101,7 +101,8 @@ class CheckpointConfig(ConfigSection):
     async_save: bool = option(False, help="Write checkpoint shards in the background (Megatron async "
                               "dist-checkpointing) while training goes on; a checkpoint becomes visible to resume "
                               "once every rank has written it (see docs/checkpointing.md).")
-    export_hf: bool = option(False, help="Also export the actor as HF safetensors at each save.")
+    export_hf: bool = option(False, help="Also export the actor as HF safetensors at each save (`hf/`: config, "
+                                         "weights and the run's tokenizer, model.chat_template included).")
     save_optimizer: bool = option(True, help="Include optimizer state (needed for an exact resume).")
     verify_checksums: bool = option(
         True, help="Before resuming, compare every file of the checkpoint with the SHA-256 recorded in its "

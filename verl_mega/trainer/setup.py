@@ -306,7 +306,7 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
     if cfg.trainer.profile:
         trainer.enable_profiling()
     ckpt = CheckpointManager(cfg, engines={"actor": actor_m.engine, "critic": critic and critic.engine},
-                             loader=loader, kl_ctrl=kl_ctrl, hf_source=path, arch=arch)
+                             loader=loader, kl_ctrl=kl_ctrl, hf_source=path, arch=arch, tokenizer=tokenizer)
     resources.callback(ckpt.close)  # a background save becomes complete and visible
     start_step = ckpt.maybe_resume(resume_path)
     if start_step:
