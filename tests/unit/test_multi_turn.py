@@ -97,14 +97,14 @@ def test_turn_limit_token_limit_and_tool_errors(tok):
 
     mt = runner(tok, max_observation_tokens=3)
     (short,) = mt.run(engine, [tok.encode("99*99=")], SamplingSpec(n=1, max_tokens=40))
-    assert tok.decode(short.ids).startswith("(calc:99*99)=98")  # the tool's answer cut to 3 tokens
+    assert tok.decode(short.ids).startswith("(calc:99*99)=9.")  # the answer cut, its wrapping kept: 3 tokens
     mt.close()
 
     mt = runner(tok)
     (bad,) = mt.run(ScriptedEngine(tok, lambda t: "0#" if "=" in t else "(calc:9**99)"),
                     [tok.encode("x")], SamplingSpec(n=1, max_tokens=40))
     text = tok.decode(bad.ids).replace("<unk>", "?")
-    assert (bad.tool_calls, bad.tool_errors) == (1, 1) and text == "(calc:9**99)=error: ?alue?rr0<eos>", text
+    assert (bad.tool_calls, bad.tool_errors) == (1, 1) and text == "(calc:9**99)=error: ?alue?r.0<eos>", text
     mt.close()
 
 
@@ -172,6 +172,16 @@ def test_observation_follows_the_chat_template(tok):
     broken = SimpleNamespace(chat_template="x", apply_chat_template=lambda *a, **k: (_ for _ in ()).throw(
         ValueError("no tool role")))
     assert _template_parts(broken) is None
+
+
+def test_a_long_answer_is_cut_inside_the_templates_wrapping(tok):
+    mt = runner(tok)
+    mt.template = ("<eos> ", "(tool:", ") assistant:")  # end of turn, tool message, next assistant header
+    obs = mt._observation("1234567890" * 3, turn_ended_with_eos=False, limit=24)
+    assert len(obs) == 24 and tok.decode(obs) == "<eos> (tool:1234) assistant:"
+    after_eos = mt._observation("42", turn_ended_with_eos=True, limit=24)  # the policy wrote the end of its turn
+    assert tok.decode(after_eos) == " (tool:42) assistant:"
+    mt.close()
 
 
 def _render(messages, tokenize=False, add_generation_prompt=False):

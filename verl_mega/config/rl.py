@@ -61,7 +61,9 @@ class MultiTurnConfig(ConfigSection):
                   "turn's other calls are not run. An error the tool answers (ToolError) is not a failure. 1.0 never "
                   "stops.")
     python_memory_mb: int = option(512, help="Address-space limit of the `python` tool's interpreter.")
-    max_observation_tokens: int = option(64, help="A tool's answer is cut to this many tokens.")
+    max_observation_tokens: int = option(
+        64, help="Tokens of a tool's answer with its wrapping (the chat template's tool message and next assistant "
+                 "header, or observation_start/end): a longer answer is cut, the wrapping kept.")
     tool_call_start: str = option("<tool_call>", help="Text that opens a tool call.")
     tool_call_end: str = option("</tool_call>", help="Text that closes a tool call; generation stops at it when it "
                                                      "is a single token.")

@@ -19,6 +19,7 @@ as failed calls; the trainer stops the run when more than that fraction of a ste
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -107,7 +108,7 @@ class MultiTurn:
                 else:
                     calls.append((e, call, bool(ids) and ids[-1] == self.tokenizer.eos_token_id))
             for (e, _, eos), (ok, answer, failed) in zip(calls, self._answers([c for _, c, _ in calls], deadline)):
-                obs = self._observation(answer, eos)[:spec.max_observation_tokens]
+                obs = self._observation(answer, eos, spec.max_observation_tokens)
                 obs = obs[:self.max_tokens - len(e.ids)]
                 e.ids += obs
                 e.logprobs += [0.0] * len(obs)
@@ -157,16 +158,24 @@ class MultiTurn:
             answers = box[0]
         return answers
 
-    def _observation(self, answer: str, turn_ended_with_eos: bool) -> list[int]:
+    def _observation(self, answer: str, turn_ended_with_eos: bool, limit: int) -> list[int]:
+        """The tool's answer in its wrapping (the template's end of the assistant turn, the tool message and the
+        next assistant header; or observation_start/end), at most ``limit`` tokens: a long answer is cut, never the
+        wrapping, without which the next turn would start inside the tool's message."""
         if self.template is None:
-            text = self.spec.observation_start + answer + self.spec.observation_end
+            head, tail = self.spec.observation_start, self.spec.observation_end
         else:
-            closing, before, after = self.template
+            closing, before, tail = self.template
             eos_text = self.tokenizer.decode([self.tokenizer.eos_token_id])
             if turn_ended_with_eos and closing.startswith(eos_text):
                 closing = closing[len(eos_text):]  # the policy already wrote the end of its turn
-            text = closing + before + answer + after
-        return self.tokenizer.encode(text, add_special_tokens=False)
+            head = closing + before
+        encode = functools.partial(self.tokenizer.encode, add_special_tokens=False)
+        whole = encode(head + answer + tail)
+        if len(whole) <= limit:
+            return whole
+        head_ids, tail_ids = encode(head), encode(tail)
+        return head_ids + encode(answer)[:max(0, limit - len(head_ids) - len(tail_ids))] + tail_ids
 
 
 def _template_parts(tokenizer: Any) -> tuple[str, str, str] | None:
