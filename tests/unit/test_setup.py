@@ -323,3 +323,30 @@ def test_lora_that_would_adapt_nothing_on_an_all_moe_model_is_refused(tmp_path):
         _check_model(load_config("configs/quickstart_cpu.yaml", mlp), path, Placement.single(1))
     attention = ["model.lora.rank=8", "model.lora.target_modules=[o_proj, down_proj]", f"model.path={path}"]
     _check_model(load_config("configs/quickstart_cpu.yaml", attention), path, Placement.single(1))
+
+
+@pytest.mark.parametrize("prompts, batch, steps", [(599, 300, 3), (150, 100, 5), (7473, 1024, 50), (64, 16, 4)])
+def test_trainer_total_steps_gets_that_many_batches(prompts, batch, steps):
+    """The loader drops each epoch's incomplete last batch: the epochs must hold total_steps whole batches."""
+    from verl_mega.data.loader import PromptLoader
+    from verl_mega.trainer.setup import epochs_for
+
+    loader = PromptLoader(list(range(prompts)), global_batch_size=batch, num_epochs=epochs_for(steps, prompts, batch))
+    assert steps <= loader.total_batches < steps + loader.batches_per_epoch
+
+
+def test_generated_validation_prompts_are_not_the_training_prompts(tmp_path):
+    from transformers import PreTrainedTokenizerFast
+
+    from verl_mega.config import load_config
+    from verl_mega.models.tiny import build_char_tokenizer
+    from verl_mega.trainer.setup import _data
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(build_char_tokenizer(tmp_path / "tok")))
+    cfg = load_config("configs/quickstart_cpu.yaml", ["data.val_files=[generated:arithmetic]",
+                                                      "data.train_files=[generated:arithmetic]", "trainer.val_every=5"])
+    loader, val, _ = _data(cfg, tokenizer)
+    train = [item.prompt_ids for item in loader.dataset]
+    held_out = [item.prompt_ids for item in val.items]
+    assert len(train) == len(held_out) and train != held_out
+    assert sum(a == b for a, b in zip(train, held_out)) < len(train) // 10

@@ -400,22 +400,33 @@ def _check_model(cfg: TrainConfig, path: Path, placement) -> ModelArch:
     return arch
 
 
+VALIDATION_SEED_OFFSET = 1_000_003
+
+
+def epochs_for(batches: int, prompts: int, batch_size: int) -> int:
+    """Epochs that hold ``batches`` batches, each epoch's incomplete last batch dropped (as the loader does)."""
+    per_epoch = max(1, prompts // batch_size)
+    return -(-batches // per_epoch)
+
+
 def _data(cfg: TrainConfig, tokenizer):
     """The training prompts' loader, the validation prompts and the number of steps. Every rank sees the global
     prompt batch: vLLM engines split it, DP ranks split the samples."""
     from verl_mega.data.prompts import PromptBatch, PromptDataset, PromptLoader
 
-    def dataset(files):
+    def dataset(files, seed):
         return PromptDataset.from_files(files, tokenizer, max_prompt_length=cfg.data.max_prompt_length,
                                         prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key,
                                         apply_chat_template=cfg.data.apply_chat_template,
-                                        filter_overlong=cfg.data.filter_overlong_prompts, generated_seed=cfg.data.seed)
-    train_set = dataset(cfg.data.train_files)
-    val_prompts = PromptBatch(dataset(cfg.data.val_files).items, 0, 0) if cfg.data.val_files else None
+                                        filter_overlong=cfg.data.filter_overlong_prompts, generated_seed=seed)
+    train_set = dataset(cfg.data.train_files, cfg.data.seed)
+    # a generated task's validation prompts are a draw of their own, not the training prompts again
+    val_prompts = PromptBatch(dataset(cfg.data.val_files, cfg.data.seed + VALIDATION_SEED_OFFSET).items, 0, 0) \
+        if cfg.data.val_files else None
     # trainer.total_steps, when set, wins over trainer.total_epochs: the loader then cycles epochs as needed
     batches_per_step = cfg.algorithm.filter_groups.max_num_gen_batches if cfg.algorithm.filter_groups.enable else 1
-    epochs = cfg.trainer.total_epochs if not cfg.trainer.total_steps else 1 + cfg.trainer.total_steps * \
-        batches_per_step * cfg.data.train_batch_size // max(len(train_set), 1)
+    epochs = cfg.trainer.total_epochs if not cfg.trainer.total_steps else \
+        epochs_for(cfg.trainer.total_steps * batches_per_step, len(train_set), cfg.data.train_batch_size)
     loader = PromptLoader(train_set, global_batch_size=cfg.data.train_batch_size, seed=cfg.data.seed,
                           shuffle=cfg.data.shuffle, num_epochs=epochs or 1)
     return loader, val_prompts, cfg.trainer.total_steps or loader.total_batches
