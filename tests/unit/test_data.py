@@ -343,6 +343,11 @@ def test_verl_rows_that_do_not_fit_name_file_row_and_field(tmp_path):
         drop(rows[2])
         msg = _err(tmp_path, "v.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
         assert msg.startswith(f"{tmp_path / 'v.jsonl'}:line 3: missing field '{field}' of verl's dataset schema"), msg
+    rows = verl_rows([("3+4=", "7"), ("5-2=", "3")])
+    rows[1]["data_source"] = None
+    assert _err(tmp_path, "n.jsonl", "".join(json.dumps(r) + "\n" for r in rows)) == (
+        f"{tmp_path / 'n.jsonl'}:line 2: field 'data_source' is null; give the row its data source (it picks verl's "
+        "reward function) or remove it")
 
 
 class _Bytes:

@@ -100,6 +100,9 @@ def test_misbehaving_tools_are_cut_off_and_the_runner_goes_on(tools_file, caplog
 
         assert runner.call("crash", "") == Answer(False, "error: crash crashed (exit code 3)", failed=True)
         assert runner.call("add", {"a": 2, "b": 3}) == Answer(True, "5")  # JSON arguments as keywords
+        # argument names the tool does not take are the policy's mistake, not the tool's failure
+        assert runner.call("add", {"a": 2, "c": 3}) == Answer(
+            False, "error: add: missing a required argument: 'b'")
         assert runner.call("boom", "") == Answer(False, "error: RuntimeError: the tool itself is broken", failed=True)
         assert runner.call("picky", "x") == Answer(False, "error: cannot use 'x'")  # the tool's answer
 

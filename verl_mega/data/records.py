@@ -213,6 +213,9 @@ def _record(row: Any, where: str, prompt_key: str, answer_key: str | None, verl:
                 raise PromptDataError(
                     f"{where}: missing field '{key}' of verl's dataset schema (data_source, prompt, "
                     f"reward_model.ground_truth; fields here: {_fields(row)}); fix the row or remove it")
+        if _lookup(row, VERL_SOURCE_KEY) is None:  # verl's reward dispatch picks the scorer by it
+            raise PromptDataError(f"{where}: field '{VERL_SOURCE_KEY}' is null; give the row its data source (it "
+                                  "picks verl's reward function) or remove it")
         answer_key = VERL_ANSWER_KEY
     if prompt is _MISSING:
         raise PromptDataError(

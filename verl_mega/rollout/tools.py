@@ -7,7 +7,8 @@ given as ``pkg.module:fn`` or ``file.py:fn``.
 
 Every call runs in a worker process (:class:`ToolRunner`): a call that hangs past the time limit, crashes the worker
 or prints megabytes is cut off, reported as an error string the policy sees as the tool's answer (and counted), and
-the episode goes on. A tool answers an error by raising :class:`ToolError` (bad arguments: the policy's mistake);
+the episode goes on. A tool answers an error by raising :class:`ToolError` (bad arguments: the policy's mistake, as
+are JSON argument names the function does not take);
 a call that times out, crashes its worker or raises anything else has *failed* (the tool's fault), which
 ``rollout.multi_turn.max_tool_failure_frac`` bounds.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import inspect
 import json
 import logging
 import operator
@@ -127,9 +129,22 @@ def tool_name(spec: str) -> str:
     return spec if spec in BUILTIN_TOOLS else spec.rpartition(":")[2] or spec.rpartition(".")[2]
 
 
+def _unbound(fn: Callable[..., str], arguments: dict[str, Any]) -> str:
+    """Why ``fn`` cannot take these keyword arguments ('' when it can, or when it has no signature to check)."""
+    try:
+        inspect.signature(fn).bind(**arguments)
+    except TypeError as exc:
+        return str(exc)
+    except ValueError:  # a callable without an inspectable signature
+        pass
+    return ""
+
+
 def _answer(tools: dict[str, Callable[..., str]], name: str, arguments: Any) -> Answer:
     try:
         fn = tools[name]
+        if isinstance(arguments, dict) and (wrong := _unbound(fn, arguments)):
+            return Answer(False, f"error: {name}: {wrong}"[:MAX_OUTPUT_CHARS])  # the policy's mistake, not a failure
         out = str(fn(**arguments) if isinstance(arguments, dict) else fn(arguments))
     except ToolError as exc:
         return Answer(False, f"error: {exc}"[:MAX_OUTPUT_CHARS])
