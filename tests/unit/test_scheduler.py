@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import time
 import warnings
 from itertools import combinations
@@ -233,3 +234,44 @@ def test_assign_device_puts_tp_groups_on_nvlink_pairs(monkeypatch):
     assert assign_device(placement, env, None)["device"] == 0  # no topology on CPU: the launcher's order, silently
     with pytest.raises(ValueError, match="parallel.topology_file='/nope' does not exist"):
         assign_device(placement, env, "/nope")
+
+
+def test_gpus_the_launcher_names_by_uuid_are_placed_by_their_nvidia_smi_index(monkeypatch, caplog):
+    """CUDA_VISIBLE_DEVICES by GPU UUID (or a prefix of one, as CUDA takes it): placed by nvidia-smi's index and
+    exported in PCI bus order; MIG instances cannot be placed by index and are left as the launcher gave them."""
+    import torch
+
+    from verl_mega.parallel import topology
+    from verl_mega.parallel.launch_env import DistEnv
+    from verl_mega.parallel.scheduler import assign_device
+
+    assert topology.parse_gpu_uuids("0, GPU-aa11\n1, GPU-bb22\n") == {"GPU-aa11": 0, "GPU-bb22": 1}
+    monkeypatch.setattr(torch.version, "cuda", "13.0")  # the CUDA branch, on this CPU box
+    monkeypatch.setattr(topology, "read_gpu_uuids",
+                        lambda: {"GPU-aa11": 0, "GPU-bb22": 1, "GPU-cc33": 2, "GPU-dd44": 3})
+    placement, path = Placement.single(4, tp=2), FIX / "4gpu_nvlink_pairs_0_2_and_1_3.txt"
+    exported = []
+    for rank in range(4):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-dd,GPU-cc33,GPU-bb,GPU-aa11")
+        monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
+        env = DistEnv(rank=rank, world_size=4, local_rank=rank, local_world_size=4, node_rank=0,
+                      master_addr="127.0.0.1", master_port=29500, launcher="torchrun")
+        rec = assign_device(placement, env, str(path))
+        exported.append([int(i) for i in os.environ["CUDA_VISIBLE_DEVICES"].split(",")])
+        assert os.environ["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID" and exported[-1][rank] == rec["device"]
+    assert sorted(exported[0]) == [0, 1, 2, 3] and all(e == exported[0] for e in exported)
+    devices = exported[0]
+    assert {frozenset(devices[g[0]:g[-1] + 1]) for g in placement.pool("main").groups("tp")} == {
+        frozenset({0, 2}), frozenset({1, 3})}
+    # two of the four GPUs, by UUID: the job stays on them
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-cc33,GPU-aa")
+    pair = DistEnv(rank=0, world_size=2, local_rank=0, local_world_size=2, node_rank=0, master_addr="127.0.0.1",
+                   master_port=29500, launcher="torchrun")
+    assign_device(Placement.single(2, tp=2), pair, str(path))
+    assert sorted(int(i) for i in os.environ["CUDA_VISIBLE_DEVICES"].split(",")) == [0, 2]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-0a,MIG-0b,MIG-0c,MIG-0d")
+    env = DistEnv(rank=0, world_size=4, local_rank=0, local_world_size=4, node_rank=0, master_addr="127.0.0.1",
+                  master_port=29500, launcher="torchrun")
+    with caplog.at_level("WARNING"):
+        assert assign_device(placement, env, str(path))["device"] == 0
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "MIG-0a,MIG-0b,MIG-0c,MIG-0d" and "MIG instances" in caplog.text

@@ -26,7 +26,7 @@ import warnings
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import combinations, permutations
-from typing import Sequence
+from typing import Callable, Sequence
 
 from verl_mega.parallel.placement import ISLAND_JSON_KINDS, Placement, PlacementError
 from verl_mega.parallel.topology import Link, LinkKind, NodeTopology, parse_topology
@@ -423,6 +423,15 @@ def place_on_devices(placement: Placement, env, topology_file: str | None = None
     if text is not None:
         full = parse_topology(text)
         visible = _visible_gpus(full.num_gpus) if cuda else list(range(full.num_gpus))
+        order = os.environ.get("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+        if visible is None or (cuda and order != "PCI_BUS_ID"):  # by index, we would leave the launcher's devices
+            if env.rank == 0:
+                log.warning("CUDA_VISIBLE_DEVICES=%s (CUDA_DEVICE_ORDER=%s) names MIG instances, GPUs nvidia-smi does "
+                            "not list or GPUs in another order than nvidia-smi's: ranks drive them in the launcher's "
+                            "order, so TP groups may leave NVLink islands", os.environ.get("CUDA_VISIBLE_DEVICES"),
+                            order)
+            text = None
+    if text is not None:
         if len(visible) < g:
             raise ValueError(f"the topology ({source}) shows {len(visible)} usable GPU(s) but {g} ranks run on each "
                              f"node; start at most {len(visible)} ranks per node")
@@ -443,6 +452,8 @@ def place_on_devices(placement: Placement, env, topology_file: str | None = None
             log.warning("topology: %s", msg)
     record.update(device=physical[local_rank], topology=source, decisions=list(plan.decisions))
     if cuda:
+        # the indices are nvidia-smi's, which number GPUs in PCI bus order; CUDA's default order may differ
+        os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, physical))
     return placement, record
 
@@ -464,14 +475,29 @@ def check_islands_agree(records: list[dict]) -> None:
                              + "; use nodes with alike NVLink islands or parallel.dp_hierarchy=node")
 
 
-def _visible_gpus(n: int) -> list[int]:
-    """Physical GPU indices this process may use: CUDA_VISIBLE_DEVICES (numeric) or all of them."""
+def _visible_gpus(n: int, uuids: Callable[[], dict[str, int]] | None = None) -> list[int] | None:
+    """The nvidia-smi indices of the GPUs this process may use: CUDA_VISIBLE_DEVICES by index or by GPU UUID (or a
+    unique prefix of one, as CUDA accepts), else all ``n``. None when they cannot be told (MIG instances, a UUID
+    nvidia-smi does not list): the launcher's devices must then be left as they are. ``uuids``: UUID → index
+    (default: nvidia-smi's)."""
     import os
 
+    from verl_mega.parallel.topology import read_gpu_uuids
+
     value = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if value is None or not all(v.strip().isdigit() for v in value.split(",") if v.strip()):
+    if value is None:
         return list(range(n))
-    return [int(v) for v in value.split(",") if v.strip()]
+    entries = [v.strip() for v in value.split(",") if v.strip()]
+    if all(v.isdigit() for v in entries):
+        return [int(v) for v in entries]
+    known = (uuids or read_gpu_uuids)()
+    out = []
+    for v in entries:
+        match = [i for u, i in known.items() if u.startswith(v)] if not v.isdigit() else [int(v)]
+        if len(match) != 1:
+            return None
+        out.append(match[0])
+    return out
 
 
 def write_placement_json(placement: Placement, device: dict, path, records: list | None = None) -> None:

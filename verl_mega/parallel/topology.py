@@ -488,3 +488,23 @@ def read_local_topology_text(timeout_s: float = 60.0) -> str:
             f"{proc.stderr.strip() or proc.stdout.strip()}"
         )
     return proc.stdout
+
+
+def parse_gpu_uuids(text: str) -> dict[str, int]:
+    """GPU UUID → nvidia-smi index, from ``nvidia-smi --query-gpu=index,uuid --format=csv,noheader``."""
+    out = {}
+    for line in text.splitlines():
+        index, _, uuid = line.partition(",")
+        if index.strip().isdigit() and uuid.strip():
+            out[uuid.strip()] = int(index)
+    return out
+
+
+def read_gpu_uuids(timeout_s: float = 60.0) -> dict[str, int]:
+    """This machine's GPU UUIDs and their nvidia-smi indices ({} when nvidia-smi cannot tell)."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return {}
+    proc = subprocess.run([exe, "--query-gpu=index,uuid", "--format=csv,noheader"], capture_output=True, text=True,
+                          timeout=timeout_s, check=False)
+    return parse_gpu_uuids(proc.stdout) if proc.returncode == 0 else {}
