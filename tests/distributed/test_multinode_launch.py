@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -225,6 +226,65 @@ def test_mpirun_two_hosts(procs, tmp_path, two_hosts):
     check_result(out, "mpirun")
     res = json.loads(out.read_text())
     assert {r["where"] for r in res["ranks"]} == {"nodea", "nodeb"}
+
+
+# Each rank: a helper process of its own (as reward workers are), the trainer's stop handling, then "the rest of the
+# step and its checkpoint" (2 s) once a stop is requested; it records what it agreed on and whether the helper lives.
+STOP_JOB = """
+import os, subprocess, sys, time
+from pathlib import Path
+from verl_mega.trainer.stop import StopRequest
+
+out, rank = Path(sys.argv[1]), os.environ["RANK"]
+helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+with StopRequest() as stop:
+    (out / f"started_{rank}").touch()
+    deadline = time.monotonic() + 60
+    while not stop.received and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(2)
+    (out / f"saved_{rank}").write_text(f"{stop.agreed(0.0)} helper={helper.poll()}")
+helper.kill()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_mpirun_sh_sigterm_lets_the_ranks_save(procs, tmp_path):
+    """SIGTERM to launch/mpirun.sh (a scheduler's preemption): Open MPI kills the ranks within a second of a SIGTERM,
+    so the script passes SIGUSR1 on instead; every rank finishes its step, saves, and exits 0 on its own, and only
+    the ranks are signalled, not their helper processes."""
+    reason = _mpi_available()
+    if reason:
+        skip_unless_required(reason)
+    script, log = tmp_path / "stop_job.py", tmp_path / "mpirun.log"
+    script.write_text(STOP_JOB)
+    env = base_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), PYTHON=sys.executable)
+    p = procs.start("mpirun.sh", ["bash", str(LAUNCH / "mpirun.sh"), "-np", "2", "--", str(script), str(tmp_path)],
+                    env, log)
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"started_{r}").exists() for r in (0, 1)):
+        assert p.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.1)
+    p.send_signal(signal.SIGTERM)
+    rc = p.wait(timeout=45)
+    assert rc == 0, log.read_text()[-3000:]
+    assert [(tmp_path / f"saved_{r}").read_text() for r in (0, 1)] == ["SIGTERM helper=None"] * 2
+
+
+def test_mpirun_sh_hostfile_puts_its_share_on_every_host(tmp_path):
+    """Open MPI's own map (--do-not-launch) of `mpirun.sh -np 4 --hostfile` with two 2-slot hosts: 2 ranks each."""
+    reason = _mpi_available()
+    if reason:
+        skip_unless_required(reason)
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("nodea slots=2\nnodeb slots=2\n")
+    env = base_env(MPIRUN_EXTRA_ARGS="--do-not-launch --display map --mca plm_rsh_agent false")
+    r = subprocess.run(["bash", str(LAUNCH / "mpirun.sh"), "-np", "4", "--hostfile", str(hostfile), "--max-restarts",
+                        "0", "--", "-c", "pass"], capture_output=True, text=True, timeout=60, env=env, cwd=REPO)
+    text = r.stdout + r.stderr
+    assert r.returncode == 0, text[-3000:]
+    assert re.findall(r"Data for node: (\S+).*?Num procs: (\d+)", text, re.S) == [("nodea", "2"), ("nodeb", "2")], \
+        text[-3000:]
 
 
 @pytest.mark.timeout(DEADLINE_S + 60)

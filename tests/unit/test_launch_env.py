@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from verl_mega.parallel.launch_env import DistEnv, LaunchEnvError, discover, first_slurm_host
+from verl_mega.parallel import launch_env
+from verl_mega.parallel.launch_env import DistEnv, LaunchEnvError, discover, first_slurm_host, local_address
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -50,6 +51,88 @@ def test_mpich_pmi():
     assert (env.rank, env.world_size, env.local_rank, env.node_rank, env.launcher) == (3, 4, 1, 1, "pmi")
 
 
+def test_mpi_launcher_inside_slurm_wins_over_the_inherited_slurm_variables():
+    """mpiexec (Hydra: MPICH, Intel MPI) in a batch script starts its ranks through one srun-launched proxy per node,
+    so every rank inherits that proxy's SLURM_PROCID/SLURM_LOCALID; its PMI variables are the real ones."""
+    proxy = {"SLURM_PROCID": "1", "SLURM_LOCALID": "0", "SLURM_NODEID": "1", "SLURM_NTASKS": "8",
+             "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "1(x2)", "SLURM_JOB_NODELIST": "n[1-2]",
+             "MASTER_ADDR": "h", "MASTER_PORT": "2"}
+    env = discover({**proxy, "PMI_RANK": "5", "PMI_SIZE": "8", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "4"})
+    assert (env.rank, env.world_size, env.local_rank, env.node_rank, env.launcher) == (5, 8, 1, 1, "pmi")
+    env = discover({**proxy, "PMI_RANK": "4", "PMI_SIZE": "8", "PMI_LOCAL_RANK": "0", "PMI_LOCAL_SIZE": "4"})
+    assert (env.rank, env.local_rank, env.node_rank, env.launcher) == (4, 0, 1, "pmi")
+    # srun --mpi=pmi2 starting the ranks itself: both describe the same world, and Slurm's needs no mpi4py
+    env = discover({"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_STEP_NUM_TASKS": "8",
+                    "SLURM_STEP_TASKS_PER_NODE": "4(x2)", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_ID": "3",
+                    "PMI_RANK": "5", "PMI_SIZE": "8"})
+    assert (env.rank, env.node_rank, env.master_addr, env.launcher) == (5, 1, "n1", "slurm")
+
+
+def test_slurm_step_tasks_per_node_wins_over_the_jobs():
+    """`srun -N2 -n8` inside a --ntasks-per-node=8 job: the step runs 4 per node, the job's 8 is inherited."""
+    env = discover({"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_NTASKS": "16",
+                    "SLURM_STEP_NUM_TASKS": "8", "SLURM_NTASKS_PER_NODE": "8", "SLURM_TASKS_PER_NODE": "8(x2)",
+                    "SLURM_STEP_TASKS_PER_NODE": "4(x2)", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_ID": "1"})
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size, env.node_rank) == (5, 8, 1, 4, 1)
+
+
+def test_torchelastic_ignores_an_inherited_node_rank():
+    """launch/torchrun.sh reads an exported NODE_RANK, its workers inherit it, and the c10d rendezvous may number
+    this node differently (GROUP_RANK): torchelastic's numbering is the one that holds."""
+    env = discover({**TORCHRUN, "NODE_RANK": "0"})
+    assert env.node_rank == 1 and env.as_env()["NODE_RANK"] == "1"
+    manual = {k: v for k, v in TORCHRUN.items() if k not in ("GROUP_RANK", "TORCHELASTIC_RUN_ID")}
+    with pytest.raises(LaunchEnvError, match="NODE_RANK=0 contradicts"):  # without torchelastic it is the user's
+        discover({**manual, "NODE_RANK": "0"})
+
+
+IFACES = {"lo": "127.0.0.1", "docker0": "172.17.0.1", "eth0": "10.0.0.5", "ib0": None}  # ib0: no IPv4
+
+
+@pytest.fixture
+def fake_interfaces(monkeypatch):
+    monkeypatch.setattr(launch_env.socket, "if_nameindex", lambda: list(enumerate(IFACES, 1)))
+    monkeypatch.setattr(launch_env, "_iface_ipv4", IFACES.get)
+    monkeypatch.setattr(launch_env.socket, "gethostname", lambda: "box")
+    monkeypatch.setattr(launch_env.socket, "gethostbyname", lambda host: "127.0.1.1")  # Debian's /etc/hosts
+
+
+@pytest.mark.parametrize("env,want", [
+    ({"NCCL_SOCKET_IFNAME": "^lo"}, "172.17.0.1"),  # ^ excludes
+    ({"NCCL_SOCKET_IFNAME": "^docker0,lo"}, "10.0.0.5"),
+    ({"NCCL_SOCKET_IFNAME": "^=docker,lo"}, "172.17.0.1"),  # ^= excludes whole names only
+    ({"NCCL_SOCKET_IFNAME": "eth"}, "10.0.0.5"),  # names match by prefix, as NCCL's do
+    ({"NCCL_SOCKET_IFNAME": "ib,eth"}, "10.0.0.5"),  # interfaces without an IPv4 address are passed over
+    ({"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "docker0"}, "10.0.0.5"),  # gloo's own wins
+    ({}, "172.17.0.1"),  # hostname resolves to loopback: the first other interface
+])
+def test_socket_ifname_selects_the_address(fake_interfaces, env, want):
+    assert local_address(env, multi_node=True) == want
+
+
+@pytest.mark.parametrize("env,needle,one_node", [
+    ({"NCCL_SOCKET_IFNAME": "=eth"}, "NCCL_SOCKET_IFNAME='=eth' selects no interface", None),
+    ({"GLOO_SOCKET_IFNAME": "eth"}, "GLOO_SOCKET_IFNAME='eth' selects no interface", None),  # gloo: whole names
+    ({"NCCL_SOCKET_IFNAME": "lo"}, "selects no interface with a non-loopback IPv4", "127.0.0.1"),
+])
+def test_socket_ifname_never_gives_a_multi_node_job_loopback(fake_interfaces, env, needle, one_node):
+    with pytest.raises(LaunchEnvError) as exc:
+        local_address(env, multi_node=True)
+    assert needle in str(exc.value) and "\n" not in str(exc.value)
+    if one_node:  # on one node loopback is fine
+        assert local_address(env) == one_node
+
+
+def test_no_address_but_loopback_is_an_error_for_several_nodes(monkeypatch):
+    monkeypatch.setattr(launch_env.socket, "if_nameindex", lambda: [(1, "lo")])
+    monkeypatch.setattr(launch_env, "_iface_ipv4", {"lo": "127.0.0.1"}.get)
+    monkeypatch.setattr(launch_env.socket, "gethostname", lambda: "box")
+    monkeypatch.setattr(launch_env.socket, "gethostbyname", lambda host: "127.0.1.1")
+    assert local_address({}) == "box"
+    with pytest.raises(LaunchEnvError, match="box has no non-loopback IPv4 address"):
+        local_address({}, multi_node=True)
+
+
 def test_single_process_default():
     env = discover({})
     assert (env.rank, env.world_size, env.local_rank, env.local_world_size, env.node_rank) == (0, 1, 0, 1, 0)
@@ -79,6 +162,16 @@ def test_export_round_trips():
       "SLURM_JOB_NODELIST": "n1"}, "nodes run different numbers of tasks"),
     ({"SLURM_PROCID": "4", "SLURM_NTASKS": "8", "SLURM_LOCALID": "0", "SLURM_NTASKS_PER_NODE": "4",
       "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "n1"}, "--distribution=block"),
+    # mpirun --map-by node: ranks 0 and 1 would both be node 0's local rank 0
+    ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+      "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "2"},
+     "OMPI_COMM_WORLD_LOCAL_RANK=0 contradicts OMPI_COMM_WORLD_RANK=1 % OMPI_COMM_WORLD_LOCAL_SIZE=2 = 1: ranks "
+     "must be numbered node by node (mpirun --map-by ppr:N:node"),
+    ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "2",
+      "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "2"}, "local rank 2 is outside [0, 2)"),
+    ({"PMI_RANK": "1", "PMI_SIZE": "4", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "2", "MASTER_ADDR": "h",
+      "MASTER_PORT": "2"}, "MPI_LOCALRANKID=0 contradicts PMI_RANK=1 % MPI_LOCALNRANKS=2 = 1: ranks must be numbered "
+                           "node by node (mpiexec -ppn N"),
 ])
 def test_inconsistent_env_is_one_clear_line(env, needle):
     with pytest.raises(LaunchEnvError) as exc:
@@ -152,3 +245,33 @@ def test_single_node_mpirun_needs_no_remote_shell(tmp_path):
     assert "plm_rsh_agent" not in args("--hosts", "a:1,b:1")  # several hosts: mpirun's own ssh launch
     assert "false" not in args(OMPI_MCA_plm_rsh_agent="rsh")  # the user's choice wins
     assert args(MPIRUN_EXTRA_ARGS="--mca plm_rsh_agent /usr/bin/ssh").count("plm_rsh_agent") == 1
+
+
+def test_mpirun_sh_spreads_ranks_over_the_hosts_given(tmp_path):
+    """Without --nproc-per-node the ranks split evenly over --hosts or the hostfile's hosts (every rank used to land
+    on the first host of a hostfile), and no host gets more ranks than its slots unless --oversubscribe."""
+    fake = tmp_path / "mpirun"
+    fake.write_text("#!/bin/sh\nprintf '%s\\n' \"$@\"\n")
+    fake.chmod(0o755)
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# two hosts\nnodea slots=2\n\nnodeb slots=2  # the second\n")
+
+    def run(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(REPO / "launch" / "mpirun.sh"), *extra, "--max-restarts", "0", "--", "-c",
+                               "pass"], capture_output=True, text=True, timeout=30,
+                              env={**os.environ, "MPIRUN": str(fake)})
+
+    def arg(r: subprocess.CompletedProcess, name: str) -> str:
+        assert r.returncode == 0, r.stderr
+        out = r.stdout.split("\n")
+        return out[out.index(name) + 1]
+
+    assert arg(run("-np", "4", "--hostfile", str(hostfile)), "--map-by") == "ppr:2:node"
+    assert arg(run("-np", "4", "--hosts", "nodea,nodeb"), "--host") == "nodea:2,nodeb:2"  # bare: 1 slot to Open MPI
+    assert arg(run("-np", "4", "--hosts", "nodea:4,nodeb"), "--host") == "nodea:4,nodeb:2"
+    assert arg(run("-np", "4"), "--map-by") == "ppr:4:node"
+    assert arg(run("-np", "4", "--oversubscribe"), "--map-by") == "ppr:4:node:OVERSUBSCRIBE"
+    r = run("-np", "3", "--hostfile", str(hostfile))
+    assert r.returncode == 2 and "-np 3 does not split evenly over the 2 hosts given: give --nproc-per-node" in r.stderr
+    r = run("-np", "4", "--hostfile", str(tmp_path / "missing"))
+    assert r.returncode == 2 and "cannot be read" in r.stderr

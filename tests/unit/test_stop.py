@@ -1,5 +1,6 @@
-"""Stop requests: SIGTERM and SIGINT are noted by a handler, a second SIGINT aborts, the time limit stops before
-another step would overrun it (the all-reduce across ranks is exercised by tests/distributed/test_stop.py)."""
+"""Stop requests: SIGTERM, SIGUSR1 (launch/mpirun.sh's SIGTERM) and SIGINT are noted by a handler, a second SIGINT
+aborts, the time limit stops before another step would overrun it (the all-reduce across ranks is exercised by
+tests/distributed/test_stop.py)."""
 
 import os
 import signal
@@ -28,6 +29,30 @@ def test_second_sigint_aborts():
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(1)
+
+
+def test_second_sigint_aborts_after_a_sigterm_too():
+    with StopRequest() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.agreed(0.0) == "SIGTERM"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+
+
+def test_sigusr1_is_a_sigterm():
+    """launch/mpirun.sh passes SIGTERM on as SIGUSR1: Open MPI would kill the ranks on SIGTERM."""
+    caller = []
+    before = signal.signal(signal.SIGUSR1, lambda *args: caller.append("SIGUSR1"))  # else SIGUSR1 ends pytest
+    try:
+        with StopRequest() as stop:
+            os.kill(os.getpid(), signal.SIGUSR1)
+            assert stop.agreed(0.1) == "SIGTERM" and not caller
+        os.kill(os.getpid(), signal.SIGUSR1)  # the caller's handler is back
+        assert caller == ["SIGUSR1"]
+    finally:
+        signal.signal(signal.SIGUSR1, before)
 
 
 def test_time_limit_stops_before_a_step_would_overrun_it():

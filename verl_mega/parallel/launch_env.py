@@ -116,11 +116,10 @@ def _check_ranges(rank: int, world: int, local_rank: int, local_world: int, laun
 
 
 def _slurm_tasks_per_node(env: Mapping[str, str]) -> int | None:
-    """SLURM_NTASKS_PER_NODE, or the first entry of SLURM_STEP_TASKS_PER_NODE / SLURM_TASKS_PER_NODE ("4(x2),3")."""
-    if env.get("SLURM_NTASKS_PER_NODE", "").isdigit():
-        return int(env["SLURM_NTASKS_PER_NODE"])
-    for key in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
-        if key in env:
+    """The step's SLURM_STEP_TASKS_PER_NODE ("4(x2)"), else the job's SLURM_NTASKS_PER_NODE or SLURM_TASKS_PER_NODE.
+    The step's comes first: `srun -N2 -n8` in a --ntasks-per-node=8 job runs 4 per node but inherits the job's 8."""
+    for key in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        if env.get(key):
             counts = {int(m.group(1)) for m in re.finditer(r"(\d+)(?:\(x\d+\))?", env[key])}
             if len(counts) != 1:
                 raise LaunchEnvError(f"{key}={env[key]!r}: nodes run different numbers of tasks; use the same "
@@ -150,15 +149,36 @@ def _iface_ipv4(name: str) -> str | None:
         return None
 
 
-def local_address(environ: Mapping[str, str] | None = None) -> str:
-    """This host's address for peers: the interface named by GLOO/NCCL_SOCKET_IFNAME, else the resolved
-    hostname, else the first non-loopback IPv4 interface, else the hostname."""
+def _ifname_matches(spec: str, name: str, *, exact: bool) -> bool:
+    """Whether interface ``name`` is selected by a socket-ifname list, as NCCL reads NCCL_SOCKET_IFNAME: a leading
+    ``^`` excludes the listed names, ``=`` matches whole names, otherwise names match by prefix (``eth`` is eth0)."""
+    exclude = spec.startswith("^")
+    spec = spec.lstrip("^")
+    exact = exact or spec.startswith("=")
+    names = [n for n in spec.lstrip("=").split(",") if n]
+    hit = any(name == n if exact else name.startswith(n) for n in names)
+    return hit != exclude
+
+
+def local_address(environ: Mapping[str, str] | None = None, *, multi_node: bool = False) -> str:
+    """This host's address for peers: the first interface GLOO_SOCKET_IFNAME (exact names) or NCCL_SOCKET_IFNAME
+    (NCCL's syntax) selects, else the resolved hostname, else the first non-loopback IPv4 interface, else the
+    hostname. ``multi_node``: never a loopback address, which the other nodes would take for themselves."""
     env = os.environ if environ is None else environ
+
+    def usable(ip: str | None) -> bool:
+        return bool(ip) and not (multi_node and ipaddress.ip_address(ip).is_loopback)
+
     for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-        for name in filter(None, env.get(key, "").lstrip("=^").split(",")):
-            ip = _iface_ipv4(name)
-            if ip:
-                return ip
+        spec = env.get(key, "")
+        if spec:  # the user chose the interfaces: an address outside them would be the wrong network
+            for _, name in socket.if_nameindex():
+                ip = _iface_ipv4(name)
+                if _ifname_matches(spec, name, exact=key == "GLOO_SOCKET_IFNAME") and usable(ip):
+                    return ip
+            raise LaunchEnvError(f"{key}={spec!r} selects no interface with a{' non-loopback' if multi_node else 'n'} "
+                                 f"IPv4 address on {socket.gethostname()}: fix it (ip -4 addr lists them) or export "
+                                 f"MASTER_ADDR")
     host = socket.gethostname()
     try:
         ip = socket.gethostbyname(host)
@@ -170,6 +190,9 @@ def local_address(environ: Mapping[str, str] | None = None) -> str:
         ip = _iface_ipv4(name)
         if ip and not ipaddress.ip_address(ip).is_loopback:
             return ip
+    if multi_node:
+        raise LaunchEnvError(f"{host} has no non-loopback IPv4 address for the other nodes to reach rank 0: export "
+                             f"MASTER_ADDR")
     return host
 
 
@@ -179,7 +202,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _mpi_rendezvous(env: Mapping[str, str], need_addr: bool, need_port: bool) -> tuple[str | None, int | None]:
+def _mpi_rendezvous(env: Mapping[str, str], need_addr: bool, need_port: bool,
+                    multi_node: bool) -> tuple[str | None, int | None]:
     """Rank 0 broadcasts its address/port to all ranks over MPI."""
     try:
         from mpi4py import MPI
@@ -192,8 +216,15 @@ def _mpi_rendezvous(env: Mapping[str, str], need_addr: bool, need_port: bool) ->
     comm = MPI.COMM_WORLD
     payload = None
     if comm.Get_rank() == 0:
-        payload = (local_address(env) if need_addr else None, _free_port() if need_port else None)
-    return comm.bcast(payload, root=0)
+        try:
+            payload = (local_address(env, multi_node=multi_node) if need_addr else None,
+                       _free_port() if need_port else None, "")
+        except LaunchEnvError as exc:  # broadcast too: the other ranks would otherwise wait in bcast for ever
+            payload = (None, None, str(exc))
+    addr, port, error = comm.bcast(payload, root=0)
+    if error:
+        raise LaunchEnvError(f"rank 0: {error}")
+    return addr, port
 
 
 def _mpi_world() -> tuple[int, int, int, int]:
@@ -211,15 +242,35 @@ def _mpi_world() -> tuple[int, int, int, int]:
         local.Free()
 
 
+def _check_node_by_node(rank: int, local_rank: int, local_world: int, names: tuple[str, str, str], fix: str) -> None:
+    """Ranks must be numbered node by node (node_rank = rank // local_world); ``names``: the rank, local rank and
+    local size variables, ``fix``: how to get such a numbering from this launcher."""
+    if rank % local_world != local_rank:
+        raise LaunchEnvError(f"{names[1]}={local_rank} contradicts {names[0]}={rank} % {names[2]}={local_world} = "
+                             f"{rank % local_world}: ranks must be numbered node by node{fix}")
+
+
+def _srun_started(env: Mapping[str, str], rank_key: str) -> bool:
+    """Whether srun started this process (its PMI/PMIx plugin exports the MPI rank too). Ranks that an MPI launcher
+    (Hydra's mpiexec, prterun) starts inside an allocation inherit the SLURM_* values of the batch script or of the
+    launcher's daemon instead: those disagree with the MPI rank or size, and Hydra exports MPI_LOCALRANKID."""
+    if "SLURM_PROCID" not in env or "MPI_LOCALRANKID" in env or env["SLURM_PROCID"] != env[rank_key]:
+        return False
+    size = env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS")
+    return "PMI_SIZE" not in env or env["PMI_SIZE"] == size
+
+
 def discover(environ: Mapping[str, str] | None = None) -> DistEnv:
-    """Read the launcher's environment. Precedence: RANK/WORLD_SIZE (torchrun, Ray, manual), Open MPI, Slurm,
-    PMI (MPICH/Intel MPI), PMIx; with none of them, a single process."""
+    """Read the launcher's environment. Precedence: RANK/WORLD_SIZE (torchrun, Ray, manual), Open MPI, PMI
+    (MPICH/Intel MPI) and PMIx, Slurm; with none of them, a single process. Slurm's variables win over PMI/PMIx only
+    when srun started the processes itself (they agree with the MPI rank)."""
     env = dict(os.environ if environ is None else environ)
     master_addr = env.get("MASTER_ADDR") or None
     master_port = int(env["MASTER_PORT"]) if env.get("MASTER_PORT", "").isdigit() else None
     if "MASTER_PORT" in env and master_port is None:
         raise LaunchEnvError(f"MASTER_PORT={env['MASTER_PORT']!r} is not an integer")
     mpi_like = False
+    pmi_key = next((k for k in ("PMI_RANK", "PMIX_RANK") if k in env), None)
 
     if "RANK" in env or "WORLD_SIZE" in env:
         launcher = env.get("VERL_MEGA_LAUNCHER") or ("torchrun" if "TORCHELASTIC_RUN_ID" in env else "env")
@@ -227,13 +278,14 @@ def discover(environ: Mapping[str, str] | None = None) -> DistEnv:
         local_rank, local_world = _int(env, "LOCAL_RANK", launcher), _int(env, "LOCAL_WORLD_SIZE", launcher)
         _check_ranges(rank, world, local_rank, local_world, launcher)
         node_rank = rank // local_world
-        for key in ("GROUP_RANK", "NODE_RANK"):
+        # torchelastic numbers the nodes itself (GROUP_RANK); a NODE_RANK its workers inherit from the user's shell
+        # (torchrun.sh reads it) is not theirs under the c10d rendezvous, which numbers nodes in arrival order
+        elastic = "TORCHELASTIC_RUN_ID" in env or "GROUP_RANK" in env
+        for key in ("GROUP_RANK",) if elastic else ("GROUP_RANK", "NODE_RANK"):
             if key in env and _int(env, key, launcher) != node_rank:
                 raise LaunchEnvError(f"{key}={env[key]} contradicts RANK={rank} // LOCAL_WORLD_SIZE={local_world} "
                                      f"= {node_rank}: ranks must be numbered node by node")
-        if rank % local_world != local_rank:
-            raise LaunchEnvError(f"LOCAL_RANK={local_rank} contradicts RANK={rank} % LOCAL_WORLD_SIZE="
-                                 f"{local_world} = {rank % local_world}: ranks must be numbered node by node")
+        _check_node_by_node(rank, local_rank, local_world, ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"), "")
         if master_addr is None or master_port is None:
             raise LaunchEnvError(f"RANK/WORLD_SIZE are set ({launcher}) but MASTER_ADDR or MASTER_PORT is not: "
                                  f"export both (torchrun sets them)")
@@ -242,8 +294,11 @@ def discover(environ: Mapping[str, str] | None = None) -> DistEnv:
         rank, world = _int(env, "OMPI_COMM_WORLD_RANK", launcher), _int(env, "OMPI_COMM_WORLD_SIZE", launcher)
         local_rank = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", launcher)
         local_world = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", launcher)
-        node_rank = rank // local_world  # mpirun.sh maps ppr:N:node, so ranks are contiguous per node
-    elif "SLURM_PROCID" in env:
+        _check_ranges(rank, world, local_rank, local_world, launcher)
+        _check_node_by_node(rank, local_rank, local_world, ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",
+                            "OMPI_COMM_WORLD_LOCAL_SIZE"), " (mpirun --map-by ppr:N:node, as launch/mpirun.sh does)")
+        node_rank = rank // local_world
+    elif "SLURM_PROCID" in env and (pmi_key is None or _srun_started(env, pmi_key)):
         launcher = "slurm"
         rank = _int(env, "SLURM_PROCID", launcher)
         world = _int(env, "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS", launcher)
@@ -254,6 +309,8 @@ def discover(environ: Mapping[str, str] | None = None) -> DistEnv:
         if node_rank != rank // local_world:
             raise LaunchEnvError(f"SLURM_NODEID={node_rank} contradicts SLURM_PROCID={rank} // tasks per node "
                                  f"{local_world}: use --distribution=block so tasks are numbered node by node")
+        _check_node_by_node(rank, local_rank, local_world, ("SLURM_PROCID", "SLURM_LOCALID", "tasks per node"),
+                            " (srun --distribution=block)")
         if master_addr is None:
             nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
             if not nodelist:
@@ -261,15 +318,19 @@ def discover(environ: Mapping[str, str] | None = None) -> DistEnv:
             master_addr = first_slurm_host(nodelist)
         if master_port is None:  # distinct per job so two jobs sharing a node do not collide
             master_port = 20000 + int(env.get("SLURM_JOB_ID", "9500")) % 20000
-    elif "PMI_RANK" in env or "PMIX_RANK" in env:
-        launcher, mpi_like = ("pmi" if "PMI_RANK" in env else "pmix"), True
+    elif pmi_key:
+        launcher, mpi_like = ("pmi" if pmi_key == "PMI_RANK" else "pmix"), True
         if "PMI_RANK" in env and "PMI_SIZE" in env and ("MPI_LOCALRANKID" in env or "PMI_LOCAL_RANK" in env):
             rank, world = _int(env, "PMI_RANK", launcher), _int(env, "PMI_SIZE", launcher)
             lr_key = "MPI_LOCALRANKID" if "MPI_LOCALRANKID" in env else "PMI_LOCAL_RANK"
             ls_key = "MPI_LOCALNRANKS" if lr_key == "MPI_LOCALRANKID" else "PMI_LOCAL_SIZE"
             local_rank, local_world = _int(env, lr_key, launcher), _int(env, ls_key, launcher)
+            names = ("PMI_RANK", lr_key, ls_key)
         else:
             rank, world, local_rank, local_world = _mpi_world()
+            names = ("MPI rank", "node-local rank", "ranks on the node")
+        _check_ranges(rank, world, local_rank, local_world, launcher)
+        _check_node_by_node(rank, local_rank, local_world, names, " (mpiexec -ppn N, which fills nodes in turn)")
         node_rank = rank // local_world
     else:
         launcher = "single"
@@ -279,7 +340,7 @@ def discover(environ: Mapping[str, str] | None = None) -> DistEnv:
         master_port = master_port or _free_port()
 
     if mpi_like and (master_addr is None or master_port is None):
-        addr, port = _mpi_rendezvous(env, master_addr is None, master_port is None)
+        addr, port = _mpi_rendezvous(env, master_addr is None, master_port is None, world > local_world)
         master_addr = master_addr or addr
         master_port = master_port or port
     return DistEnv(rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world,

@@ -4,7 +4,8 @@ A signal may reach only some ranks: preempting one node of a job signals its pro
 received (a rollout pool of its own passes its signals on to the trainer's first rank); at the end of every step all
 ranks combine their notes (an all-reduce of one number over the world), so either every rank saves that step and
 exits, or none does: no rank waits in a collective that the others never join. A second SIGINT on a
-rank aborts it at once (KeyboardInterrupt).
+rank aborts it at once (KeyboardInterrupt), whatever other signals came in between. SIGUSR1 is a SIGTERM passed on
+by ``launch/mpirun.sh``: Open MPI ends the ranks a moment after it receives SIGTERM, but forwards SIGUSR1 untouched.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from verl_mega.rollout.base import STOP_REASONS  # by severity: the all-reduce k
 
 log = logging.getLogger("verl_mega")
 
+# the signals that request a stop, and the reason (in STOP_REASONS) each one stands for
+STOP_SIGNALS = {signal.SIGTERM: "SIGTERM", signal.SIGUSR1: "SIGTERM", signal.SIGINT: "SIGINT"}
+
 
 class StopRequest:
     """Signal handlers plus the per-step agreement. Use as a context manager around the training loop."""
@@ -30,10 +34,11 @@ class StopRequest:
         self.time_limit_s = time_limit_s
         self.started = time.monotonic() if started is None else started
         self.received: str = ""
+        self._sigints = 0  # counted on their own: a SIGTERM before them must not keep a second Ctrl-C from aborting
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> "StopRequest":
-        for signum in (signal.SIGTERM, signal.SIGINT):
+        for signum in STOP_SIGNALS:
             self._previous[signum] = signal.signal(signum, self._on_signal)
         return self
 
@@ -43,14 +48,16 @@ class StopRequest:
         self._previous.clear()
 
     def _on_signal(self, signum: int, frame) -> None:  # noqa: ARG002
-        name = signal.Signals(signum).name
-        if signum == signal.SIGINT and "SIGINT" in self.received:
-            raise KeyboardInterrupt  # the second Ctrl-C: stop now, without the checkpoint
-        if STOP_REASONS.index(name) > STOP_REASONS.index(self.received):
-            self.received = name
+        reason = STOP_SIGNALS[signal.Signals(signum)]
+        if signum == signal.SIGINT:
+            self._sigints += 1
+            if self._sigints > 1:
+                raise KeyboardInterrupt  # the second Ctrl-C: stop now, without the checkpoint
+        if STOP_REASONS.index(reason) > STOP_REASONS.index(self.received):
+            self.received = reason
         hint = " (Ctrl-C again aborts at once)" if signum == signal.SIGINT else ""
         log.warning("%s received: the current step finishes, every rank saves a checkpoint, then the run exits%s",
-                    name, hint)
+                    signal.Signals(signum).name, hint)
 
     def agreed(self, last_step_s: float, *, peer: str = "") -> str:
         """Collective, once per step on every rank: the stop reason all ranks agree on ('' = go on). The time limit
