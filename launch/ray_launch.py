@@ -1,7 +1,7 @@
 """Start verl_mega (or any Python entry point) as one Ray actor per rank.
 
     python launch/ray_launch.py [--address ADDR] [--nnodes N] [--nproc-per-node P] [--cpu] [--timeout S]
-                                [--wait-for-nodes S] [--max-restarts K] [--] [PYTHON_ARGS...]
+                                [--wait-for-nodes S] [--max-restarts K] [--stop-grace-s S] [--] [PYTHON_ARGS...]
 
 Connects to the Ray cluster at ADDR (default: RAY_ADDRESS or a running local cluster; if none is running, starts
 one on this machine). For each of N nodes it reserves a placement group of P bundles, one per GPU ({"GPU": 1}, or
@@ -10,8 +10,10 @@ one on this machine). For each of N nodes it reserves a placement group of P bun
 set exactly as torchrun would (ranks numbered node by node), so the same SPMD entry point runs unchanged. Output
 lines are streamed to this driver prefixed with the rank. If any rank exits non-zero or its actor dies (a node
 lost), every other rank is stopped and the job starts again on fresh actors (new placement groups, a new master
-port, ``VERL_MEGA_RESTART_COUNT`` set), up to --max-restarts times; then this command exits non-zero. PYTHON_ARGS
-default to ``-m verl_mega.train``; unless they start with -m, -c or a *.py file they are arguments for it.
+port, ``VERL_MEGA_RESTART_COUNT`` set), up to --max-restarts times; then this command exits non-zero. SIGTERM or
+SIGINT to this driver is passed on to every rank as SIGTERM (each finishes its step, saves it and exits); ranks
+still running --stop-grace-s later, or at a second signal, are killed, and a stopped job is not restarted.
+PYTHON_ARGS default to ``-m verl_mega.train``; unless they start with -m, -c or a *.py file they are arguments for it.
 """
 
 from __future__ import annotations
@@ -75,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-restarts", type=int, default=3,
                     help="restart the whole job this many times after a rank fails or a node is lost (default 3; "
                          "it resumes from its newest checkpoint); a job past --timeout is not restarted")
+    ap.add_argument("--stop-grace-s", type=float, default=300.0,
+                    help="after SIGTERM/SIGINT to this driver, seconds the ranks have to save and exit before they "
+                         "are killed (default 300)")
     ap.add_argument("rest", nargs=argparse.REMAINDER, help="[--] PYTHON_ARGS")
     args = ap.parse_args(argv)
     prog = _python_args(args.rest)
@@ -83,10 +88,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--max-restarts {args.max_restarts}: give 0 or more")
     ray = _import_ray()[0]
     _connect(ray, args.address, args.node_ip_address)
+    stop = Stop()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, whose SIGTERM handler would SIGKILL every rank
+        signal.signal(sig, stop.on_signal)
     restart = 0
     while True:
-        rc = _run_once(args, prog, restart)
-        if rc in (0, TIMED_OUT) or restart >= args.max_restarts:
+        rc = _run_once(args, prog, restart, stop)
+        if rc in (0, TIMED_OUT) or stop.signum or restart >= args.max_restarts:
             return 1 if rc == TIMED_OUT else rc
         restart += 1
         print(f"ray_launch: restarting the job ({restart} of --max-restarts {args.max_restarts}); it resumes from its "
@@ -94,16 +102,36 @@ def main(argv: list[str] | None = None) -> int:
 
 
 TIMED_OUT = -1  # the job ran past --timeout: a hang is not restarted
+PG_READY_S = 120.0  # how long the placement groups may take to be reserved
+POLL_S = 1.0  # the longest a wait on Ray goes without looking at signals
 
 
-def _run_once(args: argparse.Namespace, prog: list[str], restart: int) -> int:
+class Stop:
+    """SIGTERM/SIGINT to the driver: recorded here (a handler only sets a flag), acted on by the waiting loop."""
+
+    def __init__(self) -> None:
+        self.signum, self.count = 0, 0
+
+    def on_signal(self, signum: int, frame) -> None:  # noqa: ARG002
+        self.signum, self.count = self.signum or signum, self.count + 1
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+
+def _run_once(args: argparse.Namespace, prog: list[str], restart: int, stop: Stop | None = None) -> int:
     """One attempt: reserve the nodes, start every rank, wait; any rank failing stops the others. Returns the exit
     code (TIMED_OUT past --timeout)."""
     ray, placement_group, remove_placement_group, PGStrategy = _import_ray()
     unit = "CPU" if args.cpu else "GPU"
+    stop = stop or Stop()
 
     deadline = time.monotonic() + args.wait_for_nodes
     while True:
+        if stop.signum:
+            print(f"ray_launch: {stop.name} received before the ranks started; stopping", file=sys.stderr)
+            return 128 + stop.signum
         nodes = sorted((n for n in ray.nodes() if n["Alive"] and n["Resources"].get(unit, 0) >= 1),
                        key=lambda n: (n["NodeManagerAddress"], n["NodeID"]))
         nnodes = args.nnodes or len(nodes)
@@ -151,6 +179,11 @@ def _run_once(args: argparse.Namespace, prog: list[str], restart: int) -> int:
                 print(f"{prefix} {line}", end="", flush=True)
             return self.proc.wait()
 
+        def terminate(self) -> None:
+            """SIGTERM to the rank (as torchrun and mpirun pass it on): it finishes its step, saves it, exits."""
+            if self.proc is not None and self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGTERM)
+
         def stop(self) -> None:
             if self.proc is not None and self.proc.poll() is None:
                 os.killpg(self.proc.pid, signal.SIGKILL)
@@ -162,7 +195,15 @@ def _run_once(args: argparse.Namespace, prog: list[str], restart: int) -> int:
             pg = placement_group(bundles, strategy="STRICT_PACK", name=f"verl_mega_node{node_rank}",
                                  bundle_label_selector=[{"ray.io/node-id": node["NodeID"]}] * ppn)
             groups.append(pg)
-        ray.get([pg.ready() for pg in groups], timeout=120)
+        late = _not_ready(ray, {pg.ready(): node["NodeManagerAddress"] for pg, node in zip(groups, chosen)}, stop)
+        if stop.signum:
+            print(f"ray_launch: {stop.name} received before the ranks started; stopping", file=sys.stderr)
+            return 128 + stop.signum
+        if late:
+            print(f"ray_launch: error: the placement group of {ppn} {unit}(s) on node(s) {late} was not ready after "
+                  f"{PG_READY_S:g} s (other jobs or actors hold them? see `ray status`); stopping this attempt",
+                  file=sys.stderr)
+            return 1
         for pg in groups:
             for local_rank in range(ppn):
                 opts = {"scheduling_strategy": PGStrategy(placement_group=pg, placement_group_bundle_index=local_rank)}
@@ -187,25 +228,7 @@ def _run_once(args: argparse.Namespace, prog: list[str], restart: int) -> int:
         print(f"ray_launch: {world} rank(s) on {nnodes} node(s) {[n['NodeManagerAddress'] for n in chosen]}, "
               f"MASTER_ADDR={master_addr}:{master_port}", flush=True)
 
-        deadline = None if args.timeout is None else time.monotonic() + args.timeout
-        pending = list(refs)
-        while pending:
-            wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
-            done, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
-            if not done:
-                print(f"ray_launch: error: job exceeded --timeout {args.timeout}s; stopping all ranks",
-                      file=sys.stderr)
-                return TIMED_OUT
-            rank = refs[done[0]]
-            try:
-                rc = ray.get(done[0])
-            except Exception as exc:  # the actor itself died (node lost, OOM kill, ...)
-                print(f"ray_launch: error: rank {rank} failed: {exc}; stopping all ranks", file=sys.stderr)
-                return 1
-            if rc != 0:
-                print(f"ray_launch: error: rank {rank} exited with code {rc}; stopping all ranks", file=sys.stderr)
-                return rc if 0 < rc < 256 else 1
-        return 0
+        return _wait_ranks(ray, refs, actors, args, stop)
     finally:
         for a in actors:
             try:
@@ -215,6 +238,54 @@ def _run_once(args: argparse.Namespace, prog: list[str], restart: int) -> int:
             ray.kill(a)
         for pg in groups:
             remove_placement_group(pg)
+
+
+def _not_ready(ray, waiting: dict, stop: Stop) -> list[str]:
+    """The nodes (``waiting``: ready ref → node) whose placement group is not ready after PG_READY_S; a signal
+    ends the wait early."""
+    deadline = time.monotonic() + PG_READY_S
+    pending = list(waiting)
+    while pending and not stop.signum and time.monotonic() < deadline:
+        _, pending = ray.wait(pending, num_returns=len(pending), timeout=min(POLL_S, deadline - time.monotonic()))
+    return [waiting[ref] for ref in pending]
+
+
+def _wait_ranks(ray, refs: dict, actors: list, args: argparse.Namespace, stop: Stop) -> int:
+    """Wait for every rank (``refs``: run ref → rank). The first failure ends the attempt. A signal to the driver
+    goes on to the ranks as SIGTERM; they get --stop-grace-s to save and exit."""
+    deadline = None if args.timeout is None else time.monotonic() + args.timeout
+    stop_by = None  # once the ranks were told to stop
+    pending = list(refs)
+    while pending:
+        if stop.signum and stop_by is None:
+            print(f"ray_launch: {stop.name} received: passing SIGTERM to every rank (each saves its step and exits); "
+                  f"ranks still running after --stop-grace-s {args.stop_grace_s:g} are killed", file=sys.stderr,
+                  flush=True)
+            for a in actors:
+                a.terminate.remote()
+            stop_by = time.monotonic() + args.stop_grace_s
+        if stop_by is not None and (time.monotonic() >= stop_by or stop.count > 1):
+            why = "a second signal came" if stop.count > 1 else f"--stop-grace-s {args.stop_grace_s:g} passed"
+            print(f"ray_launch: error: rank(s) {sorted(refs[r] for r in pending)} still running after {stop.name} "
+                  f"and {why}; killing them", file=sys.stderr)
+            return 128 + stop.signum
+        if deadline is not None and time.monotonic() >= deadline:
+            print(f"ray_launch: error: job exceeded --timeout {args.timeout}s; stopping all ranks", file=sys.stderr)
+            return TIMED_OUT
+        wait_s = min([POLL_S] + [t - time.monotonic() for t in (deadline, stop_by) if t is not None])
+        done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, wait_s))
+        if not done:
+            continue
+        rank = refs[done[0]]
+        try:
+            rc = ray.get(done[0])
+        except Exception as exc:  # the actor itself died (node lost, OOM kill, ...)
+            print(f"ray_launch: error: rank {rank} failed: {exc}; stopping all ranks", file=sys.stderr)
+            return 1
+        if rc != 0:
+            print(f"ray_launch: error: rank {rank} exited with code {rc}; stopping all ranks", file=sys.stderr)
+            return rc if 0 < rc < 256 else 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -139,11 +139,13 @@ def test_a_stopped_rollout_rank_ends_the_job_after_its_heartbeat_timeout(tmp_pat
     ("stop-receiver", 0, "rank 1 of pool 'gen' sent no heartbeat for"),
     ("kill-receiver", 0, "rank 1 of pool 'gen'"),
     ("stop-sender", 1, "rank 0 of pool 'train' sent no heartbeat for"),
+    ("stop-sender-node", 1, "rank 0 of pool 'train' sent no heartbeat for"),
 ])
 def test_a_weight_transfer_names_a_stopped_or_dead_peer(tmp_path, mode, survivor, named):
-    """jobs/pool_watch_job.py: three 16 MB buckets across pools; one end stops (SIGSTOP) or dies (SIGKILL) midway.
-    The other end raises one PoolPeerError naming the rank and its pool within a bound set by the heartbeat timeout
-    (4 s), where a raw collective would wait out trainer.collective_timeout_s (120 s in the job)."""
+    """jobs/pool_watch_job.py: three 16 MB buckets across pools; one end stops (SIGSTOP) or dies (SIGKILL) midway,
+    or the sender's whole node freezes (its store host too). The other end raises one PoolPeerError naming the rank
+    and its pool within a bound set by the heartbeat timeout (4 s), where a raw collective would wait out
+    trainer.collective_timeout_s (120 s in the job)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", f"--master-port={free_port()}",
            "--master-addr=127.0.0.1", str(ROOT / "tests" / "distributed" / "jobs" / "pool_watch_job.py"), mode]
     log = tmp_path / "watch.log"
@@ -161,6 +163,8 @@ def test_a_weight_transfer_names_a_stopped_or_dead_peer(tmp_path, mode, survivor
     assert report["error"] and named in report["error"], report
     if mode.startswith("stop"):
         assert "stopped (SIGSTOP, a frozen node) or hung (trainer.pool_heartbeat_timeout_s=4)" in report["error"]
+    if mode == "stop-sender-node":  # every store call blocks: the read that is never answered names rank 0
+        assert "the job's store on its node did not answer" in report["error"], report
     assert report["seconds"] < 40, report
     print(f"{mode}: rank {survivor} named its peer {report['seconds']} s after the transfer began")
 

@@ -212,6 +212,33 @@ def test_a_hung_engine_is_killed_after_its_heartbeat_timeout_and_its_groups_move
     assert f.now(0).generating()[-len(held):] == held and f.d.redispatched == len(held)
 
 
+def test_a_refit_longer_than_the_hang_timeout_is_no_hang_but_a_stuck_one_is_bounded():
+    """An engine beats while it refits (test_an_engine_beats_while_it_refits), so a refit of many hang timeouts
+    goes on; the refit as a whole is bounded by start_timeout_s (100 s here)."""
+    f = Fleet(hang=10.0)
+    f.ready(0, 1)
+    f.d.refit("w1", 1)
+    f.now(0).inbox.append(("refitted", 1))
+    for _ in range(9):  # engine 1 refits for 36 s, beating; engine 0 serves
+        f.clock.now += 4.0
+        for i in (0, 1):
+            f.now(i).inbox.append(("beat",))
+        f.d.poll()
+    assert f.d.engines[1].state == "refitting" and f.d.restarts == 0
+    f.now(1).inbox.append(("refitted", 1))
+    f.d.poll()
+    assert [e.state for e in f.d.engines] == ["serving", "serving"]
+    f.d.refit("w2", 2)  # this one never ends, though its heartbeat goes on
+    for _ in range(26):
+        f.clock.now += 4.0
+        for i in (0, 1):
+            f.now(i).inbox.append(("beat",))
+        f.d.poll()
+    assert f.d.restarts == 2 and all(len(f.incarnations[i]) == 2 for i in (0, 1))
+    assert f.d.engines[0].failures == ["did not finish its refit in 104 s (stuck or too slow; "
+                                       "rollout.fleet.start_timeout_s=100 bounds a refit)"]
+
+
 def test_restarts_are_bounded_and_the_last_error_names_every_engine():
     f = Fleet(max_restarts=1)
     f.ready(0, 1)
@@ -254,6 +281,13 @@ def test_fleet_config_and_fault_spec_errors():
     assert FleetConfig(engines=2).max_restarts == 3
     with pytest.raises(ConfigError, match=r"rollout\.fleet\.hang_timeout_s"):
         FleetConfig(engines=2, hang_timeout_s=0)
+    # under three beats (one every 0.5 s) a healthy engine between two beats would be killed
+    assert FleetConfig(engines=2, hang_timeout_s=1.5).hang_timeout_s == 1.5
+    with pytest.raises(ConfigError) as err:
+        FleetConfig(engines=2, hang_timeout_s=1.4)
+    assert str(err.value) == ("rollout.fleet.hang_timeout_s=1.4 is shorter than 3 heartbeats (one every 0.5 s), so a "
+                              "healthy engine would be killed as hung; set it to at least 1.5, e.g. "
+                              "rollout.fleet.hang_timeout_s=60")
     with pytest.raises(ConfigError, match=r"rollout\.fleet\.max_restarts"):
         FleetConfig(max_restarts=-1)
     assert faults("0:kill@2,1:stop@4") == {0: ("kill", 2), 1: ("stop", 4)}
@@ -298,3 +332,105 @@ def test_weights_left_by_a_dead_supervisor_are_removed(tmp_path):
         (d / "weights-1.pt").write_bytes(b"x")
     _remove_stale(str(tmp_path))
     assert not dead.exists() and (alive / "weights-1.pt").exists()
+
+
+# ---- the engine process and the supervisor's handle on it (rollout/fleet_engine.py) -------------------------------
+def _layout(model):
+    return "layout"
+
+
+def _slow_write(model, is_cpu, tensors):
+    import time
+
+    time.sleep(1.3)  # loading weights: more than two heartbeat periods (0.5 s)
+
+
+def test_an_engine_beats_while_it_refits(monkeypatch, tmp_path):
+    """serve() (the engine's loop) with a fake vLLM: while write() loads the weights, beats go on from a thread."""
+    import multiprocessing
+    import threading
+    from types import SimpleNamespace
+
+    import torch
+
+    import verl_mega.rollout.streaming as streaming
+    import verl_mega.rollout.vllm_rollout as vllm_rollout
+    from verl_mega.rollout.fleet_engine import serve
+
+    monkeypatch.setattr(vllm_rollout, "VLLMRollout", lambda config: SimpleNamespace(
+        model=None, is_cpu=True, weight_version=0, shutdown=lambda: None))
+    monkeypatch.setattr(streaming, "StreamingEngine", lambda rollout, deltas: SimpleNamespace(
+        busy=False, weights_changed=lambda: None))
+    torch.save({}, tmp_path / "w.pt")
+    ours, theirs = multiprocessing.Pipe(duplex=True)
+    engine = threading.Thread(target=serve, args=(theirs, 0), daemon=True)
+    engine.start()
+    ours.send(("setup", {"hooks": (_layout, _slow_write), "config": None}))
+    assert ours.recv() == ("ready", "layout")
+    ours.send(("weights", str(tmp_path / "w.pt"), 1))
+    during = []
+    while ours.poll(10) and (message := ours.recv()) != ("refitted", 1):
+        during.append(message)
+    beats = [m for m in during if m == ("beat",)]
+    assert len(beats) >= 2 and len(beats) == len(during), during
+    ours.send(("stop",))
+    engine.join(10)
+    assert not engine.is_alive()
+
+
+class _Proc:
+    """A process that SIGKILL does not end (stuck in the kernel)."""
+
+    pid = 4242
+
+    def __init__(self) -> None:
+        self.killed = 0
+
+    def poll(self):
+        return None
+
+    def kill(self) -> None:
+        self.killed += 1
+
+    def wait(self, timeout=None):
+        import subprocess
+        import threading
+
+        threading.Event().wait(5 if timeout is None else timeout)
+        raise subprocess.TimeoutExpired("engine", timeout)
+
+
+def test_a_message_cut_off_midway_does_not_block_the_supervisor_nor_does_a_process_that_will_not_die(
+        monkeypatch, caplog):
+    import multiprocessing
+    import os
+    import pickle
+    import struct
+    import threading
+    import time
+
+    import verl_mega.rollout.fleet_engine as fleet_engine
+    from verl_mega.rollout.fleet_engine import EngineProcess
+
+    monkeypatch.setattr(fleet_engine, "KILL_WAIT_S", 0.2)
+    ours, theirs = multiprocessing.Pipe(duplex=True)
+    arrived = threading.Event()
+    handle = EngineProcess(0, _Proc(), ours, arrived)
+    data = pickle.dumps(("done", (0, 0, 0), "x" * 100_000))
+    os.write(theirs.fileno(), struct.pack("!i", len(data)) + data[:1000])  # the engine stops halfway (SIGSTOP)
+    got: list = []
+    supervisor = threading.Thread(target=lambda: got.append(handle.receive()), daemon=True)
+    supervisor.start()
+    supervisor.join(2)
+    assert got == [[]], "receive() blocked on a message cut off midway"
+    assert not arrived.is_set()
+    # the rest arrives (SIGCONT): the message is whole, and the supervisor is woken for it
+    os.write(theirs.fileno(), data[1000:])
+    assert arrived.wait(5) and handle.receive() == [("done", (0, 0, 0), "x" * 100_000)]
+    # kill(): SIGKILL, a bounded wait, then a log line; the reader is woken and the connection closed
+    began = time.monotonic()
+    with caplog.at_level("WARNING"):
+        handle.kill()
+    assert time.monotonic() - began < 2 and handle.proc.killed == 1 and handle.closed
+    assert "rollout engine 0: pid 4242 did not end within 0.2 s of SIGKILL; left behind" in caplog.text
+    assert not handle._reader.is_alive() and ours.closed

@@ -67,3 +67,18 @@ def test_a_signal_another_pool_received_stops_the_run():
         assert stop.agreed(0.1, peer="SIGTERM") == "SIGTERM"
         os.kill(os.getpid(), signal.SIGINT)
         assert stop.agreed(0.1, peer="SIGTERM") == "SIGTERM"  # the more severe of the two
+
+
+def test_a_rollout_pool_rank_takes_sigusr1_as_a_sigterm():
+    """launch/mpirun.sh passes a SIGTERM on as SIGUSR1: a rollout pool's rank must record it, not die of it."""
+    from verl_mega.rollout.base import STOP_REASONS
+    from verl_mega.rollout.disaggregated import record_stop_signals
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    try:
+        received = record_stop_signals()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert STOP_REASONS[received[0]] == "SIGTERM"
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)

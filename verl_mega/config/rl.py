@@ -7,6 +7,7 @@ from typing import Any, ClassVar, Literal, Mapping
 
 from verl_mega.config.base import ConfigSection, FrozenDict, option
 from verl_mega.config.roles import KLEstimator
+from verl_mega.config.run import MISSED_BEATS
 
 # vllm.LLM arguments the rollout sets itself → the key that decides each (rollout.engine_kwargs may not set them)
 ROLLOUT_ENGINE_ARGS = {
@@ -89,6 +90,9 @@ class MultiTurnConfig(ConfigSection):
             self._require(bool(getattr(self, key)), f"rollout.multi_turn.{key} is empty; set it to the marker text")
 
 
+FLEET_BEAT_S = 0.5  # a fleet engine's heartbeat period (verl_mega/rollout/fleet_engine.py beats it)
+
+
 @dataclass(frozen=True, kw_only=True)
 class FleetConfig(ConfigSection):
     """A rollout pool of its own run as a fleet of engine processes, each a failure domain: an engine that dies or
@@ -101,15 +105,21 @@ class FleetConfig(ConfigSection):
                                    "supervises. 0: off, the pool's ranks run the engines themselves and one "
                                    "engine's failure ends the job's attempt.")
     hang_timeout_s: float = option(60.0, help="An engine that sends no heartbeat for this long (stopped, or stuck "
-                                              "in one engine step) is killed and counted as failed.")
+                                              "in one engine step) is killed and counted as failed; at least 1.5 "
+                                              "(3 beats).")
     start_timeout_s: float = option(600.0, help="Time an engine process may take to start and build its vLLM "
-                                                "engine before it is killed and counted as failed.")
+                                                "engine, or to finish a refit, before it is killed and counted as "
+                                                "failed.")
     max_restarts: int = option(3, help="Restarts per engine; an engine that fails once more is given up, and the "
                                        "job fails with an error naming every engine once none is left.")
 
     def validate(self) -> None:
         self._check_range("engines", ge=0, example=2)
-        self._check_range("hang_timeout_s", gt=0.0, example=60.0)
+        least = MISSED_BEATS * FLEET_BEAT_S
+        self._require(self.hang_timeout_s >= least,
+                      f"rollout.fleet.hang_timeout_s={self.hang_timeout_s:g} is shorter than {MISSED_BEATS} heartbeats "
+                      f"(one every {FLEET_BEAT_S:g} s), so a healthy engine would be killed as hung; set it to at "
+                      f"least {least:g}, e.g. rollout.fleet.hang_timeout_s=60")
         self._check_range("start_timeout_s", gt=0.0, example=600.0)
         self._check_range("max_restarts", ge=0, example=3)
 

@@ -8,6 +8,8 @@ from typing import ClassVar, Literal
 from verl_mega.config.base import ConfigSection, option
 
 RESUME_AUTO, RESUME_OFF = "auto", "off"
+POOL_HEARTBEAT_S = 2.0  # every rank's heartbeat period (verl_mega/parallel/pools.py beats it)
+MISSED_BEATS = 3  # a heartbeat timeout spans at least this many periods: one late beat is no alarm
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,7 +54,8 @@ class TrainerConfig(ConfigSection):
     pool_heartbeat_timeout_s: float = option(
         60.0, help="With a rollout pool of its own: a rank of the other pool whose heartbeat (every 2 s) stops for "
                    "this long while this rank waits for its answer is reported as stopped or hung, and the job ends "
-                   "with an error. 0 waits trainer.collective_timeout_s instead.", affects_results=False)
+                   "with an error. 0 waits trainer.collective_timeout_s instead; otherwise at least 6 (3 beats).",
+        affects_results=False)
     profile: bool = option(False, help="Print the per-stage time / overlap profile every step (and collect vLLM's "
                                        "per-request stats for the prefill / decode split).",
                            affects_results=False)
@@ -85,7 +88,12 @@ class TrainerConfig(ConfigSection):
         self._check_range("log_every", ge=1)
         self._check_range("max_consecutive_nonfinite", ge=1, example=3)
         self._check_range("collective_timeout_s", gt=0.0, example=1800)
-        self._check_range("pool_heartbeat_timeout_s", ge=0.0, example=60)
+        least = MISSED_BEATS * POOL_HEARTBEAT_S
+        self._require(self.pool_heartbeat_timeout_s == 0 or self.pool_heartbeat_timeout_s >= least,
+                      f"trainer.pool_heartbeat_timeout_s={self.pool_heartbeat_timeout_s:g} is shorter than "
+                      f"{MISSED_BEATS} heartbeats (one every {POOL_HEARTBEAT_S:g} s), so a healthy peer would be "
+                      f"reported hung; set it to 0 (off) or at least {least:g}, e.g. "
+                      f"trainer.pool_heartbeat_timeout_s=60")
         self._check_range("peak_tflops", gt=0.0, example=989)
         self._check_range("time_limit_s", gt=0.0, example=3600)
 

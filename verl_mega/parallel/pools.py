@@ -12,8 +12,10 @@ colocated job (Megatron groups, checkpoints, the sample path) runs unchanged on 
 
 Every rank beats a heartbeat (a counter in the job's store, every ``HEARTBEAT_S``) from a thread of its own. A rank
 waiting for another pool's answer checks the sender's counter: a peer whose counter stands still for
-``trainer.pool_heartbeat_timeout_s`` is stopped (SIGSTOP, a frozen node) or hung, and the job ends with an error
-instead of waiting out ``trainer.collective_timeout_s``.
+``trainer.pool_heartbeat_timeout_s`` is stopped (SIGSTOP, a frozen node), and the job ends with an error instead of
+waiting out ``trainer.collective_timeout_s``. The beat comes from its own thread, so a rank whose main thread is stuck
+(in a collective, say) keeps beating: heartbeats catch a stopped process or node, not a hung call. The store lives
+on job rank 0's node; a store that stops answering is reported as rank 0's silence.
 """
 
 from __future__ import annotations
@@ -31,12 +33,14 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from verl_mega.config.run import POOL_HEARTBEAT_S as HEARTBEAT_S
 from verl_mega.parallel import cpu_mode
 from verl_mega.parallel.placement import Placement, PlacementError, Pool
 from verl_mega.parallel.state import init_process_group
 
 CONTROL_TAG, RESULT_TAG = 1, 2  # trainer → rollout commands; rollout → trainer samples
-HEARTBEAT_S = 2.0
+STORE_HOST = 0  # job rank 0 hosts the job's store (env://; under torchrun its node's agent does)
+READ_WAIT_S = 0.2  # how long a heartbeat check waits for a store read it started (a healthy store answers in ms)
 
 
 class PoolPeerError(RuntimeError):
@@ -188,10 +192,13 @@ class Bridge:
         try:
             yield
         except RuntimeError as exc:
-            pool = self.placement.pool_of_rank(peer).name
-            raise PoolPeerError(f"rank {peer} of pool {pool!r} did not answer while {what} "
-                                f"({' '.join(str(exc).split())[:200]}); it died or hung (timeout "
-                                f"trainer.collective_timeout_s={self.timeout.total_seconds():g})") from None
+            raise self.peer_error(peer, what, exc) from None
+
+    def peer_error(self, peer: int, what: str, exc: BaseException) -> PoolPeerError:
+        pool = self.placement.pool_of_rank(peer).name
+        return PoolPeerError(f"rank {peer} of pool {pool!r} did not answer while {what} "
+                             f"({' '.join(str(exc).split())[:200]}); it died or hung (timeout "
+                             f"trainer.collective_timeout_s={self.timeout.total_seconds():g})")
 
     def close(self) -> None:
         self._subgroups.clear()
@@ -202,30 +209,68 @@ class HeartbeatWatch:
     """The heartbeats of some ranks, seen from a rank that waits on them without blocking (a transfer running in a
     thread of its own, polled between engine steps). :meth:`check` raises :class:`PoolPeerError` naming the first
     rank whose counter has stood still for the bridge's heartbeat timeout; it reads the store at most twice per
-    ``HEARTBEAT_S``, so calling it every loop costs nothing. Without a heartbeat timeout it never raises."""
+    ``HEARTBEAT_S``, so calling it every loop costs nothing. Without a heartbeat timeout it never raises.
+
+    The store's host (job rank 0) may itself be stopped, and then a store call never returns (the store's timeout
+    does not bound it). So each read runs in a thread of its own, and a read unanswered for the heartbeat timeout is
+    rank 0's silence; a store whose connection fails is rank 0's death."""
 
     def __init__(self, bridge: Bridge, ranks: tuple[int, ...]) -> None:
         self.bridge, self.ranks = bridge, ranks
         now = time.monotonic()
-        self._beats = {rank: bridge._beats(rank) for rank in ranks} if bridge.heartbeat_timeout_s else {}
+        self._beats: dict[int, int | None] = dict.fromkeys(ranks)  # None: not read yet
         self._since = dict.fromkeys(ranks, now)
-        self._read = now
+        self._asked = now  # when the last read started
+        self._reading: Queue | None = None  # the answer of the read in flight
+        if bridge.heartbeat_timeout_s and ranks:
+            self._ask()
+
+    def _ask(self) -> None:
+        """Start a read of every watched counter; :meth:`check` takes its answer."""
+        answer: Queue = Queue(maxsize=1)
+        ranks, bridge = self.ranks, self.bridge
+
+        def read() -> None:
+            answer.put(_outcome(lambda: {rank: bridge._beats(rank) for rank in ranks}))
+
+        self._reading, self._asked = answer, time.monotonic()
+        threading.Thread(target=read, daemon=True, name="heartbeat-read").start()
 
     def check(self, what: str) -> None:
         limit = self.bridge.heartbeat_timeout_s
-        now = time.monotonic()
-        if not limit or now - self._read < HEARTBEAT_S / 2:
+        if not limit or not self.ranks:
             return
-        self._read = now
-        for rank in self.ranks:
-            beats = self.bridge._beats(rank)
+        now = time.monotonic()
+        fresh = self._reading is None and now - self._asked >= HEARTBEAT_S / 2
+        if fresh:
+            self._ask()
+        if self._reading is None:
+            return
+        try:
+            ok, value = self._reading.get(timeout=READ_WAIT_S) if fresh else self._reading.get_nowait()
+        except Empty:
+            silent = time.monotonic() - self._asked
+            if silent > limit:
+                raise self._silent(STORE_HOST, silent, what, "the job's store on its node did not answer, so it "
+                                   "or its node") from None
+            return
+        self._reading, read_at = None, self._asked
+        if not ok:  # the store's connection failed: its host died or its node was lost
+            raise self.bridge.peer_error(STORE_HOST, f"{what} (reading heartbeats from the job's store on its node)",
+                                         value)
+        for rank, beats in value.items():
             if beats != self._beats[rank]:
-                self._beats[rank], self._since[rank] = beats, now
-            elif now - self._since[rank] > limit:
-                pool = self.bridge.placement.pool_of_rank(rank).name
-                raise PoolPeerError(f"rank {rank} of pool {pool!r} sent no heartbeat for {now - self._since[rank]:.0f}"
-                                    f" s while {what}: it is stopped (SIGSTOP, a frozen node) or hung "
-                                    f"(trainer.pool_heartbeat_timeout_s={limit:g})") from None
+                if self._beats[rank] is not None:  # the first read sets where the counter starts
+                    self._since[rank] = read_at
+                self._beats[rank] = beats
+            elif read_at - self._since[rank] > limit:
+                raise self._silent(rank, read_at - self._since[rank], what, "it")
+
+    def _silent(self, rank: int, seconds: float, what: str, who: str) -> PoolPeerError:
+        pool = self.bridge.placement.pool_of_rank(rank).name
+        return PoolPeerError(f"rank {rank} of pool {pool!r} sent no heartbeat for {seconds:.0f} s while {what}: {who} "
+                             f"is stopped (SIGSTOP, a frozen node) or hung "
+                             f"(trainer.pool_heartbeat_timeout_s={self.bridge.heartbeat_timeout_s:g})")
 
 
 def group_broadcast(tensor: torch.Tensor, group: Any, group_src: int, async_op: bool = False) -> Any:

@@ -5,6 +5,8 @@ table of stop reasons that a rollout pool of its own passes on to the trainer. I
 
 from __future__ import annotations
 
+import signal
+
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Protocol, Sequence
 
@@ -14,6 +16,9 @@ SEED_MODULUS = 2**31 - 1
 #: why a run stops, by severity: every rank's reasons are combined by taking the most severe (an all-reduce of the
 #: index); a rollout pool of its own passes on the signals its ranks received by name
 STOP_REASONS = ("", "trainer.time_limit_s", "SIGINT", "SIGTERM")
+#: the signals that request a stop, and the reason each stands for: SIGUSR1 is how launch/mpirun.sh passes a SIGTERM
+#: on (Open MPI ends the ranks at once on a TERM)
+STOP_SIGNALS = {signal.SIGTERM: "SIGTERM", signal.SIGUSR1: "SIGTERM", signal.SIGINT: "SIGINT"}
 
 
 class RolloutError(RuntimeError):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from collections import OrderedDict, deque
 from dataclasses import replace
 from queue import Empty, Queue
@@ -30,8 +31,8 @@ import torch.distributed as dist
 
 from verl_mega.parallel.pools import CONTROL_TAG, HEARTBEAT_S, RESULT_TAG, Bridge, PoolPeerError
 from verl_mega.parallel.state import pool_group
-from verl_mega.rollout.base import (SEED_MODULUS, STOP_REASONS, Generated, Request, RolloutError, Sample, SamplingSpec,
-                                    engine_share)
+from verl_mega.rollout.base import (SEED_MODULUS, STOP_REASONS, STOP_SIGNALS, Generated, Request, RolloutError,
+                                    Sample, SamplingSpec, engine_share)
 from verl_mega.rollout.vllm_rollout import VLLMRollout
 
 log = logging.getLogger(__name__)
@@ -156,16 +157,17 @@ def _key(prompt_ids: Sequence[Sequence[int]], specs: Sequence[SamplingSpec]) -> 
 
 
 def record_stop_signals() -> list[int]:
-    """Keep SIGTERM / SIGINT from ending a rollout rank: each is recorded (the most severe so far, an index into
-    STOP_REASONS, in the returned cell) for the training pool, which stops the job after its step, with a checkpoint."""
+    """Keep the stop signals (STOP_SIGNALS) from ending a rollout rank: each is recorded (the most severe so far, an
+    index into STOP_REASONS, in the returned cell) for the training pool, which stops the job after its step, with a
+    checkpoint."""
     received = [0]
 
     def on_signal(signum: int, frame) -> None:  # noqa: ARG001
-        received[0] = max(received[0], STOP_REASONS.index(signal.Signals(signum).name))
+        received[0] = max(received[0], STOP_REASONS.index(STOP_SIGNALS[signal.Signals(signum)]))
         log.warning("rollout pool: %s received; the training pool stops the job after its step, with a checkpoint",
                     signal.Signals(signum).name)
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, on_signal)
     return received
 
@@ -331,23 +333,34 @@ class _Outbox:
 
 class _Inbox:
     """The trainer's commands, received by a thread of the pool leader so that the engines never wait for them;
-    a dead or silent trainer surfaces as the :class:`PoolPeerError` it raised."""
+    a dead or silent trainer surfaces as the :class:`PoolPeerError` it raised. The thread's wait ends by itself
+    (the collective timeout, the heartbeat checks); should it not, a wait for the next command still ends, naming
+    the trainer, once it has lasted longer than those bounds allow."""
+
+    WHAT = "waiting for the training pool's next command"
 
     def __init__(self, bridge: Bridge, trainer: int) -> None:
         self._queue: Queue = Queue()
+        self._since: float | None = time.monotonic()  # when the thread began waiting; None once it ended
+        # the thread's own bounds, plus time for its last heartbeat check
+        self._limit_s = bridge.timeout.total_seconds() + bridge.heartbeat_timeout_s + 2 * HEARTBEAT_S
+        self._bridge, self._trainer = bridge, trainer
         self._thread = threading.Thread(target=self._run, args=(bridge, trainer), daemon=True, name="commands")
         self._thread.start()
         self._ready: list[dict] = []
 
     def _run(self, bridge: Bridge, trainer: int) -> None:
         while True:
+            self._since = time.monotonic()
             try:
-                command = bridge.recv(trainer, CONTROL_TAG, "waiting for the training pool's next command")
+                command = bridge.recv(trainer, CONTROL_TAG, self.WHAT)
             except BaseException as exc:
+                self._since = None
                 self._queue.put(exc)
                 return
             self._queue.put(command)
             if command["op"] == "stop":
+                self._since = None
                 return
 
     def _put(self, item: Any) -> None:
@@ -365,9 +378,17 @@ class _Inbox:
 
     def take(self, *, wait: bool, timeout: float | None = None) -> list[dict]:
         """The arrived commands, waiting for the next one first when ``wait`` (at most ``timeout`` s)."""
-        if wait and not self.drain():
+        end = None if timeout is None else time.monotonic() + timeout
+        while wait and not self.drain():
+            since = self._since
+            if since is not None and time.monotonic() - since > self._limit_s:
+                raise self._bridge.peer_error(self._trainer, self.WHAT, TimeoutError(
+                    f"no command and no error for {time.monotonic() - since:.0f} s, past every bound of that wait"))
+            left = HEARTBEAT_S if end is None else min(HEARTBEAT_S, end - time.monotonic())
+            if left <= 0:
+                break
             try:
-                self._put(self._queue.get(timeout=timeout))
+                self._put(self._queue.get(timeout=left))
             except Empty:
                 pass
         ready, self._ready = self._ready, []

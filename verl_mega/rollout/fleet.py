@@ -10,7 +10,8 @@ of processes and clocks of its own (tested in-process with fake engines):
   group is never returned twice;
 - an engine that exits, or that sends no heartbeat for ``hang_timeout_s`` (``start_timeout_s`` while it starts), is
   failed: a hung one is SIGKILLed first, and every group it held goes back to the front of the queue, **whole**,
-  for the healthy engines (``rollout/redispatched_prompts``);
+  for the healthy engines (``rollout/redispatched_prompts``). A refit beats from a thread (loading a model is no
+  hang) and is bounded as a whole by ``start_timeout_s``;
 - a failed engine is restarted, at most ``max_restarts`` times. It serves again only once it holds the current
   weights: a restarted engine is refitted first (``weights`` → ``refitted``). A group goes only to an engine
   whose weights are the group's version, so no sample mixes policies;
@@ -75,6 +76,7 @@ class _Engine:
     state: str = STARTING
     version: int = 0
     since: float = 0.0  # last heartbeat (or start)
+    refit_since: float = 0.0  # when it was last sent weights
     restarts: int = 0
     held: dict = field(default_factory=dict)  # key → Group, in the order given; sent once it serves
     failures: list[str] = field(default_factory=list)
@@ -113,8 +115,7 @@ class Dispatcher:
         self.weights, self.version = weights, version
         for e in self.engines:
             if e.state in (SERVING, REFITTING):
-                e.handle.send(("weights", weights, version))
-                e.state = REFITTING
+                self._send_weights(e)
 
     def metrics(self) -> dict[str, float]:
         # up and serving, or loading the current weights: a snapshot taken between batches finds engines refitting
@@ -137,12 +138,16 @@ class Dispatcher:
                 continue
             reason = e.handle.exit_reason()
             bound = self.start_timeout_s if e.state == STARTING else self.hang_timeout_s
-            silent = self.clock() - e.since
-            if reason is None and silent > bound:
+            now = self.clock()
+            if reason is None and now - e.since > bound:
                 e.handle.kill()
                 key = "start_timeout_s" if e.state == STARTING else "hang_timeout_s"
-                reason = (f"sent no heartbeat for {silent:.0f} s while {e.state} (stopped or hung; "
+                reason = (f"sent no heartbeat for {now - e.since:.0f} s while {e.state} (stopped or hung; "
                           f"rollout.fleet.{key}={bound:g})")
+            elif reason is None and e.state == REFITTING and now - e.refit_since > self.start_timeout_s:
+                e.handle.kill()  # it beats while it refits (from a thread), so only the refit's length tells
+                reason = (f"did not finish its refit in {now - e.refit_since:.0f} s (stuck or too slow; "
+                          f"rollout.fleet.start_timeout_s={self.start_timeout_s:g} bounds a refit)")
             if reason is not None:
                 self._fail(e, reason)
         if all(e.state == FAILED for e in self.engines):
@@ -166,8 +171,7 @@ class Dispatcher:
             if self.layout is None:
                 self.layout = message[1]
             if self.weights is not None and e.version != self.version:
-                e.handle.send(("weights", self.weights, self.version))  # serves only after this refit
-                e.state = REFITTING
+                self._send_weights(e)  # serves only after this refit
             else:
                 e.state = SERVING
         elif kind == "refitted":
@@ -236,6 +240,10 @@ class Dispatcher:
             for key in list(donor.held)[len(donor.held) // 2:]:
                 e.held[key] = group = donor.held.pop(key)
                 self._send(e, group)
+
+    def _send_weights(self, e: _Engine) -> None:
+        e.handle.send(("weights", self.weights, self.version))
+        e.state, e.refit_since = REFITTING, self.clock()
 
     @staticmethod
     def _send(e: _Engine, group: Group) -> None:

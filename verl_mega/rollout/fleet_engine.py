@@ -4,10 +4,10 @@
 It is an ordinary child process, not a launcher worker: its death is the supervisor's to handle, never the
 launcher's. It talks to the supervisor over one socket pair (pickled tuples, see
 :class:`~verl_mega.rollout.fleet.EngineHandle`): it announces its weight layout once its engine is built, beats a
-heartbeat from its main loop (every engine step, and while idle), generates prompt groups as they come
-(:class:`~verl_mega.rollout.streaming.StreamingEngine`, batches across groups) and reads new weights from a file
-the supervisor wrote. A stopped (SIGSTOP) or stuck engine stops beating; one whose supervisor is gone dies with it
-(PR_SET_PDEATHSIG) or ends at the closed socket.
+heartbeat from its main loop (every engine step, and while idle; from a thread while it refits), generates prompt
+groups as they come (:class:`~verl_mega.rollout.streaming.StreamingEngine`, batches across groups) and reads new
+weights from a file the supervisor wrote. A stopped (SIGSTOP) or stuck engine stops beating; one whose supervisor
+is gone dies with it (PR_SET_PDEATHSIG) or ends at the closed socket.
 
 ``VERL_MEGA_FLEET_FAULT`` (tests): ``<engine>:<kill|stop>@<request>[,...]``, read by the supervisor, makes an
 engine's first incarnation SIGKILL or SIGSTOP itself one engine step after it was given a group of that request.
@@ -16,17 +16,26 @@ engine's first incarnation SIGKILL or SIGSTOP itself one engine step after it wa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
+import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from queue import Empty, Queue
+from typing import Any, Iterator
 
-BEAT_S = 0.5  # heartbeat period; the supervisor's bound (rollout.fleet.hang_timeout_s) is many of these
+from verl_mega.config.rl import FLEET_BEAT_S as BEAT_S  # the supervisor's bound (hang_timeout_s) is several
+
+log = logging.getLogger(__name__)
+
+KILL_WAIT_S = 10.0  # how long a SIGKILLed engine may take to end before the supervisor goes on without it
 FAULT_ENV = "VERL_MEGA_FLEET_FAULT"
 # launcher variables a child must not inherit: it is a world of one, not a rank of the job
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
@@ -52,9 +61,21 @@ def faults(text: str | None) -> dict[int, tuple[str, int]]:
 
 class EngineProcess:
     """The supervisor's handle on one incarnation of an engine (a :class:`~verl_mega.rollout.fleet.EngineHandle`).
-    ``setup``: what the engine needs (its vLLM config and the weight hooks), sent as its first message."""
+    :meth:`spawn` starts one. A thread of its own reads what the engine sends, so that an engine stopped halfway
+    through a message never blocks the supervisor; ``arrived`` is set whenever a message (or the end) comes."""
 
-    def __init__(self, index: int, setup: dict[str, Any]) -> None:
+    def __init__(self, index: int, proc: Any, conn: Connection, arrived: threading.Event) -> None:
+        self.index, self.proc, self.conn, self.arrived = index, proc, conn, arrived
+        self.closed = False  # the connection ended (read by the supervisor's thread)
+        self._drained = False  # everything sent before the process ended was read
+        self._inbox: Queue = Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True, name=f"engine-{index}-reader")
+        self._reader.start()
+
+    @classmethod
+    def spawn(cls, index: int, setup: dict[str, Any], arrived: threading.Event) -> "EngineProcess":
+        """A new engine process; ``setup``: what it needs (its vLLM config and the weight hooks), its first
+        message."""
         import multiprocessing
 
         ours, theirs = multiprocessing.Pipe(duplex=True)
@@ -62,18 +83,26 @@ class EngineProcess:
                if k not in _LAUNCHER_VARS and not k.startswith(_LAUNCHER_PREFIXES)}
         root = str(Path(__file__).resolve().parents[2])  # this checkout, wherever the interpreter was started
         env["PYTHONPATH"] = os.pathsep.join(filter(None, (root, env.get("PYTHONPATH"))))
-        self.index = index
-        self.proc = subprocess.Popen([sys.executable, "-m", "verl_mega.rollout.fleet_engine", "--fd",
-                                      str(theirs.fileno()), "--index", str(index)],
-                                     pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen([sys.executable, "-m", "verl_mega.rollout.fleet_engine", "--fd",
+                                 str(theirs.fileno()), "--index", str(index)],
+                                pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
         theirs.close()
-        self.conn = ours
-        self.closed = False
-        self.send(("setup", setup))
+        engine = cls(index, proc, ours, arrived)
+        engine.send(("setup", setup))
+        return engine
 
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    def _read(self) -> None:
+        try:
+            while True:
+                self._inbox.put(self.conn.recv())
+                self.arrived.set()
+        except Exception:  # noqa: BLE001 - it ended, kill() shut the socket, or it sent garbage: its end either way
+            self.closed = True
+            self.arrived.set()
 
     def send(self, message: tuple) -> None:
         if self.closed:
@@ -84,13 +113,16 @@ class EngineProcess:
             self.closed = True
 
     def receive(self) -> list[tuple]:
+        if not self._drained and self.proc.poll() is not None:
+            # it ended: what it sent first is still in the socket, and is read to the end before its exit is seen
+            self._reader.join(KILL_WAIT_S)
+            self._drained = True
         out = []
-        try:
-            while not self.closed and self.conn.poll(0):
-                out.append(self.conn.recv())
-        except (OSError, EOFError):
-            self.closed = True
-        return out
+        while True:
+            try:
+                out.append(self._inbox.get_nowait())
+            except Empty:
+                return out
 
     def exit_reason(self) -> str | None:
         code = self.proc.poll()
@@ -103,8 +135,16 @@ class EngineProcess:
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()  # SIGKILL ends a stopped process too
-            self.proc.wait()
+            try:
+                self.proc.wait(KILL_WAIT_S)
+            except subprocess.TimeoutExpired:  # stuck in the kernel (a driver call, a dead mount): not ours to wait
+                log.warning("rollout engine %d: pid %d did not end within %g s of SIGKILL; left behind",
+                            self.index, self.pid, KILL_WAIT_S)
         self.closed = True
+        # wake the reader (closing the fd under a blocked read would not) before closing the connection
+        with contextlib.suppress(OSError), socket.socket(fileno=os.dup(self.conn.fileno())) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
+        self._reader.join(KILL_WAIT_S)
         self.conn.close()
 
 
@@ -115,6 +155,27 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+
+
+@contextlib.contextmanager
+def beating(conn: Connection) -> Iterator[None]:
+    """Beat from a thread while the main loop is held up in one long call (a refit), which is no hang. A stopped
+    process stops this thread too; a refit stuck for good is bounded by rollout.fleet.start_timeout_s instead. The
+    main loop sends nothing meanwhile, so the connection has one writer at a time."""
+    done = threading.Event()
+
+    def beat() -> None:
+        with contextlib.suppress(OSError):  # the supervisor is gone: the main loop finds out
+            while not done.wait(BEAT_S):
+                conn.send(("beat",))
+
+    thread = threading.Thread(target=beat, daemon=True, name="refit-heartbeat")
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def serve(conn: Connection, index: int) -> None:
@@ -140,7 +201,8 @@ def serve(conn: Connection, index: int) -> None:
             if message[0] == "weights":
                 import torch
 
-                write(rollout.model, rollout.is_cpu, torch.load(message[1], weights_only=True, mmap=True))
+                with beating(conn):  # loading a whole model can outlast rollout.fleet.hang_timeout_s
+                    write(rollout.model, rollout.is_cpu, torch.load(message[1], weights_only=True, mmap=True))
                 rollout.weight_version = message[2] - 1
                 stream.weights_changed()
                 conn.send(("refitted", message[2]))

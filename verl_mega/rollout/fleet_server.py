@@ -20,9 +20,9 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 from collections import OrderedDict, deque
 from dataclasses import replace
-from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,7 @@ class FleetServer:
         self._setup = {"config": engine_config, "hooks": hooks}
         self._faults = faults(os.environ.get(FAULT_ENV))
         self._started: set[int] = set()
+        self._arrived = threading.Event()  # set by the engines' reader threads
         root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         _remove_stale(root)
         self._dir = Path(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=root))
@@ -71,7 +72,7 @@ class FleetServer:
         first = index not in self._started  # a test's fault hits the first incarnation only
         self._started.add(index)
         fault = self._faults.get(index) if first else None
-        engine = EngineProcess(index, {**self._setup, "fault": fault})
+        engine = EngineProcess.spawn(index, {**self._setup, "fault": fault}, self._arrived)
         log.info("rollout engine %d started (pid %d)", index, engine.pid)
         return engine
 
@@ -83,9 +84,10 @@ class FleetServer:
         return self.dispatcher.layout
 
     def _wait(self) -> None:
-        conns = [e.handle.conn for e in self.dispatcher.engines
-                 if not getattr(e.handle, "closed", True) and e.state != "failed"]
-        wait(conns, POLL_S) if conns else None
+        """Until an engine sends something or ends, at most POLL_S. Cleared before the next poll takes the
+        messages, so none that comes meanwhile is slept through."""
+        self._arrived.wait(POLL_S)
+        self._arrived.clear()
 
     def serve(self) -> None:
         """Run the trainer's commands until ``stop`` (see :class:`~verl_mega.rollout.disaggregated.RolloutServer`

@@ -19,12 +19,9 @@ import torch
 import torch.distributed as dist
 
 from verl_mega.parallel.state import pool_group
-from verl_mega.rollout.base import STOP_REASONS  # by severity: the all-reduce keeps the largest
+from verl_mega.rollout.base import STOP_REASONS, STOP_SIGNALS  # by severity: the all-reduce keeps the largest
 
 log = logging.getLogger("verl_mega")
-
-# the signals that request a stop, and the reason (in STOP_REASONS) each one stands for
-STOP_SIGNALS = {signal.SIGTERM: "SIGTERM", signal.SIGUSR1: "SIGTERM", signal.SIGINT: "SIGINT"}
 
 
 class StopRequest:

@@ -9,6 +9,8 @@ Modes (the failing end harms itself at a fixed point, so nothing races the test)
 - ``stop-receiver``: rank 1 stops itself on its second slice; rank 0 must name it;
 - ``kill-receiver``: rank 1 SIGKILLs itself on its second slice; rank 0 must name it;
 - ``stop-sender``: rank 0 stops itself after its first bucket; rank 1 must name it.
+- ``stop-sender-node``: the same with rank 0's node frozen: rank 0 first stops torchrun's agent, which hosts the
+  job's store, so every store call blocks; rank 1 must still name rank 0.
 The survivor prints ``WATCH {"error": ..., "seconds": ...}`` (seconds from the start of the transfer).
 """
 
@@ -68,8 +70,10 @@ def main() -> None:
                 for i, name in enumerate(LAYOUT.names):
                     sink.buffer(name, (N,)).fill_(i)
                     sink.commit()
-                    if i == 0 and mode == "stop-sender":
+                    if i == 0 and mode.startswith("stop-sender"):
                         time.sleep(0.5)  # the first bucket is on its way
+                        if mode == "stop-sender-node":
+                            os.kill(os.getppid(), signal.SIGSTOP)  # the store's host
                         os.kill(os.getpid(), signal.SIGSTOP)
                 sink.finish()
 
