@@ -294,7 +294,9 @@ def test_ray_two_nodes(procs, tmp_path):
         skip_unless_required("ray not installed (pip install 'ray[default]')")
     port = free_port()
     head_ip, worker_ip = "127.0.0.3", "127.0.0.2"  # Ray rewrites 127.0.0.1 to the host's address; these it keeps
-    env = base_env(RAY_USAGE_STATS_ENABLED="0", GLOO_SOCKET_IFNAME="lo")
+    home = tmp_path / "home"  # a cluster of its own: no token or config a user's earlier `ray start` left in ~/.ray
+    home.mkdir()
+    env = base_env(RAY_USAGE_STATS_ENABLED="0", GLOO_SOCKET_IFNAME="lo", HOME=str(home))
     temp = Path("/tmp") / f"vmray{os.getpid()}"  # short: Ray's unix socket paths must stay under 108 bytes
     head_log, worker_log, job_log = tmp_path / "head.log", tmp_path / "worker.log", tmp_path / "job.log"
     common = ["--num-cpus", "2", "--num-gpus", "0", "--disable-usage-stats", "--block"]
