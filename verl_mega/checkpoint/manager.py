@@ -145,6 +145,13 @@ def discard(path: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
+def write_latest(root: Path, name: str) -> None:
+    """Point ``root/latest`` at checkpoint `name`, atomically (a reader sees the old name or the new one)."""
+    tmp = root / ".latest.tmp"
+    tmp.write_text(name + "\n")
+    os.replace(tmp, root / "latest")
+
+
 def remove_leftovers(root: Path) -> list[str]:
     """Remove what failed or killed saves (``.tmp-step_*``) and deletions (``.trash-*``) left under `root` (rank 0,
     with no save in flight); returns their names."""
@@ -292,9 +299,7 @@ class CheckpointManager:
                 discard(final)
             os.replace(tmp, final)
             fault_point("save_renamed", step)
-            latest_tmp = self.root / ".latest.tmp"
-            latest_tmp.write_text(final.name + "\n")
-            os.replace(latest_tmp, self.root / "latest")
+            write_latest(self.root, final.name)
             self._prune(final)
             log.info("checkpoint %s complete", final)
         _barrier()

@@ -126,11 +126,11 @@ def set_aside_later_checkpoints(output_dir: str, step: int) -> Path | None:
         os.replace(path, dest / path.name)
     latest = root / "latest"
     if latest.exists() and not (root / latest.read_text().strip()).exists():  # it named a checkpoint moved away
+        from verl_mega.checkpoint.manager import write_latest
+
         resumed = root / f"step_{step:06d}"
         if resumed.is_dir():
-            tmp = root / ".latest.tmp"
-            tmp.write_text(resumed.name + "\n")
-            os.replace(tmp, latest)
+            write_latest(root, resumed.name)
         else:  # resumed from another directory: this one has no checkpoint of the run yet
             latest.unlink()
     log.warning("resumed from step %d, but checkpoints/ held later ones (%s..%s) of an abandoned or broken run: "
