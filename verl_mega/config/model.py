@@ -11,7 +11,8 @@ TINY_MODEL = "tiny"  # special model.path: build the bundled tiny model instead 
 TinyTask = Literal["arithmetic", "addition_small", "calculator"]  # data.tasks.GENERATED_TASKS (a unit test checks)
 
 
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # models.lora.HF_TARGETS
+LORA_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")  # the projections every layer has, MoE or not
+LORA_TARGETS = (*LORA_ATTENTION, "gate_proj", "up_proj", "down_proj")  # models.lora.HF_TARGETS
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,11 +7,11 @@ base is column-parallel (``A`` whole, ``B``'s rows split) and ``r·(i/t + o)`` w
 
 from __future__ import annotations
 
+from verl_mega.config.model import LORA_ATTENTION
 from verl_mega.models.arch import stage_layer_indices
 from verl_mega.models.hf_config import ModelArch
 
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 def adapter_params_per_rank(arch: ModelArch, lora, tp: int, layers) -> int:
@@ -23,7 +23,7 @@ def adapter_params_per_rank(arch: ModelArch, lora, tp: int, layers) -> int:
     total = 0
     for i in layers:
         for part in lora.targets:
-            if part not in _ATTENTION and arch.is_moe_layer(i):
+            if part not in LORA_ATTENTION and arch.is_moe_layer(i):
                 continue
             fan_in, fan_out = dims[part]
             total += lora.rank * ((fan_in + fan_out // tp) if part in _COLUMN else (fan_in // tp + fan_out))

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from verl_mega.config import ConfigError, TrainConfig
-from verl_mega.config.model import LORA_TARGETS
+from verl_mega.config.model import LORA_ATTENTION, LORA_TARGETS
 from verl_mega.engine.megatron_engine import MegatronEngine, ScheduleSpec
 from verl_mega.models.build import build_model_chunks
 from verl_mega.models.hf_config import (ModelArch, arch_from_hf, check_arch_layout, check_rollout_architecture,
@@ -389,11 +389,10 @@ def _check_model(cfg: TrainConfig, path: Path, placement) -> ModelArch:
                           f"{' and '.join(unquantizable)}; set rollout.quantization=none")
     lora = cfg.model.lora
     targets = set(LORA_TARGETS) if "all-linear" in lora.target_modules else set(lora.target_modules)
-    attention = {"q_proj", "k_proj", "v_proj", "o_proj"}
-    if lora.enabled and not targets & attention and all(arch.is_moe_layer(i) for i in range(arch.num_layers)):
+    if lora.enabled and not targets & set(LORA_ATTENTION) and all(arch.is_moe_layer(i) for i in range(arch.num_layers)):
         raise ConfigError(f"model.lora.target_modules={list(lora.target_modules)} adapts MLP projections only, but "
                           f"every layer of this {arch.model_type} routes its MLP to experts, which carry no adapters: "
-                          f"nothing would train; add {', '.join(sorted(attention))} or use all-linear")
+                          f"nothing would train; add {', '.join(sorted(LORA_ATTENTION))} or use all-linear")
     for weights in {path, resolve_critic_path(cfg, path) if cfg.critic.enable else path,
                     *([Path(cfg.reward.reward_model_path)] if cfg.reward.reward_model_path else [])}:
         check_checkpoint_matches(HFCheckpointReader(weights), model_arch(weights))  # headers only
