@@ -71,8 +71,11 @@ def assign_rows(prompt: torch.Tensor, tokens: torch.Tensor, dp: int, *, balance:
 
 
 def split_groups(prompt: torch.Tensor, owner: torch.Tensor) -> list[int]:
-    """The prompts whose rows ``owner`` puts on more than one replica."""
-    return [g for g in torch.unique(prompt).tolist() if len(torch.unique(owner[prompt == g])) > 1]
+    """The prompts whose rows ``owner`` puts on more than one replica (in one pass: it runs every step)."""
+    groups, inverse = torch.unique(prompt, return_inverse=True)
+    low = torch.zeros(len(groups), dtype=owner.dtype).scatter_reduce(0, inverse, owner, "amin", include_self=False)
+    high = torch.zeros(len(groups), dtype=owner.dtype).scatter_reduce(0, inverse, owner, "amax", include_self=False)
+    return groups[low != high].tolist()
 
 
 def imbalance(owner: torch.Tensor, tokens: torch.Tensor, dp: int) -> float:
