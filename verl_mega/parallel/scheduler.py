@@ -26,7 +26,7 @@ import warnings
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import combinations, permutations
-from typing import Callable, Sequence
+from typing import Sequence
 
 from verl_mega.parallel.placement import ISLAND_JSON_KINDS, Placement, PlacementError
 from verl_mega.parallel.topology import Link, LinkKind, NodeTopology, parse_topology
@@ -475,11 +475,10 @@ def check_islands_agree(records: list[dict]) -> None:
                              + "; use nodes with alike NVLink islands or parallel.dp_hierarchy=node")
 
 
-def _visible_gpus(n: int, uuids: Callable[[], dict[str, int]] | None = None) -> list[int] | None:
+def _visible_gpus(n: int) -> list[int] | None:
     """The nvidia-smi indices of the GPUs this process may use: CUDA_VISIBLE_DEVICES by index or by GPU UUID (or a
     unique prefix of one, as CUDA accepts), else all ``n``. None when they cannot be told (MIG instances, a UUID
-    nvidia-smi does not list): the launcher's devices must then be left as they are. ``uuids``: UUID → index
-    (default: nvidia-smi's)."""
+    nvidia-smi does not list): the launcher's devices must then be left as they are."""
     import os
 
     from verl_mega.parallel.topology import read_gpu_uuids
@@ -490,7 +489,7 @@ def _visible_gpus(n: int, uuids: Callable[[], dict[str, int]] | None = None) -> 
     entries = [v.strip() for v in value.split(",") if v.strip()]
     if all(v.isdigit() for v in entries):
         return [int(v) for v in entries]
-    known = (uuids or read_gpu_uuids)()
+    known = read_gpu_uuids()
     out = []
     for v in entries:
         match = [i for u, i in known.items() if u.startswith(v)] if not v.isdigit() else [int(v)]
