@@ -434,3 +434,14 @@ def test_a_message_cut_off_midway_does_not_block_the_supervisor_nor_does_a_proce
     assert time.monotonic() - began < 2 and handle.proc.killed == 1 and handle.closed
     assert "rollout engine 0: pid 4242 did not end within 0.2 s of SIGKILL; left behind" in caplog.text
     assert not handle._reader.is_alive() and ours.closed
+
+
+def test_the_first_batch_waits_for_every_engine_s_first_start_but_not_for_a_restart():
+    f = Fleet(engines=3, max_restarts=1)
+    f.ready(1)
+    assert f.d.layout == "layout1" and f.d.first_starts  # engines 0 and 2 are still on their first start
+    f.now(0).ended = "pid 10 exited with code 1"  # engine 0 fails its first start: restarted, not waited for
+    f.d.poll()
+    assert f.d.engines[0].state == "starting" and len(f.incarnations[0]) == 2 and f.d.first_starts
+    f.ready(2)
+    assert not f.d.first_starts

@@ -19,6 +19,8 @@ of processes and clocks of its own (tested in-process with fake engines):
   weights: their share is held for them and sent when they report ``refitted``. Were only serving engines counted,
   the first engine to finish a refit would take the whole batch. A serving engine left idle takes half of what a
   refitting engine holds unsent (it runs nowhere yet, so moving it costs nothing): a slow refit delays no batch;
+- the first batch waits for every engine's first start (each bounded by ``start_timeout_s``); an engine that
+  fails it is restarted as usual and the job starts with the others;
 - with no engine left that is healthy or starting, :class:`FleetError` names every engine and why it failed.
 """
 
@@ -101,6 +103,13 @@ class Dispatcher:
     # ---- what the supervisor asks -------------------------------------------------------------------------
     def submit(self, groups: Sequence[Group]) -> None:
         self.pending.extend(groups)
+
+    @property
+    def first_starts(self) -> bool:
+        """Whether an engine is still on its first start (not yet up, not yet failed). The supervisor waits for these
+        before it takes the first batch: groups already sent stay where they are, so an engine up a few seconds
+        before the others would otherwise generate the whole first batch alone."""
+        return any(e.state == STARTING and e.restarts == 0 for e in self.engines)
 
     @property
     def busy(self) -> bool:

@@ -77,8 +77,9 @@ class FleetServer:
         return engine
 
     def layout(self) -> Any:
-        """The engines' weight layout, once the first engine is up (the transfer plan needs it)."""
-        while self.dispatcher.layout is None:
+        """The engines' weight layout (the transfer plan needs it), once every engine is up or has failed its first
+        start, so that the first batch is shared over all of them."""
+        while self.dispatcher.layout is None or self.dispatcher.first_starts:
             self._wait()
             self.dispatcher.poll()
         return self.dispatcher.layout

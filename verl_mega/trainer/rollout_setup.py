@@ -99,7 +99,7 @@ def build_rollout_server(cfg: TrainConfig, placement, bridge, path: Path):
 
         server = FleetServer(bridge, vllm_config(cfg, path, 1), (engine_layout, write_weights), cfg.rollout.fleet)
         try:
-            layout = server.layout()  # the first engine up announces it
+            layout = server.layout()  # after every engine's first start
             server.weight_sync = PoolWeightSync(placement, bucket_bytes=cfg.rollout.weight_bucket_mb << 20,
                                                 device=comm_device(), layout=layout, comm=bridge)
         except BaseException:
