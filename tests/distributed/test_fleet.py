@@ -46,6 +46,8 @@ def _run(tmp_path: Path, steps: int, fault: str) -> tuple[list[dict], str]:
     assert rc == 0, text[-5000:]
     rows = metric_rows(out)
     _check(rows, text, steps)
+    # the pools leave in order: no rank's heartbeat finds the store (in rank 0) gone
+    assert "TCPStore.cpp" not in text, text[-3000:]
     return rows, text
 
 

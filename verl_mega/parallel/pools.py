@@ -24,6 +24,7 @@ import contextlib
 import datetime
 import os
 import pickle
+import sys
 import threading
 import time
 from queue import Empty, Queue
@@ -37,6 +38,9 @@ from verl_mega.config.run import POOL_HEARTBEAT_S as HEARTBEAT_S
 from verl_mega.parallel import cpu_mode
 from verl_mega.parallel.placement import Placement, PlacementError, Pool
 from verl_mega.parallel.state import init_process_group
+
+CLOSED_KEY = "verl_mega/closed"
+CLOSE_WAIT_S = 30.0  # how long the store's host waits at the end for its peers to stop using the store
 
 CONTROL_TAG, RESULT_TAG = 1, 2  # trainer → rollout commands; rollout → trainer samples
 STORE_HOST = 0  # job rank 0 hosts the job's store (env://; under torchrun its node's agent does)
@@ -60,16 +64,20 @@ class Bridge:
     control: Any = field(repr=False)  # gloo over every rank of the job
     heartbeat_timeout_s: float = 0.0  # 0: no heartbeat checks
     _subgroups: dict[tuple[int, ...], Any] = field(default_factory=dict, repr=False)
+    abandoned: bool = False  # set when the job ends on an error: rank 0 leaves without waiting for its peers
+    _stopped: threading.Event = field(default_factory=threading.Event, repr=False)
+    _beating: threading.Thread | None = field(default=None, repr=False)
 
     def start_heartbeat(self) -> None:
-        """Beat this rank's heartbeat until the process ends (a daemon thread)."""
+        """Beat this rank's heartbeat until :meth:`close` (a daemon thread)."""
         def beat() -> None:
-            while self.control is not None:
+            while not self._stopped.is_set():
                 with contextlib.suppress(Exception):  # a store that is gone: the job is ending
                     self.store.add(f"verl_mega/alive/{self.rank}", 1)
-                time.sleep(HEARTBEAT_S)
+                self._stopped.wait(HEARTBEAT_S)
 
-        threading.Thread(target=beat, daemon=True, name="heartbeat").start()
+        self._beating = threading.Thread(target=beat, daemon=True, name="heartbeat")
+        self._beating.start()
 
     @property
     def pool(self) -> Pool:
@@ -201,6 +209,21 @@ class Bridge:
                              f"trainer.collective_timeout_s={self.timeout.total_seconds():g})")
 
     def close(self) -> None:
+        """Stop beating, then leave in an order that keeps the store up while a peer still uses it: the store lives
+        in job rank 0, and a peer whose beat finds it gone prints c10d's connection-reset trace at every job end.
+        So every other rank reports closed, and rank 0 waits (at most ``CLOSE_WAIT_S``) for those reports before it
+        leaves; not after an error (:attr:`abandoned`, or closed while an exception propagates): its peers may never
+        close."""
+        self._stopped.set()
+        if self._beating is not None:
+            self._beating.join(timeout=2 * HEARTBEAT_S)
+        with contextlib.suppress(Exception):  # a store that is gone: nothing left to wait for
+            if self.rank != 0:
+                self.store.add(CLOSED_KEY, 1)
+            elif not (self.abandoned or sys.exc_info()[0] is not None):  # not while a failure propagates
+                deadline = time.monotonic() + CLOSE_WAIT_S
+                while self.store.add(CLOSED_KEY, 0) < self.world - 1 and time.monotonic() < deadline:
+                    time.sleep(0.05)
         self._subgroups.clear()
         self.control = None
 
