@@ -195,9 +195,15 @@ def main() -> None:
     stats4 = check_all()
     # two generations with no sync between: on CUDA each ends in vLLM's level-2 sleep, which discards the weights, so
     # the second has them written again first (the same version) and decodes the same greedy tokens
+    restores = []
+    write_again = sync.restore
+    sync.restore = lambda: restores.append(write_again())  # counted, then done as always
     first, second = (engine.generate(prompts, [greedy])[0] for _ in range(2))
+    discards = cuda and rollout.config.sleep_level == 2
     assert [s.ids for s in first.samples] == [s.ids for s in second.samples], "generation after a sleep differs"
-    assert first.version == second.version == 4 and not rollout.weights_discarded
+    assert first.version == second.version == 4
+    # written again before the second generation only (the first follows a sync); asleep at level 2 after each
+    assert len(restores) == int(discards) and rollout.weights_discarded == discards, (restores, discards)
 
     everyone = [None] * world
     dist.all_gather_object(everyone, {"rank": rank, "quantized": len(quantized), "lp_diff_mean": lp_mean,
