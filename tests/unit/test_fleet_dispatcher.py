@@ -445,3 +445,25 @@ def test_the_first_batch_waits_for_every_engine_s_first_start_but_not_for_a_rest
     assert f.d.engines[0].state == "starting" and len(f.incarnations[0]) == 2 and f.d.first_starts
     f.ready(2)
     assert not f.d.first_starts
+
+
+def test_sending_to_an_engine_that_stopped_reading_never_blocks_the_supervisor(monkeypatch):
+    import multiprocessing
+    import threading
+    import time
+
+    import verl_mega.rollout.fleet_engine as fleet_engine
+    from verl_mega.rollout.fleet_engine import EngineProcess
+
+    monkeypatch.setattr(fleet_engine, "KILL_WAIT_S", 0.2)
+    ours, theirs = multiprocessing.Pipe(duplex=True)
+    handle = EngineProcess(0, _Proc(), ours, threading.Event())
+    prompt = list(range(32_768))  # a long prompt: a few of them fill the socket's buffer of an engine that reads none
+    began = time.monotonic()
+    for request in range(64):
+        handle.send(("generate", (request, 0, 0), prompt, None))
+    assert time.monotonic() - began < 2, "send() waited on an engine that reads nothing"
+    assert handle._writer.is_alive()  # the writer is the one blocked, on the full buffer
+    assert theirs.recv() == ("generate", (0, 0, 0), prompt, None)  # in order, whole
+    handle.kill()  # shutting the socket ends the blocked send: no thread left behind
+    assert not handle._writer.is_alive() and not handle._reader.is_alive() and handle.closed

@@ -61,16 +61,21 @@ def faults(text: str | None) -> dict[int, tuple[str, int]]:
 
 class EngineProcess:
     """The supervisor's handle on one incarnation of an engine (a :class:`~verl_mega.rollout.fleet.EngineHandle`).
-    :meth:`spawn` starts one. A thread of its own reads what the engine sends, so that an engine stopped halfway
-    through a message never blocks the supervisor; ``arrived`` is set whenever a message (or the end) comes."""
+    :meth:`spawn` starts one. Threads of its own read what the engine sends and write what it is sent, so that an
+    engine stopped halfway through a message, or one that stopped reading with the socket's buffer full (a hung
+    engine handed long prompts), never blocks the supervisor, whose hang check must go on; ``arrived`` is set
+    whenever a message (or the end) comes."""
 
     def __init__(self, index: int, proc: Any, conn: Connection, arrived: threading.Event) -> None:
         self.index, self.proc, self.conn, self.arrived = index, proc, conn, arrived
         self.closed = False  # the connection ended (read by the supervisor's thread)
         self._drained = False  # everything sent before the process ended was read
         self._inbox: Queue = Queue()
+        self._outbox: Queue = Queue()  # None ends the writer
         self._reader = threading.Thread(target=self._read, daemon=True, name=f"engine-{index}-reader")
+        self._writer = threading.Thread(target=self._write, daemon=True, name=f"engine-{index}-writer")
         self._reader.start()
+        self._writer.start()
 
     @classmethod
     def spawn(cls, index: int, setup: dict[str, Any], arrived: threading.Event) -> "EngineProcess":
@@ -104,13 +109,18 @@ class EngineProcess:
             self.closed = True
             self.arrived.set()
 
+    def _write(self) -> None:
+        while (message := self._outbox.get()) is not None:
+            try:
+                self.conn.send(message)
+            except OSError:  # it died, or kill() shut the socket: exit_reason says how, its groups go elsewhere
+                self.closed = True
+                return
+
     def send(self, message: tuple) -> None:
-        if self.closed:
-            return
-        try:
-            self.conn.send(message)
-        except OSError:  # it died: exit_reason says how, and its groups go elsewhere
-            self.closed = True
+        """Queued for the writer thread, in order; never waits on the engine."""
+        if not self.closed:
+            self._outbox.put(message)
 
     def receive(self) -> list[tuple]:
         if not self._drained and self.proc.poll() is not None:
@@ -143,8 +153,10 @@ class EngineProcess:
         self.closed = True
         # wake the reader (closing the fd under a blocked read would not) before closing the connection
         with contextlib.suppress(OSError), socket.socket(fileno=os.dup(self.conn.fileno())) as sock:
-            sock.shutdown(socket.SHUT_RDWR)
+            sock.shutdown(socket.SHUT_RDWR)  # also ends a send blocked on a full buffer
+        self._outbox.put(None)
         self._reader.join(KILL_WAIT_S)
+        self._writer.join(KILL_WAIT_S)
         self.conn.close()
 
 
