@@ -62,6 +62,38 @@ def test_a_rollback_continues_its_own_timeline(tmp_path, caplog):
     assert find_checkpoint(_cfg(out)).name == "step_000025"
 
 
+def test_a_launcher_restart_of_a_rolled_back_run_goes_on_from_its_own_checkpoints(tmp_path, monkeypatch, caplog):
+    """The launcher restarts the job with the same command, trainer.resume=PATH included: once the run resumed from
+    PATH and saved since, a restart continues from its newest checkpoint (falling back over a broken one, down to
+    PATH); a relaunch by hand (no restart counter) resumes PATH as asked, and so does a restart before any save."""
+    from verl_mega.checkpoint.integrity import record_explicit_resume
+    from verl_mega.trainer.run_dir import set_aside_later_checkpoints
+
+    for var in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT", "VERL_MEGA_RESTART_COUNT"):
+        monkeypatch.delenv(var, raising=False)
+    out = tmp_path / "out"
+    first = _cfg(out, "checkpoint.keep_last=null")
+    for step in (10, 20, 30):
+        _checkpoint(out, step, first)
+    path = out / "checkpoints" / "step_000010"
+    cfg = _cfg(out, f"trainer.resume={path}")
+    set_aside_later_checkpoints(str(out), 10)
+    record_explicit_resume(out, path, 10)  # what build_job does once step 10 is loaded
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert find_checkpoint(cfg) == path  # restarted before the resumed run saved anything: PATH again
+    for step in (15, 20):
+        _checkpoint(out, step, first)  # the resumed run's own
+    assert find_checkpoint(cfg).name == "step_000020"
+    assert "this is a restart (torchrun 1) of a run that already resumed from it; continuing from its own newest " \
+           "checkpoint, step_000020, instead of going back to step 10 again" in caplog.text
+    (out / "checkpoints" / "step_000020" / "trainer.json").write_text("{}")  # broken: the one before it
+    assert find_checkpoint(cfg).name == "step_000015"
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
+    assert find_checkpoint(cfg) == path  # relaunched by hand with the same PATH: roll back, as asked
+    monkeypatch.setenv("VERL_MEGA_RESTART_COUNT", "2")
+    other = _cfg(out, f"trainer.resume={out}/checkpoints/step_000015")
+    assert find_checkpoint(other).name == "step_000015"  # another PATH than the one recorded: as asked
+
 def test_pruning_never_deletes_the_checkpoint_it_just_wrote(tmp_path):
     """Newer checkpoints than the one just written (nothing set them aside) are not counted and not deleted: the
     new one and the newest older ones stay, keep_last in all."""

@@ -36,6 +36,7 @@ log = logging.getLogger("verl_mega.checkpoint")
 SCHEMA = 1  # trainer.json layout; a checkpoint with a newer schema comes from a newer verl_mega
 MANIFEST = "manifest.json"
 COMPLETE = "COMPLETE"
+RESUMED_FILE = ".resumed_from.json"  # under output_dir: the trainer.resume=PATH this run resumed from (and its step)
 _FIELDS = {"step": int, "loader": dict, "kl_ctrl": dict, "engines": dict, "world_size": int, "layout": dict,
            "config": dict}
 
@@ -281,21 +282,64 @@ def _candidates(cfg) -> list[Path]:
     mode = cfg.trainer.resume
     if mode == "off":
         return []
+    root = Path(cfg.trainer.output_dir) / "checkpoints"
     if mode != "auto":
         path = Path(mode)
         if not (path / COMPLETE).exists():
             raise ResumeError(f"trainer.resume={mode}: not a complete checkpoint (no COMPLETE marker); "
                               "pick a step_* directory or use trainer.resume=auto")
-        return [path]
-    root = Path(cfg.trainer.output_dir) / "checkpoints"
+        return _saved_since_resume(cfg, path) + [path]
     return sorted((p for p in root.glob("step_*") if (p / COMPLETE).exists()), reverse=True)
 
 
+def record_explicit_resume(output_dir: str | os.PathLike, path: Path, step: int) -> None:
+    """Note that this run resumed from ``path`` (``trainer.resume=PATH``, step ``step``), once the checkpoints past it
+    were set aside: a launcher that restarts the job runs the same command again, and must not roll it back again."""
+    record = Path(output_dir) / RESUMED_FILE
+    tmp = record.with_name(record.name + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"path": str(path.resolve()), "step": step}))
+    os.replace(tmp, record)
+
+
+def _saved_since_resume(cfg, path: Path) -> list[Path]:
+    """On a launcher's restart of a job started with ``trainer.resume=PATH`` (the same command, run again), the
+    checkpoints this run saved after it resumed from PATH, newest first: the restart continues from them instead of
+    rolling back to PATH a second time. A relaunch by hand (no restart counter) resumes PATH as asked."""
+    from verl_mega.parallel.launch_env import restart_counters
+
+    counters = {k: v for k, v in restart_counters().items() if v > 0}
+    record = Path(cfg.trainer.output_dir) / RESUMED_FILE
+    if not counters or not record.is_file():
+        return []
+    try:
+        done = json.loads(record.read_text())
+        resumed, step = Path(done["path"]), int(done["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    if resumed != path.resolve():  # the record is of another resume: this one has not been carried out yet
+        return []
+    root = Path(cfg.trainer.output_dir) / "checkpoints"
+    since = sorted((p for p in root.glob("step_*") if (p / COMPLETE).exists() and step_number(p) > step),
+                   reverse=True)
+    if since:
+        log.warning("trainer.resume=%s: this is a restart (%s) of a run that already resumed from it; continuing "
+                    "from its own newest checkpoint, %s, instead of going back to step %d again", path,
+                    ", ".join(f"{k} {v}" for k, v in counters.items()), since[0].name, step)
+    return since
+
+
+def step_number(path: Path) -> int:
+    """The step in a ``step_N`` directory's name (-1 for another name)."""
+    digits = path.name.removeprefix("step_")
+    return int(digits) if digits.isdigit() else -1
+
+
 def _fall_back(cfg, path: Path, exc: BrokenCheckpointError, older: list[Path]) -> None:
-    """Raise `exc` unless trainer.resume=auto has an older checkpoint to try."""
-    if cfg.trainer.resume != "auto":
-        raise exc
+    """Raise `exc` unless there is an older checkpoint to try (trainer.resume=auto, or a restart continuing after
+    trainer.resume=PATH, whose last candidate is PATH)."""
     if not older:
+        if cfg.trainer.resume != "auto":
+            raise exc
         raise BrokenCheckpointError(f"{exc}; no older intact checkpoint under {path.parent}: remove the broken one to "
                                     f"start over, or set trainer.resume=off") from None
     log.warning("%s; resuming from the older %s instead", exc, older[0].name)

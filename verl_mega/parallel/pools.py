@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 import os
 import pickle
 import sys
@@ -38,6 +39,8 @@ from verl_mega.config.run import POOL_HEARTBEAT_S as HEARTBEAT_S
 from verl_mega.parallel import cpu_mode
 from verl_mega.parallel.placement import Placement, PlacementError, Pool
 from verl_mega.parallel.state import init_process_group
+
+log = logging.getLogger(__name__)
 
 CLOSED_KEY = "verl_mega/closed"
 CLOSE_WAIT_S = 30.0  # how long the store's host waits at the end for its peers to stop using the store
@@ -222,7 +225,11 @@ class Bridge:
                 self.store.add(CLOSED_KEY, 1)
             elif not (self.abandoned or sys.exc_info()[0] is not None):  # not while a failure propagates
                 deadline = time.monotonic() + CLOSE_WAIT_S
-                while self.store.add(CLOSED_KEY, 0) < self.world - 1 and time.monotonic() < deadline:
+                while (closed := self.store.add(CLOSED_KEY, 0)) < self.world - 1:
+                    if time.monotonic() > deadline:
+                        log.warning("%d of the job's other %d ranks did not report closed within %g s; leaving "
+                                    "without them", self.world - 1 - closed, self.world - 1, CLOSE_WAIT_S)
+                        break
                     time.sleep(0.05)
         self._subgroups.clear()
         self.control = None

@@ -26,6 +26,7 @@ import socket
 import time
 from pathlib import Path
 
+from verl_mega.checkpoint.integrity import RESUMED_FILE, step_number
 from verl_mega.trainer.failures import ATTEMPTS_DIR
 
 log = logging.getLogger("verl_mega.checkpoint")
@@ -49,7 +50,8 @@ def _close_held_in_child() -> None:
 os.register_at_fork(after_in_child=_close_held_in_child)
 EARLIER_RUNS = "earlier_runs"
 # everything a run writes into its output_dir (metrics.METRICS_FILE, TENSORBOARD_DIR, CURVES_FILE, SUMMARY_FILE)
-RUN_RECORDS = ("checkpoints", "metrics.jsonl", "tensorboard", "curves.png", "summary.txt", "placement.json")
+RUN_RECORDS = ("checkpoints", "metrics.jsonl", "tensorboard", "curves.png", "summary.txt", "placement.json",
+               RESUMED_FILE)
 
 
 def lock_output_dir(output_dir: str, resources: contextlib.ExitStack) -> None:
@@ -117,7 +119,7 @@ def set_aside_later_checkpoints(output_dir: str, step: int) -> Path | None:
     abandoned timeline's (a rollback) or a broken one that resume=auto passed over. Returns where they went, or None
     when there were none."""
     root = Path(output_dir) / "checkpoints"
-    later = sorted(p for p in root.glob("step_*") if _step_of(p) > step) if root.is_dir() else []
+    later = sorted(p for p in root.glob("step_*") if step_number(p) > step) if root.is_dir() else []
     if not later:
         return None
     dest = _new_earlier_run(Path(output_dir)) / "checkpoints"
@@ -137,11 +139,6 @@ def set_aside_later_checkpoints(output_dir: str, step: int) -> Path | None:
                 "moved to %s, so that pruning and trainer.resume=auto see this run's own", step, later[0].name,
                 later[-1].name, dest)
     return dest.parent
-
-
-def _step_of(path: Path) -> int:
-    digits = path.name.removeprefix("step_")
-    return int(digits) if digits.isdigit() else -1
 
 
 def _new_earlier_run(root: Path) -> Path:

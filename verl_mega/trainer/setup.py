@@ -234,7 +234,8 @@ def build_job(cfg: TrainConfig, trainer_cls: type | None = None) -> Job:
 
 def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -> Job:
     from verl_mega import algos
-    from verl_mega.checkpoint.integrity import check_steps_left, checkpoint_step
+    from verl_mega.checkpoint.integrity import check_steps_left, checkpoint_step, record_explicit_resume
+    from verl_mega.config.run import RESUME_AUTO, RESUME_OFF
     from verl_mega.trainer.failures import FAILURES_FILE, record_restart, start_attempt
     from verl_mega.checkpoint.manager import CheckpointManager, find_checkpoint, verify_checkpoint
     from verl_mega.models.flops import detect_peak_flops
@@ -316,6 +317,9 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
         rollout.update_weights()
     if records_rank and start_step:  # checkpoints past the resumed one (a rollback) would outrank this run's
         set_aside_later_checkpoints(cfg.trainer.output_dir, start_step)
+        asked = cfg.trainer.resume not in (RESUME_AUTO, RESUME_OFF)
+        if asked and Path(cfg.trainer.resume).resolve() == resume_path.resolve():  # not a restart going on past it
+            record_explicit_resume(cfg.trainer.output_dir, resume_path, start_step)
     elif records_rank:  # a fresh run's records never mix with an earlier run's
         set_aside_earlier_run(cfg.trainer.output_dir)
     write_placement_json(placement, device, Path(cfg.trainer.output_dir) / "placement.json",  # all was built
