@@ -86,3 +86,38 @@ def test_results_of_batches_no_longer_in_the_window_are_dropped(remote):
     rollout.prefetch([_batch(6), _batch(7)])
     assert rollout._results == {} and rollout._received == {}
     assert pool.asked == [0, 1, 2, 3, 4]
+
+
+def test_a_stop_signal_rides_on_the_first_batch_sent_after_it(monkeypatch):
+    """Batches finished ahead wait in the pool leader's outbox; a SIGTERM that reaches the pool then is known to the
+    trainer with the first batch that leaves after it, not behind every batch already queued."""
+    import queue
+    import time
+
+    monkeypatch.setattr(disaggregated, "pool_group", lambda: None)
+    monkeypatch.setattr(disaggregated.dist, "broadcast_object_list", lambda box, src, group: None)
+    wire: queue.Queue = queue.Queue(maxsize=1)  # a send completes only once the trainer has taken the one before
+
+    class Wire:
+        def send(self, message, *args):
+            wire.put(message)
+            return []
+
+        def wait(self, *args, **kwargs):
+            pass
+
+    outbox = disaggregated._Outbox(Wire(), 0)
+    for request in range(4):  # max_staleness = 3: batches 1-3 finished while the trainer trains on batch 0
+        outbox.put({"id": request})
+    deadline = time.monotonic() + 5
+    while outbox._queue.qsize() > 2 and time.monotonic() < deadline:  # 0 on the wire, 1 being sent, 2 and 3 queued
+        time.sleep(0.01)
+    outbox.signal("SIGTERM")
+    pool = types.SimpleNamespace(placement=types.SimpleNamespace(pool_of=lambda name: types.SimpleNamespace(ranks=[1])),
+                                 rank=0, recv=lambda *a, **k: wire.get(timeout=5))
+    trainer = disaggregated.RemoteRollout(pool, None, engine_index=0, num_engines=1, engine_leader=True)
+    seen = []
+    for request in range(4):
+        assert trainer._receive(request)["id"] == request
+        seen.append(trainer.stop_requested)
+    assert seen == ["", "", "SIGTERM", "SIGTERM"]  # batch 1 was on its way already; batch 2 carries it

@@ -146,15 +146,21 @@ class RemoteRollout:
             self.bridge.wait(self._sends, self.server, what, watch=self.pool_ranks)
             self._sends = self.bridge.send(command, self.server, CONTROL_TAG, what)
 
+    def _stop(self, reason: str) -> None:
+        if reason != self.stop_requested:
+            log.warning("the rollout pool received %s: the job stops after this step", reason)
+            self.stop_requested = reason
+
     def _receive(self, request: int) -> dict:
         box = [None]
         if self.leader:
             what = f"generating batch request {request}"
             box[0] = self.bridge.recv(self.server, RESULT_TAG, what, watch=self.pool_ranks)
             while box[0].get("op") == "signal":  # a preempted rollout node: the job stops after this step
-                log.warning("the rollout pool received %s: the job stops after this step", box[0]["name"])
-                self.stop_requested = box[0]["name"]
+                self._stop(box[0]["name"])
                 box[0] = self.bridge.recv(self.server, RESULT_TAG, what, watch=self.pool_ranks)
+            if box[0].get("signal"):  # the same, on a batch sent after it (the signal itself is queued behind)
+                self._stop(box[0]["signal"])
             if box[0]["id"] != request:
                 raise RuntimeError(f"the rollout pool answered request {box[0]['id']}, expected {request}")
         dist.broadcast_object_list(box, src=0, group=pool_group())  # over the training pool
@@ -235,7 +241,7 @@ class RolloutServer:
             busy, ready, oldest, arrived, signalled = torch.stack(everyone).T.tolist()
             if self.outbox is not None and max(signalled) > passed_on:  # ahead of the batches not sent yet
                 passed_on = max(signalled)
-                self.outbox.put({"op": "signal", "name": STOP_REASONS[passed_on]})
+                self.outbox.signal(STOP_REASONS[passed_on])
             # batches every engine has finished go back, in the order they were asked for
             for request in [r for r in started if r < min(oldest)]:
                 self._answer(started.pop(request))
@@ -311,11 +317,19 @@ class _Outbox:
     def __init__(self, bridge: Bridge, trainer: int) -> None:
         self._queue: Queue = Queue()
         self.error: BaseException | None = None
+        self._signal = ""  # the stop signal the pool received, stamped on every batch sent after it
         self._thread = threading.Thread(target=self._run, args=(bridge, trainer), daemon=True, name="answers")
         self._thread.start()
 
     def put(self, result: dict) -> None:
         self._queue.put(result)
+
+    def signal(self, name: str) -> None:
+        """A stop signal for the trainer. Batches finished ahead wait in the queue before it (max_staleness of
+        them), so each batch sent from now on carries it too: the trainer learns it from the next batch it takes
+        that was not already on its way, not k steps later. Queued as well, for a trainer that takes no batch."""
+        self._signal = name
+        self._queue.put({"op": "signal", "name": name})
 
     def check(self) -> None:
         if self.error is not None:
@@ -331,6 +345,8 @@ class _Outbox:
         what = "returning samples to the training pool"
         while True:
             result = self._queue.get()
+            if self._signal and isinstance(result, dict) and "id" in result:
+                result = {**result, "signal": self._signal}
             try:
                 bridge.wait(bridge.send(result, trainer, RESULT_TAG, what), trainer, what)
             except BaseException as exc:

@@ -105,7 +105,7 @@ class FleetServer:
             outbox.check()
             if received[0] > passed_on:
                 passed_on = received[0]
-                outbox.put({"op": "signal", "name": STOP_REASONS[passed_on]})
+                outbox.signal(STOP_REASONS[passed_on])
             for key, samples in self.dispatcher.poll():
                 results[key] = samples
             while started and self._complete(next(iter(started.values())), results):
