@@ -260,6 +260,19 @@ def test_rollout_pool_and_staleness_errors():
     colocated = load_config(QUICKSTART, ["rollout.fleet.engines=2"])
     assert _error(colocated.validate_runtime, _placement(colocated, 1), cuda_available=False).startswith(
         "rollout.fleet.engines=2 supervises engines on a rollout pool of its own, but the rollout shares the actor's")
+    # and what acts only on a rollout pool of its own, or on a fleet, is refused when there is none
+    colocated = load_config(QUICKSTART, ["rollout.weight_bucket_mb=64", "trainer.pool_heartbeat_timeout_s=10"])
+    assert _error(colocated.validate_runtime, _placement(colocated, 1), cuda_available=False) == (
+        "rollout.weight_bucket_mb=64, trainer.pool_heartbeat_timeout_s=10: these act on a rollout pool of its own, "
+        "but the rollout shares the actor's pool; remove them, or give the rollout a pool of its own in "
+        "placement.pools/placement.roles")
+    cfg = load_config(QUICKSTART, pools + ["rollout.fleet.max_restarts=7"])
+    assert _error(cfg.validate_runtime, _placement(cfg, 2), cuda_available=False) == (
+        "rollout.fleet.max_restarts=7: it acts on a rollout fleet, but rollout.fleet.engines=0 runs none; set "
+        "rollout.fleet.engines, or remove it")
+    cfg = load_config(QUICKSTART, pools + ["rollout.fleet.engines=1", "rollout.fleet.max_restarts=7",
+                                           "rollout.weight_bucket_mb=64", "trainer.pool_heartbeat_timeout_s=10"])
+    cfg.validate_runtime(_placement(cfg, 2), cuda_available=False)
     big = load_config(QUICKSTART, ["placement.pools={train: {size: 1}, gen: {size: 2}}",
                                    "placement.roles={actor: train, rollout: gen}", "rollout.fleet.engines=2"])
     assert _error(big.validate_runtime, _placement(big, 3), cuda_available=False) == (

@@ -106,7 +106,7 @@ class FleetConfig(ConfigSection):
                                    "engine's failure ends the job's attempt.")
     hang_timeout_s: float = option(60.0, help="An engine that sends no heartbeat for this long (stopped, or stuck "
                                               "in one engine step) is killed and counted as failed; at least 1.5 "
-                                              "(3 beats).")
+                                              "(3 beats). These three keys are refused with rollout.fleet.engines=0.")
     start_timeout_s: float = option(600.0, help="Time an engine process may take to start and build its vLLM "
                                                 "engine, or to finish a refit, before it is killed and counted as "
                                                 "failed.")
@@ -218,7 +218,8 @@ class RolloutConfig(VLLMConfig):
                     "batches sent before the weights are done.")
     weight_bucket_mb: int = option(
         512, help="Bucket size (MiB) of the weight transfer from the training pool to a rollout pool of its own; "
-                  "buckets go out asynchronously while the next ones are produced.", affects_results=False)
+                  "buckets go out asynchronously while the next ones are produced. Refused when colocated.",
+        affects_results=False)
     stream_scoring: Literal["off", "reward", "all", "auto"] = option(
         "off", help="Colocated: score samples while vLLM still generates the rest. The engine is stepped by the "
                     "trainer and every finished request goes to a scoring thread, in micro-batches of "

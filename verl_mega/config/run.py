@@ -54,7 +54,8 @@ class TrainerConfig(ConfigSection):
     pool_heartbeat_timeout_s: float = option(
         60.0, help="With a rollout pool of its own: a rank of the other pool whose heartbeat (every 2 s) stops for "
                    "this long while this rank waits for its answer is reported as stopped or hung, and the job ends "
-                   "with an error. 0 waits trainer.collective_timeout_s instead; otherwise at least 6 (3 beats).",
+                   "with an error. 0 waits trainer.collective_timeout_s instead; otherwise at least 6 (3 beats). "
+                   "Refused when colocated.",
         affects_results=False)
     profile: bool = option(False, help="Print the per-stage time / overlap profile every step (and collect vLLM's "
                                        "per-request stats for the prefill / decode split).",
