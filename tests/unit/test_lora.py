@@ -222,3 +222,39 @@ def test_frozen_output_layer_backward_is_one_gemm(world, tmp_path, batch, tied, 
     assert products_over_vocab() == (0, 1)
     monkeypatch.setattr(L, "_row_major", lambda grad: grad)  # without it, the product the fix replaced
     assert products_over_vocab()[0] == 1
+
+
+def test_the_reference_of_a_lora_actor_routes_on_its_own_under_routing_replay(world, tmp_path):
+    """With R3 the actor replays vLLM's expert routing; the reference (the actor's engine, adapters off) must route
+    as a reference engine of its own would, i.e. as the base model alone, whatever routing the batch carries."""
+    from verl_mega.engine.megatron_engine import MegatronEngine
+    from verl_mega.models import lora as L
+    from verl_mega.models.build import build_model_chunks
+    from verl_mega.models.loader import load_hf_weights
+    from verl_mega.models.tiny import moe_fields
+    from verl_mega.trainer.batch import Batch
+    from verl_mega.trainer.roles import PolicyRole, ReferencePolicy
+
+    path = make_tiny_hf_model(tmp_path / "moe", model_type="qwen3_moe", extra=moe_fields("qwen3_moe"))
+    arch = arch_from_hf(load_hf_config(path))
+
+    def engine(spec):
+        tcfg = transformer_config(arch, use_cpu_initialization=True, dtype="float32")
+        chunks = build_model_chunks(arch, tcfg, world, use_te="false", lora=spec)
+        load_hf_weights(chunks, HFCheckpointReader(path), arch, world)
+        return MegatronEngine(chunks, tcfg, world)
+
+    gen = torch.Generator().manual_seed(0)
+    rows, length, prompt = 2, 12, 4
+    batch = Batch({"input_ids": torch.randint(0, arch.vocab_size, (rows, length), generator=gen),
+                   "prompt_len": torch.full((rows,), prompt), "response_len": torch.full((rows,), length - prompt),
+                   "response_mask": torch.ones(rows, length - prompt, dtype=torch.bool)})
+    experts = [torch.randperm(arch.num_experts, generator=gen)[:2] for _ in range(rows * length * arch.num_layers)]
+    batch["rollout_routing"] = torch.stack(experts).view(rows, length, arch.num_layers, 2)  # not the base's
+    kw = dict(vocab_size=arch.vocab_size, micro_batch_size=rows, temperature=1.0)
+    actor_engine = engine(L.LoRASpec(rank=4, alpha=8.0))
+    actor_engine.enable_routing_replay()  # as the build does for actor.routing_replay=r3
+    reference = ReferencePolicy(actor_engine, **kw).compute_logprobs(batch)
+    base = PolicyRole(engine(None), **kw).compute_logprobs(batch)  # a reference engine of its own: no replay
+    torch.testing.assert_close(reference["logprobs"], base["logprobs"], rtol=0, atol=1e-5)
+    assert set(reference) == {"logprobs"} and actor_engine.routing is not None  # the actor's replay is left on

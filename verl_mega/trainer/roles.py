@@ -97,14 +97,19 @@ class PolicyRole:
 
 class ReferencePolicy(PolicyRole):
     """The reference policy of a LoRA actor: the actor's engine with its adapters off, i.e. the frozen base model.
-    No second copy of the weights exists."""
+    No second copy of the weights exists. Its routers route on their own, as a reference engine of its own would:
+    the actor's routing replay (R2, R3) is the policy's, not the reference's."""
 
     @torch.no_grad()
     def compute_logprobs(self, batch: Batch, *, with_entropy: bool = False) -> dict[str, torch.Tensor]:
         from verl_mega.models.lora import adapters_off
 
-        with adapters_off(self.engine.modules):
-            return super().compute_logprobs(batch, with_entropy=with_entropy)
+        routing, self.engine.routing = self.engine.routing, None
+        try:
+            with adapters_off(self.engine.modules):
+                return super().compute_logprobs(batch, with_entropy=with_entropy)
+        finally:
+            self.engine.routing = routing
 
 
 def _routing_valid(mb: dict[str, torch.Tensor]) -> None:
