@@ -89,6 +89,14 @@ def test_merged_unmerged_peft_and_merge_tool_agree(world, tmp_path):
     for name in reader.keys():
         assert torch.allclose(tool.get(name), merged.get(name), atol=1e-6), name
     assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["r"] == 4
+    # per-module ranks or alphas (PEFT's rank_pattern / alpha_pattern) scale some modules otherwise: refused, no output
+    for pattern in ("rank_pattern", "alpha_pattern"):
+        shutil.copytree(tmp_path / "adapter", tmp_path / pattern)
+        config = json.loads((tmp_path / pattern / "adapter_config.json").read_text())
+        (tmp_path / pattern / "adapter_config.json").write_text(json.dumps({**config, pattern: {"q_proj": 8}}))
+        with pytest.raises(ValueError, match="no rsLoRA, DoRA, fan_in_fan_out, rank_pattern or alpha_pattern"):
+            merge_lora_adapter(base, tmp_path / pattern, tmp_path / f"{pattern}-merged")
+        assert not (tmp_path / f"{pattern}-merged").exists()
 
 
 def test_frozen_base_has_no_grad_buffer_master_or_optimizer_state(world, tmp_path):

@@ -463,8 +463,11 @@ def read_peft_adapter(adapter_dir) -> tuple[LoRASpec, dict[str, torch.Tensor]]:
     if not cfg_file.exists():
         raise FileNotFoundError(f"{cfg_file} is missing; point at a PEFT LoRA adapter directory")
     cfg = json.loads(cfg_file.read_text())
-    if cfg.get("peft_type") != "LORA" or cfg.get("use_rslora") or cfg.get("use_dora") or cfg.get("fan_in_fan_out"):
-        raise ValueError(f"{cfg_file}: only plain LoRA adapters (no rsLoRA, DoRA or fan_in_fan_out) can be merged")
+    per_module = [key for key in ("rank_pattern", "alpha_pattern") if cfg.get(key)]
+    if (cfg.get("peft_type") != "LORA" or cfg.get("use_rslora") or cfg.get("use_dora") or cfg.get("fan_in_fan_out")
+            or per_module):  # each changes the scale or the layout of some modules: one alpha / r would be wrong
+        raise ValueError(f"{cfg_file}: only plain LoRA adapters (no rsLoRA, DoRA, fan_in_fan_out, rank_pattern or "
+                         f"alpha_pattern) can be merged; merge this one with peft's merge_and_unload()")
     targets = cfg["target_modules"]
     spec = LoRASpec(rank=int(cfg["r"]), alpha=float(cfg["lora_alpha"]), dropout=float(cfg.get("lora_dropout", 0)),
                     targets=resolve_targets("all-linear" if targets == "all-linear" else targets))
