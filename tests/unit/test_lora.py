@@ -149,6 +149,18 @@ def test_lora_config_errors():
         LoRAConfig(rank=8, alpha=0.0)
     with pytest.raises(ConfigError, match="set model.use_te=auto or false"):
         ModelConfig(use_te=True, lora=LoRAConfig(rank=8))
+    # adapters set up with no rank: refused, not a silent full fine-tuning
+    with pytest.raises(ConfigError, match=r"^model.lora.rollout_sync is set but model.lora.rank=0 \(LoRA off: full "
+                                          r"fine-tuning\); set model.lora.rank \(e.g. 16\), or remove "
+                                          r"model.lora.rollout_sync$"):
+        LoRAConfig(rollout_sync="adapter")
+    with pytest.raises(ConfigError, match="model.lora.target_modules is set but model.lora.rank=0"):
+        LoRAConfig(target_modules=("q_proj",))
+    # vLLM's LoRA takes ranks up to 512: refused at the config, before any model is built
+    with pytest.raises(ConfigError, match=r"model.lora.rank=600: vLLM's LoRA \(model.lora.rollout_sync=adapter\) "
+                                          r"takes ranks up to 512"):
+        LoRAConfig(rank=600, rollout_sync="adapter")
+    assert LoRAConfig(rank=600).rank == 600  # merged into vLLM's weights: any rank
     assert L.resolve_targets(("all-linear",)) == L.HF_TARGETS
     assert L.resolve_targets(("v_proj", "q_proj")) == ("q_proj", "v_proj")
     assert L.spec_from_config(LoRAConfig(), seed=0) is None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -13,6 +14,7 @@ TinyTask = Literal["arithmetic", "addition_small", "calculator"]  # data.tasks.G
 
 LORA_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")  # the projections every layer has, MoE or not
 LORA_TARGETS = (*LORA_ATTENTION, "gate_proj", "up_proj", "down_proj")  # models.lora.HF_TARGETS
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM's LoRA takes (max_lora_rank)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -23,7 +25,8 @@ class LoRAConfig(ConfigSection):
 
     SECTION: ClassVar[str] = "model.lora"
 
-    rank: int = option(0, help="Adapter rank r; 0 disables LoRA (full fine-tuning).")
+    rank: int = option(0, help="Adapter rank r; 0 disables LoRA (full fine-tuning), and the other model.lora keys "
+                                "are then refused. At most 512 with rollout_sync=adapter (vLLM's limit).")
     alpha: float = option(16.0, help="Scaling numerator: adapters add (alpha/rank)·B·A (PEFT's lora_alpha).")
     dropout: float = option(0.0, help="Dropout on the adapters' input while training (PEFT's lora_dropout).")
     target_modules: tuple[str, ...] = option(
@@ -51,6 +54,15 @@ class LoRAConfig(ConfigSection):
         self._require(not bad and bool(self.target_modules),
                       f"model.lora.target_modules={list(self.target_modules)}: {bad or 'empty'} not among "
                       f"{list(LORA_TARGETS)} or all-linear; name HF projections, e.g. [q_proj, v_proj]")
+        if not self.enabled:  # a recipe that sets the adapters up but not their rank would train every weight
+            fields = {f.name: f.default for f in dataclasses.fields(self)}
+            set_up = [name for name in fields if name != "rank" and getattr(self, name) != fields[name]]
+            self._require(not set_up, f"model.lora.{set_up[0] if set_up else ''} is set but model.lora.rank=0 "
+                                      f"(LoRA off: full fine-tuning); set model.lora.rank (e.g. 16), or remove "
+                                      f"model.lora.{set_up[0] if set_up else ''}")
+        self._require(self.rollout_sync != "adapter" or self.rank <= VLLM_LORA_RANKS[-1],
+                      f"model.lora.rank={self.rank}: vLLM's LoRA (model.lora.rollout_sync=adapter) takes ranks up "
+                      f"to {VLLM_LORA_RANKS[-1]}; lower model.lora.rank, or use model.lora.rollout_sync=merge")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -18,12 +18,10 @@ from pathlib import Path
 
 import torch
 
+from verl_mega.config.model import VLLM_LORA_RANKS  # vLLM's accepted max_lora_rank values (vllm.config.lora)
 from verl_mega.hybrid.producer import WeightSync
 from verl_mega.hybrid.transport import device_synchronize
 from verl_mega.models.lora import adapter_tensors, adapters_off, lora_spec_of, write_peft_adapter
-
-#: vLLM's accepted ``max_lora_rank`` values (vllm.config.lora)
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def vllm_lora_rank(rank: int) -> int:
