@@ -46,6 +46,7 @@ class AdapterSync:
         root = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
         self.root = Path(tempfile.mkdtemp(prefix=f"verl_mega_lora_{os.getpid()}_", dir=root))
         self._current: Path | None = None
+        self._loads = 0  # adapters handed to vLLM so far; each one's id
 
     @torch.no_grad()
     def sync(self) -> dict[str, float]:
@@ -60,13 +61,10 @@ class AdapterSync:
         self.version += 1
         target = self.root / f"v{self.version}"
         write_peft_adapter(target, tensors, self.spec)
-        from vllm.lora.request import LoRARequest
-
-        self.rollout.lora_request = LoRARequest(lora_name="policy", lora_int_id=1, lora_path=str(target),
-                                                load_inplace=True)
         if self._current is not None:  # the engine reads the new directory at its next generation
             shutil.rmtree(self._current, ignore_errors=True)
         self._current = target
+        self._hand_over()
         if not first:
             self.rollout.weights_updated()
         adapter_bytes = float(sum(t.numel() * t.element_size() for t in tensors.values()))
@@ -78,10 +76,23 @@ class AdapterSync:
 
     @torch.no_grad()
     def restore(self) -> float:
-        """The base again (adapters off), as the same version: vLLM discarded it (a level-2 sleep). vLLM reloads
-        the adapter itself (its request loads in place)."""
+        """The base again (adapters off), as the same version: vLLM discarded it (a level-2 sleep), and with it the
+        adapter's slots, so the adapter is handed over again too."""
         with adapters_off(self.producer.chunks):
-            return self.base_sync.restore()
+            seconds = self.base_sync.restore()
+        if self._current is not None:
+            self._hand_over()
+        return seconds
+
+    def _hand_over(self) -> None:
+        """The current adapter, under an id vLLM has not seen: vLLM loads it into its slots once, at the next
+        generation's first step, and reuses it for every later step. (One id loaded "in place" would be read from
+        disk and copied again at every engine step.)"""
+        from vllm.lora.request import LoRARequest
+
+        self._loads += 1
+        self.rollout.lora_request = LoRARequest(lora_name=f"policy-{self._loads}", lora_int_id=self._loads,
+                                                lora_path=str(self._current))
 
     def close(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
