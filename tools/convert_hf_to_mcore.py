@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                         help="parameter dtype (default: the checkpoint's)")
     args = parser.parse_args(argv)
-    if min(args.tp, args.pp, args.ep, args.etp or 1) < 1:
+    if min(args.tp, args.pp, args.ep, 1 if args.etp is None else args.etp) < 1:
         parser.error("--tp, --pp, --ep and --etp must be ≥ 1")
     from verl_mega.models.hf_config import ModelConfigError, arch_from_hf, load_hf_config
     from verl_mega.models.hf_io import CheckpointError

@@ -166,7 +166,7 @@ def test_the_next_save_removes_what_failed_saves_left(tmp_path, caplog):
 
 def test_the_hf_export_carries_the_tokenizer_the_run_used(tmp_path, monkeypatch):
     """checkpoint.export_hf writes the run's tokenizer (model.tokenizer_path, model.chat_template applied), not the
-    tokenizer files that happen to sit in model.path."""
+    tokenizer files that happen to sit in model.path, and a config.json that names the dtype written."""
     from types import SimpleNamespace
 
     import torch
@@ -182,7 +182,8 @@ def test_the_hf_export_carries_the_tokenizer_the_run_used(tmp_path, monkeypatch)
     model.mkdir()
     (model / "config.json").write_text('{"model_type": "qwen2"}')
     (model / "tokenizer_config.json").write_text('{"chat_template": "stale"}')
-    monkeypatch.setattr(loader, "iter_hf_tensors", lambda *args: iter([("lm_head.weight", torch.zeros(2, 2))]))
+    weights = [("lm_head.weight", torch.zeros(2, 2, dtype=torch.bfloat16))]
+    monkeypatch.setattr(loader, "iter_hf_tensors", lambda *args: iter(weights))
     monkeypatch.setattr(lora, "has_adapters", lambda modules: False)
     mgr = _manager(tmp_path / "run")
     mgr.engines = {"actor": SimpleNamespace(modules=[], chunks=[], groups=None)}
@@ -191,4 +192,5 @@ def test_the_hf_export_carries_the_tokenizer_the_run_used(tmp_path, monkeypatch)
     exported = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
     assert exported.chat_template == tokenizer.chat_template
     assert exported("12+34").input_ids == tokenizer("12+34").input_ids
-    assert json.loads((tmp_path / "hf" / "config.json").read_text()) == {"model_type": "qwen2"}
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config == {"model_type": "qwen2", "torch_dtype": "bfloat16"}  # the dtype written, not the source's

@@ -3,7 +3,8 @@
 Layout under ``<trainer.output_dir>/checkpoints/``::
 
     step_000010/
-        actor/           mcore dist checkpoint: model + optimizer state (both reshard on load, see optim_state)
+        actor/           mcore dist checkpoint: model + optimizer state (both reshard on load, see optim_state),
+                         and verl_mega_model.json, so that tools/convert_mcore_to_hf.py converts it
         critic/          same, when a critic runs
         rank_00000.pt    per-rank RNG states (torch, cuda, python, numpy, mcore tracker)
         trainer.json     step, data-loader position, KL controller, LR schedulers, engine versions, layout,
@@ -253,7 +254,10 @@ class CheckpointManager:
             sd = dict(model_sd)
             if self.cfg.checkpoint.save_optimizer:
                 sd["optimizer"] = optim_state.sharded_state_dict(engine.optimizer, _flat(model_sd))
-            (tmp / role).mkdir(exist_ok=True) if _rank() == 0 else None
+            if _rank() == 0:
+                (tmp / role).mkdir(exist_ok=True)
+                if role == "actor":
+                    self._write_model_meta(tmp / role, engine)
             _barrier()
             if self._async_queue is None:
                 dist_checkpointing.save(sd, str(tmp / role), preprocess_common_before_consistancy_check=check)
@@ -327,10 +331,26 @@ class CheckpointManager:
                   time.perf_counter() - begin)
         return manifest_entries(tmp, sizes, {k: v for part in parts for k, v in part.items()})
 
+    def _write_model_meta(self, role_dir: Path, engine) -> None:
+        """The converters' meta file (checkpoint.mcore.write_model_meta), so that tools/convert_mcore_to_hf.py turns
+        the actor directory into an HF model. Only the actor's: the critic is a value model, with no HF causal-LM
+        form."""
+        if self.hf_source is None:
+            return
+        from verl_mega.checkpoint.mcore import write_model_meta
+        from verl_mega.models.hf_config import load_hf_config
+        from verl_mega.models.loader import unwrap
+        from verl_mega.models.lora import has_adapters
+
+        write_model_meta(role_dir, load_hf_config(self.hf_source), self.cfg.model.dtype,
+                         padded_vocab_size=unwrap(engine.chunks[0]).vocab_size,
+                         layout={kind: engine.groups.size(kind) for kind in ("tp", "pp", "ep", "etp")},
+                         adapters_only=has_adapters(engine.modules))
+
     def _export_hf(self, out: Path) -> None:
         """The actor as HF safetensors + config + tokenizer (collective over the model-parallel ranks); with LoRA
         adapters that is the merged model, and ``hf_adapter/`` beside it holds the PEFT adapter."""
-        from verl_mega.models.hf_io import write_hf_checkpoint
+        from verl_mega.models.hf_io import config_with_dtype, write_hf_checkpoint
         from verl_mega.models.lora import adapter_tensors, has_adapters, lora_spec_of, write_peft_adapter
         from verl_mega.models.loader import iter_hf_tensors
         from verl_mega.checkpoint.mcore import TOKENIZER_FILES
@@ -344,8 +364,11 @@ class CheckpointManager:
                 pass
             return
         out.mkdir(parents=True)
-        write_hf_checkpoint(out, ((k, v.cpu()) for k, v in stream))
-        for name in ("config.json", *(() if self.tokenizer is not None else TOKENIZER_FILES)):
+        written = write_hf_checkpoint(out, ((k, v.cpu()) for k, v in stream))
+        if self.hf_source is not None and (self.hf_source / "config.json").exists():  # saying the dtype written
+            hf_cfg = json.loads((self.hf_source / "config.json").read_text())
+            (out / "config.json").write_text(json.dumps(config_with_dtype(hf_cfg, written), indent=2))
+        for name in () if self.tokenizer is not None else TOKENIZER_FILES:
             if self.hf_source is not None and (self.hf_source / name).exists():
                 shutil.copy2(self.hf_source / name, out / name)
         if self.tokenizer is not None:

@@ -9,8 +9,9 @@ from typing import Any
 
 import torch
 
-from verl_mega.models.hf_config import ModelArch, arch_from_hf, load_hf_config, transformer_config
-from verl_mega.models.hf_io import AtomicDir, CheckpointError, HFCheckpointReader, write_hf_checkpoint
+from verl_mega.checkpoint.atomic_dir import AtomicDir
+from verl_mega.models.hf_config import MODEL_DTYPES, ModelArch, arch_from_hf, load_hf_config, transformer_config
+from verl_mega.models.hf_io import CheckpointError, HFCheckpointReader, config_with_dtype, write_hf_checkpoint
 
 META_FILE = "verl_mega_model.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -70,13 +71,43 @@ def load_model_dist(chunks: list[torch.nn.Module], ckpt_dir: str | Path, groups)
             unwrap(c).load_state_dict(state[f"model{i}"], strict=False)
 
 
+def write_model_meta(ckpt_dir: str | Path, hf_config: dict[str, Any], dtype: str, *, padded_vocab_size: int,
+                     layout: dict[str, int], adapters_only: bool = False) -> None:
+    """``verl_mega_model.json`` of a model checkpoint: what :func:`convert_mcore_to_hf` needs to rebuild the model
+    (its HF config, the dtype and the padded vocabulary it was saved with, which fix the tensors' global shapes).
+    Written by :func:`convert_hf_to_mcore` and into the actor directory of every training checkpoint."""
+    meta = {"hf_config": hf_config, "dtype": dtype, "padded_vocab_size": padded_vocab_size, "layout_hint": layout,
+            "format": "mcore_dist", "adapters_only": adapters_only}
+    (Path(ckpt_dir) / META_FILE).write_text(json.dumps(meta, indent=2))
+
+
 def read_model_meta(ckpt_dir: str | Path) -> dict[str, Any]:
-    meta = Path(ckpt_dir) / META_FILE
-    if not meta.exists():
-        raise CheckpointError(
-            f"checkpoint: {meta} is missing; only checkpoints written by verl_mega carry the HF config needed here"
-        )
-    return json.loads(meta.read_text())
+    """The validated meta file of a model checkpoint; every problem is a one-line CheckpointError."""
+    meta_file = Path(ckpt_dir) / META_FILE
+    if not meta_file.is_file():
+        raise CheckpointError(f"checkpoint: {meta_file} is missing; only the output of tools/convert_hf_to_mcore.py "
+                              f"and the actor/ directory of a verl_mega training checkpoint carry the HF config "
+                              f"needed here")
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"checkpoint: {meta_file} is not valid JSON ({exc}); the checkpoint is damaged: "
+                              f"convert it again from the HF model") from None
+    problem = None
+    if not isinstance(meta, dict) or not isinstance(meta.get("hf_config"), dict):
+        problem = "has no 'hf_config' object"
+    elif meta.get("dtype") not in MODEL_DTYPES:
+        problem = f"has dtype={meta.get('dtype')!r}, not one of {', '.join(MODEL_DTYPES)}"
+    elif not isinstance(meta.get("padded_vocab_size", 0), int) or isinstance(meta.get("padded_vocab_size"), bool):
+        problem = f"has padded_vocab_size={meta['padded_vocab_size']!r}, not an int"
+    if problem:
+        raise CheckpointError(f"checkpoint: {meta_file} {problem}; the checkpoint is damaged: convert it again from "
+                              f"the HF model")
+    if meta.get("adapters_only"):
+        raise CheckpointError(f"checkpoint: {Path(ckpt_dir)} holds a run's LoRA adapters only (the base is its "
+                              f"model.path); use the checkpoint's hf/ export (checkpoint.export_hf=true) or merge "
+                              f"the adapter into the base with tools/merge_lora.py")
+    return meta
 
 
 def _copy_tokenizer(src: Path, dst: Path) -> None:
@@ -85,13 +116,17 @@ def _copy_tokenizer(src: Path, dst: Path) -> None:
             shutil.copy2(src / name, dst / name)
 
 
-def _single_process_model(arch: ModelArch, dtype: str):
+def _single_process_model(arch: ModelArch, dtype: str, padded_vocab_size: int | None = None):
+    """The model at tp=pp=1; ``padded_vocab_size``: the embedding rows of the checkpoint to load (a training
+    checkpoint's vocabulary is padded for its own tp), by default Megatron's padding at tp=1."""
     from verl_mega.models.build import build_model_chunks
     from verl_mega.parallel.state import init_distributed
 
     groups = init_distributed()
     cfg = transformer_config(arch, dtype=dtype, use_cpu_initialization=True, perform_initialization=False)
-    return build_model_chunks(arch, cfg, groups, use_te="false"), groups
+    # at tp=1 Megatron pads to a multiple of make_vocab_size_divisible_by: the checkpoint's row count is one
+    divisible_by = padded_vocab_size or arch.padded_vocab_size(1)
+    return build_model_chunks(arch, cfg, groups, use_te="false", make_vocab_size_divisible_by=divisible_by), groups
 
 
 def convert_hf_to_mcore(hf_path: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int = 1, ep: int = 1,
@@ -117,9 +152,8 @@ def convert_hf_to_mcore(hf_path: str | Path, out_dir: str | Path, *, tp: int = 1
         save_model_dist(chunks, tmp, groups)
         if arch.num_mtp_layers:  # not built (docs/moe.md): the checkpoint describes the model it holds
             hf_cfg = {**hf_cfg, "num_nextn_predict_layers": 0}
-        meta = {"hf_config": hf_cfg, "dtype": dtype, "layout_hint": {"tp": tp, "pp": pp, "ep": ep, "etp": etp or tp},
-                "format": "mcore_dist"}
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
+        write_model_meta(tmp, hf_cfg, dtype, padded_vocab_size=chunks[0].vocab_size,
+                         layout={"tp": tp, "pp": pp, "ep": ep, "etp": etp or tp})
         _copy_tokenizer(hf_path, tmp)
     return Path(out_dir)
 
@@ -144,18 +178,27 @@ def convert_mcore_to_hf(mcore_path: str | Path, out_dir: str | Path) -> Path:
     mcore_path = Path(mcore_path)
     meta = read_model_meta(mcore_path)
     arch = arch_from_hf(meta["hf_config"])
+    padded = meta.get("padded_vocab_size")  # absent from files written before it was recorded: tp=1's padding
+    if padded is not None and padded < arch.vocab_size:
+        raise CheckpointError(f"checkpoint: {mcore_path / META_FILE} has padded_vocab_size={padded} below the "
+                              f"config's vocab_size={arch.vocab_size}; the checkpoint is damaged")
     check_dist_checkpoint(mcore_path)  # a refused or broken file fails here, before the model is built
     with target as tmp:
-        chunks, groups = _single_process_model(arch, meta["dtype"])
+        chunks, groups = _single_process_model(arch, meta["dtype"], padded)
         load_model_dist(chunks, mcore_path, groups)
-        write_hf_checkpoint(tmp, iter_hf_tensors(chunks, arch, groups))
-        (tmp / "config.json").write_text(json.dumps(meta["hf_config"], indent=2))
+        written = write_hf_checkpoint(tmp, iter_hf_tensors(chunks, arch, groups))
+        (tmp / "config.json").write_text(json.dumps(config_with_dtype(meta["hf_config"], written), indent=2))
         _copy_tokenizer(mcore_path, tmp)
     return Path(out_dir)
 
 
 def _dtype_name(st_dtype: str) -> str:
-    return {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}.get(st_dtype, "float32")
+    """The model dtype of a safetensors dtype; a quantized one is refused, never read as another."""
+    names = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+    if st_dtype not in names:
+        raise CheckpointError(f"checkpoint: weights of dtype {st_dtype} cannot be loaded; weights must be F32, BF16 "
+                              f"or F16: dequantize the checkpoint to bf16 first")
+    return names[st_dtype]
 
 
 def merge_lora_adapter(base_path: str | Path, adapter_path: str | Path, out_dir: str | Path) -> Path:

@@ -24,7 +24,11 @@ CAUSAL_LM_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCa
                            "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                            "deepseek_v3": "DeepseekV3ForCausalLM"}
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MODEL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# HF's `attention_bias` means a bias on q, k, v *and* o_proj for these; Megatron's add_bias_linear would also bias
+# the MLP, so only Qwen2's QKV-only bias (add_qkv_bias) is built, and these biases are refused rather than dropped
+_O_PROJ_BIAS = ("llama", "qwen3", "qwen3_moe")
+_MLP_BIAS = ("llama",)  # `mlp_bias`: gate, up and down projections
 
 
 def load_hf_config(path: str | Path) -> dict[str, Any]:
@@ -46,6 +50,7 @@ def arch_from_hf(hf: dict[str, Any]) -> ModelArch:
         raise ModelConfigError(
             f"model: model_type={model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
+    _check_unsupported_weights(hf, model_type)
     for key in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"):
         if not isinstance(hf.get(key), int) or hf[key] <= 0:
             raise ModelConfigError(f"model: config.json field {key!r} must be a positive int, got {hf.get(key)!r}")
@@ -93,13 +98,28 @@ def arch_from_hf(hf: dict[str, Any]) -> ModelArch:
         rope_theta=float(rope_theta),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=model_type in ("qwen2", "qwen2_moe") or (bool(hf.get("attention_bias", False)) and not mla),
+        qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe" and bool(hf.get("qkv_bias", True))),
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
         init_std=float(hf.get("initializer_range", 0.02)),
         rope_scaling=rope_scaling,
         sliding_window=sliding,
         **extra,
     )
+
+
+def _check_unsupported_weights(hf: dict[str, Any], model_type: str) -> None:
+    """Refuse configs whose weights the model would silently drop or misread: quantized checkpoints and linear
+    biases other than Qwen2's on q, k and v (Mistral and Mixtral ignore `attention_bias`, as HF does)."""
+    quant = hf.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+        raise ModelConfigError(f"model: config.json has a quantization_config (quant_method={method!r}); weights "
+                               f"must be float32, bfloat16 or float16: dequantize the checkpoint to bf16 first")
+    for key, types, where in (("attention_bias", _O_PROJ_BIAS, "q_proj, k_proj, v_proj and o_proj"),
+                              ("mlp_bias", _MLP_BIAS, "gate_proj, up_proj and down_proj")):
+        if model_type in types and hf.get(key):
+            raise ModelConfigError(f"model: {key}=true gives {model_type}'s {where} a bias, which the Megatron model "
+                                   f"does not have (it would be dropped); only {key}=false is supported")
 
 
 def check_rollout_architecture(hf: dict[str, Any], path: str | Path) -> None:
@@ -216,9 +236,9 @@ def check_arch_layout(pool, arch: ModelArch) -> None:
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    if name not in _DTYPES:
-        raise ModelConfigError(f"model.dtype={name!r} is not supported; use one of {sorted(_DTYPES)}")
-    return _DTYPES[name]
+    if name not in MODEL_DTYPES:
+        raise ModelConfigError(f"model.dtype={name!r} is not supported; use one of {sorted(MODEL_DTYPES)}")
+    return MODEL_DTYPES[name]
 
 
 def transformer_config(

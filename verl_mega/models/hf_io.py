@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
+from collections import Counter
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 from safetensors import safe_open
@@ -41,6 +40,7 @@ class HFCheckpointReader:
             )
         self._handles = {}
         self._where: dict[str, str] = {}
+        self._header: dict[str, dict[str, Any]] = {}  # name → {"dtype", "shape", …}, from the file headers
         for fname in files:
             fpath = self.path / fname
             if not fpath.exists():
@@ -54,7 +54,7 @@ class HFCheckpointReader:
             self._handles[fname] = handle
             for key in handle.keys():
                 self._where[key] = fname
-            _check_size(fpath, handle)
+            self._header.update(_checked_header(fpath))
         if weight_map is not None:
             missing = sorted(k for k, f in weight_map.items() if self._where.get(k) != f)
             if missing:
@@ -70,17 +70,23 @@ class HFCheckpointReader:
         return name in self._where
 
     def shape(self, name: str) -> list[int]:
-        return list(self._slice(name).get_shape())
+        """The tensor's shape, from its file's header (no tensor data is read)."""
+        return list(self._entry(name)["shape"])
 
     def dtype(self, name: str) -> str:
-        return self._slice(name).get_dtype()
+        """The tensor's safetensors dtype name (``F32``, ``BF16``, ``F8_E4M3``, …), from its file's header."""
+        return self._entry(name)["dtype"]
 
-    def _slice(self, name: str):
+    def _entry(self, name: str) -> dict[str, Any]:
         if name not in self._where:
             raise CheckpointError(
                 f"checkpoint: tensor {name!r} missing from {self.path}; the checkpoint does not match the "
                 "model config (wrong model, or an incomplete export)"
             )
+        return self._header[name]
+
+    def _slice(self, name: str):
+        self._entry(name)
         return self._handles[self._where[name]].get_slice(name)
 
     def get(self, name: str, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None) -> torch.Tensor:
@@ -93,54 +99,32 @@ class HFCheckpointReader:
         return sl[:]
 
 
-def _check_size(fpath: Path, handle) -> None:
-    """Detect truncation: the data section must be as long as the header's largest offset says."""
+def _checked_header(fpath: Path) -> dict[str, dict[str, Any]]:
+    """The file's tensor entries; detects truncation: the data section must be as long as the header's largest
+    offset says."""
     with open(fpath, "rb") as f:
         header_len = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(header_len))
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    header.pop("__metadata__", None)
+    end = max((v["data_offsets"][1] for v in header.values()), default=0)
     if fpath.stat().st_size < 8 + header_len + end:
         raise CheckpointError(f"checkpoint: {fpath} is truncated ({fpath.stat().st_size} bytes); re-export it")
-
-
-class AtomicDir:
-    """Write into a temporary sibling directory and rename it into place on success (no partial output)."""
-
-    def __init__(self, final: str | Path, overwrite: bool = False) -> None:
-        self.final = Path(final)
-        self.overwrite = overwrite
-        parent = self.final
-        while not parent.exists():
-            parent = parent.parent
-        if not parent.is_dir():
-            raise CheckpointError(f"output: {parent} is a file, not a directory; choose a new --output directory")
-        if self.final.exists() and any(self.final.iterdir()) and not overwrite:
-            raise CheckpointError(f"output: {self.final} exists and is not empty; choose a new --output directory")
-
-    def __enter__(self) -> Path:
-        self.final.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.final.name}.tmp-", dir=self.final.parent))
-        return self.tmp
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            return
-        if self.final.exists():
-            shutil.rmtree(self.final)
-        os.replace(self.tmp, self.final)
+    return header
 
 
 def write_hf_checkpoint(
     out_dir: Path, tensors: Iterable[tuple[str, torch.Tensor]], max_shard_bytes: int = 2 * 1024**3
-) -> None:
-    """Write an HF safetensors checkpoint (sharded + index when larger than one shard) from a tensor stream.
+) -> str:
+    """Write an HF safetensors checkpoint (sharded + index when larger than one shard) from a tensor stream; returns
+    the name of the dtype that holds most of the bytes written (what config.json should say, see
+    :func:`config_with_dtype`).
 
     Only one shard's worth of tensors is held at a time.
     """
     out_dir = Path(out_dir)
     shard: dict[str, torch.Tensor] = {}
     shard_bytes = 0
+    by_dtype: Counter[torch.dtype] = Counter()
     weight_map: dict[str, str] = {}
     names: list[str] = []
 
@@ -159,6 +143,7 @@ def write_hf_checkpoint(
             flush()
         shard[name] = tensor.contiguous()
         shard_bytes += nbytes
+        by_dtype[tensor.dtype] += nbytes
     flush()
     if len(names) == 1:
         os.replace(out_dir / names[0], out_dir / "model.safetensors")
@@ -166,4 +151,12 @@ def write_hf_checkpoint(
         total = sum((out_dir / n).stat().st_size for n in names)
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
+    return str(by_dtype.most_common(1)[0][0]).removeprefix("torch.") if by_dtype else "float32"
 
+
+def config_with_dtype(hf_cfg: dict[str, Any], dtype: str) -> dict[str, Any]:
+    """``hf_cfg`` saying the weights are ``dtype`` (e.g. "bfloat16"): vLLM and transformers load a model in the
+    dtype config.json names, so it must be the one written, not the source's. transformers ≥ 5 writes ``dtype``,
+    older versions ``torch_dtype``; whichever the config has is set (``torch_dtype``, which both read, if none)."""
+    keys = [k for k in ("dtype", "torch_dtype") if k in hf_cfg] or ["torch_dtype"]
+    return {**hf_cfg, **{k: dtype for k in keys}}

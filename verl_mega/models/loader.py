@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from verl_mega.models.hf_config import ModelArch
 from verl_mega.models.hf_io import CheckpointError, HFCheckpointReader
-from verl_mega.models.weights import (ExpertShard, experts_to_hf, expected_hf_names, hf_to_mcore_shard,
+from verl_mega.models.weights import (ExpertShard, experts_to_hf, expected_hf_shapes, hf_to_mcore_shard,
                                       mapped_tensors, mcore_shards_to_hf, rule_for)
 from verl_mega.parallel.state import RankGroups
 
@@ -21,22 +21,34 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+#: safetensors dtypes the model is built from; anything else (FP8 with its *_scale_inv, int8, …) is quantized
+LOADABLE_DTYPES = ("F32", "BF16", "F16")
+
+
 def check_checkpoint_matches(reader: HFCheckpointReader, arch: ModelArch) -> None:
-    """Fail fast, before any model allocation, when a checkpoint does not match its config."""
-    expected = expected_hf_names(arch)
+    """Fail fast, before any model allocation, when a checkpoint does not match its config: every tensor the model
+    needs must be there, in a float dtype, with exactly the shape config.json implies (from the file headers; no
+    tensor is read). A larger tensor would otherwise be cut to size and a shorter LM head padded with zeros."""
+    shapes = expected_hf_shapes(arch)
     present = set(reader.keys())
-    missing = sorted(expected - present)
+    missing = sorted(set(shapes) - present)
     if missing:
         raise CheckpointError(
             f"checkpoint: {len(missing)} tensors the config needs are missing from {reader.path} (first: "
             f"{missing[0]}); the weights do not match config.json or the export is incomplete"
         )
-    emb = reader.shape("model.embed_tokens.weight")
-    if emb != [arch.vocab_size, arch.hidden_size]:
-        raise CheckpointError(
-            f"checkpoint: model.embed_tokens.weight has shape {emb}, config.json says "
-            f"[{arch.vocab_size}, {arch.hidden_size}]; the weights belong to another model"
-        )
+    for name in sorted(shapes):
+        dtype = reader.dtype(name)
+        if dtype not in LOADABLE_DTYPES:
+            raise CheckpointError(f"checkpoint: tensor {name} in {reader.path} is {dtype}, a quantized format; "
+                                  f"weights must be F32, BF16 or F16: dequantize the checkpoint to bf16 first")
+        dims, shape = shapes[name], reader.shape(name)
+        want = [size for size, _ in dims]
+        if shape != want:
+            bad = next((f"dimension {d}: {key}={size}" for d, (size, key) in enumerate(dims)
+                        if d >= len(shape) or shape[d] != size), f"it has {len(shape)} dimensions")
+            raise CheckpointError(f"checkpoint: {name} in {reader.path} has shape {shape} but config.json implies "
+                                  f"{want} ({bad}); the weights belong to another model or config.json is wrong")
 
 
 @torch.no_grad()

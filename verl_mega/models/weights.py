@@ -281,36 +281,89 @@ def _split(n: int, parts: int, idx: int) -> tuple[int, int]:
     return idx * size, (idx + 1) * size
 
 
-def expected_hf_names(arch: ModelArch) -> set[str]:
-    """Every tensor an HF checkpoint of `arch` must contain (a DeepSeek checkpoint's multi-token-prediction layers,
-    ``model.layers.{L}…`` and up, are not among them: they are not built, see docs/moe.md)."""
-    names = {"model.embed_tokens.weight", "model.norm.weight"}
+#: one dimension of an HF tensor: its size and the config.json key(s) it comes from
+Dim = tuple[int, str]
+
+_EXPERT_COUNT_KEY = {"mixtral": "num_local_experts", "deepseek_v3": "n_routed_experts"}
+_EXPERT_WIDTH_KEY = {"mixtral": "intermediate_size"}
+_SHARED_WIDTH_KEY = {"deepseek_v3": "n_shared_experts·moe_intermediate_size"}
+
+
+def expected_hf_shapes(arch: ModelArch) -> dict[str, tuple[Dim, ...]]:
+    """Every tensor an HF checkpoint of `arch` must contain, with its shape (each dimension with the config key it
+    comes from, for error messages). A DeepSeek checkpoint's multi-token-prediction layers, ``model.layers.{L}…``
+    and up, are not among them: they are not built (docs/moe.md)."""
+    h: Dim = (arch.hidden_size, "hidden_size")
+    vocab: Dim = (arch.vocab_size, "vocab_size")
+    shapes: dict[str, tuple[Dim, ...]] = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,)}
     if not arch.tie_word_embeddings:
-        names.add("lm_head.weight")
+        shapes["lm_head.weight"] = (vocab, h)
     for i in range(arch.num_layers):
         p = f"model.layers.{i}."
-        names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
-        if arch.is_mla:
-            for _kind, templates in _MLA_RULES.values():
-                names |= {t.format(i=i) for t in templates}
-            drop = ("q_proj",) if arch.q_lora_rank else ("q_a_proj", "q_b_proj", "q_a_layernorm")
-            names -= {p + f"self_attn.{x}.weight" for x in drop}
-            names.add(p + "self_attn.o_proj.weight")
-        else:
-            names |= {p + f"self_attn.{x}_proj.weight" for x in "qkvo"}
+        shapes[p + "input_layernorm.weight"] = shapes[p + "post_attention_layernorm.weight"] = (h,)
+        shapes.update({p + k: v for k, v in (_mla_shapes(arch, h) if arch.is_mla else _attention_shapes(arch, h))})
         if arch.is_moe_layer(i):
-            for kind, templates in _moe_rules(arch.model_type).values():
-                if ".shared_expert" in templates[0] and not arch.shared_expert_ffn_hidden_size or \
-                        "shared_expert_gate" in templates[0] and not arch.shared_expert_gate or \
-                        "e_score_correction_bias" in templates[0] and not arch.moe_expert_bias:
-                    continue
-                rule = ParamRule(kind, tuple(t.format(i=i) for t in templates))
-                names |= {n for e in range(arch.num_experts) for n in rule.expert_names(e)} if rule.is_expert \
-                    else set(rule.hf_names)
+            shapes.update(_moe_shapes(arch, i, h))
         else:
-            names |= {p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")}
-        if arch.qkv_bias:
-            names |= {p + f"self_attn.{x}_proj.bias" for x in "qkv"}
-        if arch.qk_norm:
-            names |= {p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"}
-    return names
+            f: Dim = (arch.ffn_hidden_size, "intermediate_size")
+            shapes.update({p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
+                           p + "mlp.down_proj.weight": (h, f)})
+    return shapes
+
+
+def _attention_shapes(arch: ModelArch, h: Dim) -> list[tuple[str, tuple[Dim, ...]]]:
+    q: Dim = (arch.num_heads * arch.head_dim, "num_attention_heads·head_dim")
+    kv: Dim = (arch.num_kv_heads * arch.head_dim, "num_key_value_heads·head_dim")
+    out = [("self_attn.q_proj.weight", (q, h)), ("self_attn.k_proj.weight", (kv, h)),
+           ("self_attn.v_proj.weight", (kv, h)), ("self_attn.o_proj.weight", (h, q))]
+    if arch.qkv_bias:
+        out += [("self_attn.q_proj.bias", (q,)), ("self_attn.k_proj.bias", (kv,)), ("self_attn.v_proj.bias", (kv,))]
+    if arch.qk_norm:
+        d: Dim = (arch.head_dim, "head_dim")
+        out += [("self_attn.q_norm.weight", (d,)), ("self_attn.k_norm.weight", (d,))]
+    return out
+
+
+def _mla_shapes(arch: ModelArch, h: Dim) -> list[tuple[str, tuple[Dim, ...]]]:
+    a = arch.num_heads
+    q: Dim = (a * arch.head_dim, "num_attention_heads·(qk_nope_head_dim+qk_rope_head_dim)")
+    latent: Dim = (arch.kv_lora_rank, "kv_lora_rank")
+    out = [("self_attn.kv_a_proj_with_mqa.weight",
+            ((arch.kv_lora_rank + arch.qk_rope_head_dim, "kv_lora_rank+qk_rope_head_dim"), h)),
+           ("self_attn.kv_a_layernorm.weight", (latent,)),
+           ("self_attn.kv_b_proj.weight",
+            ((a * (arch.qk_nope_head_dim + arch.v_head_dim), "num_attention_heads·(qk_nope_head_dim+v_head_dim)"),
+             latent)),
+           ("self_attn.o_proj.weight", (h, (a * arch.v_head_dim, "num_attention_heads·v_head_dim")))]
+    if arch.q_lora_rank:
+        rank: Dim = (arch.q_lora_rank, "q_lora_rank")
+        out += [("self_attn.q_a_proj.weight", (rank, h)), ("self_attn.q_a_layernorm.weight", (rank,)),
+                ("self_attn.q_b_proj.weight", (q, rank))]
+    else:
+        out.append(("self_attn.q_proj.weight", (q, h)))
+    return out
+
+
+def _moe_shapes(arch: ModelArch, i: int, h: Dim) -> dict[str, tuple[Dim, ...]]:
+    mt = arch.model_type
+    experts: Dim = (arch.num_experts, _EXPERT_COUNT_KEY.get(mt, "num_experts"))
+    width: Dim = (arch.moe_ffn_hidden_size, _EXPERT_WIDTH_KEY.get(mt, "moe_intermediate_size"))
+    shared: Dim = (arch.shared_expert_ffn_hidden_size,
+                   _SHARED_WIDTH_KEY.get(mt, "shared_expert_intermediate_size"))
+    one: Dim = (1, "a single gate")
+    by_suffix = {"mlp.router.weight": (experts, h), "mlp.router.expert_bias": (experts,),
+                 "mlp.shared_experts.linear_fc1.weight": (shared, h),
+                 "mlp.shared_experts.linear_fc2.weight": (h, shared), "mlp.shared_experts.gate_weight": (one, h)}
+    shapes: dict[str, tuple[Dim, ...]] = {}
+    for suffix, (kind, templates) in _moe_rules(mt).items():
+        if ".shared_expert" in templates[0] and not arch.shared_expert_ffn_hidden_size or \
+                "shared_expert_gate" in templates[0] and not arch.shared_expert_gate or \
+                "e_score_correction_bias" in templates[0] and not arch.moe_expert_bias:
+            continue
+        rule = ParamRule(kind, tuple(t.format(i=i) for t in templates))
+        if rule.is_expert:
+            shape = (width, h) if kind == "experts_fc1" else (h, width)
+            shapes.update({n: shape for e in range(arch.num_experts) for n in rule.expert_names(e)})
+        else:
+            shapes.update({n: by_suffix[suffix] for n in rule.hf_names})
+    return shapes
