@@ -45,12 +45,13 @@ def test_rl_steps_data_parallel(tmp_path):
     """tp=pp=1 on 2 ranks: dp=2 (each rank trains half the samples, the distributed optimizer shards over dp) and
     two vLLM engines at tg=1 (each generates half the prompts); PPO so the critic's dp reductions and the whitening
     over both ranks run too, scored by a reward model alone (reward.reward_model_path, no reward.function: a tiny
-    value-head model of its own, each replica scoring its rows). Each rank receives only its rows; the
+    sequence classifier of its own, each replica scoring its rows). Each rank receives only its rows; the
     gather-everything transport gives the same metrics, bit for bit."""
-    from verl_mega.models.tiny import make_tiny_hf_model
+    from verl_mega.models.tiny import make_tiny_reward_model
     from verl_mega.trainer.setup import tiny_sizes
 
-    reward_model = make_tiny_hf_model(tmp_path / "reward_model", seed=7, with_tokenizer=False, **tiny_sizes("qwen2"))
+    reward_model = make_tiny_reward_model(tmp_path / "reward_model", seed=7, with_tokenizer=False,
+                                          **tiny_sizes("qwen2"))
     runs = {}
     for transport in ("scatter", "gather"):
         out = tmp_path / transport

@@ -307,9 +307,11 @@ class RewardConfig(ConfigSection):
                    "batched; a dict return's other values are logged as reward/<key> (docs/from_verl.md). null picks "
                    "the task's own function for `generated:<task>` data, and none when reward.reward_model_path "
                    "is set (the reward model's score is then the whole reward).")
-    reward_model_path: str | None = option(None, help="HF directory of a reward model (value-head model scoring the "
-                                                      "last token; its score is added to reward.function's); null for "
-                                                      "function-only rewards.")
+    reward_model_path: str | None = option(None, help="HF directory of a reward model: a sequence-classification "
+                                                      "checkpoint with one label (e.g. Qwen2ForSequenceClassification,"
+                                                      " as verl's reward models), whose score head rates the last "
+                                                      "token; its score is added to reward.function's. A causal LM "
+                                                      "is refused. null for function-only rewards.")
     num_workers: int = option(
         2, help="Worker processes (per rank) that run the reward function, off the critical path. A call past "
                 "reward.timeout_s, or one that ends its process (os._exit, a crash), scores 0 and its worker is "

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from verl_mega.models.hf_config import ModelArch
 from verl_mega.models.hf_io import CheckpointError, HFCheckpointReader
-from verl_mega.models.weights import (ExpertShard, experts_to_hf, expected_hf_shapes, hf_to_mcore_shard,
+from verl_mega.models.weights import (SCORE_HEAD, ExpertShard, experts_to_hf, expected_hf_shapes, hf_to_mcore_shard,
                                       mapped_tensors, mcore_shards_to_hf, rule_for)
 from verl_mega.parallel.state import RankGroups
 
@@ -25,12 +25,19 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 LOADABLE_DTYPES = ("F32", "BF16", "F16")
 
 
-def check_checkpoint_matches(reader: HFCheckpointReader, arch: ModelArch) -> None:
+def check_checkpoint_matches(reader: HFCheckpointReader, arch: ModelArch, *, head: str = "lm") -> None:
     """Fail fast, before any model allocation, when a checkpoint does not match its config: every tensor the model
     needs must be there, in a float dtype, with exactly the shape config.json implies (from the file headers; no
-    tensor is read). A larger tensor would otherwise be cut to size and a shorter LM head padded with zeros."""
-    shapes = expected_hf_shapes(arch)
+    tensor is read). A larger tensor would otherwise be cut to size and a shorter LM head padded with zeros.
+    ``head``: see :func:`~verl_mega.models.weights.expected_hf_shapes`; a critic's checkpoint may carry a score head,
+    which must then have one label."""
     present = set(reader.keys())
+    if head == "score" and SCORE_HEAD not in present:
+        raise CheckpointError(f"checkpoint: {reader.path} has no {SCORE_HEAD}: a reward model is an HF "
+                              f"sequence-classification checkpoint with num_labels=1 (e.g. "
+                              f"Qwen2ForSequenceClassification), whose score head rates the last token; a causal LM "
+                              f"has none")
+    shapes = expected_hf_shapes(arch, head="score" if head == "value" and SCORE_HEAD in present else head)
     missing = sorted(set(shapes) - present)
     if missing:
         raise CheckpointError(
@@ -53,9 +60,11 @@ def check_checkpoint_matches(reader: HFCheckpointReader, arch: ModelArch) -> Non
 
 @torch.no_grad()
 def load_hf_weights(chunks: list[torch.nn.Module], reader: HFCheckpointReader, arch: ModelArch, groups: RankGroups,
-                    *, skip_value_head: bool = False) -> int:
+                    *, value_head: bool = False) -> int:
     """Copy this rank's slices of an HF checkpoint into the mcore chunks. Returns the number of params loaded.
-    Non-finite values (NaN/Inf) in any rank's slices are an error on every rank (collective when distributed)."""
+    Non-finite values (NaN/Inf) in any rank's slices are an error on every rank (collective when distributed).
+    ``value_head``: the chunks end in a value head, loaded from the checkpoint's one-label score head when it has
+    one (a reward model, a critic saved as one), else left as initialised (a critic starting from a causal LM)."""
     tp, tp_rank = groups.size("tp"), groups.tp_rank
     expert = expert_shard(groups)
     loaded = 0
@@ -65,17 +74,21 @@ def load_hf_weights(chunks: list[torch.nn.Module], reader: HFCheckpointReader, a
         offset = model.stage_layout.layer_offset
         padded_vocab = model.vocab_size
         for name, param in mapped_tensors(model):
-            if skip_value_head and name.startswith("output_layer."):
-                continue  # value heads are not part of an HF causal-LM checkpoint
-            rule = rule_for(name, arch, offset)
-            shard = hf_to_mcore_shard(rule, reader.get, arch, tp_rank, tp, padded_vocab, expert)
+            if value_head and name.startswith("output_layer."):
+                if SCORE_HEAD not in reader.keys():
+                    continue  # a causal LM's checkpoint: the value head starts as initialised
+                hf_name, shard = SCORE_HEAD, reader.get(SCORE_HEAD)  # replicated on every TP rank, as the head is
+            else:
+                rule = rule_for(name, arch, offset)
+                hf_name, shard = rule.hf_names[0], hf_to_mcore_shard(rule, reader.get, arch, tp_rank, tp,
+                                                                     padded_vocab, expert)
             if tuple(shard.shape) != tuple(param.shape):
                 raise CheckpointError(
-                    f"checkpoint: {rule.hf_names[0]} gives shape {tuple(shard.shape)} for {name} but the model "
+                    f"checkpoint: {hf_name} gives shape {tuple(shard.shape)} for {name} but the model "
                     f"expects {tuple(param.shape)}; the weights do not match config.json"
                 )
             if nonfinite is None and shard.is_floating_point() and not bool(torch.isfinite(shard).all()):
-                nonfinite = rule.hf_names[0]
+                nonfinite = hf_name
             param.data.copy_(shard.to(param.dtype))
             loaded += 1
     found = [nonfinite]

@@ -6,6 +6,7 @@ Used by the CPU quickstart (``model.path: tiny``) and by tests. Sizes respect vL
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +106,25 @@ def make_tiny_hf_model(
         cfg = json.loads(gen.read_text())
         cfg.pop("transformers_version", None)
         gen.write_text(json.dumps(cfg, indent=2))
+    return out_dir
+
+
+def make_tiny_reward_model(out_dir: str | Path, *, seed: int = 0, score_std: float = 0.5, **model: Any) -> Path:
+    """A random HF reward model: :func:`make_tiny_hf_model`'s causal LM (``model``: its arguments) as HF's
+    one-label sequence classifier, whose ``score`` head (drawn with ``score_std``) rates the last token."""
+    from transformers import AutoModelForSequenceClassification
+
+    out_dir = Path(out_dir)
+    body = make_tiny_hf_model(out_dir / "causal_lm", seed=seed, **model)
+    torch.manual_seed(seed)
+    classifier = AutoModelForSequenceClassification.from_pretrained(body, num_labels=1, dtype=torch.float32)
+    with torch.no_grad():
+        classifier.score.weight.normal_(0.0, score_std)
+    classifier.save_pretrained(str(out_dir), safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (body / name).exists():
+            (out_dir / name).write_bytes((body / name).read_bytes())
+    shutil.rmtree(body)
     return out_dir
 
 

@@ -289,15 +289,22 @@ _EXPERT_WIDTH_KEY = {"mixtral": "intermediate_size"}
 _SHARED_WIDTH_KEY = {"deepseek_v3": "n_shared_experts·moe_intermediate_size"}
 
 
-def expected_hf_shapes(arch: ModelArch) -> dict[str, tuple[Dim, ...]]:
+SCORE_HEAD = "score.weight"  # an HF *ForSequenceClassification head; with num_labels=1, a reward model's
+
+
+def expected_hf_shapes(arch: ModelArch, *, head: str = "lm") -> dict[str, tuple[Dim, ...]]:
     """Every tensor an HF checkpoint of `arch` must contain, with its shape (each dimension with the config key it
     comes from, for error messages). A DeepSeek checkpoint's multi-token-prediction layers, ``model.layers.{L}…``
-    and up, are not among them: they are not built (docs/moe.md)."""
+    and up, are not among them: they are not built (docs/moe.md). ``head``: ``lm`` (a causal LM's ``lm_head``
+    unless tied), ``value`` (a critic: no LM head needed) or ``score`` (a reward model: the one-label ``score``
+    head of a sequence-classification checkpoint)."""
     h: Dim = (arch.hidden_size, "hidden_size")
     vocab: Dim = (arch.vocab_size, "vocab_size")
     shapes: dict[str, tuple[Dim, ...]] = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,)}
-    if not arch.tie_word_embeddings:
+    if head == "lm" and not arch.tie_word_embeddings:
         shapes["lm_head.weight"] = (vocab, h)
+    if head == "score":
+        shapes[SCORE_HEAD] = ((1, "num_labels"), h)
     for i in range(arch.num_layers):
         p = f"model.layers.{i}."
         shapes[p + "input_layernorm.weight"] = shapes[p + "post_attention_layernorm.weight"] = (h,)

@@ -101,14 +101,16 @@ class RoleModel:
 
 
 def build_role_engine(cfg: TrainConfig, groups: RankGroups, path: Path, *, role_cfg=None, value_head: bool = False,
-                      total_steps: int = 1, lora=None) -> RoleModel:
+                      scores: bool = False, total_steps: int = 1, lora=None) -> RoleModel:
     """An mcore model of `path` on this rank's pool, HF weights loaded, wrapped in an engine (trainable if role_cfg).
-    ``lora`` (a :class:`~verl_mega.models.lora.LoRASpec`): only its adapters train, the rest is frozen."""
+    ``value_head``: a critic's (loaded from the checkpoint's score head when it has one); ``scores``: a reward
+    model's, which the checkpoint must have. ``lora`` (a :class:`~verl_mega.models.lora.LoRASpec`): only its
+    adapters train, the rest is frozen."""
     from megatron.core.optimizer import OptimizerConfig
 
     arch = model_arch(path)
     reader = HFCheckpointReader(path)
-    check_checkpoint_matches(reader, arch)
+    check_checkpoint_matches(reader, arch, head="score" if scores else "value" if value_head else "lm")
     pool = groups.pool
     tcfg = transformer_config(arch, tp=pool.tp, pp=pool.pp, vpp=pool.vpp, cp=pool.cp, ep=pool.ep, etp=pool.etp,
                               sequence_parallel=pool.sequence_parallel, dtype=cfg.model.dtype,
@@ -116,11 +118,11 @@ def build_role_engine(cfg: TrainConfig, groups: RankGroups, path: Path, *, role_
                               fused_kernels=fused_kernels(cfg, torch.cuda.is_available()),
                               **moe_options(cfg, arch))
     use_te = {True: "true", False: "false"}.get(cfg.model.use_te, cfg.model.use_te)
-    chunks = build_model_chunks(arch, tcfg, groups, value_head=value_head, use_te=use_te, lora=lora,
+    chunks = build_model_chunks(arch, tcfg, groups, value_head=value_head or scores, use_te=use_te, lora=lora,
                                 make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
     if torch.cuda.is_available():
         chunks = [c.cuda() for c in chunks]
-    load_hf_weights(chunks, reader, arch, groups, skip_value_head=value_head)
+    load_hf_weights(chunks, reader, arch, groups, value_head=value_head or scores)
     optim = None
     schedule = None
     if role_cfg is not None:
@@ -400,9 +402,10 @@ def _check_model(cfg: TrainConfig, path: Path, placement) -> ModelArch:
         raise ConfigError(f"model.lora.target_modules={list(lora.target_modules)} adapts MLP projections only, but "
                           f"every layer of this {arch.model_type} routes its MLP to experts, which carry no adapters: "
                           f"nothing would train; add {', '.join(sorted(LORA_ATTENTION))} or use all-linear")
-    for weights in {path, resolve_critic_path(cfg, path) if cfg.critic.enable else path,
-                    *([Path(cfg.reward.reward_model_path)] if cfg.reward.reward_model_path else [])}:
-        check_checkpoint_matches(HFCheckpointReader(weights), model_arch(weights))  # headers only
+    roles = [(path, "lm")] + ([(resolve_critic_path(cfg, path), "value")] if cfg.critic.enable else []) + \
+        ([(Path(cfg.reward.reward_model_path), "score")] if cfg.reward.reward_model_path else [])
+    for weights, head in roles:
+        check_checkpoint_matches(HFCheckpointReader(weights), model_arch(weights), head=head)  # headers only
     return arch
 
 
@@ -490,7 +493,7 @@ def _build_roles(cfg: TrainConfig, groups: RankGroups, path: Path, arch: ModelAr
                         packed=packed)
     if cfg.reward.reward_model_path:
         reward_model = RewardModel(build_role_engine(cfg, groups, Path(cfg.reward.reward_model_path),
-                                                     value_head=True).engine,
+                                                     scores=True).engine,
                                    micro_batch_size=cfg.actor.micro_batch_size_per_gpu, packed=packed)
     return actor_m, actor, ref, critic, reward_model
 
