@@ -278,3 +278,29 @@ def test_the_reference_of_a_lora_actor_routes_on_its_own_under_routing_replay(wo
     base = PolicyRole(engine(None), **kw).compute_logprobs(batch)  # a reference engine of its own: no replay
     torch.testing.assert_close(reference["logprobs"], base["logprobs"], rtol=0, atol=1e-5)
     assert set(reference) == {"logprobs"} and actor_engine.routing is not None  # the actor's replay is left on
+
+
+def test_a_checkpoint_of_other_adapters_is_refused_naming_the_adapter(world, tmp_path):
+    """Resuming with another model.lora: an adapter the checkpoint lacks, one it has that this model does not build,
+    or another rank is refused by name before anything loads (a narrower target list would otherwise drop trained
+    adapters silently)."""
+    from megatron.core import dist_checkpointing
+
+    from verl_mega.checkpoint.mcore import check_adapters_match, model_sharded_state_dict
+    from verl_mega.models import lora as L
+    from verl_mega.models.hf_io import CheckpointError
+
+    path = make_tiny_hf_model(tmp_path / "base")
+    spec = L.LoRASpec(rank=4, alpha=8.0, targets=("q_proj", "v_proj"))
+    _, saved = _lora_model(world, path, spec)
+    (tmp_path / "ckpt").mkdir()
+    dist_checkpointing.save(model_sharded_state_dict(saved, world), str(tmp_path / "ckpt"))
+    check_adapters_match(model_sharded_state_dict(saved, world), tmp_path / "ckpt")  # the same adapters: fine
+    for other, says in ((L.LoRASpec(rank=4, alpha=8.0, targets=("q_proj",)), "holds LoRA adapter "),
+                        (L.LoRASpec(rank=4, alpha=8.0, targets=("q_proj", "v_proj", "o_proj")), "is missing from"),
+                        (L.LoRASpec(rank=8, alpha=8.0, targets=("q_proj", "v_proj")), "has shape [")):
+        _, chunks = _lora_model(world, path, other)
+        with pytest.raises(CheckpointError, match=r"LoRA adapter .*(the checkpoint was written with another "
+                                                  r"model.lora \(rank, target_modules\))") as err:
+            check_adapters_match(model_sharded_state_dict(chunks, world), tmp_path / "ckpt")
+        assert says in str(err.value) and "\n" not in str(err.value)

@@ -399,7 +399,7 @@ class CheckpointManager:
         if path is None:
             return 0
         from verl_mega.models.loader import unwrap
-        from verl_mega.checkpoint.mcore import load_model_state, model_sharded_state_dict
+        from verl_mega.checkpoint.mcore import check_adapters_match, load_model_state, model_sharded_state_dict
         from verl_mega.checkpoint.safe_load import load_dist, weights_only_load
         from verl_mega.checkpoint.integrity import read_trainer_state
 
@@ -408,6 +408,7 @@ class CheckpointManager:
         has_optimizer = state["config"].get("checkpoint", {}).get("save_optimizer", True)
         for role, engine in self.engines.items():
             model_sd = model_sharded_state_dict(engine.chunks, engine.groups)
+            check_adapters_match(model_sd, path / role)
             sd = dict(model_sd)
             fmt = state.get("optimizer_format", optim_state.LEGACY_FORMAT)
             if self.cfg.checkpoint.save_optimizer and not has_optimizer:

@@ -50,6 +50,37 @@ def load_model_state(module: torch.nn.Module, state: dict[str, Any]) -> None:
                               f"the checkpoint was written with another model.lora (rank, target_modules)")
 
 
+def check_adapters_match(model_sd: dict, ckpt_dir: str | Path) -> None:
+    """With LoRA adapters (``model_sd``: :func:`model_sharded_state_dict`'s, which then holds the adapters only), the
+    checkpoint's adapters must be these, by name and shape, before anything loads: with another model.lora an
+    adapter left out of this one would be dropped silently, and one it adds would fail inside the load with no
+    name. Read from the checkpoint's metadata alone."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from verl_mega.checkpoint.safe_load import read_dist_metadata
+    from verl_mega.models.lora import is_lora_param
+
+    ours = {t.key: tuple(t.global_shape) for t in nested_values(model_sd)
+            if isinstance(t, ShardedTensor) and is_lora_param(t.key)}
+    if not ours:
+        return
+    saved = {key: tuple(meta.size) for key, meta in read_dist_metadata(Path(ckpt_dir) / ".metadata")
+             .state_dict_metadata.items() if is_lora_param(key) and hasattr(meta, "size")}
+    fix = "the checkpoint was written with another model.lora (rank, target_modules); resume with that one"
+    missing, extra = sorted(set(ours) - set(saved)), sorted(set(saved) - set(ours))
+    if missing:
+        raise CheckpointError(f"checkpoint: LoRA adapter {missing[0]} is missing from {ckpt_dir} (and "
+                              f"{len(missing) - 1} more); {fix}")
+    if extra:
+        raise CheckpointError(f"checkpoint: {ckpt_dir} holds LoRA adapter {extra[0]} (and {len(extra) - 1} more) "
+                              f"that this model.lora does not build; {fix}")
+    other = next((key for key in sorted(ours) if ours[key] != saved[key]), None)
+    if other is not None:
+        raise CheckpointError(f"checkpoint: LoRA adapter {other} has shape {list(saved[other])} in {ckpt_dir}, "
+                              f"{list(ours[other])} here; {fix}")
+
+
 def save_model_dist(chunks: list[torch.nn.Module], out_dir: str | Path, groups) -> None:
     from megatron.core import dist_checkpointing
 
