@@ -386,7 +386,8 @@ RULES: list[tuple[str, Handler]] = [
      Same("the reward model runs at the actor's layout and batch sizes")),
     ("reward.reward_model.*", lambda k, v, c: Same("the reward model is off") if not
      c.get("reward.reward_model.enable") else Unsupported("a reward model served by vLLM (generative RM): verl_mega "
-                                                          "scores with a value-head model (reward.reward_model_path)")),
+                                                          "scores with a sequence-classification reward model "
+                                                          "(reward.reward_model_path)")),
     ("reward.*", same("verl's reward loop settings")),
     # ------------------------------------------------------------ algorithm
     ("algorithm.adv_estimator", _adv),

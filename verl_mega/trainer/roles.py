@@ -293,7 +293,8 @@ class Critic:
 
 
 class RewardModel:
-    """A value-head model whose output at the last response token is the sequence reward."""
+    """A one-label sequence classifier (its score head as a value head) whose output at the last response token is
+    the sequence reward."""
 
     def __init__(self, engine: MegatronEngine, *, micro_batch_size: int, packed: bool = False) -> None:
         self.engine = engine
