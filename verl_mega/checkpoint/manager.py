@@ -256,8 +256,6 @@ class CheckpointManager:
                 sd["optimizer"] = optim_state.sharded_state_dict(engine.optimizer, _flat(model_sd))
             if _rank() == 0:
                 (tmp / role).mkdir(exist_ok=True)
-                if role == "actor":
-                    self._write_model_meta(tmp / role, engine)
             _barrier()
             if self._async_queue is None:
                 dist_checkpointing.save(sd, str(tmp / role), preprocess_common_before_consistancy_check=check)
@@ -294,6 +292,9 @@ class CheckpointManager:
         final = self.root / tmp.name.removeprefix(TMP_PREFIX)
         if _rank() == 0:
             (tmp / "trainer.json").write_text(trainer_json)
+            # after the shards: mcore takes a directory that holds files already for a broken save and says so
+            if "actor" in self.engines:
+                self._write_model_meta(tmp / "actor", self.engines["actor"])
         _barrier()
         entries = self._digests(tmp)
         if _rank() == 0:
