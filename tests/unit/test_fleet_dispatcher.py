@@ -296,7 +296,7 @@ def test_fleet_config_and_fault_spec_errors():
 
 
 def test_a_batch_becomes_seeded_groups_and_comes_back_in_prompt_order():
-    """The supervisor's side (rollout/fleet_server.py): one group per prompt and spec, prompt p seeded seed + p as on
+    """The supervisor's side (rollout/fleet_server.py): one group per prompt and spec, prompt p seeded seed + p·n as on
     a colocated engine (so a redone group draws the same samples), and the answer in prompt order, spec by spec."""
     from types import SimpleNamespace
 
@@ -306,7 +306,7 @@ def test_a_batch_becomes_seeded_groups_and_comes_back_in_prompt_order():
     command = {"id": 5, "prompts": [[1, 2], [3]], "specs": specs}
     made = FleetServer._groups(command, version=3)
     assert [(g.key, g.prompt_ids, g.spec.seed, g.version) for g in made] == [
-        ((5, 0, 0), [1, 2], 7, 3), ((5, 0, 1), [3], 8, 3), ((5, 1, 0), [1, 2], None, 3), ((5, 1, 1), [3], None, 3)]
+        ((5, 0, 0), [1, 2], 7, 3), ((5, 0, 1), [3], 9, 3), ((5, 1, 0), [1, 2], None, 3), ((5, 1, 1), [3], None, 3)]
     # samples as engines return them: token ids, log-probs, per-token versions; they arrive in any order
     results = {(5, 1, 1): ([[9]], [[-0.9]], [[3]]), (5, 0, 1): ([[6], [7]], [[-0.6], [-0.7]], [[3], [3]]),
                (5, 0, 0): ([[4], [5]], [[-0.4], [-0.5]], [[3], [3]])}

@@ -1,5 +1,5 @@
 """StreamingEngine's bookkeeping against a scripted engine: a prompt's n samples are n requests (n = 1, seeds
-seed + i + j, vLLM's own fan-out of an n > 1 request), each handed over at the step it finishes, and a batch comes
+seed + i·n + j, vLLM's own fan-out of an n > 1 request), each handed over at the step it finishes, and a batch comes
 back prompt-major in sample order."""
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ def test_each_sample_is_a_request_handed_over_when_it_finishes():
     stream.add("b", [[1, 2], [3]], SamplingSpec(n=2, max_tokens=8, seed=100, logprobs=False))
     assert sorted(scripted.added) == ["b:0:0", "b:0:1", "b:1:0", "b:1:1"]
     assert all(p.n == 1 for p in scripted.added.values())
-    assert {r: p.seed for r, p in scripted.added.items()} == {"b:0:0": 100, "b:0:1": 101, "b:1:0": 101,
-                                                               "b:1:1": 102}
+    assert {r: p.seed for r, p in scripted.added.items()} == {"b:0:0": 100, "b:0:1": 101, "b:1:0": 102,
+                                                               "b:1:1": 103}  # no two samples share a stream
     handed = []
     while stream.busy:
         done = stream.step()

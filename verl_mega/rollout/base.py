@@ -13,6 +13,13 @@ from typing import Any, Callable, NamedTuple, Protocol, Sequence
 import torch
 
 SEED_MODULUS = 2**31 - 1
+
+
+def prompt_seed(seed: int, prompt: int, n: int) -> int:
+    """The seed of prompt ``prompt`` of a batch whose base seed is ``seed``: sample j of it draws with this + j (as
+    vLLM fans an n > 1 request out), so with a stride of n no two samples of a batch share a random stream (a
+    stride of 1 gave prompt i's sample j the stream of prompt i + 1's sample j - 1)."""
+    return (seed + prompt * n) % SEED_MODULUS
 #: why a run stops, by severity: every rank's reasons are combined by taking the most severe (an all-reduce of the
 #: index); a rollout pool of its own passes on the signals its ranks received by name
 STOP_REASONS = ("", "trainer.time_limit_s", "SIGINT", "SIGTERM")

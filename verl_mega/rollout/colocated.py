@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from verl_mega.rollout.base import SEED_MODULUS, Generated, Request, RolloutError, Sample, SamplingSpec
+from verl_mega.rollout.base import Generated, Request, RolloutError, Sample, SamplingSpec, prompt_seed
 from verl_mega.rollout.vllm_rollout import VLLMRollout
 
 logger = logging.getLogger(__name__)
@@ -86,10 +86,10 @@ class ColocatedRollout:
                  on_finished: Callable[[list[tuple[int, Sample]], int], None] | None = None) -> list[Generated]:
         """Every rank passes the global prompt batch; each engine generates its share under every spec (one wake
         for all of them) and its ranks return it. An explicit ``spec.seed`` is the batch's base seed: prompt i of
-        the batch samples with ``seed + i``, whichever engine runs it. ``on_finished`` (one spec): the engine is
-        stepped here; after every engine step in which samples finished, they are passed to it as (index of the
-        sample in its prompt's group, sample) with the number of this engine's samples still generating,
-        identically on every rank of the engine."""
+        the batch samples with ``prompt_seed(seed, i, n)``, whichever engine runs it. ``on_finished`` (one spec):
+        the engine is stepped here; after every engine step in which samples finished, they are passed to it as
+        (index of the sample in its prompt's group, sample) with the number of this engine's samples still
+        generating, identically on every rank of the engine."""
         import torch.distributed as dist
 
         engine, prof = self._ready(), self.profiler
@@ -107,7 +107,7 @@ class ColocatedRollout:
         local, counts = [], []
         for spec in specs:
             if spec.seed is not None:
-                spec = replace(spec, seed=(spec.seed + (mine[0] if mine else 0)) % SEED_MODULUS)
+                spec = replace(spec, seed=prompt_seed(spec.seed, mine[0] if mine else 0, spec.n))
             mine_prompts = [prompt_ids[i] for i in mine]
             if self.multi_turn is not None:
                 episodes = self.multi_turn.run(engine, mine_prompts, spec)

@@ -31,8 +31,8 @@ import torch.distributed as dist
 
 from verl_mega.parallel.pools import CONTROL_TAG, HEARTBEAT_S, RESULT_TAG, Bridge, PoolPeerError
 from verl_mega.parallel.state import pool_group
-from verl_mega.rollout.base import (SEED_MODULUS, STOP_REASONS, STOP_SIGNALS, Generated, Request, RolloutError,
-                                    Sample, SamplingSpec, engine_share)
+from verl_mega.rollout.base import (STOP_REASONS, STOP_SIGNALS, Generated, Request, RolloutError,
+                                    Sample, SamplingSpec, engine_share, prompt_seed)
 from verl_mega.rollout.vllm_rollout import VLLMRollout
 
 log = logging.getLogger(__name__)
@@ -281,7 +281,7 @@ class RolloutServer:
         mine = engine_share(range(len(command["prompts"])), self.rollout.engine_index, self.rollout.num_engines)
         for i, spec in enumerate(command["specs"]):
             if spec.seed is not None:
-                spec = replace(spec, seed=(spec.seed + (mine[0] if mine else 0)) % SEED_MODULUS)
+                spec = replace(spec, seed=prompt_seed(spec.seed, mine[0] if mine else 0, spec.n))
             self.stream.add((command["id"], i), [command["prompts"][p] for p in mine], spec)
 
     def _answer(self, command: dict) -> None:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from verl_mega.parallel.pools import HEARTBEAT_S, Bridge
-from verl_mega.rollout.base import SEED_MODULUS, STOP_REASONS, Sample
+from verl_mega.rollout.base import STOP_REASONS, Sample, prompt_seed
 from verl_mega.rollout.disaggregated import _Inbox, _Outbox, record_stop_signals
 from verl_mega.rollout.fleet import Dispatcher, Group
 from verl_mega.rollout.fleet_engine import FAULT_ENV, EngineProcess, faults
@@ -149,12 +149,12 @@ class FleetServer:
 
     @staticmethod
     def _groups(command: dict, version: int) -> list[Group]:
-        """One group per prompt and spec; prompt p's seed is the spec's seed + p, as for a colocated engine, so a
-        group redone on another engine draws the same samples."""
+        """One group per prompt and spec; prompt p's seed is ``prompt_seed(spec.seed, p, n)``, as for a colocated
+        engine, so a group redone on another engine draws the same samples."""
         groups = []
         for i, spec in enumerate(command["specs"]):
             for p, prompt in enumerate(command["prompts"]):
-                seeded = spec if spec.seed is None else replace(spec, seed=(spec.seed + p) % SEED_MODULUS)
+                seeded = spec if spec.seed is None else replace(spec, seed=prompt_seed(spec.seed, p, spec.n))
                 groups.append(Group((command["id"], i, p), list(prompt), seeded, version))
         return groups
 

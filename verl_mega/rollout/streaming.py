@@ -24,7 +24,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
-from verl_mega.rollout.base import RolloutError, SamplingSpec
+from verl_mega.rollout.base import RolloutError, SamplingSpec, prompt_seed
 from verl_mega.rollout.vllm_rollout import RolloutBatch, VLLMRollout, engine_stance, sampled_logprobs, sampling_params
 
 
@@ -80,7 +80,7 @@ class StreamingEngine:
             raise RolloutError("the engine sleeps; wake it up before adding requests")
         batch = self._batches[key] = _Batch(spec, len(prompt_ids), set())
         for i, prompt in enumerate(prompt_ids):
-            seed = None if spec.seed is None else spec.seed + i
+            seed = None if spec.seed is None else prompt_seed(spec.seed, i, spec.n)
             params = sampling_params(spec, seed, stream=self.deltas)
             for j in range(spec.n):  # vLLM's own fan-out of an n > 1 request: n = 1, seed + j
                 child = copy.copy(params)

