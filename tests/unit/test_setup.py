@@ -325,6 +325,24 @@ def test_lora_that_would_adapt_nothing_on_an_all_moe_model_is_refused(tmp_path):
     _check_model(load_config("configs/quickstart_cpu.yaml", attention), path, Placement.single(1))
 
 
+def test_a_context_longer_than_the_model_s_positions_is_refused_before_the_build(tmp_path):
+    from verl_mega.config import ConfigError, load_config
+    from verl_mega.models.tiny import make_tiny_hf_model
+    from verl_mega.parallel.placement import Placement
+    from verl_mega.trainer.setup import _check_model
+
+    path = make_tiny_hf_model(tmp_path / "m", vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=1,
+                              max_position_embeddings=256, with_tokenizer=False)
+    long = load_config("configs/quickstart_cpu.yaml", [f"model.path={path}", "data.max_prompt_length=64",
+                                                       "rollout.max_response_length=200"])
+    with pytest.raises(ConfigError, match=r"^data.max_prompt_length \+ rollout.max_response_length = 264 is longer "
+                                          r"than the 256 positions of model.path \(max_position_embeddings\); lower "
+                                          r"one of them$"):
+        _check_model(long, path, Placement.single(1))
+    fits = load_config("configs/quickstart_cpu.yaml", [f"model.path={path}", "data.max_prompt_length=56",
+                                                       "rollout.max_response_length=200"])
+    _check_model(fits, path, Placement.single(1))
+
 @pytest.mark.parametrize("prompts, batch, steps", [(599, 300, 3), (150, 100, 5), (7473, 1024, 50), (64, 16, 4)])
 def test_trainer_total_steps_gets_that_many_batches(prompts, batch, steps):
     """The loader drops each epoch's incomplete last batch: the epochs must hold total_steps whole batches."""

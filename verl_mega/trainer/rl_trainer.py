@@ -278,7 +278,8 @@ class RLTrainer:
         specs = [self._sampling(prompt_batch)]
         if self.cfg.algorithm.adv_estimator == "remax":  # ReMax's baseline: one greedy answer per prompt
             specs.append(SamplingSpec(n=1, max_tokens=self.cfg.rollout.max_response_length, temperature=0.0,
-                                      stop_token_ids=specs[0].stop_token_ids, logprobs=True))
+                                      stop_token_ids=specs[0].stop_token_ids, ignore_eos=specs[0].ignore_eos,
+                                      logprobs=True))  # scored on answers of the samples' lengths
         return specs
 
     def _sampling(self, prompt_batch, *, validation: bool = False) -> SamplingSpec:

@@ -402,6 +402,11 @@ def _check_model(cfg: TrainConfig, path: Path, placement) -> ModelArch:
         raise ConfigError(f"model.lora.target_modules={list(lora.target_modules)} adapts MLP projections only, but "
                           f"every layer of this {arch.model_type} routes its MLP to experts, which carry no adapters: "
                           f"nothing would train; add {', '.join(sorted(LORA_ATTENTION))} or use all-linear")
+    context = cfg.data.max_prompt_length + cfg.rollout.max_response_length  # vLLM's max_model_len
+    if arch.rope_scaling is None and context > arch.max_position_embeddings:  # scaled RoPE: vLLM derives its own
+        raise ConfigError(f"data.max_prompt_length + rollout.max_response_length = {context} is longer than the "
+                          f"{arch.max_position_embeddings} positions of model.path (max_position_embeddings); lower "
+                          f"one of them")
     roles = [(path, "lm")] + ([(resolve_critic_path(cfg, path), "value")] if cfg.critic.enable else []) + \
         ([(Path(cfg.reward.reward_model_path), "score")] if cfg.reward.reward_model_path else [])
     for weights, head in roles:
