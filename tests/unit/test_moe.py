@@ -187,3 +187,24 @@ def test_forward_replays_rollout_routing(world, qwen3_moe):
     assert engine.last_router_agreement == pytest.approx(float(hits) / (8 * arch.moe_topk), abs=1e-12)
     with pytest.raises(ValueError, match="records or replays"):
         engine.forward([{**mb, "routed_experts": own}], logits, record_routing=True)
+
+
+def test_aux_loss_metrics_average_over_the_moe_layers_only(world):
+    """DeepSeek's first layers are dense and log no router loss: the metric is the mean over the MoE layers, as
+    Megatron's own tracker reports it, not over every layer."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    from verl_mega.engine.moe import aux_loss_metrics, moe_layer_count
+
+    deepseek_like = SimpleNamespace(num_layers=4, moe_layer_freq=[0, 1, 1, 1])
+    assert moe_layer_count(deepseek_like) == 3
+    assert moe_layer_count(SimpleNamespace(num_layers=5, moe_layer_freq=2)) == 3  # layers 0, 2, 4
+    assert moe_layer_count(SimpleNamespace(num_layers=4, moe_layer_freq=1)) == 4
+    tracker = get_moe_layer_wise_logging_tracker()
+    tracker.clear()
+    tracker["seq_load_balancing_loss"] = {"values": torch.tensor([0.0, 1.0, 1.2, 1.4])}  # layer 0 is dense
+    metrics = aux_loss_metrics(world, moe_layer_count(deepseek_like), num_microbatches=2)
+    tracker.clear()
+    assert metrics == {"moe_seq_load_balancing_loss": pytest.approx(3.6 / 3 / 2)}

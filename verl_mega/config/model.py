@@ -105,7 +105,8 @@ class ModelConfig(ConfigSection):
                     "routing replay.", affects_results=False)
     moe_aux_loss_coeff: float | None = option(
         None, help="Mixture-of-Experts: weight of the routers' load-balancing loss (Switch-style; Megatron "
-                   "`moe_aux_loss_coeff`), logged as `actor/moe_load_balancing_loss`; null takes config.json's "
+                   "`moe_aux_loss_coeff`), logged as `actor/moe_load_balancing_loss` (DeepSeek's sequence-wise loss: "
+                   "`actor/moe_seq_load_balancing_loss`), the mean over MoE layers; null takes config.json's "
                    "`router_aux_loss_coef`, 0 disables. Dense models ignore it.")
     moe_z_loss_coeff: float = option(
         0.0, help="Mixture-of-Experts: weight of the routers' z-loss (ST-MoE; Megatron `moe_z_loss_coeff`), logged "

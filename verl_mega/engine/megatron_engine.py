@@ -328,7 +328,7 @@ class MegatronEngine:
             self.version += 1
         metrics = self._reduce_metrics(outputs)
         if self.is_moe:
-            metrics.update(moe.aux_loss_metrics(self.groups, self.config.num_layers, len(micro_batches)))
+            metrics.update(moe.aux_loss_metrics(self.groups, moe.moe_layer_count(self.config), len(micro_batches)))
         if replay:
             hits, total = all_reduce(self.routing.agreement(), self.groups["pool"]).tolist()
             metrics["router_agreement"] = hits / max(total, 1.0)

@@ -14,9 +14,20 @@ def clear_aux_losses() -> None:
     clear_aux_losses_tracker()
 
 
+def moe_layer_count(config) -> int:
+    """How many layers of a TransformerConfig route to experts (``moe_layer_freq``: every k-th layer, or a 0/1 list;
+    DeepSeek's first dense layers are zeros of the list)."""
+    freq = config.moe_layer_freq
+    if isinstance(freq, int):
+        return sum(1 for i in range(config.num_layers) if i % freq == 0)
+    return int(sum(freq))
+
+
 def aux_loss_metrics(groups: RankGroups, num_layers: int, num_microbatches: int) -> dict[str, float]:
-    """Mean over layers and micro-batches of every aux loss the routers logged this step (``moe_load_balancing_loss``,
-    ``moe_z_loss``), unscaled by their coefficients, the same on every rank of the pool.
+    """Mean over the MoE layers (``num_layers``: :func:`moe_layer_count`; dense layers log nothing) and micro-batches
+    of every aux loss the routers logged this step (``moe_load_balancing_loss`` or, with DeepSeek's sequence-level
+    loss, ``moe_seq_load_balancing_loss``; ``moe_z_loss``), unscaled by their coefficients, the same on every rank
+    of the pool.
 
     Megatron logs each layer's value on the stage that owns it, as a partial sum over the tokens of one
     tensor(·context)-parallel rank when it names a reduce group (the load-balancing loss), else as that rank's own
