@@ -2,6 +2,7 @@
 ``peft`` library, the merge tool, a float64 reference of W + (alpha/r)·B·A, and the frozen base's missing optimizer
 state. The tp=2 / pp=2 parity is a multi-process test (tests/distributed/test_lora_parity.py)."""
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -294,7 +295,11 @@ def test_a_checkpoint_of_other_adapters_is_refused_naming_the_adapter(world, tmp
     spec = L.LoRASpec(rank=4, alpha=8.0, targets=("q_proj", "v_proj"))
     _, saved = _lora_model(world, path, spec)
     (tmp_path / "ckpt").mkdir()
-    dist_checkpointing.save(model_sharded_state_dict(saved, world), str(tmp_path / "ckpt"))
+    state = model_sharded_state_dict(saved, world)
+    # as a training checkpoint holds them: the adapters' optimizer state, under names of its own
+    state["optimizer"] = {f"exp_avg.{key}": dataclasses.replace(t, key=f"optimizer.state.exp_avg.{t.key}")
+                          for key, t in state["model"].items()}
+    dist_checkpointing.save(state, str(tmp_path / "ckpt"))
     check_adapters_match(model_sharded_state_dict(saved, world), tmp_path / "ckpt")  # the same adapters: fine
     for other, says in ((L.LoRASpec(rank=4, alpha=8.0, targets=("q_proj",)), "holds LoRA adapter "),
                         (L.LoRASpec(rank=4, alpha=8.0, targets=("q_proj", "v_proj", "o_proj")), "is missing from"),

@@ -65,8 +65,10 @@ def check_adapters_match(model_sd: dict, ckpt_dir: str | Path) -> None:
             if isinstance(t, ShardedTensor) and is_lora_param(t.key)}
     if not ours:
         return
+    model_prefixes = {key.split(".")[0] for key in ours}  # the optimizer's state is saved under names of its own
     saved = {key: tuple(meta.size) for key, meta in read_dist_metadata(Path(ckpt_dir) / ".metadata")
-             .state_dict_metadata.items() if is_lora_param(key) and hasattr(meta, "size")}
+             .state_dict_metadata.items()
+             if is_lora_param(key) and key.split(".")[0] in model_prefixes and hasattr(meta, "size")}
     fix = "the checkpoint was written with another model.lora (rank, target_modules); resume with that one"
     missing, extra = sorted(set(ours) - set(saved)), sorted(set(saved) - set(ours))
     if missing:
