@@ -73,7 +73,7 @@ def test_a_validation_between_steps_strands_no_batch_asked_for_ahead(remote, val
     validations = steps // val_every if val_every else 0
     assert len(pool.asked) == steps + validations  # every batch asked for once, each validation once
     assert staleness == [0, 1] + [k] * (steps - 2)  # still k steps off-policy after each validation
-    assert rollout._results == {} and rollout._received == {}  # nothing held after the run
+    assert rollout._received == {}  # nothing held after the run
 
 
 def test_results_of_batches_no_longer_in_the_window_are_dropped(remote):
@@ -82,9 +82,9 @@ def test_results_of_batches_no_longer_in_the_window_are_dropped(remote):
     pool, rollout = remote
     rollout.prefetch([_batch(0), _batch(1)])
     rollout.generate(*_batch(5))  # its own batch: receives batches 0 and 1 on the way
-    assert len(rollout._results) == 2
+    assert len(rollout._received) == 2
     rollout.prefetch([_batch(6), _batch(7)])
-    assert rollout._results == {} and rollout._received == {}
+    assert rollout._received == {}
     assert pool.asked == [0, 1, 2, 3, 4]
 
 

@@ -59,8 +59,8 @@ class RemoteRollout:
         self.stop_requested = ""  # a signal a rank of the pool received (known to the leader)
         self._next_id = 0
         self._pending: OrderedDict[int, tuple] = OrderedDict()  # requests sent, results not received yet
-        self._results: dict[int, dict] = {}  # received, not collected yet (a batch asked ahead, or passed by)
-        self._received: dict[int, tuple] = {}  # their requests
+        # received, not collected yet (a batch asked ahead, or passed by): id → (its request, its result)
+        self._received: dict[int, tuple[tuple, dict]] = {}
         self._sends: list[Any] = []
         self.closed = False
 
@@ -69,15 +69,15 @@ class RemoteRollout:
         """Ask the pool now for every request it has not been asked for yet, in order; a later :meth:`generate`
         of the same batch collects it. Weights sent after a request do not reach it: that is the staleness."""
         keys = [_key(prompt_ids, specs) for prompt_ids, specs in requests]
-        for i in [i for i, k in self._received.items() if k not in keys]:  # left behind (an API caller's own batch)
-            del self._received[i], self._results[i]
+        for i in [i for i, (k, _) in self._received.items() if k not in keys]:  # left behind (an API caller's own)
+            del self._received[i]
         for key in keys:
             self._ask(key)
 
     def _ask(self, key: tuple) -> int:
         """The id of the request for `key`: one received or pending already (a batch asked for ahead, whose result
         a validation's generation may have taken in passing), else a new request."""
-        for asked in (self._received, self._pending):
+        for asked in ({i: k for i, (k, _) in self._received.items()}, self._pending):
             found = next((i for i, k in asked.items() if k == key), None)
             if found is not None:
                 return found
@@ -91,12 +91,11 @@ class RemoteRollout:
         if on_finished is not None:
             raise RolloutError("a rollout pool of its own returns whole batches: it cannot stream finished samples")
         wanted = self._ask(_key(prompt_ids, specs))  # asked for ahead, or now
-        while wanted not in self._results:  # results come back in the order the requests went out
+        while wanted not in self._received:  # results come back in the order the requests went out
             first = next(iter(self._pending))
-            self._results[first] = self._receive(first)
-            self._received[first] = self._pending.pop(first)
-        result = self._results.pop(wanted)
-        del self._received[wanted]
+            self._received[first] = (self._pending[first], self._receive(first))
+            del self._pending[first]
+        _, result = self._received.pop(wanted)
         mine = engine_share(range(len(prompt_ids)), self.engine_index, self.num_engines)  # as a colocated engine
         # a fleet's counters (rollout.fleet), counted once: the step sums every engine's counts
         counts = {f"fleet/{k}": v if self.engine_index == 0 else 0.0 for k, v in result.get("fleet", {}).items()}
