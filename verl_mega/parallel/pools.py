@@ -67,7 +67,6 @@ class Bridge:
     control: Any = field(repr=False)  # gloo over every rank of the job
     heartbeat_timeout_s: float = 0.0  # 0: no heartbeat checks
     _subgroups: dict[tuple[int, ...], Any] = field(default_factory=dict, repr=False)
-    abandoned: bool = False  # set when the job ends on an error: rank 0 leaves without waiting for its peers
     _stopped: threading.Event = field(default_factory=threading.Event, repr=False)
     _beating: threading.Thread | None = field(default=None, repr=False)
 
@@ -215,7 +214,7 @@ class Bridge:
         """Stop beating, then leave in an order that keeps the store up while a peer still uses it: the store lives
         in job rank 0, and a peer whose beat finds it gone prints c10d's connection-reset trace at every job end.
         So every other rank reports closed, and rank 0 waits (at most ``CLOSE_WAIT_S``) for those reports before it
-        leaves; not after an error (:attr:`abandoned`, or closed while an exception propagates): its peers may never
+        leaves; not when closed while an exception propagates (the job's close after an error): its peers may never
         close."""
         self._stopped.set()
         if self._beating is not None:
@@ -223,7 +222,7 @@ class Bridge:
         with contextlib.suppress(Exception):  # a store that is gone: nothing left to wait for
             if self.rank != 0:
                 self.store.add(CLOSED_KEY, 1)
-            elif not (self.abandoned or sys.exc_info()[0] is not None):  # not while a failure propagates
+            elif sys.exc_info()[0] is None:  # closed on an error (while it propagates), its peers may never close
                 deadline = time.monotonic() + CLOSE_WAIT_S
                 while (closed := self.store.add(CLOSED_KEY, 0)) < self.world - 1:
                     if time.monotonic() > deadline:

@@ -189,7 +189,6 @@ class Job:
     arch: Any
     placement: Any
     server: Any = None  # a rank of a rollout pool of its own: it serves the trainer instead of training
-    bridge: Any = None  # the pools' bridge (a disaggregated job)
     started: float = field(default_factory=time.monotonic)  # when build_job began (trainer.time_limit_s counts)
     resources: contextlib.ExitStack = field(default_factory=contextlib.ExitStack, repr=False)
 
@@ -203,8 +202,6 @@ class Job:
         return [([p.prompt_ids for p in b.items], self.trainer.specs(b)) for b in window if b is not None]
 
     def close(self, *, after_error: bool = False) -> None:
-        if after_error and self.bridge is not None:
-            self.bridge.abandoned = True  # no waiting on peers that may never close
         _close(self.resources, after_error=after_error)
 
 
@@ -285,7 +282,7 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
         resources.callback(server.shutdown)
         return Job(cfg=cfg, trainer=None, loader=loader, ckpt=None, profiler=None,
                    rollout=server.rollout, total_steps=total_steps, start_step=0, arch=arch, placement=placement,
-                   resources=resources, server=server, bridge=bridge)
+                   resources=resources, server=server)
 
     # --- groups, roles, rollout and the 3D-HybridEngine, reward pool, trainer, checkpoints
     groups = build_groups(placement, timeout_s=cfg.trainer.collective_timeout_s)
@@ -328,7 +325,7 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
                          records=records)
     return Job(cfg=cfg, trainer=trainer, loader=loader, ckpt=ckpt, profiler=profiler,
                rollout=rollout, total_steps=total_steps, start_step=start_step, arch=arch, placement=placement,
-               resources=resources, bridge=bridge)
+               resources=resources)
 
 
 def _check_placement(cfg: TrainConfig, resources: contextlib.ExitStack):
