@@ -306,6 +306,16 @@ class ConfigSection:
         if not ok:
             raise ConfigError(message)
 
+    def changed(self, *names: str) -> list[str]:
+        """Of ``names`` (default: every field), those set away from their declared default, in that order."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        return [name for name in names or defaults if getattr(self, name) != defaults[name]]
+
+    def said(self, name: str) -> str:
+        """``section.name=value``, the value as a user would type it."""
+        value = getattr(self, name)
+        return f"{self.key(name)}={value:g}" if isinstance(value, float) else f"{self.key(name)}={fmt(value)}"
+
     def _check_range(self, name: str, *, ge: float | None = None, gt: float | None = None,
                      le: float | None = None, lt: float | None = None, example: Any = None) -> None:
         """Bound check on a numeric field (None values are skipped: they mean "auto")."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -55,8 +54,7 @@ class LoRAConfig(ConfigSection):
                       f"model.lora.target_modules={list(self.target_modules)}: {bad or 'empty'} not among "
                       f"{list(LORA_TARGETS)} or all-linear; name HF projections, e.g. [q_proj, v_proj]")
         if not self.enabled:  # a recipe that sets the adapters up but not their rank would train every weight
-            fields = {f.name: f.default for f in dataclasses.fields(self)}
-            set_up = [name for name in fields if name != "rank" and getattr(self, name) != fields[name]]
+            set_up = self.changed()  # rank is 0, its default: only the other keys
             self._require(not set_up, f"model.lora.{set_up[0] if set_up else ''} is set but model.lora.rank=0 "
                                       f"(LoRA off: full fine-tuning); set model.lora.rank (e.g. 16), or remove "
                                       f"model.lora.{set_up[0] if set_up else ''}")

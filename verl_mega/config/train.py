@@ -334,8 +334,8 @@ class TrainConfig(ConfigSection):
                           f"rollout.fleet.engines={self.rollout.fleet.engines} supervises engines on a rollout pool "
                           f"of its own, but the rollout shares the actor's pool; give the rollout a pool of its own "
                           f"in placement.pools/placement.roles, or set rollout.fleet.engines=0")
-            pool_only = (_changed("rollout", self.rollout, ("weight_bucket_mb",))
-                         + _changed("trainer", self.trainer, ("pool_heartbeat_timeout_s",)))
+            pool_only = ([self.rollout.said(n) for n in self.rollout.changed("weight_bucket_mb")]
+                         + [self.trainer.said(n) for n in self.trainer.changed("pool_heartbeat_timeout_s")])
             self._require(not pool_only,
                           f"{', '.join(pool_only)}: {'these act' if len(pool_only) > 1 else 'it acts'} on a rollout "
                           f"pool of its own, but the rollout shares the actor's pool; remove "
@@ -376,8 +376,8 @@ class TrainConfig(ConfigSection):
         """rollout.fleet: one supervising rank, whose engine processes hold one GPU (or CPU) each."""
         fleet = self.rollout.fleet.engines
         if not fleet:
-            unused = _changed("rollout.fleet", self.rollout.fleet,
-                              ("hang_timeout_s", "start_timeout_s", "max_restarts"))
+            fleet_cfg = self.rollout.fleet
+            unused = [fleet_cfg.said(n) for n in fleet_cfg.changed("hang_timeout_s", "start_timeout_s", "max_restarts")]
             self._require(not unused,
                           f"{', '.join(unused)}: {'these act' if len(unused) > 1 else 'it acts'} on a rollout fleet, "
                           f"but rollout.fleet.engines=0 runs none; set rollout.fleet.engines, or remove "
@@ -430,10 +430,3 @@ def _require_model_dir(key: str, path: str) -> None:
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError(f"{key}={path!r} has no config.json; point {key} at a Hugging Face model directory")
 
-
-def _changed(prefix: str, section: Any, names: tuple[str, ...]) -> list[str]:
-    """``prefix.name=value`` for each of ``names`` set away from its default in ``section``."""
-    fields = {f.name: f for f in dataclasses.fields(section)}
-    said = {name: getattr(section, name) for name in names if getattr(section, name) != fields[name].default}
-    return [f"{prefix}.{name}={value:g}" if isinstance(value, float) else f"{prefix}.{name}={fmt(value)}"
-            for name, value in said.items()]
