@@ -36,18 +36,12 @@ def model_sharded_state_dict(chunks: list[torch.nn.Module], groups) -> dict[str,
 
 
 def load_model_state(module: torch.nn.Module, state: dict[str, Any]) -> None:
-    """Load a (dist-checkpoint) state dict into one model chunk: all of it, or with LoRA adapters exactly the
-    adapters (the frozen base was loaded from the HF model it was built from)."""
-    from verl_mega.models.lora import has_adapters, is_lora_param
+    """Load a (dist-checkpoint) state dict into one model chunk: all of it, or with LoRA adapters the adapters alone
+    (the frozen base was loaded from the HF model it was built from; :func:`check_adapters_match` made sure before
+    the load that the checkpoint's adapters are this model's)."""
+    from verl_mega.models.lora import has_adapters
 
-    if not has_adapters([module]):
-        module.load_state_dict(state)
-        return
-    missing = module.load_state_dict(state, strict=False).missing_keys
-    adapters = [k for k in missing if is_lora_param(k)]
-    if adapters:
-        raise CheckpointError(f"checkpoint: LoRA adapter {adapters[0]} is missing (and {len(adapters) - 1} more); "
-                              f"the checkpoint was written with another model.lora (rank, target_modules)")
+    module.load_state_dict(state, strict=not has_adapters([module]))
 
 
 def check_adapters_match(model_sd: dict, ckpt_dir: str | Path) -> None:
