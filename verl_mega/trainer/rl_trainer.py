@@ -196,13 +196,11 @@ class RLTrainer:
         groups have rewards that differ (dropped groups fill a batch still short after
         algorithm.filter_groups.max_num_gen_batches)."""
         fcfg, frac = self.cfg.algorithm.filter_groups, self.cfg.rollout.multi_turn.max_tool_failure_frac
-        specs = self.specs(data.prompts)
-        n = specs[0].n
+        n = self.cfg.rollout.n  # the training specs' (RLTrainer.specs)
         rounds, batch, counts, candidates = 0, data.prompts, {}, []
         while batch is not None:
             rounds += 1
-            # each further batch of dynamic sampling samples with the seeds of its own data position
-            generated = self._generate(batch, specs if rounds == 1 else self.specs(batch), data)
+            generated = self._generate(batch, self.specs(batch), data)  # each batch: its own position's seeds
             offset = len(data.items)
             data.items += batch.items
             gen = generated[0]
@@ -279,7 +277,7 @@ class RLTrainer:
         if self.cfg.algorithm.adv_estimator == "remax":  # ReMax's baseline: one greedy answer per prompt
             specs.append(SamplingSpec(n=1, max_tokens=self.cfg.rollout.max_response_length, temperature=0.0,
                                       stop_token_ids=specs[0].stop_token_ids, ignore_eos=specs[0].ignore_eos,
-                                      logprobs=True))  # scored on answers of the samples' lengths
+                                      logprobs=True))
         return specs
 
     def _sampling(self, prompt_batch, *, validation: bool = False) -> SamplingSpec:
@@ -295,8 +293,7 @@ class RLTrainer:
                             ignore_eos=rcfg.ignore_eos,
                             # fixed-length generation: EOS must not stop it either
                             stop_token_ids=() if rcfg.ignore_eos else (self.tokenizer.eos_token_id,), logprobs=True,
-                            # a step's samples use seeds base..base + prompts·n (rollout.base.prompt_seed): steps
-                            # a prime stride apart, more than any batch's samples
+                            # steps a prime apart, more than a step's prompts·n seeds (rollout.base.prompt_seed)
                             seed=(base * 7_919 + position * 1_000_003) % SEED_MODULUS)
 
     # ------------------------------------------------------------------ score
