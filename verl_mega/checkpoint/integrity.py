@@ -282,13 +282,13 @@ def _candidates(cfg) -> list[Path]:
     mode = cfg.trainer.resume
     if mode == "off":
         return []
-    root = Path(cfg.trainer.output_dir) / "checkpoints"
     if mode != "auto":
         path = Path(mode)
         if not (path / COMPLETE).exists():
             raise ResumeError(f"trainer.resume={mode}: not a complete checkpoint (no COMPLETE marker); "
                               "pick a step_* directory or use trainer.resume=auto")
         return _saved_since_resume(cfg, path) + [path]
+    root = Path(cfg.trainer.output_dir) / "checkpoints"
     return sorted((p for p in root.glob("step_*") if (p / COMPLETE).exists()), reverse=True)
 
 

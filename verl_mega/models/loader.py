@@ -75,7 +75,7 @@ def load_hf_weights(chunks: list[torch.nn.Module], reader: HFCheckpointReader, a
         padded_vocab = model.vocab_size
         for name, param in mapped_tensors(model):
             if value_head and name.startswith("output_layer."):
-                if SCORE_HEAD not in reader.keys():
+                if SCORE_HEAD not in reader:
                     continue  # a causal LM's checkpoint: the value head starts as initialised
                 hf_name, shard = SCORE_HEAD, reader.get(SCORE_HEAD)  # replicated on every TP rank, as the head is
             else:
