@@ -238,9 +238,14 @@ def test_steps_left(run):
 
 
 def test_legacy_checkpoint_without_manifest(run, caplog):
+    """Written before manifests, and before trainer.json's schema field, which came with them: resumed unverified."""
     cfg, (_, newest) = run
+    state = json.loads((newest / "trainer.json").read_text())
+    state.pop("schema")
+    (newest / "trainer.json").write_text(json.dumps(state))
     (newest / MANIFEST).unlink()
     assert find_checkpoint(cfg) == newest
+    assert find_checkpoint(_cfg(cfg.trainer.output_dir, f"trainer.resume={newest}")) == newest
     with caplog.at_level(logging.WARNING):
         assert verify_checkpoint(cfg, newest) == newest
     assert "written without a manifest" in caplog.text
@@ -314,3 +319,25 @@ def test_a_checkpoint_where_the_data_ran_out_is_a_complete_run(run):
     with pytest.raises(RunComplete, match="already holds step 4, where the data ran out"):
         check_steps_left(newest, 20, loader=_loader())
     check_steps_left(newest, 40, loader=_loader(num_epochs=2))  # trainer.total_epochs raised: steps are left
+
+
+def test_a_deleted_manifest_is_damage_not_the_older_format(run, caplog):
+    """A checkpoint whose trainer.json has the schema field was written with a manifest: without it, its files
+    cannot be verified, so it is broken (resume=auto falls back to the older intact one), even when the rest is
+    damaged in a way only the manifest would show. An intact checkpoint named explicitly still resumes."""
+    cfg, (older, newest) = run
+    assert find_checkpoint(_cfg(cfg.trainer.output_dir, f"trainer.resume={newest}")) == newest
+    shard = _shard(newest)
+    shard.write_bytes(shard.read_bytes()[:100])
+    (newest / MANIFEST).unlink()
+    with caplog.at_level(logging.WARNING):
+        assert find_checkpoint(cfg) == older
+        assert verify_checkpoint(cfg, find_checkpoint(cfg)) == older
+    assert f"{newest / MANIFEST} is missing" in caplog.text and "resuming from the older step_000002" in caplog.text
+    with pytest.raises(BrokenCheckpointError, match=f"{newest / MANIFEST} is missing .*resume another checkpoint") \
+            as info:
+        find_checkpoint(_cfg(cfg.trainer.output_dir, f"trainer.resume={newest}"))
+    assert "\n" not in str(info.value)
+    (older / MANIFEST).unlink()
+    with pytest.raises(BrokenCheckpointError, match="manifest.json is missing.*no older intact checkpoint"):
+        find_checkpoint(cfg)

@@ -33,7 +33,10 @@ from verl_mega.parallel.state import pool_group
 
 log = logging.getLogger("verl_mega.checkpoint")
 
-SCHEMA = 1  # trainer.json layout; a checkpoint with a newer schema comes from a newer verl_mega
+# trainer.json layout; a checkpoint with a newer schema comes from a newer verl_mega. The field and manifest.json
+# came in together: a trainer.json without it is of a checkpoint written before manifests, one with it needs its
+# manifest (a deleted manifest must not pass for that older format and load unverified).
+SCHEMA = 1
 MANIFEST = "manifest.json"
 COMPLETE = "COMPLETE"
 RESUMED_FILE = ".resumed_from.json"  # under output_dir: the trainer.resume=PATH this run resumed from (and its step)
@@ -239,7 +242,11 @@ def inspect_checkpoint(path: Path, cfg) -> dict[str, Any]:
     manifest = read_manifest(path)
     if manifest is not None:
         check_sizes(path, manifest)
-    else:  # written before manifests: at least every rank's file and role directory must be there
+    elif "schema" in state:  # manifests came with the schema field: this checkpoint was written with one
+        raise BrokenCheckpointError(f"resume: {path / MANIFEST} is missing (trainer.json's schema {state['schema']} "
+                                    f"checkpoints are written with one), so the files cannot be verified; resume "
+                                    f"another checkpoint")
+    else:  # written before manifests (and the schema field): at least every rank's file must be there
         for rank in range(state["world_size"]):
             if not (path / f"rank_{rank:05d}.pt").is_file():
                 raise BrokenCheckpointError(f"resume: {path / f'rank_{rank:05d}.pt'} is missing")

@@ -137,8 +137,8 @@ def async_save_request(sharded_sd: dict, checkpoint_dir: Path) -> "AsyncRequest"
 def discard(path: Path) -> None:
     """Delete checkpoint directory `path` so that no partial `step_N` is ever visible: renamed (atomically) to a
     hidden ``.trash-`` name first, then removed. A kill midway leaves only the hidden name (removed at the next
-    save); an rmtree in place could leave COMPLETE and trainer.json without the manifest, a pre-manifest look-alike
-    that would load unverified."""
+    save); an rmtree in place could leave COMPLETE and trainer.json without the manifest, a visible step_N that
+    resume=auto would have to try and refuse."""
     trash = path.with_name(f"{TRASH_PREFIX}{path.name}")
     if trash.exists():
         shutil.rmtree(trash)
