@@ -826,3 +826,41 @@ def test_keys_that_would_do_nothing_are_refused():
         "trainer.val_every=N or trainer.val_before_train=true, or data.val_files=[]")
     assert _error(load_config, QUICKSTART, ["model.path=/some/model", "critic.model_path=tiny"],
                   check_paths=False).startswith("critic.model_path=tiny starts the critic from the bundled tiny model")
+
+
+def test_values_past_a_hard_limit_are_refused_at_the_config(tmp_path, monkeypatch, capsys):
+    """rollout.n over vLLM's limit, and run lengths whose batch count would not fit the loader's int64 len(), are
+    refused when the config loads: a one-line error, exit code 2, nothing built and no output directory."""
+    import vllm.envs
+
+    from verl_mega import train
+    from verl_mega.config.rl import vllm_max_n
+
+    monkeypatch.delenv("VLLM_MAX_N_SEQUENCES", raising=False)
+    assert vllm_max_n() == vllm.envs.VLLM_MAX_N_SEQUENCES == 16384  # vLLM's own reading of its limit
+    assert load_config(QUICKSTART, ["rollout.n=16384"]).rollout.n == 16384
+    assert _error(load_config, QUICKSTART, ["rollout.n=1000000"]) == (
+        "rollout.n=1000000 is over vLLM's limit of 16384 samples per prompt (VLLM_MAX_N_SEQUENCES); set rollout.n to "
+        "at most 16384, e.g. rollout.n=8")
+    monkeypatch.setenv("VLLM_MAX_N_SEQUENCES", "64")
+    assert vllm_max_n() == vllm.envs.VLLM_MAX_N_SEQUENCES == 64
+    assert "over vLLM's limit of 64" in _error(load_config, QUICKSTART, ["rollout.n=65"])
+    monkeypatch.delenv("VLLM_MAX_N_SEQUENCES")
+
+    assert load_config(QUICKSTART, [f"trainer.total_steps={10**9}"]).trainer.total_steps == 10**9
+    assert _error(load_config, QUICKSTART, [f"trainer.total_steps={10**21}"]) == (
+        f"trainer.total_steps must be <= 1000000000, got {10**21}; set trainer.total_steps to a value <= 1000000000, "
+        f"e.g. trainer.total_steps=100")
+    assert "trainer.total_epochs must be <= 1000000000" in _error(
+        load_config, QUICKSTART, ["trainer.total_steps=null", f"trainer.total_epochs={10**21}"])
+    assert "algorithm.filter_groups.max_num_gen_batches must be <= 1000000000" in _error(
+        load_config, QUICKSTART, [f"algorithm.filter_groups.max_num_gen_batches={10**21}"])
+
+    monkeypatch.setattr("verl_mega.trainer.setup.build_job", lambda cfg: pytest.fail("the job was built"))
+    capsys.readouterr()
+    for override in ("rollout.n=1000000", f"trainer.total_steps={10**21}"):
+        out = tmp_path / "out"
+        assert train.main(["--config", QUICKSTART, override, f"trainer.output_dir={out}"]) == 2
+        errors = capsys.readouterr().err.strip().splitlines()
+        assert len(errors) == 1 and errors[0].startswith(f"error: {override.split('=')[0]}"), errors
+        assert not out.exists()

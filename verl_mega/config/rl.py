@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Mapping
 
 from verl_mega.config.base import ConfigSection, FrozenDict, option
 from verl_mega.config.roles import KLEstimator
-from verl_mega.config.run import MISSED_BEATS
+from verl_mega.config.run import MAX_RUN_LENGTH, MISSED_BEATS
 
 # vllm.LLM arguments the rollout sets itself → the key that decides each (rollout.engine_kwargs may not set them)
 ROLLOUT_ENGINE_ARGS = {
@@ -29,6 +30,18 @@ ROLLOUT_ENGINE_ARGS = {
     "enable_lora": "model.lora.rollout_sync", "max_lora_rank": "model.lora.rank",
     "max_loras": "model.lora.rollout_sync",
 }
+
+
+
+def vllm_max_n() -> int:
+    """vLLM's limit on samples per prompt (SamplingParams.n): vllm/envs.py's VLLM_MAX_N_SEQUENCES, default 16384,
+    which vllm/sampling_params.py's _verify_num_sequences enforces. Read the way vLLM reads it, without importing
+    vLLM (configs load in light processes)."""
+    try:
+        return int(os.environ.get("VLLM_MAX_N_SEQUENCES", "16384"))
+    except ValueError:  # vLLM itself would fail on it; the config check then applies vLLM's default
+        return 16384
+
 
 GENERATED_PREFIX = "generated:"  # data.train_files entry naming a built-in generated task, e.g. generated:arithmetic
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -190,7 +203,8 @@ class RolloutConfig(VLLMConfig):
 
     SECTION: ClassVar[str] = "rollout"
 
-    n: int = option(1, help="Samples generated per prompt (the group size of GRPO/RLOO).")
+    n: int = option(1, help="Samples generated per prompt (the group size of GRPO/RLOO); at most vLLM's "
+                            "VLLM_MAX_N_SEQUENCES (16384 unless set).")
     temperature: float = option(1.0, help="Sampling temperature of the training rollouts, > 0 (the actor and reference "
                                 "score tokens at logits / temperature).")
     top_p: float = option(1.0, help="Nucleus sampling probability mass, in (0, 1].")
@@ -247,6 +261,9 @@ class RolloutConfig(VLLMConfig):
                       "rollout.multi_turn.enable=true ends turns at EOS but rollout.ignore_eos=true; set "
                       "rollout.ignore_eos=false")
         self._check_range("n", ge=1, example=8)
+        self._require(self.n <= vllm_max_n(),
+                      f"rollout.n={self.n} is over vLLM's limit of {vllm_max_n()} samples per prompt "
+                      f"(VLLM_MAX_N_SEQUENCES); set rollout.n to at most {vllm_max_n()}, e.g. rollout.n=8")
         self._check_range("temperature", ge=0.0, example=1.0)
         self._check_range("top_p", gt=0.0, le=1.0, example=1.0)
         self._require(self.top_k == -1 or self.top_k >= 1,
@@ -299,11 +316,12 @@ class FilterGroupsConfig(ConfigSection):
 
     enable: bool = option(False, help="Filter groups with identical rewards and refill the batch (needs a group "
                                       "estimator: grpo, rloo or reinforce_plus_plus_baseline).")
-    max_num_gen_batches: int = option(10, help="At most this many prompt batches are generated per step; if the "
-                                               "batch is still short, dropped groups fill it (their advantage is 0).")
+    max_num_gen_batches: int = option(10, help="At most this many prompt batches are generated per step (a value of "
+                                               "at most 10^9); if the batch is still short, dropped groups fill it "
+                                               "(their advantage is 0).")
 
     def validate(self) -> None:
-        self._check_range("max_num_gen_batches", ge=1, example=10)
+        self._check_range("max_num_gen_batches", ge=1, le=MAX_RUN_LENGTH, example=10)
 
 
 AdvEstimator = Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",

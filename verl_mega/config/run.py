@@ -10,6 +10,11 @@ from verl_mega.config.base import ConfigSection, option
 RESUME_AUTO, RESUME_OFF = "auto", "off"
 POOL_HEARTBEAT_S = 2.0  # every rank's heartbeat period (verl_mega/parallel/pools.py beats it)
 MISSED_BEATS = 3  # a heartbeat timeout spans at least this many periods: one late beat is no alarm
+# The longest run: trainer.total_steps, trainer.total_epochs and algorithm.filter_groups.max_num_gen_batches at most
+# this. The data loader counts its batches (steps x batches per step, or epochs x batches per epoch) as a Python
+# int whose len() must fit in an index-sized (int64) integer: 10**9 x 10**9 does, with room to spare. A billion
+# steps at one a second is over thirty years.
+MAX_RUN_LENGTH = 10**9
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -19,9 +24,9 @@ class TrainerConfig(ConfigSection):
     SECTION: ClassVar[str] = "trainer"
 
     total_steps: int | None = option(
-        None, help="RL steps to run; null runs total_epochs over the data. Not result-changing on resume unless an "
-                   "LR schedule decays over the run length.", affects_results=False)
-    total_epochs: int | None = option(1, help="Epochs over data.train_files when total_steps is null.",
+        None, help="RL steps to run (at most 10^9); null runs total_epochs over the data. Not result-changing on "
+                   "resume unless an LR schedule decays over the run length.", affects_results=False)
+    total_epochs: int | None = option(1, help="Epochs over data.train_files when total_steps is null (at most 10^9).",
                                       affects_results=False)
     output_dir: str = option("outputs/run", help="Directory for metrics.jsonl, TensorBoard logs, plots and "
                                                  "checkpoints/.", affects_results=False)
@@ -77,8 +82,8 @@ class TrainerConfig(ConfigSection):
         affects_results=False)
 
     def validate(self) -> None:
-        self._check_range("total_steps", ge=1, example=100)
-        self._check_range("total_epochs", ge=1, example=1)
+        self._check_range("total_steps", ge=1, le=MAX_RUN_LENGTH, example=100)
+        self._check_range("total_epochs", ge=1, le=MAX_RUN_LENGTH, example=1)
         self._require(self.total_steps is not None or self.total_epochs is not None,
                       "trainer.total_steps and trainer.total_epochs are both null; set one, e.g. "
                       "trainer.total_steps=100")
