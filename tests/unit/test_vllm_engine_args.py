@@ -95,3 +95,92 @@ def test_the_keys_the_refusals_name_exist(monkeypatch, tmp_path):
             node = getattr(node, part)
     assert _engine_args(monkeypatch, vllm_config(cfg, tmp_path, gen_tp=1))["enable_prefix_caching"] is False
     assert _engine_args(monkeypatch, VLLMRolloutConfig(model_path="m"))["enable_prefix_caching"] is True
+
+
+def _inductor_benchmarking_allowed() -> bool:
+    """inductor's own guard of its autotuning benchmarks (what vLLM's torch.compile ran into)."""
+    from torch._inductor.runtime.benchmarking import may_ban_benchmarking
+
+    try:
+        may_ban_benchmarking()
+    except RuntimeError:
+        return False
+    return True
+
+
+def test_vllm_is_built_and_stepped_outside_the_training_determinism(monkeypatch):
+    # trainer.deterministic governs training kernels only: under it, vLLM's build (compile, CUDA graphs) ran into
+    # inductor's "In the deterministic mode of Inductor, we will avoid those benchmarkings"
+    import torch
+
+    from verl_mega.parallel.state import set_deterministic
+    from verl_mega.rollout.vllm_rollout import engine_stance
+
+    seen: list = []
+
+    class RecordingLLM:
+        def __init__(self, **kwargs):
+            seen.append((torch.are_deterministic_algorithms_enabled(), _inductor_benchmarking_allowed()))
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=RecordingLLM))
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    set_deterministic(True)
+    try:
+        assert not _inductor_benchmarking_allowed()  # what training runs under
+        _build_llm(VLLMRolloutConfig(model_path="m"), False)
+        assert seen == [(False, True)]  # built on torch's defaults
+        with engine_stance():  # an engine step: inductor may benchmark; the algorithms flag stays for the scorer
+            seen.append((torch.are_deterministic_algorithms_enabled(), _inductor_benchmarking_allowed()))
+        assert seen[1] == (True, True)
+        # and the training setting is back, warn-only as set_deterministic set it
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+        assert not _inductor_benchmarking_allowed()
+    finally:
+        set_deterministic(False)
+    _build_llm(VLLMRolloutConfig(model_path="m"), False)  # off stays off
+    assert seen[2] == (False, True) and not torch.are_deterministic_algorithms_enabled()
+
+
+def _vllm_starts(total: int, free: int, utilization: float) -> bool:
+    """vLLM's own start-up check of the free memory (``request_memory``)."""
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.utils import request_memory
+
+    try:
+        request_memory(SimpleNamespace(total_memory=total, free_memory=free, device_="cuda:0"),
+                       SimpleNamespace(gpu_memory_utilization=utilization))
+    except ValueError:
+        return False
+    return True
+
+
+def test_vllm_asks_for_no_more_memory_than_the_training_engines_left_free():
+    from verl_mega.trainer.rollout_setup import RESERVE_BYTES, vllm_memory
+
+    gib = 1 << 30
+    total, free = int(139.8 * gib), int(111.26 * gib)  # one H200, a 1.5B actor and its reference built
+    # the ppo recipe on a GPU: an explicit 256 MiB KV cache, and vLLM's own default utilization (0.92) failed to start
+    assert not _vllm_starts(total, free, 0.92)
+    m = vllm_memory(choice="auto", total=total, free=free, training_peak=25 * gib, vllm_need=5 * gib,
+                    utilization=0.5, kv_cache_given=True)
+    assert not m.free_cache and m.room_bytes == free - RESERVE_BYTES
+    assert _vllm_starts(total, free, m.gpu_memory_utilization) and m.gpu_memory_utilization * total <= m.room_bytes
+    # resident, the KV cache sized from the utilization: the asked share when it fits beside the training peak ...
+    m = vllm_memory(choice="auto", total=total, free=free, training_peak=40 * gib, vllm_need=0.5 * total,
+                    utilization=0.5, kv_cache_given=False)
+    assert not m.free_cache and m.gpu_memory_utilization == 0.5
+    # ... lowered to what the peak leaves when vLLM is kept resident regardless
+    m = vllm_memory(choice=False, total=total, free=free, training_peak=100 * gib, vllm_need=0.5 * total,
+                    utilization=0.5, kv_cache_given=False)
+    assert not m.free_cache and m.room_bytes == total - 100 * gib - RESERVE_BYTES
+    assert m.gpu_memory_utilization * total <= m.room_bytes < 0.5 * total
+    # auto: that does not fit, so vLLM sleeps while the roles train; built now, it still takes only what is free
+    m = vllm_memory(choice="auto", total=total, free=50 * gib, training_peak=100 * gib, vllm_need=0.5 * total,
+                    utilization=0.5, kv_cache_given=False)
+    assert m.free_cache and m.room_bytes == 50 * gib - RESERVE_BYTES
+    assert _vllm_starts(total, 50 * gib, m.gpu_memory_utilization) and m.gpu_memory_utilization < 0.5
+    with pytest.raises(ConfigError, match=r"rollout: vLLM has no GPU memory left beside the training roles' predicted "
+                                          r"peak .* or rollout.free_cache_engine=auto$"):
+        vllm_memory(choice=False, total=total, free=free, training_peak=total - gib, vllm_need=gib,
+                    utilization=0.5, kv_cache_given=False)

