@@ -275,3 +275,17 @@ def test_mpirun_sh_spreads_ranks_over_the_hosts_given(tmp_path):
     assert r.returncode == 2 and "-np 3 does not split evenly over the 2 hosts given: give --nproc-per-node" in r.stderr
     r = run("-np", "4", "--hostfile", str(tmp_path / "missing"))
     assert r.returncode == 2 and "cannot be read" in r.stderr
+
+
+def test_each_restart_gets_store_keys_of_its_own(monkeypatch):
+    """torchrun's agent keeps its store across worker-group restarts: the job's keys carry the attempt, so a
+    restarted group never reads the dead attempt's gloo addresses (its restart then failed: connectFullMesh)."""
+    for var in launch_env.RESTART_COUNTERS.values():
+        monkeypatch.delenv(var, raising=False)
+    assert launch_env.attempt_key() == "attempt"
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    first = launch_env.attempt_key()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert launch_env.attempt_key() != first
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+    assert launch_env.attempt_key() == "attempt-slurm2-torchrun1"

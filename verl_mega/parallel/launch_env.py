@@ -23,7 +23,7 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Mapping, MutableMapping
 
-__all__ = ["DistEnv", "LaunchEnvError", "RESTART_COUNTERS", "discover", "main", "restart_counters"]
+__all__ = ["DistEnv", "LaunchEnvError", "RESTART_COUNTERS", "attempt_key", "discover", "main", "restart_counters"]
 
 # the launchers' restart counters: torchrun's, Slurm's requeue count, and the launch/ scripts' own loops
 RESTART_COUNTERS = {"torchrun": "TORCHELASTIC_RESTART_COUNT", "slurm": "SLURM_RESTART_COUNT",
@@ -38,6 +38,13 @@ def restart_counters() -> dict[str, int]:
         if value.isdigit():
             out[name] = int(value)
     return out
+
+
+def attempt_key() -> str:
+    """This attempt's name among the launchers' restarts (``attempt`` + the counters present, e.g.
+    ``attempt-torchrun1``): the same on every rank of one attempt, and new at each restart."""
+    counters = restart_counters()
+    return "attempt" + "".join(f"-{name}{count}" for name, count in sorted(counters.items()))
 
 
 class LaunchEnvError(ValueError):

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from verl_mega.config.run import POOL_HEARTBEAT_S as HEARTBEAT_S
 from verl_mega.parallel import cpu_mode
 from verl_mega.parallel.placement import Placement, PlacementError, Pool
-from verl_mega.parallel.state import init_process_group
+from verl_mega.parallel.state import init_process_group, job_store
 
 log = logging.getLogger(__name__)
 
@@ -379,7 +379,7 @@ def init_pool_worlds(placement: Placement, timeout_s: float, heartbeat_timeout_s
         raise RuntimeError("torch.distributed is already initialised; a disaggregated job initialises its pools")
     check_disaggregated(placement)
     timeout = datetime.timedelta(seconds=timeout_s)
-    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    store, rank, world = job_store(timeout)
     if world != placement.world_size:
         raise PlacementError(f"placement covers {placement.world_size} ranks but the job has {world}")
     pool = placement.pool_of_rank(rank)

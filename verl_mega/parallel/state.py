@@ -33,7 +33,20 @@ def init_world(timeout_s: float = 600.0) -> None:
     if dist.is_initialized():
         return
     launch_env.discover().export_to_os_environ()  # a plain process is a world of one, on a free port
-    init_process_group(datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store, rank, world = job_store(timeout)
+    init_process_group(timeout, store=store, rank=rank, world_size=world)
+
+
+def job_store(timeout: datetime.timedelta) -> tuple[Any, int, int]:
+    """The job's rendezvous (``env://``): its store, this rank and the world size. The store's keys are this attempt's
+    alone: torchrun's agent keeps one store across the restarts of its worker group, so a restarted group that used
+    the bare store would read the dead attempt's gloo addresses and fail ("connectFullMesh failed … Connection
+    refused") or wait on them."""
+    from verl_mega.parallel.launch_env import attempt_key
+
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    return dist.PrefixStore(f"verl_mega/{attempt_key()}/", store), rank, world
 
 
 def init_process_group(timeout: datetime.timedelta, **world: Any) -> None:
