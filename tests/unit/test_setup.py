@@ -368,3 +368,83 @@ def test_generated_validation_prompts_are_not_the_training_prompts(tmp_path):
     held_out = [item.prompt_ids for item in val.items]
     assert len(train) == len(held_out) and train != held_out
     assert sum(a == b for a, b in zip(train, held_out)) < len(train) // 10
+
+
+# ------------------------------------------------------------------------- special tokens and template markers
+def _model_files(path: Path, config: dict, generation: dict | None = None) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({"model_type": "qwen2", **config}))
+    if generation is not None:
+        (path / "generation_config.json").write_text(json.dumps(generation))
+    return path
+
+
+def _swap_ids(tok_dir: Path, a: str, b: str) -> Path:
+    """The same tokens, two of them with each other's ids (a permuted vocabulary of the same size)."""
+    data = json.loads((tok_dir / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    for added in data["added_tokens"]:
+        added["id"] = vocab[added["content"]]
+    (tok_dir / "tokenizer.json").write_text(json.dumps(data))
+    return tok_dir
+
+
+def test_special_token_ids_must_be_the_models(tmp_path):
+    from verl_mega.models.tiny import make_tiny_hf_model, tokenizer_vocab_size
+
+    size = tokenizer_vocab_size()
+    tiny = make_tiny_hf_model(tmp_path / "tiny", num_layers=1, hidden_size=64, intermediate_size=64, num_heads=2,
+                              num_kv_heads=1)  # the bundled tiny model's builder: its own files agree
+    assert load_tokenizer(tiny, model_vocab_size=size, model_path=tiny).eos_token_id == 2
+    model = _model_files(tmp_path / "m", {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0})
+    load_tokenizer(build_char_tokenizer(tmp_path / "ok"), model_vocab_size=size, model_path=model)
+
+    permuted = _swap_ids(build_char_tokenizer(tmp_path / "perm"), "<eos>", "a")
+    tok = load_tokenizer(permuted, model_vocab_size=size)  # without the model's files: same size, accepted
+    assert len(tok) == size and tok.eos_token_id == tok.convert_tokens_to_ids("<eos>") != 2
+    with pytest.raises(ValueError) as info:
+        load_tokenizer(permuted, model_vocab_size=size, model_path=model)
+    assert str(info.value) == (
+        f"model.tokenizer_path={str(permuted)!r}: the tokenizer's eos_token '<eos>' is id {tok.eos_token_id}, but the "
+        f"model's config.json's eos_token_id 2 (in {model}); the tokenizer does not match the model: set "
+        f"model.tokenizer_path to the model's own tokenizer")
+    bos = _swap_ids(build_char_tokenizer(tmp_path / "bos"), "<bos>", "b")
+    with pytest.raises(ValueError, match="the tokenizer's bos_token '<bos>' is id .*, but the model's config.json's "
+                                         "bos_token_id 1"):
+        load_tokenizer(bos, model_vocab_size=size, model_path=model)
+    pad = _swap_ids(build_char_tokenizer(tmp_path / "pad"), "<pad>", "c")
+    with pytest.raises(ValueError, match="the tokenizer's pad_token '<pad>' is id"):
+        load_tokenizer(pad, model_vocab_size=size, model_path=model)
+
+    # an instruct model lists several eos ids, one in config.json and all in generation_config.json
+    eos_id = tok.eos_token_id
+    several = _model_files(tmp_path / "several", {"eos_token_id": 2}, {"eos_token_id": [2, eos_id]})
+    load_tokenizer(permuted, model_vocab_size=size, model_path=several)
+    # a pad id that is another of the model's special ids (padding with eos) is fine; ids the model omits are not
+    # checked
+    load_tokenizer(build_char_tokenizer(tmp_path / "p2"), model_path=_model_files(
+        tmp_path / "padeos", {"eos_token_id": 2, "pad_token_id": 0, "bos_token_id": 1}, {"pad_token_id": 2}))
+    load_tokenizer(permuted, model_vocab_size=size, model_path=_model_files(tmp_path / "none", {}))
+
+
+def test_chat_template_markers_must_be_tokens(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    path = build_char_tokenizer(tmp_path / "tok")
+    chatml = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    with pytest.raises(ValueError) as info:
+        load_tokenizer(path, chat_template=chatml)
+    assert str(info.value).startswith(
+        f"model.tokenizer_path={str(path)!r}: the chat template uses '<|im_end|>', which this tokenizer splits into "
+        f"10 tokens (it is not one of its special tokens); set model.tokenizer_path to the model's own tokenizer, or "
+        f"model.chat_template")
+    vocab = {"<pad>": 0, "<eos>": 1, "<|im_start|>": 2, "<|im_end|>": 3, **{c: 4 + i for i, c in enumerate("abc\n")}}
+    fast = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>")),
+                                   pad_token="<pad>", eos_token="<eos>",
+                                   additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    fast.backend_tokenizer.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    fast.chat_template = chatml
+    fast.save_pretrained(str(tmp_path / "chatml"))
+    assert load_tokenizer(tmp_path / "chatml").chat_template == chatml

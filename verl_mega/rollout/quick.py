@@ -35,7 +35,7 @@ def rollout_only(model_path: str | Path, env: Iterable[str] | PromptEnv, *, n: i
     prompts = list(env.prompts()) if hasattr(env, "prompts") else list(env)
     if not prompts or not all(isinstance(p, str) for p in prompts):
         raise ValueError("rollout_only: the environment must yield at least one prompt string")
-    tokenizer = load_tokenizer(model_path)
+    tokenizer = load_tokenizer(model_path, model_path=model_path)
     cfg = VLLMRolloutConfig(model_path=str(model_path), gen_tp=1, dtype=dtype, max_model_len=512, max_num_seqs=64,
                             kv_cache_memory_bytes=None if torch.cuda.is_available() else kv_cache_memory_bytes,
                             enforce_eager=True, seed=seed)

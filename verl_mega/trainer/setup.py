@@ -252,7 +252,7 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
     resume_path = find_checkpoint(cfg)  # a bad resume target fails here, before anything is built (per rank)
     tokenizer = load_tokenizer(Path(cfg.model.tokenizer_path) if cfg.model.path != "tiny" else path,
                                trust_remote_code=cfg.model.trust_remote_code, model_vocab_size=arch.vocab_size,
-                               chat_template=cfg.model.chat_template)
+                               chat_template=cfg.model.chat_template, model_path=path)
     loader, val_prompts, total_steps = _data(cfg, tokenizer)
     if resume_path is not None:  # a loader state that does not fit the data is refused here too
         check_steps_left(resume_path, total_steps, loader=loader, complete_ok=True)
