@@ -82,9 +82,10 @@ def test_unknown_tool_spec_fails_at_start_up():
 def test_misbehaving_tools_are_cut_off_and_the_runner_goes_on(tools_file, caplog):
     specs = ["calc", "python", f"{tools_file}:hang", f"{tools_file}:crash", f"{tools_file}:chatty",
              f"{tools_file}:huge", f"{tools_file}:add", f"{tools_file}:boom", f"{tools_file}:picky"]
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.INFO):
         runner = ToolRunner(specs, timeout_s=1.5, python_memory_mb=256)
-    assert PYTHON_TOOL_RISK in caplog.text  # the python tool is no sandbox, and the run says so
+    assert PYTHON_TOOL_RISK in caplog.text  # the python tool's sandbox shares the kernel, and the run says so
+    assert "python tool sandbox" in caplog.text  # how it is isolated here, said once
     try:
         assert runner.call("calc", "12*12") == Answer(True, "144")
         assert runner.call("calc", "2+") == Answer(False, "error: SyntaxError: invalid syntax (<unknown>, line 1)")
@@ -120,8 +121,7 @@ def test_misbehaving_tools_are_cut_off_and_the_runner_goes_on(tools_file, caplog
         assert ok and text.strip() in ("[]", "['LC_CTYPE']")  # no environment reaches the code
         code = "import os\nprint(os.path.basename(os.getcwd()), os.listdir('.'), os.getsid(0) == os.getpid())"
         ok, text, _ = runner.call("python", code)
-        cwd, rest = text.split(" ", 1)
-        assert ok and cwd.startswith("verl_mega-python-tool-") and rest == "[] True\n"  # scratch dir, own session
+        assert ok and text == "scratch [] True\n"  # an empty scratch dir, a session of its own
         ok, text, _ = runner.call("python", "raise SystemExit('bye')")
         assert not ok and "bye" in text
 

@@ -12,9 +12,11 @@ are JSON argument names the function does not take);
 a call that times out, crashes its worker or raises anything else has *failed* (the tool's fault), which
 ``rollout.multi_turn.max_tool_failure_frac`` bounds.
 
-The ``python`` tool is not a sandbox: the code runs as this process's user, with no environment, in an empty
-scratch directory and under CPU-time, memory and output limits, but it can read and write what that user can, open
-sockets and signal processes. It is off unless listed, and the run warns when it is.
+The ``python`` tool runs the code in a sandbox (:mod:`verl_mega.rollout.sandbox`): new user, PID, mount and network
+namespaces, a minimal read-only file tree with an empty scratch directory, no capabilities, and limits on processes,
+memory, CPU time, open files and output; every process the code starts is killed when the call returns or times
+out. Where namespaces are not permitted it degrades (no file or network isolation), and the run says so. Tools given
+as ``pkg.module:fn`` or ``file.py:fn`` are not sandboxed: they run in the worker with this process's user and rights.
 """
 
 from __future__ import annotations
@@ -30,13 +32,15 @@ import select
 import signal
 import subprocess
 import sys
-import tempfile
 from typing import Any, Callable, NamedTuple
 
+from verl_mega.rollout import sandbox
+from verl_mega.rollout.sandbox import SandboxLimits
+
 log = logging.getLogger("verl_mega.rollout")
-PYTHON_TOOL_RISK = ("rollout.multi_turn.tools lists `python`: model-written code runs as this process's user (it can "
-                    "read and write that user's files, open network connections and signal processes); only CPU time, "
-                    "memory and output are limited. Run such jobs in a container or VM that holds nothing else")
+PYTHON_TOOL_RISK = ("rollout.multi_turn.tools lists `python`: model-written code runs on this machine, in a sandbox "
+                    "(namespaces, rlimits, no capabilities) that shares its kernel: a kernel exploit escapes it, and "
+                    "CPU side channels are not closed. Run such jobs in a container or VM that holds nothing else")
 MAX_OUTPUT_CHARS = 4096  # a tool's answer is cut here (and again to the token limit of the episode)
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
         ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow, ast.USub: operator.neg,
@@ -79,34 +83,22 @@ class Answer(NamedTuple):
     failed: bool = False  # the call failed: it timed out, crashed its worker, raised, or was not run
 
 
-def python(code: str, *, timeout_s: float = 5.0, memory_mb: int = 512) -> str:
-    """Run ``code`` in a new interpreter (``python -I``, empty environment, an empty scratch directory as its working
-    directory, a session of its own, limits on CPU time, address space and output size) and return what it printed;
-    raises :class:`ToolError` with stderr's last line, or the limit it hit. Not a sandbox: see the module
-    docstring."""
-    limit = MAX_OUTPUT_CHARS * 4  # bytes a print may write before the kernel stops the process (SIGXFSZ)
-
-    def limits() -> None:
-        import resource
-
-        resource.setrlimit(resource.RLIMIT_CPU, (int(timeout_s) + 1, int(timeout_s) + 1))
-        resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
-            tempfile.TemporaryDirectory(prefix="verl_mega-python-tool-") as scratch:
-        try:  # output goes to files, not pipes: a runaway print is stopped by RLIMIT_FSIZE, not held in memory
-            code_ = subprocess.run([sys.executable, "-I", "-c", code], stdout=out, stderr=err, timeout=timeout_s,
-                                   env={}, cwd=scratch, start_new_session=True, preexec_fn=limits).returncode
-        except subprocess.TimeoutExpired:
-            raise ToolError(f"timed out after {timeout_s:g} s") from None
-        if code_ == -signal.SIGXFSZ or out.seek(0, os.SEEK_END) >= limit:
-            raise ToolError(f"output exceeded {limit} bytes")
-        out.seek(0), err.seek(0)
-        stdout, stderr = out.read(limit).decode(errors="replace"), err.read(limit).decode(errors="replace")
-    if code_ != 0:
-        raise ToolError((stderr.strip().splitlines() or [f"exit code {code_}"])[-1])
-    return stdout
+def python(code: str, *, timeout_s: float = 5.0, memory_mb: int = 512, network: bool = False) -> str:
+    """Run ``code`` in a new interpreter in a sandbox (:mod:`verl_mega.rollout.sandbox`: its own namespaces, an empty
+    environment and scratch directory, limits on processes, CPU time, memory, open files and output; no network
+    unless ``network``) and return what it printed; raises :class:`ToolError` with stderr's last line, or the limit
+    it hit."""
+    limits = SandboxLimits(timeout_s=timeout_s, memory_mb=memory_mb, network=network,
+                           output_bytes=MAX_OUTPUT_CHARS * 4)  # a print past this is stopped (EFBIG, SIGXFSZ)
+    result = sandbox.run(code, limits)
+    if result.timed_out:
+        raise ToolError(f"timed out after {timeout_s:g} s")
+    if result.returncode == -signal.SIGXFSZ or len(result.stdout) >= limits.output_bytes:
+        raise ToolError(f"output exceeded {limits.output_bytes} bytes")
+    if result.returncode != 0:
+        stderr = result.stderr.decode(errors="replace")
+        raise ToolError((stderr.strip().splitlines() or [f"exit code {result.returncode}"])[-1])
+    return result.stdout.decode(errors="replace")
 
 
 BUILTIN_TOOLS: dict[str, Callable[..., str]] = {"calc": calc, "python": python}
@@ -160,6 +152,7 @@ def _serve(setup: str) -> None:
     """The worker (``python -m verl_mega.rollout.tools SETUP``): one JSON call per line on stdin, one JSON answer
     per line on the original stdout; whatever the tools themselves print goes to /dev/null."""
     config = json.loads(setup)
+    sandbox.die_with_parent(config["parent"])  # a trainer killed outright takes its tools (and their boxes) along
     replies = os.fdopen(os.dup(1), "w")
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1), os.dup2(devnull, 2)
@@ -174,22 +167,32 @@ def _serve(setup: str) -> None:
 
 class ToolRunner:
     """Runs tool calls in one worker process, each with a time limit; a stuck or crashed worker is replaced.
-    The ``python`` tool gets ``timeout_s`` and ``python_memory_mb`` as its own limits.
+    The ``python`` tool gets ``timeout_s``, ``python_memory_mb`` and ``python_network`` as its own limits.
 
-    The worker is a fresh interpreter (not a fork of a process holding vLLM's and torch's threads)."""
+    The worker is a fresh interpreter (not a fork of a process holding vLLM's and torch's threads), and dies with
+    this process."""
 
-    def __init__(self, specs: list[str] | tuple[str, ...], timeout_s: float, *, python_memory_mb: int = 512) -> None:
+    def __init__(self, specs: list[str] | tuple[str, ...], timeout_s: float, *, python_memory_mb: int = 512,
+                 python_network: bool = False) -> None:
         self.specs, self.timeout_s = list(specs), timeout_s
-        self.python_limits = {"timeout_s": timeout_s, "memory_mb": python_memory_mb}
+        self.python_limits = {"timeout_s": timeout_s, "memory_mb": python_memory_mb, "network": python_network}
         self.names = {tool_name(s) for s in specs}
         for spec in self.specs:  # fail at start-up, in this process, on a bad spec
             load_tool(spec)
         if "python" in self.specs:
             log.warning(PYTHON_TOOL_RISK)
+            isolation = sandbox.probe(network=python_network)  # once, here: the worker's own log goes nowhere
+            if isolation == "namespaces":
+                log.info("python tool sandbox: user, PID, mount, IPC, UTS and cgroup namespaces%s, a minimal "
+                         "read-only root, no capabilities, rlimits", "" if python_network else ", no network")
+            else:
+                log.warning("python tool sandbox degraded (%s): the code is contained in time, processes and "
+                            "memory, but it can read the host's files that its user can, and use the network",
+                            isolation)
         self._proc: subprocess.Popen | None = None
 
     def _start(self) -> subprocess.Popen:
-        setup = json.dumps({"specs": self.specs, "python_limits": self.python_limits})
+        setup = json.dumps({"specs": self.specs, "python_limits": self.python_limits, "parent": os.getpid()})
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
         return subprocess.Popen([sys.executable, "-m", "verl_mega.rollout.tools", setup], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
