@@ -7,7 +7,8 @@ launcher's. It talks to the supervisor over one socket pair (pickled tuples, see
 heartbeat from its main loop (every engine step, and while idle; from a thread while it refits), generates prompt
 groups as they come (:class:`~verl_mega.rollout.streaming.StreamingEngine`, batches across groups) and reads new
 weights from a file the supervisor wrote. A stopped (SIGSTOP) or stuck engine stops beating; one whose supervisor
-is gone dies with it (PR_SET_PDEATHSIG) or ends at the closed socket.
+is gone dies with it (PR_SET_PDEATHSIG) or ends at the closed socket. The torch.distributed world of one that vLLM
+starts in it listens on the loopback interface only (:func:`private_world`).
 
 ``VERL_MEGA_FLEET_FAULT`` (tests): ``<engine>:<kill|stop>@<request>[,...]``, read by the supervisor, makes an
 engine's first incarnation SIGKILL or SIGSTOP itself one engine step after it was given a group of that request.
@@ -35,6 +36,7 @@ from verl_mega.config.rl import FLEET_BEAT_S as BEAT_S  # the supervisor's bound
 
 log = logging.getLogger(__name__)
 
+LOOPBACK = "lo"  # Linux's loopback interface
 KILL_WAIT_S = 10.0  # how long a SIGKILLed engine may take to end before the supervisor goes on without it
 FAULT_ENV = "VERL_MEGA_FLEET_FAULT"
 # launcher variables a child must not inherit: it is a world of one, not a rank of the job
@@ -161,6 +163,27 @@ class EngineProcess:
 
 
 # ---- the engine process --------------------------------------------------------------------------------------
+def private_world() -> tuple[Any, dict[str, str]]:
+    """The rendezvous of an engine's world of one, reachable from this host only: (what must stay alive while the
+    world lives, the environment variables that make vLLM's env:// init use it).
+
+    Left to itself, torch.distributed's rank-0 store listens on every interface, and gloo on the hostname's
+    address. Here the store serves a socket bound to 127.0.0.1 before torch sees it (the env:// rendezvous then
+    connects to it as a client, as workers do to torchrun's agent store), and gloo is held to the loopback
+    interface. Nothing outside this process ever joins the world, so no configured interface is needed."""
+    import torch.distributed as dist
+
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(128)
+    port = listener.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, 1, is_master=True, master_listen_fd=listener.fileno(),
+                          wait_for_workers=False)
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+           "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GLOO_SOCKET_IFNAME": LOOPBACK}
+    return (listener, store), env
+
+
 def _die_with_parent() -> None:
     """SIGKILL this process when its supervisor dies (Linux); elsewhere the closed socket ends it."""
     try:
@@ -241,6 +264,8 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(sig, signal.SIG_IGN)
     conn = Connection(args.fd)
     try:
+        world, env = private_world()  # kept alive (the store's server) until the process ends
+        os.environ.update(env)
         serve(conn, args.index)
     except (EOFError, OSError):  # the supervisor is gone
         os._exit(1)
