@@ -176,7 +176,11 @@ def test_no_network_unless_configured():
                f"print('connected')"
         with pytest.raises(ToolError, match="Network is unreachable"):
             python(code)
-        assert python(code, network=True) == "connected\n"
+        runner = ToolRunner(["python"], timeout_s=10.0, python_network=True)  # rollout.multi_turn.python_network
+        try:
+            assert runner.call("python", code) == (True, "connected\n", False)
+        finally:
+            runner.close()
 
 
 def test_limits_and_privileges():

@@ -60,7 +60,7 @@ class MultiTurnConfig(ConfigSection):
     max_tokens_per_turn: int | None = option(None, help="Tokens the policy may write in one turn; null: up to "
                                                         "rollout.max_response_length for the whole episode.")
     tools: tuple[str, ...] = option(("calc",), help="Tools the policy may call: built-ins `calc` (exact arithmetic) "
-                                                   "and `python` (an interpreter with limits, not a sandbox), or "
+                                                   "and `python` (an interpreter in a sandbox), or "
                                                    "`pkg.module:fn` / "
                                                    "`file.py:fn` (called with the argument text, or keyword "
                                                    "arguments for a JSON call).")
@@ -75,6 +75,8 @@ class MultiTurnConfig(ConfigSection):
                   "turn's other calls are not run. An error the tool answers (ToolError) is not a failure. 1.0 never "
                   "stops.")
     python_memory_mb: int = option(512, help="Address-space limit of the `python` tool's interpreter.")
+    python_network: bool = option(False, help="Let the `python` tool's code use the host's network (by default its "
+                                              "sandbox has a network namespace of its own with no interface up).")
     max_observation_tokens: int = option(
         64, help="Tokens of a tool's answer with its wrapping (the chat template's tool message and next assistant "
                  "header, or observation_start/end): a longer answer is cut, the wrapping kept.")

@@ -187,6 +187,7 @@ def build_multi_turn(cfg: TrainConfig, groups: RankGroups, tokenizer):
     from verl_mega.rollout.tools import ToolRunner
 
     mt = cfg.rollout.multi_turn
-    tools = ToolRunner(mt.tools, mt.tool_timeout_s, python_memory_mb=mt.python_memory_mb)
+    tools = ToolRunner(mt.tools, mt.tool_timeout_s, python_memory_mb=mt.python_memory_mb,
+                       python_network=mt.python_network)
     return MultiTurn(tokenizer, tools, mt, max_response_tokens=cfg.rollout.max_response_length,
                      engine_group=groups["gen_tp"], leader_rank=groups.ranks("gen_tp")[0])
