@@ -1,6 +1,9 @@
 """Rule-based rewards, reward-function loading and the asynchronous reward pool."""
 
 import logging
+import os
+import subprocess
+import sys
 import textwrap
 import time
 
@@ -182,10 +185,12 @@ def test_batched_flag_on_function():
 
 # --------------------------------------------------------------------------------------------------------- pool
 def _leftovers() -> tuple[int, int]:
-    import multiprocessing
+    """Threads, and child processes not yet reaped (the pool's workers are plain subprocesses)."""
     import threading
 
-    return threading.active_count(), len(multiprocessing.active_children())
+    import psutil
+
+    return threading.active_count(), len(psutil.Process().children())
 
 
 @pytest.mark.alone  # a time bound
@@ -268,9 +273,9 @@ def test_unpicklable_callable_is_refused():
 
 def test_pool_start_failure_is_an_error_not_a_hang(tmp_path):
     path = tmp_path / "child_fails.py"
-    path.write_text(textwrap.dedent("""
-        import multiprocessing
-        if multiprocessing.parent_process() is not None:
+    path.write_text(textwrap.dedent(f"""
+        import os
+        if os.getpid() != {os.getpid()}:  # a worker process
             raise ImportError("this module cannot be imported in a worker")
 
         def compute_score(response, ground_truth, **kw):
@@ -280,6 +285,37 @@ def test_pool_start_failure_is_an_error_not_a_hang(tmp_path):
     with pytest.raises(RuntimeError, match="cannot be loaded in a worker process.*ImportError: this module"):
         RewardPool(str(path), num_workers=1)
     assert time.monotonic() - begin < 20
+
+
+def test_workers_never_run_the_main_script(tmp_path):
+    """A user's script that starts a pool at top level, with no ``if __name__ == "__main__"`` guard (as the docs'
+    Python example is): its workers do not run it again (multiprocessing's spawn would, and every worker would start
+    a pool of its own)."""
+    script = tmp_path / "user_script.py"
+    script.write_text(textwrap.dedent("""
+        import os
+        from verl_mega.rewards import RewardPool
+
+        with open("runs.log", "a") as f:
+            f.write(f"{os.getpid()}\\n")
+        pool = RewardPool("arithmetic", num_workers=2)
+        print("scores", pool.score(["7", "8"], ["7", "9"]).scores)
+        pool.close()
+    """))
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "scores [1.0, 0.0]" in done.stdout
+    assert len((tmp_path / "runs.log").read_text().splitlines()) == 1  # the script ran once, in this process
+
+
+def test_a_function_of_the_main_script_is_refused_with_one_line():
+    def score(response, ground_truth):
+        return 1.0
+
+    score.__module__ = "__main__"  # as if defined in the script that was run
+    with pytest.raises(ValueError, match="'.*score' is defined in the main script, which worker processes do not "
+                                         "run; define it in a module"):
+        RewardPool(load_reward_fn(score), num_workers=1)
 
 
 # ------------------------------------------------------------------------------------------------ verl's contract

@@ -3,7 +3,7 @@
 ``RewardPool.submit(responses, ground_truths, extras) -> Future[RewardBatchResult]`` returns at once; the trainer
 collects the future after the device stages it overlaps with.
 
-Every call of the user function runs in one of ``num_workers`` worker processes (started with ``spawn``; each loads
+Every call of the user function runs in one of ``num_workers`` worker processes (``rewards/worker.py``; each loads
 the function once), because only a process can be stopped whatever the function does. For each call the pool waits
 for the answer, the worker's death or the time limit, whichever comes first:
 
@@ -28,16 +28,19 @@ import atexit
 import collections
 import logging
 import math
-import multiprocessing as mp
+import os
 import pickle
 import queue
 import signal
+import socket
+import subprocess
 import sys
 import threading
 import time
 import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_any
 from typing import Any, Callable, Mapping, Sequence
 
@@ -138,12 +141,42 @@ def _worker_main(conn, spec: str | None, pickled_fn: bytes | None, batched: bool
 
 
 # ------------------------------------------------------------------------------------------------- parent side
+class _WorkerProcess:
+    """A worker started as ``python -m verl_mega.rewards.worker``, not by multiprocessing's spawn, which would re-run
+    this process's main script in it (a user's script without a ``__main__`` guard would start a second job there).
+    It offers what the pool uses of multiprocessing.Process: is_alive, kill, join, exitcode and a sentinel that is
+    ready once it has exited."""
+
+    def __init__(self, fd: int) -> None:
+        self._popen = subprocess.Popen([sys.executable, "-m", "verl_mega.rewards.worker", str(fd)], pass_fds=(fd,),
+                                       stdin=subprocess.DEVNULL)
+        self.sentinel = os.pidfd_open(self._popen.pid)
+        self.exitcode: int | None = None
+
+    def is_alive(self) -> bool:
+        self.exitcode = self._popen.poll()
+        return self.exitcode is None
+
+    def kill(self) -> None:
+        self._popen.kill()
+
+    def join(self) -> None:
+        self.exitcode = self._popen.wait()
+        if self.sentinel >= 0:
+            os.close(self.sentinel)
+            self.sentinel = -1
+
+
 class _Worker:
-    def __init__(self, ctx, initargs: tuple) -> None:
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child, *initargs), daemon=True, name="reward-worker")
-        self.proc.start()
-        child.close()
+    def __init__(self, initargs: tuple) -> None:
+        ours, theirs = socket.socketpair()
+        self.conn = Connection(ours.detach())
+        child = theirs.detach()
+        try:
+            self.proc = _WorkerProcess(child)
+        finally:
+            os.close(child)
+        self.conn.send((sys.path, initargs))  # the worker imports what this process can import
         self.ready = False
         self.started = time.monotonic()
         self.unit: int | None = None  # the unit it is scoring
@@ -190,19 +223,22 @@ class RewardPool:
         self._closed = False
         pickled = None
         if self.fn.spec is None:
+            if getattr(self.fn.fn, "__module__", None) == "__main__":
+                raise ValueError(f"reward function '{self.fn.name}' is defined in the main script, which worker "
+                                 "processes do not run; define it in a module and give it as 'module:function' or "
+                                 "'path/to/file.py:function'")
             try:
                 pickled = pickle.dumps(self.fn)
             except Exception as exc:
                 raise ValueError(f"reward function '{self.fn.name}' cannot be sent to worker processes ({exc}); "
                                  "give it as 'module:function' or define it at module level") from None
-        self._ctx = mp.get_context("spawn")
         self._initargs = (self.fn.spec, pickled, self.fn.batched, self.fn.reward_kwargs)
         self._workers: list[_Worker] = []
         self._lock = threading.Lock()  # close() may run while the dispatcher scores
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         try:
             for _ in range(num_workers):
-                self._workers.append(_Worker(self._ctx, self._initargs))
+                self._workers.append(_Worker(self._initargs))
             # start-up time is not charged to the first batch's time limit
             self._await_ready(self._workers)
         except BaseException:
@@ -264,8 +300,8 @@ class RewardPool:
         for worker in workers:
             if not worker.conn.poll(max(0.0, deadline - time.monotonic())):
                 raise RuntimeError(f"reward worker processes did not start within {_STARTUP_TIMEOUT_S:g}s "
-                                   f"({'the process died' if not worker.proc.is_alive() else 'no answer'}); spawned "
-                                   f"workers must be able to import the main module and the reward function")
+                                   f"({'the process died' if not worker.proc.is_alive() else 'no answer'}); worker "
+                                   f"processes must be able to import the reward function")
             self._on_ready_message(worker)
 
     def _on_ready_message(self, worker: _Worker) -> None:
@@ -275,7 +311,7 @@ class RewardPool:
             kind, detail = "init_error", worker.death()
         if kind != "ready":
             raise RuntimeError(f"reward function '{self.fn.name}' cannot be loaded in a worker process ({detail}); "
-                               f"spawned workers must be able to import the main module and the reward function")
+                               f"worker processes must be able to import it")
         worker.ready = True
 
     def _serve(self) -> None:
@@ -369,7 +405,7 @@ class RewardPool:
                     worker.kill()
                     with self._lock:
                         if not self._closed:
-                            self._workers[i] = _Worker(self._ctx, self._initargs)
+                            self._workers[i] = _Worker(self._initargs)
         return outcomes  # type: ignore[return-value]
 
     def _check(self, worker: _Worker, now: float) -> tuple[str, Any] | None:
