@@ -205,3 +205,16 @@ def test_the_degraded_box_still_kills_everything_it_started(marker):
     finally:
         stop.set()
     assert result.timed_out and most[0] >= 3
+
+
+def test_a_box_dies_with_a_worker_cut_off_by_a_shorter_call_limit(marker):
+    """A call given less time than the tool's own limit (the end of a step's tool budget) kills the tool worker;
+    the box, started by it, goes too."""
+    runner = ToolRunner(["python"], timeout_s=30.0)
+    stop, most = _watch(marker)
+    try:
+        answer = runner.call("python", _children(marker, 2, setsid=True, then="time.sleep(60)"), timeout_s=1.5)
+    finally:
+        stop.set()
+        runner.close()
+    assert answer == (False, "error: python timed out after 1.5 s", True) and most[0] >= 3

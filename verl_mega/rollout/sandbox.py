@@ -298,19 +298,17 @@ def _unshare_and_start(config: dict, up: int, down: int) -> None:
     init = os.fork()
     if init == 0:
         os.close(lifeline_w)
-        die_with_parent()
-        if select.select([lifeline_r], [], [], 0)[0]:
-            os._exit(1)
-        _init(config, up)
+        _init(config, up, lifeline_r)
     os.close(up)
     os.waitpid(init, 0)
     os._exit(0)
 
 
-def _init(config: dict, up: int) -> None:
+def _init(config: dict, up: int, lifeline: int) -> None:
     """I, PID 1 of the box: build its file system, start the code, reap everything until the code ends."""
+    _die_with(lifeline)
     try:
-        _build_root(config)
+        _build_root(config, lifeline)
     except OSError as exc:
         os.write(up, f"error setup: {exc}\n".encode())
         os._exit(0)
@@ -334,13 +332,22 @@ def _init(config: dict, up: int) -> None:
 
 
 
-def _build_root(config: dict) -> None:
+def _die_with(lifeline: int) -> None:
+    """SIGKILL this process when its parent ends, and end now if it already has (``lifeline``: a pipe whose other
+    end only the parent holds)."""
+    die_with_parent()
+    if select.select([lifeline], [], [], 0)[0]:
+        os._exit(1)
+
+
+def _build_root(config: dict, lifeline: int) -> None:
     """A tmpfs root with read-only binds of what the interpreter needs; then pivot_root into it."""
     # Resolve the sources with the creator's own ids first: an owner may traverse its 0700 directories (such as a
     # Python installation under /root), which nobody, the id the box runs as, could not.
     sources = {path: os.open(path, os.O_PATH | os.O_CLOEXEC) for path in config["binds"]}
     devices = {path: os.open(path, os.O_PATH | os.O_CLOEXEC) for path in _DEVICES if os.path.exists(path)}
     os.setresgid(0, 0, 0), os.setresuid(0, 0, 0)  # the mapped id; the namespace's capabilities stay
+    _die_with(lifeline)  # a change of ids clears PR_SET_PDEATHSIG
     _mount(None, "/", None, _MS_REC | _MS_PRIVATE)  # nothing below propagates to the host
     new = "/tmp"  # any directory: this mount namespace is the box's own
     _mount("tmpfs", new, "tmpfs", _MS_NOSUID | _MS_NODEV,
@@ -462,6 +469,7 @@ def _fallback(config: dict, deadline: float, why: str) -> dict:
         os.chown(scratch, NOBODY, NOBODY)
     uid = NOBODY if as_nobody else os.geteuid()
     nproc = None if uid == 0 else _uid_count(uid) + config["max_procs"]  # root is never held by RLIMIT_NPROC
+    launcher = os.getpid()
     code = os.fork()
     if code == 0:
         try:
@@ -470,6 +478,7 @@ def _fallback(config: dict, deadline: float, why: str) -> dict:
             _limit(config, nproc)
             if as_nobody:
                 os.setgroups([]), os.setresgid(NOBODY, NOBODY, NOBODY), os.setresuid(NOBODY, NOBODY, NOBODY)
+            die_with_parent(launcher)  # armed after the change of ids, which clears it
             _prctl(_PR_SET_NO_NEW_PRIVS, 1)
             _exec_code(config)
         finally:
