@@ -1,8 +1,8 @@
-"""Tools a policy can call in a multi-turn episode: a registry of Python functions, and an interpreter with limits.
+"""Tools a policy can call in a multi-turn episode: a registry of Python functions, and a sandboxed interpreter.
 
 A tool is a function ``fn(arguments) -> str`` (``arguments`` is the call's text, or keyword arguments when the call
 is JSON). Built-ins: ``calc`` (exact arithmetic on an expression, no ``eval``) and ``python`` (runs the code in a
-fresh, isolated interpreter with CPU-time, memory and output limits, and returns what it printed). Any other tool is
+fresh interpreter in a sandbox, and returns what it printed). Any other tool is
 given as ``pkg.module:fn`` or ``file.py:fn``.
 
 Every call runs in a worker process (:class:`ToolRunner`): a call that hangs past the time limit, crashes the worker
