@@ -1,7 +1,10 @@
 """Convert an HF safetensors checkpoint into a Megatron dist checkpoint (one CPU process, no torchrun).
 
-    python tools/convert_hf_to_mcore.py --hf-path DIR --output DIR [--tp N] [--pp M] [--ep E] [--etp T]
-                                        [--dtype bfloat16]
+    python tools/convert_hf_to_mcore.py --hf-path DIR|ORG/NAME[@REVISION] --output DIR [--tp N] [--pp M] [--ep E]
+                                        [--etp T] [--dtype bfloat16]
+
+``--hf-path`` takes a local directory or a hub ID, fetched into the Hugging Face cache (``HF_HUB_OFFLINE=1``: from the
+cache alone).
 
 The checkpoint is layout-free: it loads at any tp/pp (and, for Mixture-of-Experts models, any ep/etp); the layout
 given here is only validated against the model.
@@ -15,7 +18,7 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hf-path", required=True, help="HF model directory (config.json + *.safetensors)")
+    parser.add_argument("--hf-path", required=True, help="HF model directory (config.json + *.safetensors) or hub ID")
     parser.add_argument("--output", required=True, help="new directory for the Megatron dist checkpoint")
     parser.add_argument("--tp", type=int, default=1, help="training tensor-parallel size to validate against")
     parser.add_argument("--pp", type=int, default=1, help="training pipeline-parallel size to validate against")
@@ -27,6 +30,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if min(args.tp, args.pp, args.ep, 1 if args.etp is None else args.etp) < 1:
         parser.error("--tp, --pp, --ep and --etp must be ≥ 1")
+    from verl_mega.config.base import ConfigError
+    from verl_mega.config.hub import resolve_model
+
+    try:  # a hub ID: fetched (or found in the cache) before anything is built
+        args.hf_path = resolve_model("--hf-path", args.hf_path)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     from verl_mega.models.hf_config import ModelConfigError, arch_from_hf, load_hf_config
     from verl_mega.models.hf_io import CheckpointError
     from verl_mega.checkpoint.mcore import convert_hf_to_mcore, mtp_note

@@ -271,6 +271,16 @@ def nest(flat: dict[str, Any]) -> dict:
     return tree
 
 
+def hub_notes(ours: dict[str, Any]) -> list[str]:
+    """A note for each model path that is a hub ID: verl_mega takes it as verl does, through the hub's cache."""
+    from verl_mega.config.hub import parse_model
+
+    keys = ("model.path", "model.tokenizer_path", "critic.model_path", "reward.reward_model_path")
+    return [f"{key}={ours[key]!r} is a Hugging Face hub ID: fetched into the Hugging Face cache when the job starts "
+            f"(one process per node; HF_HUB_OFFLINE=1 uses the cache alone; pin a revision with "
+            f"{ours[key]}@REVISION)" for key in keys if isinstance(ours.get(key), str) and parse_model(ours[key])]
+
+
 def report(rows: list[tuple[str, Any, Any]], notes: list[str], problem: str | None) -> str:
     mapped = [r for r in rows if isinstance(r[2], Map)]
     same = [r for r in rows if isinstance(r[2], Same)]
@@ -322,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: nothing to convert; give verl's trainer YAML and/or key=value overrides", file=sys.stderr)
         return 2
     ours, rows, notes = convert(flat, {k for k in flat if any(k == o or k.startswith(o + ".") for o in overridden)})
+    notes += hub_notes(ours)
     if base is None:
         notes.insert(0, "no verl trainer YAML given and verl is not installed: only the overrides were converted; "
                         "verl's defaults for the other keys are not carried over (verl_mega's apply)")

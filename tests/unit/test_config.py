@@ -526,7 +526,7 @@ def test_missing_paths(tmp_path):
     assert _error(load_config, None, [f"model.path={tmp_path}"]) == (
         f"model.path='{tmp_path}' has no config.json; point model.path at a Hugging Face model directory")
     assert _error(load_config, None, [f"data.train_files=[{tmp_path}/train.jsonl]", "reward.function=gsm8k"]) == (
-        f"data.train_files[0]='{tmp_path}/train.jsonl' does not exist; set data.train_files[0] to an existing file")
+        f"data.train_files[0]='{tmp_path}/train.jsonl' does not exist; set data.train_files[0] to an existing file or a hub dataset ID (ORG/NAME)")
 
 
 def test_reward_function_required_for_own_data():

@@ -71,11 +71,12 @@ class ModelConfig(ConfigSection):
 
     SECTION: ClassVar[str] = "model"
 
-    path: str = option(TINY_MODEL, help="HF model directory (config.json + *.safetensors), or `tiny` to build the "
-                                        "bundled tiny model (no download).")
+    path: str = option(TINY_MODEL, help="HF model directory (config.json + *.safetensors), a hub ID `ORG/NAME` or "
+                                        "`ORG/NAME@REVISION` (fetched into the Hugging Face cache at start; "
+                                        "docs/data.md), or `tiny` to build the bundled tiny model (no download).")
     dtype: Literal["float32", "bfloat16", "float16"] = option(
         "bfloat16", help="Parameter and compute dtype for training and rollout; optimizer state stays float32.")
-    tokenizer_path: str | None = option(None, help="Tokenizer directory; null uses `model.path`.")
+    tokenizer_path: str | None = option(None, help="Tokenizer directory or hub ID; null uses `model.path`.")
     trust_remote_code: bool = option(False, help="Allow custom modelling/tokenizer code shipped inside the model "
                                                  "directory (only for directories you trust).")
     make_vocab_size_divisible_by: int = option(

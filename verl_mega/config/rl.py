@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Mapping
 
+from verl_mega.config.hub import parse_dataset
 from verl_mega.config.base import ConfigSection, FrozenDict, option
 from verl_mega.config.roles import KLEstimator
 from verl_mega.config.run import MAX_RUN_LENGTH, MISSED_BEATS
@@ -368,8 +369,11 @@ class DataConfig(ConfigSection):
     SECTION: ClassVar[str] = "data"
 
     train_files: tuple[str, ...] = option(("generated:arithmetic",), help="Training prompt files (.jsonl, .json, "
-                                                                         ".parquet), or generated:arithmetic.")
-    val_files: tuple[str, ...] = option((), help="Validation prompt files, same formats; empty disables validation.")
+                                                                         ".parquet), hub dataset IDs (ORG/NAME[:CONFIG]"
+                                                                         "[:SPLIT], split train by default; "
+                                                                         "docs/data.md), or generated:arithmetic.")
+    val_files: tuple[str, ...] = option((), help="Validation prompt files, same formats (a hub dataset's split: "
+                                              "validation, else test, by default); empty disables validation.")
     prompt_key: str = option("prompt", help="Row field holding the prompt (text or chat messages).")
     answer_key: str = option("answer", help="Row field holding the ground truth passed to the reward function (dotted "
                                             "keys reach nested fields). A file in verl's schema (its first row has "
@@ -394,9 +398,9 @@ class DataConfig(ConfigSection):
                     self._require(len(entry) > len(GENERATED_PREFIX) and entry[len(GENERATED_PREFIX):].isidentifier(),
                                   f"data.{name}[{i}]={entry!r} names no task; use e.g. generated:arithmetic")
                     continue
-                self._require(entry.endswith(DATA_SUFFIXES),
+                self._require(entry.endswith(DATA_SUFFIXES) or parse_dataset(entry) is not None,
                               f"data.{name}[{i}]={entry!r} has an unsupported format; use a .jsonl, .json or "
-                              f".parquet file or generated:arithmetic")
+                              f".parquet file, a hub dataset ID (ORG/NAME) or generated:arithmetic")
         self._require(bool(self.prompt_key), "data.prompt_key is empty; set it to the prompt column, e.g. prompt")
         self._require(bool(self.answer_key), "data.answer_key is empty; set it to the answer column, e.g. answer")
         self._check_range("max_prompt_length", ge=1, example=512)

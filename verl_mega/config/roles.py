@@ -245,8 +245,8 @@ class CriticConfig(TrainableRoleConfig):
     SECTION: ClassVar[str] = "critic"
 
     enable: bool | None = option(None, help="Run a critic; null enables it iff algorithm.adv_estimator is gae.")
-    model_path: str | None = option(None, help="HF directory to initialise the critic from; null uses model.path "
-                                               "(the value head is freshly initialised).")
+    model_path: str | None = option(None, help="HF directory or hub ID to initialise the critic from; null uses "
+                                               "model.path (the value head is freshly initialised).")
     lr: float = option(1e-5, help="Peak learning rate (Adam).")
     ppo_mini_batch_size: int | None = option(None, help="Prompts per critic optimizer step; null uses the actor's.")
     ppo_epochs: int | None = option(None, help="Passes over each rollout batch; null uses the actor's.")
@@ -307,9 +307,10 @@ class RewardConfig(ConfigSection):
                    "batched; a dict return's other values are logged as reward/<key> (docs/from_verl.md). null picks "
                    "the task's own function for `generated:<task>` data, and none when reward.reward_model_path "
                    "is set (the reward model's score is then the whole reward).")
-    reward_model_path: str | None = option(None, help="HF directory of a reward model: a sequence-classification "
-                                                      "checkpoint with one label (e.g. Qwen2ForSequenceClassification,"
-                                                      " as verl's reward models), whose score head rates the last "
+    reward_model_path: str | None = option(None, help="HF directory or hub ID of a reward model: a "
+                                                      "sequence-classification checkpoint with one label (e.g. "
+                                                      "Qwen2ForSequenceClassification, as verl's reward models), "
+                                                      "whose score head rates the last "
                                                       "token; its score is added to reward.function's. A causal LM "
                                                       "is refused. null for function-only rewards.")
     num_workers: int = option(

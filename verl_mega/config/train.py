@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from verl_mega.config.hub import check_dataset, check_model, parse_dataset, parse_model
 from verl_mega.config.base import ConfigError, ConfigSection, fmt, option
 from verl_mega.config.model import TINY_MODEL, ModelConfig
 from verl_mega.config.parallel import ParallelConfig, PlacementConfig
@@ -397,7 +398,11 @@ class TrainConfig(ConfigSection):
         if self.model.path != TINY_MODEL:
             _require_model_dir("model.path", self.model.path)
         if self.model.tokenizer_path != TINY_MODEL:
-            _require_path("model.tokenizer_path", self.model.tokenizer_path, want_dir=True)
+            if parse_model(self.model.tokenizer_path) is not None:
+                check_model("model.tokenizer_path", self.model.tokenizer_path)
+            else:
+                _require_path("model.tokenizer_path", self.model.tokenizer_path, want_dir=True,
+                              fix="set model.tokenizer_path to an existing directory or a hub ID (ORG/NAME)")
         if self.critic.enable and self.critic.model_path not in (TINY_MODEL, self.model.path):
             _require_model_dir("critic.model_path", self.critic.model_path)
         if self.reward.reward_model_path is not None:
@@ -410,8 +415,11 @@ class TrainConfig(ConfigSection):
             _require_path("reward.function", reward_file, want_dir=False)
         for name in ("train_files", "val_files"):
             for i, entry in enumerate(getattr(self.data, name)):
-                if not entry.startswith(GENERATED_PREFIX):
-                    _require_path(f"data.{name}[{i}]", entry, want_dir=False)
+                if parse_dataset(entry) is not None:
+                    check_dataset(f"data.{name}[{i}]", entry)
+                elif not entry.startswith(GENERATED_PREFIX):
+                    _require_path(f"data.{name}[{i}]", entry, want_dir=False,
+                                  fix=f"set data.{name}[{i}] to an existing file or a hub dataset ID (ORG/NAME)")
         if self.trainer.resume not in (RESUME_AUTO, RESUME_OFF):
             _require_path("trainer.resume", self.trainer.resume, want_dir=True,
                           fix="set trainer.resume to auto, off or an existing checkpoint directory")
@@ -425,7 +433,10 @@ def _require_path(key: str, path: str, *, want_dir: bool, fix: str | None = None
 
 
 def _require_model_dir(key: str, path: str) -> None:
-    _require_path(key, path, want_dir=True, fix=f"set {key} to a Hugging Face model directory"
+    if parse_model(path) is not None:  # resolved (downloaded) when the job starts, one process per node
+        check_model(key, path)
+        return
+    _require_path(key, path, want_dir=True, fix=f"set {key} to a Hugging Face model directory, a hub ID (ORG/NAME)"
                   + (" or tiny" if key == "model.path" else ""))
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError(f"{key}={path!r} has no config.json; point {key} at a Hugging Face model directory")

@@ -332,6 +332,7 @@ def _check_placement(cfg: TrainConfig, resources: contextlib.ExitStack):
     """The launcher, the reward function and tools, the layout (`parallel.layout=auto` resolved), the placement,
     this rank's device and the output directory. Returns the (resolved) config, the placement, the device, whether
     this rank writes the run's records (metrics.jsonl, finalised checkpoints) and the reward function."""
+    from verl_mega.config.hub import resolve_config
     from verl_mega.parallel import launch_env
     from verl_mega.parallel.placement import Placement
     from verl_mega.parallel.scheduler import place_on_devices
@@ -342,6 +343,8 @@ def _check_placement(cfg: TrainConfig, resources: contextlib.ExitStack):
 
     env = launch_env.discover()
     env.export_to_os_environ()
+    # hub IDs → local snapshots (the node's processes one at a time: one downloads, the others find the cache)
+    cfg = resolve_config(cfg)
     set_deterministic(cfg.trainer.deterministic)  # before any CUDA kernel
     # without reward.function the config has a reward model (TrainConfig checks it), whose score is the reward
     reward_fn = load_reward_fn(cfg.reward.function or NO_REWARD_FUNCTION, reward_kwargs=dict(cfg.reward.kwargs))
