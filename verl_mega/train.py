@@ -9,7 +9,6 @@ import logging
 import sys
 
 from verl_mega.config import ConfigError, load_config
-from verl_mega.trainer.console import configure_console
 
 log = logging.getLogger("verl_mega")
 
@@ -17,9 +16,9 @@ log = logging.getLogger("verl_mega")
 def train(cfg) -> dict[str, float]:
     from verl_mega.checkpoint.integrity import RunComplete
     from verl_mega.trainer.setup import build_job
-    from verl_mega.trainer.trackers import check_trackers
+    from verl_mega.trainer.loop import before_build
 
-    check_trackers({"wandb": cfg.logging.wandb, "mlflow": cfg.logging.mlflow})  # before anything is built
+    before_build(cfg)  # the console, and the trackers' checks before anything is built
     try:
         job = build_job(cfg)
     except RunComplete as done:
@@ -40,28 +39,16 @@ def run(job) -> dict[str, float]:
     that step (trainer/stop.py). The summary's wall time counts from the build."""
     import time
 
-    import torch.distributed as dist
-
     from verl_mega.checkpoint.manager import fault_point
-    from verl_mega.config.loader import to_dict
-    from verl_mega.trainer.loop import next_prompts, run_step
-    from verl_mega.trainer.metrics import MetricsLogger, write_summary
+    from verl_mega.trainer.loop import finish_logging, next_prompts, run_step, start_logging
     from verl_mega.trainer.stop import StopRequest
 
     if job.server is not None:  # a rank of a rollout pool of its own: serve the trainer until it stops
         job.server.serve()
         return {}
-    cfg, trainer, ckpt = job.cfg, job.trainer, job.ckpt
+    cfg, ckpt = job.cfg, job.ckpt
     start_step, total_steps = job.start_step, job.total_steps
-    logger = MetricsLogger(cfg.trainer.output_dir, console=cfg.logging.console,
-                           progress_bar=cfg.logging.progress_bar, jsonl=cfg.logging.jsonl,
-                           tensorboard=cfg.logging.tensorboard, plot=cfg.logging.plot, total_steps=total_steps,
-                           rank=dist.get_rank(), resume_step=start_step or None, log_every=cfg.trainer.log_every,
-                           wandb=cfg.logging.wandb, mlflow=cfg.logging.mlflow, project=cfg.logging.project,
-                           run_name=cfg.logging.run_name, config=to_dict(cfg))
-
-    if cfg.trainer.val_before_train and start_step == 0:  # the initial policy's score, as verl logs it
-        logger.log(trainer.validate(), 0)
+    logger = start_logging(job)  # metrics.jsonl, TensorBoard, trackers; trainer.val_before_train's step 0
 
     # --- the RL loop: the step and what follows it are trainer/loop.py's, which the Python API shares
     metrics: dict[str, float] = {}
@@ -76,12 +63,7 @@ def run(job) -> dict[str, float]:
             if reason:
                 break
         ckpt.close()  # a background save (checkpoint.async_save) becomes complete and visible
-    logger.close()
-    if dist.get_rank() == 0:
-        latest = ckpt.root / "latest"
-        last = ckpt.root / latest.read_text().strip() if latest.exists() else None
-        print(write_summary(cfg.trainer.output_dir, wall_s=time.monotonic() - job.started, checkpoint=last), end="",
-              flush=True)
+    finish_logging(job, logger)  # curves.png, summary.txt
     return metrics
 
 
@@ -101,9 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     from verl_mega.trainer.preflight import describe_os_error
 
     try:
-        cfg = load_config(args.config, args.overrides)
-        configure_console(cfg.logging.verbose)
-        train(cfg)
+        train(load_config(args.config, args.overrides))
     except (ConfigError, ValueError, FileNotFoundError, NonFiniteError, RewardFunctionFailed, PoolPeerError,
             ToolsFailed, FleetError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -106,6 +106,25 @@ def test_the_api_steps_as_train_run_does(tmp_path, one_rank):
     assert rows[-1] == cli
 
 
+def test_the_api_writes_what_train_run_writes(tmp_path, one_rank):
+    """The API's numbered steps go to the same sinks as train.run's (one shared set-up, trainer/loop.py): the same
+    metrics.jsonl rows, and close() writes summary.txt as the end of train.run does."""
+    from verl_mega.train import run
+
+    job, _ = _job(tmp_path / "cli", "trainer.total_steps=3")
+    run(job)
+    job, _ = _job(tmp_path / "api", "trainer.total_steps=3")
+    api = TrainingRun(job)
+    for _ in range(3):
+        api.step()
+    api.close()
+    cli_rows, api_rows = ((tmp_path / name / "out" / "metrics.jsonl").read_text().splitlines()
+                          for name in ("cli", "api"))
+    assert len(api_rows) == 3 and api_rows == cli_rows
+    for name in ("cli", "api"):
+        assert "steps       3 (3 logged)" in (tmp_path / name / "out" / "summary.txt").read_text()
+
+
 def test_the_api_guards_non_finite_losses(tmp_path):
     job, _ = _job(tmp_path, "trainer.max_consecutive_nonfinite=2", nan_from=2)
     api = TrainingRun(job)

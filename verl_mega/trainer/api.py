@@ -77,6 +77,7 @@ class RLTrainer(_Step):
         as its trainer. ``recipe`` defaults to configs/quickstart_cpu.yaml; ``overrides`` are dotted keys as on the
         command line."""
         from verl_mega.config import load_config
+        from verl_mega.trainer.loop import before_build
         from verl_mega.trainer.setup import build_job
 
         if actor_backend is not None and not isinstance(actor_backend, vLLMBackend):
@@ -91,7 +92,9 @@ class RLTrainer(_Step):
         values.update(overrides or {})
         # JSON is YAML: every value keeps its type through the override parser (strings stay quoted)
         texts = [f"{key}={json.dumps(str(v) if isinstance(v, Path) else v)}" for key, v in values.items()]
-        return TrainingRun(build_job(load_config(recipe or DEFAULT_RECIPE, texts), trainer_cls=cls))
+        cfg = load_config(recipe or DEFAULT_RECIPE, texts)
+        before_build(cfg)  # the console and the trackers' checks, as python -m verl_mega.train does
+        return TrainingRun(build_job(cfg, trainer_cls=cls))
 
 
 class TrainingRun:
@@ -102,15 +105,21 @@ class TrainingRun:
     (:func:`verl_mega.trainer.loop.run_step`): the non-finite guard, validation every trainer.val_every, a checkpoint
     every trainer.save_every and at the last step, and the stop agreement: SIGTERM or SIGINT during a step, or
     trainer.time_limit_s, saves that step and the next :meth:`step` raises StopIteration. A step on a batch of the
-    caller's own is not numbered: only the non-finite guard follows it."""
+    caller's own is not numbered: only the non-finite guard follows it.
+
+    Its outputs are the command line's: the numbered steps go to metrics.jsonl, TensorBoard, the trackers and the
+    console line, and :meth:`close` writes curves.png and summary.txt (and prints the summary)."""
 
     def __init__(self, job: Job) -> None:
+        from verl_mega.trainer.loop import start_logging
         from verl_mega.trainer.stop import StopRequest
 
         self.job, self.trainer = job, job.trainer
         self.steps_done = job.start_step  # a resumed job starts after its checkpoint
         self.stopped = ""  # why the run stopped (a signal, the time limit), once it has
         self._stop = StopRequest(job.cfg.trainer.time_limit_s, started=job.started)
+        self._closed = False
+        self._logger = start_logging(job)
 
     def step(self, prompt_batch=None) -> dict[str, float]:
         """One RL step on ``prompt_batch`` (by default the next batch of the job's data loader)."""
@@ -130,12 +139,25 @@ class TrainingRun:
         self.steps_done += 1
         # signals are the run's during a step only: between steps the caller's code keeps Python's handling
         with self._stop if threading.current_thread() is threading.main_thread() else contextlib.nullcontext():
-            metrics, self.stopped = run_step(self.job, self.steps_done, prompt_batch, stop=self._stop)
+            metrics, self.stopped = run_step(self.job, self.steps_done, prompt_batch, stop=self._stop,
+                                             logger=self._logger)
         return metrics
 
     def __getattr__(self, name: str) -> Any:  # validate(), enable_profiling(), the profiler: the trainer's
         return getattr(self.__dict__.get("trainer"), name)
 
     def close(self) -> None:
-        """Finish pending checkpoint writes and release vLLM, the reward pool and torch.distributed."""
+        """Finish pending checkpoint writes, write curves.png and summary.txt, then release vLLM, the reward pool and
+        torch.distributed."""
+        from verl_mega.trainer.loop import finish_logging
+
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.job.ckpt.close()  # a background save becomes complete, so that the summary names it
+            finish_logging(self.job, self._logger)
+        except BaseException:
+            self.job.close(after_error=True)
+            raise
         self.job.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 import warnings
 
 THIRD_PARTY = ("megatron", "vllm", "transformers", "torch", "tensorboard", "matplotlib", "PIL", "filelock", "urllib3",
@@ -58,6 +59,7 @@ def configure_console(verbose: bool = False) -> None:
             handler.addFilter(_DropExpected())
         for category, message in _PY_WARNINGS:
             warnings.filterwarnings("ignore", message=message, category=category)
+        _drop_teardown_noise()
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # its advisories; errors still raise
     try:
@@ -77,6 +79,25 @@ def configure_console(verbose: bool = False) -> None:
         except ImportError:
             return
         disable_progress_bars()  # HF_HUB_DISABLE_PROGRESS_BARS is read when huggingface_hub is imported
+
+
+# Destructors that fail only at interpreter shutdown, after the modules they call are torn down: vLLM-CPU's oneDNN
+# matmul handlers stay referenced from vLLM's module-level registries until then, and release nothing that the exiting
+# process would keep (the command line ends with os._exit and never gets there; a Python script ends normally).
+_TEARDOWN_NOISE = ("CPUDNNLGEMMHandler.__del__",)
+
+
+def _drop_teardown_noise() -> None:
+    if getattr(sys.unraisablehook, "_verl_mega", False):
+        return
+
+    def hook(args, _default=sys.unraisablehook, _finalizing=sys.is_finalizing) -> None:
+        if _finalizing() and getattr(args.object, "__qualname__", "") in _TEARDOWN_NOISE:
+            return
+        _default(args)
+
+    hook._verl_mega = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
 
 
 def _take_over_vllm_logger() -> None:

@@ -1,7 +1,9 @@
-"""The steps of a built job, one function for ``python -m verl_mega.train`` (:func:`verl_mega.train.run`) and the
-Python API (:class:`verl_mega.trainer.api.TrainingRun`) alike, so that the two cannot drift apart: the prompts of
-the next step; the step itself after the asynchronous look-ahead; then the non-finite guard, validation when due,
-the metrics line, the stop agreement (trainer/stop.py) and the checkpoint."""
+"""A run's life, one function per part for ``python -m verl_mega.train`` (:func:`verl_mega.train.run`) and the
+Python API (:class:`verl_mega.trainer.api.TrainingRun`) alike, so that the two cannot drift apart: before the build,
+the console and the trackers' checks (:func:`before_build`); the metric sinks (:func:`start_logging`); the prompts
+of the next step; the step itself after the asynchronous look-ahead; then the non-finite guard, validation when due,
+the metrics line, the stop agreement (trainer/stop.py) and the checkpoint; at the end, curves and the summary
+(:func:`finish_logging`)."""
 
 from __future__ import annotations
 
@@ -10,13 +12,63 @@ import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from verl_mega.config import TrainConfig
     from verl_mega.data.loader import PromptBatch
+    from verl_mega.trainer.metrics import MetricsLogger
     from verl_mega.trainer.setup import Job
     from verl_mega.trainer.stop import StopRequest
 
 log = logging.getLogger("verl_mega")
 
-__all__ = ["next_prompts", "run_step"]
+__all__ = ["before_build", "start_logging", "next_prompts", "run_step", "finish_logging"]
+
+
+def before_build(cfg: TrainConfig) -> None:
+    """Between the config and the build: the console that logging.verbose asks for (third-party INFO lines off),
+    and the one-line refusal of a tracker that cannot start (not installed, no credentials), before anything heavy
+    is built."""
+    from verl_mega.trainer.console import configure_console
+    from verl_mega.trainer.trackers import check_trackers
+
+    configure_console(cfg.logging.verbose)
+    check_trackers({"wandb": cfg.logging.wandb, "mlflow": cfg.logging.mlflow})
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def start_logging(job: Job) -> MetricsLogger:
+    """The run's metric sinks as logging.* asks (metrics.jsonl, TensorBoard, trackers, the console line or progress
+    bar; rank 0 only), and the initial policy's validation score at step 0 with trainer.val_before_train, as verl
+    logs it (collective)."""
+    from verl_mega.config.loader import to_dict
+    from verl_mega.trainer.metrics import MetricsLogger
+
+    cfg = job.cfg
+    lc = cfg.logging
+    logger = MetricsLogger(cfg.trainer.output_dir, console=lc.console, progress_bar=lc.progress_bar, jsonl=lc.jsonl,
+                           tensorboard=lc.tensorboard, plot=lc.plot, total_steps=job.total_steps, rank=_rank(),
+                           resume_step=job.start_step or None, log_every=cfg.trainer.log_every, wandb=lc.wandb,
+                           mlflow=lc.mlflow, project=lc.project, run_name=lc.run_name, config=to_dict(cfg))
+    if cfg.trainer.val_before_train and job.start_step == 0:
+        logger.log(job.trainer.validate(), 0)
+    return logger
+
+
+def finish_logging(job: Job, logger: MetricsLogger) -> None:
+    """After the last step, once pending checkpoint writes are complete: close the sinks (curves.png), then write
+    <output_dir>/summary.txt and print it (rank 0)."""
+    from verl_mega.trainer.metrics import write_summary
+
+    logger.close()
+    if _rank() == 0:
+        latest = job.ckpt.root / "latest"
+        last = job.ckpt.root / latest.read_text().strip() if latest.exists() else None
+        print(write_summary(job.cfg.trainer.output_dir, wall_s=time.monotonic() - job.started, checkpoint=last),
+              end="", flush=True)
 
 
 def next_prompts(job: Job, step: int) -> PromptBatch | None:
