@@ -297,3 +297,81 @@ def test_a_tracker_that_is_not_installed_is_one_line_before_anything(tmp_path, m
     monkeypatch.setattr("verl_mega.trainer.setup.build_job", lambda cfg: pytest.fail("the job was built"))
     assert train.main(["--config", "configs/quickstart_cpu.yaml", "logging.mlflow=true",
                        f"trainer.output_dir={tmp_path / 'job'}"]) == 2
+
+
+@pytest.fixture
+def no_wandb_credentials(tmp_path, monkeypatch):
+    """A fresh home (no ~/.netrc, no wandb settings) and none of wandb's credential variables."""
+    _tracker("wandb")
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    for key in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_MODE", "WANDB_DISABLED", "WANDB_CONFIG_DIR",
+                "WANDB_BASE_URL", "NETRC"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.chdir(tmp_path)  # no ./wandb/settings either
+    return home
+
+
+def test_wandb_without_credentials_is_one_line_before_anything(tmp_path, monkeypatch, capsys,
+                                                                no_wandb_credentials):
+    from pathlib import Path
+
+    from verl_mega import train
+    from verl_mega.trainer.trackers import TrackerNotConfigured, check_trackers
+
+    with pytest.raises(TrackerNotConfigured) as info:
+        check_trackers({"wandb": True})
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("logging.wandb=true, but there are no W&B credentials for ")
+    assert "set WANDB_API_KEY, run `wandb login`, or set WANDB_MODE=offline" in message
+    assert message.endswith("or set logging.wandb=false")
+    # the job stops with that line and exit code 2 before it builds anything
+    monkeypatch.setattr("verl_mega.trainer.setup.build_job", lambda cfg: pytest.fail("the job was built"))
+    recipe = Path(__file__).resolve().parents[2] / "configs" / "quickstart_cpu.yaml"
+    capsys.readouterr()
+    assert train.main(["--config", str(recipe), "logging.wandb=true", f"trainer.output_dir={tmp_path / 'job'}"]) == 2
+    assert capsys.readouterr().err == f"error: {message}\n"
+    assert not (tmp_path / "job").exists()
+
+
+def test_wandb_credentials_as_wandb_finds_them(monkeypatch, no_wandb_credentials):
+    from verl_mega.trainer.trackers import TrackerNotConfigured, check_trackers
+
+    monkeypatch.setenv("WANDB_MODE", "offline")  # offline needs none
+    check_trackers({"wandb": True})
+    monkeypatch.delenv("WANDB_MODE")
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    check_trackers({"wandb": True})
+    monkeypatch.delenv("WANDB_API_KEY")
+    netrc = no_wandb_credentials / ".netrc"  # what `wandb login` writes, for wandb's default server
+    from wandb.sdk.wandb_settings import Settings
+
+    host = Settings().base_url.split("://")[1]
+    netrc.write_text(f"machine {host}\n  login user\n  password {'k' * 40}\n")
+    netrc.chmod(0o600)
+    check_trackers({"wandb": True})
+    netrc.write_text(f"machine {host}\n  login user\n  password short\n")  # wandb itself would refuse this key
+    with pytest.raises(TrackerNotConfigured, match="W&B credentials for .* are unusable .*40"):
+        check_trackers({"wandb": True})
+
+
+def test_an_mlflow_server_that_does_not_answer_is_one_line(monkeypatch):
+    import socket
+
+    _tracker("mlflow")
+    from verl_mega.trainer.trackers import TrackerNotConfigured, check_trackers
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
+        check_trackers({"mlflow": True})  # a server that accepts connections
+    with pytest.raises(TrackerNotConfigured) as info:  # the port is closed now
+        check_trackers({"mlflow": True})
+    assert str(info.value).startswith(f"logging.mlflow=true, but the MLflow tracking server MLFLOW_TRACKING_URI="
+                                      f"http://127.0.0.1:{port} does not answer (")
+    assert "unset MLFLOW_TRACKING_URI to log to <output_dir>/mlruns" in str(info.value)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    check_trackers({"mlflow": True})  # unset: a local file store

@@ -1,8 +1,10 @@
 """Experiment trackers as metric sinks beside metrics.jsonl and TensorBoard: Weights & Biases and MLflow.
 
 Each is an optional package (``pip install wandb``, ``pip install mlflow-skinny``; the ``wandb`` / ``mlflow``
-extras of setup.py). :func:`check_trackers` refuses a run that asks for one that is not installed, with one line,
-before anything is built.
+extras of setup.py). :func:`check_trackers` refuses a run that asks for one that cannot log, with one line, before
+anything is built: the package is not installed; wandb has no credentials (no ``WANDB_API_KEY``, no ``~/.netrc``
+entry from ``wandb login``, not ``WANDB_MODE=offline``); ``MLFLOW_TRACKING_URI`` names a server that does not
+answer.
 
 * **wandb**: ``wandb.init(project=logging.project, name=logging.run_name, dir=<output_dir>)``; ``WANDB_MODE=offline``
   writes the run under ``<output_dir>/wandb/`` with no network (``wandb sync`` uploads it later).
@@ -24,11 +26,13 @@ import json
 import logging
 import math
 import os
+import socket
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TRACKERS", "TRACKERS_FILE", "TrackerNotInstalled", "check_trackers", "open_trackers", "Tracker"]
+__all__ = ["TRACKERS", "TRACKERS_FILE", "TrackerNotInstalled", "TrackerNotConfigured", "check_trackers",
+           "open_trackers", "Tracker"]
 
 logger = logging.getLogger("verl_mega.metrics")
 
@@ -41,8 +45,18 @@ class TrackerNotInstalled(ValueError):
     """A tracker is asked for (logging.wandb / logging.mlflow) but its package is not installed."""
 
 
+class TrackerNotConfigured(ValueError):
+    """A tracker is asked for but could not log: wandb without credentials, an MLflow server that does not answer."""
+
+
+#: how long the MLflow tracking server may take to accept a connection at start-up
+MLFLOW_CONNECT_TIMEOUT_S = 10.0
+
+
 def check_trackers(wanted: Mapping[str, bool]) -> None:
-    """One line naming the package to install (or the key to turn off) for a tracker that is asked for and missing."""
+    """One line naming the package to install, the credentials or server to provide, or the key to turn off, for a
+    tracker that is asked for and could not log (see the module docstring). Reads no more than local files and
+    the environment, and, for an MLflow server, opens one connection to it."""
     for name, on in wanted.items():
         if not on:
             continue
@@ -50,6 +64,63 @@ def check_trackers(wanted: Mapping[str, bool]) -> None:
         if importlib.util.find_spec(module) is None:
             raise TrackerNotInstalled(f"logging.{name}=true needs the {module} package, which is not installed; "
                                       f"pip install {package} (or verl_mega[{name}]) or set logging.{name}=false")
+        problem = _wandb_problem() if name == "wandb" else _mlflow_problem()
+        if problem:
+            raise TrackerNotConfigured(f"logging.{name}=true, but {problem}; or set logging.{name}=false")
+
+
+def _wandb_problem() -> str | None:
+    """Why wandb.init would fail for want of credentials, as wandb looks for them: its mode (WANDB_MODE, `wandb
+    offline`), WANDB_API_KEY / WANDB_IDENTITY_TOKEN_FILE, its settings' api_key, then the .netrc entry that `wandb
+    login` writes for its server. None when it would start (or when this wandb version's settings are not where
+    this check reads them: then wandb.init decides)."""
+    try:  # the settings wandb.init would load (a fresh copy: wandb's process-wide one is cached at first use)
+        from wandb.sdk.lib import wbauth
+        from wandb.sdk.wandb_settings import Settings
+
+        settings = Settings()
+        config_dir = os.environ.get("WANDB_CONFIG_DIR") or os.path.join("~", ".config", "wandb")
+        settings.settings_system = os.path.join(os.path.expanduser(config_dir), "settings")
+        settings.update_from_system_settings()
+        settings.update_from_env_vars(dict(os.environ))
+        mode, host, api_key = settings.mode, settings.base_url, settings.api_key
+    except (ImportError, AttributeError, TypeError):
+        return None
+    if mode in ("offline", "dryrun", "disabled") or api_key:
+        return None
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return None
+    try:
+        if wbauth.read_netrc_auth(host=host):
+            return None
+    except Exception as exc:  # noqa: BLE001 - wandb's own refusal of what it found, e.g. a malformed key
+        return f"the W&B credentials for {host} are unusable ({' '.join(str(exc).split())}); run `wandb login` again"
+    netrc = os.environ.get("NETRC") or "~/.netrc"
+    return (f"there are no W&B credentials for {host} (no WANDB_API_KEY, no entry in {netrc}); set WANDB_API_KEY, "
+            f"run `wandb login`, or set WANDB_MODE=offline to log under <output_dir>/wandb (`wandb sync` uploads it "
+            f"later)")
+
+
+def _mlflow_problem() -> str | None:
+    """Why the MLflow client could not log: MLFLOW_TRACKING_URI names an HTTP(S) server that does not accept a
+    connection. None otherwise (unset: a local file store under the output directory; other schemes: MLflow
+    decides)."""
+    from urllib.parse import urlsplit
+
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        return None
+    parts = urlsplit(uri)
+    if parts.scheme not in ("http", "https"):
+        return None
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        with socket.create_connection((parts.hostname or "", port), timeout=MLFLOW_CONNECT_TIMEOUT_S):
+            return None
+    except (OSError, ValueError) as exc:
+        why = " ".join(str(exc).split()) or type(exc).__name__
+        return (f"the MLflow tracking server MLFLOW_TRACKING_URI={uri} does not answer ({why}); start it, fix the "
+                f"URI, or unset MLFLOW_TRACKING_URI to log to <output_dir>/mlruns")
 
 
 def _flat(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
