@@ -17,6 +17,8 @@ setup(
         "megatron-core==0.16.1",
         "transformers>=4.57",
         "safetensors",
+        "huggingface_hub",  # hub IDs in model and data paths (verl_mega/config/hub.py)
+        "pyarrow",  # parquet prompt files and tools/prepare_data.py
         "tokenizers",
         "pyyaml",
         "numpy",

@@ -30,7 +30,8 @@ from typing import Any, Callable
 from verl_mega.config.base import ConfigError
 
 __all__ = ["HubRef", "parse_model", "parse_dataset", "offline", "cache_dir", "check_model", "check_dataset",
-           "resolve_model", "resolve_dataset", "resolve_config", "MODEL_PATTERNS", "DATA_SUFFIXES"]
+           "resolve_model", "resolve_dataset", "resolve_config", "local_dataset_files", "MODEL_PATTERNS",
+           "DATA_SUFFIXES"]
 
 #: the files of a model repository that loading it needs: config, safetensors weights, tokenizer, chat template,
 #: remote code. PyTorch .bin / .pth copies (often as large again) are left on the hub.
@@ -353,15 +354,34 @@ def resolve_dataset(key: str, value: str) -> list[str]:
 def _dataset_files(ref: HubRef, key: str) -> list[str]:
     root = _snapshot(ref, key, ("README.md",))
     commit = os.path.basename(root)  # the snapshot's commit: the second fetch reads the same revision
-    configs = _card_configs(root)
+    ref, config, patterns = _plan(ref, key, _card_configs(root))
+    wanted = sorted({p for ps in patterns.values() for p in ps}) or [f"*{s}" for s in DATA_SUFFIXES]
+    root = _snapshot(ref, key, wanted, revision=commit if re.fullmatch(r"[0-9a-f]{40}", commit) else None)
+    return _choose(root, ref, key, config, patterns)
+
+
+def local_dataset_files(key: str, directory: str, *, config: str | None = None, split: str | None = None) -> list[str]:
+    """The split's data files of a dataset kept in a local directory in its hub layout (e.g. ``hf download ID
+    --repo-type dataset --local-dir DIR``): the same choice of configuration and split as for a hub ID."""
+    text = ":".join(x for x in (directory, config, split) if x)
+    ref = HubRef(text, directory, None, "dataset", config, split)
+    ref, chosen, patterns = _plan(ref, key, _card_configs(directory))
+    return _choose(directory, ref, key, chosen, patterns)
+
+
+def _plan(ref: HubRef, key: str, configs: list[dict[str, Any]]) -> tuple[HubRef, dict[str, Any] | None,
+                                                                          dict[str, list[str]]]:
+    """(the reference with ORG/NAME:CONFIG read as a configuration, the card's configuration, its split patterns)."""
     if ref.config is None and ref.split in {str(c["config_name"]) for c in configs}:  # ORG/NAME:CONFIG
         ref = dataclasses.replace(ref, config=ref.split, split=None)
     config = _pick_config(ref, key, configs)
-    patterns = _split_patterns(config) if config is not None else {}
-    wanted = sorted({p for ps in patterns.values() for p in ps}) or [f"*{s}" for s in DATA_SUFFIXES]
-    root = _snapshot(ref, key, wanted, revision=commit if re.fullmatch(r"[0-9a-f]{40}", commit) else None)
+    return ref, config, (_split_patterns(config) if config is not None else {})
+
+
+def _choose(root: str, ref: HubRef, key: str, config: dict[str, Any] | None, patterns: dict[str, list[str]]
+            ) -> list[str]:
     files = sorted(str(p.relative_to(root)).replace(os.sep, "/") for p in Path(root).rglob("*")
-                   if p.is_file() and p.name.lower().endswith(DATA_SUFFIXES))
+                   if p.is_file() and p.name.lower().endswith(DATA_SUFFIXES) and ".cache" not in p.parts)
     if "*" in patterns:  # a configuration given as a data_dir: its files, splits by name
         files = [f for f in files if any(fnmatch.fnmatch(f, p) for p in patterns["*"])]
     if config is not None and "*" not in patterns:

@@ -301,7 +301,8 @@ class RewardConfig(ConfigSection):
     SECTION: ClassVar[str] = "reward"
 
     function: str | None = option(
-        None, help="Reward function: a built-in name (`arithmetic`, `gsm8k`), `pkg.module.fn`, `pkg.module:fn` or "
+        None, help="Reward function: a built-in name (`arithmetic`, `gsm8k`, `math`, `math_dapo`, "
+                   "`by_data_source`; docs/algorithms.md), `pkg.module.fn`, `pkg.module:fn` or "
                    "`file.py[:fn]` (default fn: compute_score). Either verl's compute_score(data_source, "
                    "solution_str, ground_truth, extra_info=None) or fn(response, ground_truth, **extras), each also "
                    "batched; a dict return's other values are logged as reward/<key> (docs/from_verl.md). null picks "

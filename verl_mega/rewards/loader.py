@@ -2,7 +2,8 @@
 
 Accepted specs:
 
-* a built-in name: ``gsm8k``, ``gsm8k_flexible``, ``format``, ``arithmetic``, ``calculator``
+* a built-in name: ``gsm8k``, ``gsm8k_flexible``, ``math``, ``math_dapo``, ``by_data_source``, ``format``,
+  ``arithmetic``, ``calculator``
 * ``pkg.module:fn`` or ``pkg.module.fn``
 * ``path/to/file.py:fn`` (or ``path/to/file.py``, which loads ``compute_score``): a file and a function, as verl's
   ``custom_reward_function.path`` and ``.name`` name them
@@ -42,6 +43,9 @@ __all__ = ["RewardFunctionError", "RewardFunction", "load_reward_fn", "BUILTIN_R
 BUILTIN_REWARDS = {
     "gsm8k": "verl_mega.rewards.math_reward:compute_score",
     "gsm8k_flexible": "verl_mega.rewards.math_reward:compute_score",
+    "math": "verl_mega.rewards.math_equiv:math_score",
+    "math_dapo": "verl_mega.rewards.math_equiv:dapo_score",
+    "by_data_source": "verl_mega.rewards.math_equiv:score_by_source",
     "format": "verl_mega.rewards.math_reward:format_reward",
     "arithmetic": "verl_mega.rewards.math_reward:arithmetic_score",
     "calculator": "verl_mega.data.calculator:calculator_score",
