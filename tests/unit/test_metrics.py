@@ -333,6 +333,10 @@ def test_wandb_without_credentials_is_one_line_before_anything(tmp_path, monkeyp
     assert train.main(["--config", str(recipe), "logging.wandb=true", f"trainer.output_dir={tmp_path / 'job'}"]) == 2
     assert capsys.readouterr().err == f"error: {message}\n"
     assert not (tmp_path / "job").exists()
+    from verl_mega import RLTrainer  # the Python API checks it as early
+
+    with pytest.raises(TrackerNotConfigured, match="no W&B credentials"):
+        RLTrainer.create(actor="tiny", overrides={"logging.wandb": True, "trainer.output_dir": str(tmp_path / "api")})
 
 
 def test_wandb_credentials_as_wandb_finds_them(monkeypatch, no_wandb_credentials):
