@@ -13,6 +13,7 @@ given here is only validated against the model.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -37,6 +38,11 @@ def main(argv: list[str] | None = None) -> int:
         args.hf_path = resolve_model("--hf-path", args.hf_path)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not os.path.isfile(os.path.join(args.hf_path, "config.json")):  # this flag's name, not a config key's
+        what = "is not a directory" if not os.path.isdir(args.hf_path) else "has no config.json"
+        print(f"error: --hf-path {args.hf_path} {what}; give an HF model directory (config.json + *.safetensors) "
+              f"or a hub ID ORG/NAME", file=sys.stderr)
         return 2
     from verl_mega.models.hf_config import ModelConfigError, arch_from_hf, load_hf_config
     from verl_mega.models.hf_io import CheckpointError

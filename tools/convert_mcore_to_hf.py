@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -14,6 +15,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mcore-path", required=True, help="Megatron dist checkpoint directory")
     parser.add_argument("--output", required=True, help="new directory for the HF checkpoint")
     args = parser.parse_args(argv)
+    if not os.path.isdir(args.mcore_path):
+        print(f"error: --mcore-path {args.mcore_path} is not a directory; give the output of "
+              f"tools/convert_hf_to_mcore.py or the actor/ directory of a verl_mega training checkpoint",
+              file=sys.stderr)
+        return 2
     from verl_mega.models.hf_config import ModelConfigError
     from verl_mega.models.hf_io import CheckpointError
     from verl_mega.checkpoint.mcore import convert_mcore_to_hf

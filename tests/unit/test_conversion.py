@@ -185,6 +185,19 @@ def test_an_unusable_output_is_one_line_before_any_work(tiny, tmp_path, capsys, 
     assert list(locked.iterdir()) == []
 
 
+def test_a_missing_input_names_the_flag(tmp_path, capsys):
+    """The converters' errors name their own flags (not model.path, a config key they do not read)."""
+    (tmp_path / "empty").mkdir()
+    for path, what in ((tmp_path / "nowhere", "is not a directory"), (tmp_path / "empty", "has no config.json")):
+        assert _tool("convert_hf_to_mcore").main(["--hf-path", str(path), "--output", str(tmp_path / "o")]) == 2
+        assert capsys.readouterr().err == (f"error: --hf-path {path} {what}; give an HF model directory (config.json "
+                                           f"+ *.safetensors) or a hub ID ORG/NAME\n")
+    assert _tool("convert_mcore_to_hf").main(["--mcore-path", str(tmp_path / "nowhere"), "--output",
+                                              str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err.startswith(f"error: --mcore-path {tmp_path / 'nowhere'} is not a directory; ")
+    assert not (tmp_path / "o").exists()
+
+
 def test_etp_below_one_is_refused(tiny, tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
         _tool("convert_hf_to_mcore").main(["--hf-path", str(tiny), "--output", str(tmp_path / "o"), "--etp", "0"])
