@@ -154,21 +154,23 @@ def test_no_answer_key_and_message_list_needs_template(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": [{"role": "user", "content": "1+1="}]}])
     recs = load_prompt_records(path, answer_key=None)
     assert recs[0].ground_truth is None
-    with pytest.raises(PromptDataError, match="d.jsonl:line 1: the prompt is a chat message list but the tokenizer"):
+    with pytest.raises(PromptDataError, match="d.jsonl:line 1: the prompt is a chat message list but the tokenizer "
+                                              r"has no chat_template; give one with model.chat_template \(inline"):
         PromptDataset(recs, make_tokenizer(False), max_prompt_length=16)
 
 
 def test_chat_template_modes_and_overlong_error(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "3+4=", "answer": "7"}, {"prompt": "12+34=", "answer": "46"}])
     recs = load_prompt_records(path)
-    with pytest.raises(PromptDataError, match="apply_chat_template=true but the tokenizer has no chat_template"):
+    with pytest.raises(PromptDataError, match="data.apply_chat_template=true but the tokenizer has no chat_template; "
+                                              "give one with model.chat_template"):
         PromptDataset(recs, make_tokenizer(False), max_prompt_length=8, apply_chat_template=True)
     with pytest.raises(PromptDataError, match="d.jsonl:line 2: prompt has 6 tokens > max_prompt_length=5"):
         PromptDataset(recs, make_tokenizer(False), max_prompt_length=5, filter_overlong=False)
     messages = load_prompt_records(write_jsonl(tmp_path / "m.jsonl", [{"prompt": [{"role": "user", "content": "1"}],
                                                                        "answer": "1"}]))
     with pytest.raises(PromptDataError, match="m.jsonl:line 1: the prompt is a chat message list but "
-                                              "apply_chat_template is off"):
+                                              "data.apply_chat_template is off; set data.apply_chat_template to auto"):
         PromptDataset(messages, make_tokenizer(True), max_prompt_length=8, apply_chat_template=False)
 
 

@@ -48,8 +48,9 @@ def _use_template(tokenizer: Any, apply_chat_template: ChatTemplateMode) -> bool
         return has
     if apply_chat_template is True and not has:
         raise PromptDataError(
-            "apply_chat_template=true but the tokenizer has no chat_template; set it to auto or false, or use a "
-            "tokenizer with a template"
+            "data.apply_chat_template=true but the tokenizer has no chat_template; give one with model.chat_template "
+            "(inline Jinja or a .jinja file), use a tokenizer that has one, or set data.apply_chat_template to auto "
+            "or false"
         )
     if not isinstance(apply_chat_template, bool):
         raise PromptDataError(f"apply_chat_template must be auto, true or false, got {apply_chat_template!r}")
@@ -61,11 +62,13 @@ def _render(prompt: str | list[dict[str, str]], source: str, tokenizer: Any, use
     """(text to tokenize, whether it came from the chat template)."""
     messages = prompt if isinstance(prompt, list) else None
     if messages is not None and not use_template:
-        reason = "apply_chat_template is off" if apply_chat_template is False else "the tokenizer has no chat_template"
-        raise PromptDataError(
-            f"{source}: the prompt is a chat message list but {reason}; give plain-string prompts or use a "
-            "tokenizer with a chat template"
-        )
+        if apply_chat_template is False:
+            reason, fix = "data.apply_chat_template is off", "set data.apply_chat_template to auto or true"
+        else:
+            reason = "the tokenizer has no chat_template"
+            fix = "give one with model.chat_template (inline Jinja or a .jinja file) or use a tokenizer that has one"
+        raise PromptDataError(f"{source}: the prompt is a chat message list but {reason}; {fix}, or give "
+                              f"plain-string prompts")
     if not use_template:
         return prompt, False  # type: ignore[return-value]
     messages = messages or [{"role": "user", "content": prompt}]
