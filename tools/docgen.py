@@ -120,9 +120,15 @@ def generate_reference() -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="tools/docgen.py", description=__doc__.split("\n\n")[0].rstrip(":") + ".",
+                                     epilog="usage: python tools/docgen.py > docs/configuration.md")
+    parser.parse_args(argv)  # no options: --help is the usage, not the document
     print(generate_reference(), end="")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

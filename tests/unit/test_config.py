@@ -526,7 +526,8 @@ def test_missing_paths(tmp_path):
     assert _error(load_config, None, [f"model.path={tmp_path}"]) == (
         f"model.path='{tmp_path}' has no config.json; point model.path at a Hugging Face model directory")
     assert _error(load_config, None, [f"data.train_files=[{tmp_path}/train.jsonl]", "reward.function=gsm8k"]) == (
-        f"data.train_files[0]='{tmp_path}/train.jsonl' does not exist; set data.train_files[0] to an existing file or a hub dataset ID (ORG/NAME)")
+        f"data.train_files[0]='{tmp_path}/train.jsonl' does not exist; set data.train_files[0] to an existing file or "
+        f"a hub dataset ID (ORG/NAME)")
 
 
 def test_reward_function_required_for_own_data():
@@ -710,6 +711,19 @@ def _tool(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def test_docgen_help_is_its_usage_not_the_document(capsys):
+    docgen = _tool("docgen")
+    with pytest.raises(SystemExit) as info:
+        docgen.main(["--help"])
+    out = capsys.readouterr().out
+    assert info.value.code == 0 and out.startswith("usage: tools/docgen.py")
+    assert "python tools/docgen.py > docs/configuration.md" in out and "# Configuration reference" not in out
+    with pytest.raises(SystemExit):
+        docgen.main(["--bogus"])
+    assert capsys.readouterr().out == ""
+    assert docgen.main([]) == 0 and capsys.readouterr().out == docgen.generate_reference()
 
 
 def test_check_cli(capsys):
