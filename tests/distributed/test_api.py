@@ -75,5 +75,6 @@ def test_the_docs_example_runs_as_a_script(tmp_path):
     assert (out / "curves.png").stat().st_size > 0 and any((out / "tensorboard").iterdir())
     summary = (out / "summary.txt").read_text()
     assert "steps       1 (1 logged)" in summary and summary in text
+    assert "Advantage (GRPO) Computation" in text  # the profile names the recipe's estimator
     assert "Traceback" not in text and "Exception ignored" not in text, text[-5000:]
     assert not [line for line in text.splitlines() if " vllm" in line or " megatron" in line], text[-5000:]

@@ -324,3 +324,12 @@ def test_detect_peak_flops():
     assert detect_peak_flops("NVIDIA H200", "float32") is None  # fp32 peak differs: no guess
     assert detect_peak_flops("Some Future GPU", "bfloat16") is None
     assert detect_peak_flops(None, "bfloat16") is None
+
+
+def test_the_advantage_line_names_the_configured_estimator():
+    for estimator, name in (("gae", "GAE"), ("grpo", "GRPO"), ("dr_grpo", "Dr. GRPO"), ("rloo", "RLOO"),
+                            ("reinforce_plus_plus", "REINFORCE++"), ("remax", "ReMax")):
+        prof = StageProfiler(advantage_estimator=estimator)
+        prof.record("advantage", 0.0, 1.0)
+        lines = [line for line in prof.format_tree().splitlines() if "Advantage" in line]
+        assert len(lines) == 1 and f"Advantage ({name}) Computation" in lines[0], (estimator, lines)

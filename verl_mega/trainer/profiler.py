@@ -73,11 +73,15 @@ _TREE = (
     (VALUES, "Critic Scoring", True),
     (REWARD_MODEL, "RM Evaluation", True),
     (REWARD, "Reward Function", False),
-    (ADVANTAGE, "Advantage (GAE) Computation", True),
+    (ADVANTAGE, "Advantage ({estimator}) Computation", True),
     (CRITIC_UPDATE, "Critic Update", True),
     (ACTOR_UPDATE, "Actor Update", True),
     (WEIGHT_SYNC, "Weight Sync", True),
 )
+# algorithm.adv_estimator -> its name in the tree's advantage line
+ESTIMATOR_NAMES = {"gae": "GAE", "grpo": "GRPO", "dr_grpo": "Dr. GRPO", "rloo": "RLOO",
+                   "reinforce_plus_plus": "REINFORCE++", "reinforce_plus_plus_baseline": "REINFORCE++ baseline",
+                   "remax": "ReMax"}
 _SUB_LABELS = {WAKE_UP: "Wake Up (weights, KV cache)", PREFILL: "Prefill", DECODE: "Decode Loop",
                POSTPROCESS: "Postprocess", SLEEP: "Sleep (free memory)"}
 
@@ -159,11 +163,13 @@ class StageProfiler:
     are global, 1 when they are this rank's). ``flops_per_token`` turns the ``tokens`` counter into achieved FLOPs
     unless the caller counts ``flops`` directly (more exact when stages differ: 2N per generated token, 6N per
     trained token). ``scoring_stages`` are the stages whose hiding defines the overlap efficiency.
+    ``advantage_estimator`` (algorithm.adv_estimator) names the tree's advantage line: "Advantage (GRPO) ...".
     """
 
     def __init__(self, *, synchronize: Callable[[], None] | None = None, peak_flops: float | None = None,
                  n_devices: int = 1, flops_per_token: float | None = None,
-                 scoring_stages: Iterable[str] = SCORING_STAGES, clock: Callable[[], float] = time.perf_counter):
+                 scoring_stages: Iterable[str] = SCORING_STAGES, clock: Callable[[], float] = time.perf_counter,
+                 advantage_estimator: str = "gae"):
         if n_devices < 1:
             raise ValueError(f"StageProfiler: n_devices={n_devices} must be >= 1")
         if peak_flops is not None and peak_flops <= 0:
@@ -175,6 +181,7 @@ class StageProfiler:
         self.n_devices = n_devices
         self.flops_per_token = flops_per_token
         self.scoring_stages = tuple(scoring_stages)
+        self.advantage_estimator = advantage_estimator  # algorithm.adv_estimator: names the advantage line
         self._clock = clock
         self._lock = threading.Lock()
         self._intervals: dict[str, list[Interval]] = {}
@@ -345,7 +352,9 @@ class StageProfiler:
 
         known = {stage for stage, _, _ in _TREE}
         stages = sorted(n_calls)
-        rows: list[tuple[str, str, bool]] = [(st, label, always) for st, label, always in _TREE]
+        estimator = ESTIMATOR_NAMES.get(self.advantage_estimator, self.advantage_estimator)
+        rows: list[tuple[str, str, bool]] = [(st, label.format(estimator=estimator), always)
+                                             for st, label, always in _TREE]
         rows += [(st, st.replace("_", " ").title(), False) for st in stages if "/" not in st and st not in known]
         rows = [r for r in rows if r[2] or f"timing/{r[0]}_s" in s]
 

@@ -292,7 +292,8 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
     peak = cfg.trainer.peak_tflops * 1e12 if cfg.trainer.peak_tflops else \
         detect_peak_flops(torch.cuda.get_device_name() if cuda else None, cfg.model.dtype)
     profiler = StageProfiler(n_devices=placement.world_size, peak_flops=peak,
-                             synchronize=torch.cuda.synchronize if cuda else None)
+                             synchronize=torch.cuda.synchronize if cuda else None,
+                             advantage_estimator=cfg.algorithm.adv_estimator)
     rollout = build_rollout(cfg, groups, path, actor_m, placement, offload=offload_trainers(cfg, actor, critic, ref),
                             profiler=profiler, tokenizer=tokenizer, bridge=bridge)
     resources.callback(rollout.shutdown)  # vLLM's process groups go before torch.distributed's
