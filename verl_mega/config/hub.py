@@ -232,7 +232,12 @@ def _once(ref: HubRef, key: str, fetch: Callable[[], Any]) -> Any:
             handle.truncate()
             handle.write(_holder())
             handle.flush()
-            result = fetch()
+            try:
+                result = fetch()
+            except BaseException:
+                handle.seek(0)
+                handle.truncate()  # no holder any more, and no result
+                raise
             handle.seek(0)
             handle.truncate()
             handle.write(json.dumps({"spec": [key.split("[")[0], ref.text], "result": result, "at": time.time()}))
