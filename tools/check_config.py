@@ -51,7 +51,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(recipe, overrides, check_paths=not args.no_check_paths)
         print(to_yaml(cfg), end="")
         if args.world_size is not None:
-            shape = _model_shape(args.model_shape, cfg.model.path)
+            from verl_mega.config.hub import resolve_model_config
+
+            shape = _model_shape(args.model_shape, resolve_model_config("model.path", cfg.model.path))
             if shape is None:
                 raise ConfigError(f"cannot check the layout: model.path={cfg.model.path!r} has no config.json; pass "
                                   f"--model-shape LAYERS,HEADS,KV_HEADS")

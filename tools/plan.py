@@ -62,8 +62,8 @@ def _positive(kind=int, *, zero_ok: bool = False):
 
 def build_parser() -> argparse.ArgumentParser:
     ap = _OneLineParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="HF config.json (or a model directory holding one); with --config "
-                                                  "it replaces the recipe's model.path")
+    ap.add_argument("--model", default=None, help="HF config.json (or a model directory holding one, or a hub ID); "
+                                                  "with --config it replaces the recipe's model.path")
     ap.add_argument("--config", default=None, help="a training recipe (YAML): its layout, batch sizes, sequence "
                                                    "lengths, offload and rollout settings replace the flags below")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="dotted override of --config")
@@ -133,7 +133,10 @@ def main(argv: list[str] | None = None) -> int:
         model = args.model or (cfg.model.path if cfg is not None else None)
         if model is None:
             raise PlanningError("--model is required (or a --config whose model.path holds config.json)")
-        arch = arch_from_hf(load_hf_config(model))
+        from verl_mega.config.hub import resolve_model_config
+
+        # a hub ID (the 7B recipes name one): its config.json alone, fetched into the Hugging Face cache
+        arch = arch_from_hf(load_hf_config(resolve_model_config("--model" if args.model else "model.path", model)))
         topology = None
         if args.topo:
             from verl_mega.parallel.topology import parse_topology

@@ -244,7 +244,8 @@ def test_the_node_resolves_one_process_at_a_time(cache, tiny_model, monkeypatch)
         # what the holder leaves when done: the record of its fetch
         held.seek(0)
         held.truncate()
-        held.write(json.dumps({"spec": ["model.path", "Org/Tiny"], "result": str(snapshot), "at": time.time()}))
+        record = {"spec": ["model.path", "Org/Tiny", "model"], "result": str(snapshot), "at": time.time()}
+        held.write(json.dumps(record))
         held.flush()
         calls: list[str] = []
         monkeypatch.setattr(hub, "_snapshot", lambda *a, **k: calls.append("hub") or str(snapshot))
@@ -287,3 +288,22 @@ def test_from_verl_says_a_hub_id_is_fetched(tmp_path):
     assert ("model.path='Qwen/Qwen2.5-7B-Instruct' is a Hugging Face hub ID: fetched into the Hugging Face cache "
             "when the job starts") in report.read_text()
     load_config(out, [], check_paths=False)  # and the recipe takes it
+
+
+def test_the_planner_reads_a_hub_models_config(cache, capsys):
+    config = REPO / "tests" / "fixtures" / "hf_configs" / "qwen2.5-7b.json"
+    snapshot = hub_cache.add_repo(cache, "Qwen/Qwen2.5-7B-Instruct", {"config.json": config})
+    assert hub.resolve_model_config("model.path", "Qwen/Qwen2.5-7B-Instruct") == str(snapshot)
+    assert _error(hub.resolve_model, "model.path", "Qwen/Qwen2.5-7B-Instruct") == (
+        f"model.path='Qwen/Qwen2.5-7B-Instruct': the cached copy {snapshot} holds no *.safetensors weights (a "
+        f"partial copy); set HF_HUB_OFFLINE=0 to fetch the rest, or give a local model directory")
+    plan = _tool("plan")
+    # the recipe names the hub ID: the planner needs no --model
+    assert plan.main(["--config", str(REPO / "configs" / "grpo_qwen2.5_7b.yaml"), "--gpus", "8"]) == 0
+    assert "28 layers, h=3584, heads 28/4 kv" in capsys.readouterr().out
+    # and the config check's layout check reads the same config.json
+    assert _tool("check_config").main([str(REPO / "configs" / "grpo_qwen2.5_7b.yaml"), "--world-size", "8",
+                                       "--no-check-paths"]) == 0
+    capsys.readouterr()
+    assert plan.main(["--model", "Org/Missing", "--gpus", "8"]) == 2
+    assert capsys.readouterr().err.startswith("error: --model='Org/Missing': HF_HUB_OFFLINE=1 and the Hugging Face ")

@@ -30,8 +30,8 @@ from typing import Any, Callable
 from verl_mega.config.base import ConfigError
 
 __all__ = ["HubRef", "parse_model", "parse_dataset", "offline", "cache_dir", "check_model", "check_dataset",
-           "resolve_model", "resolve_dataset", "resolve_config", "local_dataset_files", "MODEL_PATTERNS",
-           "DATA_SUFFIXES"]
+           "resolve_model", "resolve_model_config", "resolve_dataset", "resolve_config", "local_dataset_files",
+           "MODEL_PATTERNS", "DATA_SUFFIXES"]
 
 #: the files of a model repository that loading it needs: config, safetensors weights, tokenizer, chat template,
 #: remote code. PyTorch .bin / .pth copies (often as large again) are left on the hub.
@@ -187,13 +187,15 @@ def _started() -> float:
 _IMPORTED = time.time()
 
 
-def _once(ref: HubRef, key: str, fetch: Callable[[], Any]) -> Any:
+def _once(ref: HubRef, key: str, what: str, fetch: Callable[[], Any]) -> Any:
     """``fetch()`` under the node's lock of the repository. The lock file names its holder while it fetches (the
     waiters' error names it), then records the result: a process of the same launch that takes the lock later reuses
-    it without asking the hub again. A waiter gives up after VERL_MEGA_HUB_WAIT_S seconds."""
+    it without asking the hub again (the same key, ID and ``what``). A waiter gives up after VERL_MEGA_HUB_WAIT_S
+    seconds."""
     from huggingface_hub.file_download import repo_folder_name
 
     bound = _wait_bound()
+    spec = [key.split("[")[0], ref.text, what]  # a dataset's default split depends on the key
     folder = Path(cache_dir()) / ".locks" / repo_folder_name(repo_id=ref.repo_id, repo_type=ref.repo_type)
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -225,7 +227,7 @@ def _once(ref: HubRef, key: str, fetch: Callable[[], Any]) -> Any:
                 record = {}
             paths = record.get("result") if isinstance(record, dict) else None
             paths = [paths] if isinstance(paths, str) else paths
-            if (record.get("spec") == [key.split("[")[0], ref.text] and record.get("at", 0) >= _started()
+            if (record.get("spec") == spec and record.get("at", 0) >= _started()
                     and isinstance(paths, list) and all(os.path.exists(p) for p in paths)):
                 return record["result"]
             handle.seek(0)
@@ -240,7 +242,7 @@ def _once(ref: HubRef, key: str, fetch: Callable[[], Any]) -> Any:
                 raise
             handle.seek(0)
             handle.truncate()
-            handle.write(json.dumps({"spec": [key.split("[")[0], ref.text], "result": result, "at": time.time()}))
+            handle.write(json.dumps({"spec": spec, "result": result, "at": time.time()}))
             handle.flush()
             return result
         finally:
@@ -266,8 +268,29 @@ def resolve_model(key: str, value: str) -> str:
     ref = parse_model(value)
     if ref is None:
         return value
-    path = _once(ref, key, lambda: _snapshot(ref, key, MODEL_PATTERNS))
-    if not os.path.isfile(os.path.join(path, "config.json")) and key != "model.tokenizer_path":
+    path = _once(ref, key, "model", lambda: _snapshot(ref, key, MODEL_PATTERNS))
+    if key == "model.tokenizer_path":
+        return path
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(f"{key}={value!r}: the hub repository has no config.json at its top level; give the ID of a "
+                          f"Hugging Face transformers model, or a local model directory")
+    if not any(Path(path).glob("*.safetensors")):
+        if offline():
+            raise ConfigError(f"{key}={value!r}: the cached copy {path} holds no *.safetensors weights (a partial "
+                              f"copy); set HF_HUB_OFFLINE=0 to fetch the rest, or give a local model directory")
+        raise ConfigError(f"{key}={value!r}: the hub repository holds no *.safetensors weights (safetensors "
+                          f"checkpoints are what loads); give another model or a local model directory")
+    return path
+
+
+def resolve_model_config(key: str, value: str) -> str:
+    """The local directory holding model ``value``'s config.json: itself when local, else a hub snapshot with
+    config.json alone fetched (what the planner and the layout check read)."""
+    ref = parse_model(value)
+    if ref is None:
+        return value
+    path = _once(ref, key, "config", lambda: _snapshot(ref, key, ("config.json",)))
+    if not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError(f"{key}={value!r}: the hub repository has no config.json at its top level; give the ID of a "
                           f"Hugging Face transformers model, or a local model directory")
     return path
@@ -353,7 +376,7 @@ def resolve_dataset(key: str, value: str) -> list[str]:
     ref = parse_dataset(value)
     if ref is None:
         return [value]
-    return _once(ref, key, lambda: _dataset_files(ref, key))
+    return _once(ref, key, "data", lambda: _dataset_files(ref, key))
 
 
 def _dataset_files(ref: HubRef, key: str) -> list[str]:
