@@ -307,3 +307,10 @@ def test_the_planner_reads_a_hub_models_config(cache, capsys):
     capsys.readouterr()
     assert plan.main(["--model", "Org/Missing", "--gpus", "8"]) == 2
     assert capsys.readouterr().err.startswith("error: --model='Org/Missing': HF_HUB_OFFLINE=1 and the Hugging Face ")
+
+
+def test_rollout_only_takes_a_hub_id(cache):
+    from verl_mega.rollout.quick import rollout_only
+
+    assert _error(rollout_only, "Org/Missing", ["1+1="]).startswith(
+        "model_path='Org/Missing': HF_HUB_OFFLINE=1 and the Hugging Face cache ")  # before vLLM starts

