@@ -14,11 +14,12 @@ log = logging.getLogger("verl_mega")
 
 
 def train(cfg) -> dict[str, float]:
-    from verl_mega.checkpoint.integrity import RunComplete
-    from verl_mega.trainer.setup import build_job
     from verl_mega.trainer.loop import before_build
 
-    before_build(cfg)  # the console, and the trackers' checks before anything is built
+    before_build(cfg)  # first: the console before Megatron's and vLLM's imports log, the trackers' checks
+    from verl_mega.checkpoint.integrity import RunComplete
+    from verl_mega.trainer.setup import build_job
+
     try:
         job = build_job(cfg)
     except RunComplete as done:

@@ -51,3 +51,17 @@ def test_verbose_console_shows_third_party_lines(tmp_path):
     text, _ = _run(tmp_path, "verbose", "logging.verbose=true")
     for line in ("Params for bucket", "Setting up optimizer with config", "Successfully reset prefix cache"):
         assert line in text, f"{line!r} missing with logging.verbose=true"
+
+
+def test_the_console_is_quiet_from_the_first_import(tmp_path):
+    """A process of its own (not the tests' fork server, which has imported Megatron already): the console is set
+    before the job's modules are imported, so Megatron's import-time INFO lines do not show. The run stops at its
+    output-directory check, after those imports."""
+    out = "/proc/verl_mega_console_check"  # not writable: the build stops there
+    cmd = [sys.executable, "-m", "verl_mega.train", "--config", str(ROOT / "configs" / "quickstart_cpu.yaml"),
+           f"trainer.output_dir={out}"]
+    log = tmp_path / "console.log"
+    rc = run_in_session(cmd, env=dict(os.environ), log=log, timeout=300, cwd=ROOT, real=True)
+    lines = log.read_text().splitlines()
+    assert rc == 2 and lines[-1].startswith(f"error: trainer.output_dir='{out}' is not writable"), lines
+    assert not [line for line in lines if " megatron" in line or " vllm" in line], lines

@@ -78,7 +78,6 @@ class RLTrainer(_Step):
         command line."""
         from verl_mega.config import load_config
         from verl_mega.trainer.loop import before_build
-        from verl_mega.trainer.setup import build_job
 
         if actor_backend is not None and not isinstance(actor_backend, vLLMBackend):
             raise TypeError(f"actor_backend must be a vLLMBackend, got {type(actor_backend).__name__}")
@@ -94,6 +93,8 @@ class RLTrainer(_Step):
         texts = [f"{key}={json.dumps(str(v) if isinstance(v, Path) else v)}" for key, v in values.items()]
         cfg = load_config(recipe or DEFAULT_RECIPE, texts)
         before_build(cfg)  # the console and the trackers' checks, as python -m verl_mega.train does
+        from verl_mega.trainer.setup import build_job  # after the console: Megatron logs as it is imported
+
         return TrainingRun(build_job(cfg, trainer_cls=cls))
 
 
