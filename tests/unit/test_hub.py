@@ -314,3 +314,21 @@ def test_rollout_only_takes_a_hub_id(cache):
 
     assert _error(rollout_only, "Org/Missing", ["1+1="]).startswith(
         "model_path='Org/Missing': HF_HUB_OFFLINE=1 and the Hugging Face cache ")  # before vLLM starts
+
+
+def test_a_tokenizer_id_fetches_no_weights_and_a_read_only_cache_reads_offline(cache, tmp_path, monkeypatch):
+    tokenizer = {"tokenizer.json": "{}", "tokenizer_config.json": "{}"}
+    snapshot = hub_cache.add_repo(cache, "Org/Tok", tokenizer)
+    assert hub.resolve_model("model.tokenizer_path", "Org/Tok") == str(snapshot)  # no config.json, no weights asked
+    assert _error(hub.resolve_model, "model.path", "Org/Tok") == (
+        "model.path='Org/Tok': the hub repository has no config.json at its top level; give the ID of a Hugging Face "
+        "transformers model, or a local model directory")
+    # a cache where no lock can be made (a read-only one, here `.locks` is a file): offline it is read as it is
+    (cache / ".locks").rename(tmp_path / "locks")
+    (cache / ".locks").write_text("")
+    assert hub.resolve_model("model.tokenizer_path", "Org/Tok") == str(snapshot)
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    message = _error(hub.resolve_model, "model.tokenizer_path", "Org/Tok")
+    assert message.startswith(f"model.tokenizer_path='Org/Tok': the Hugging Face cache {cache} is not writable (")
+    assert message.endswith("point HF_HOME or HF_HUB_CACHE at a writable directory, or set HF_HUB_OFFLINE=1 to read "
+                            "it as it is")

@@ -36,6 +36,7 @@ __all__ = ["HubRef", "parse_model", "parse_dataset", "offline", "cache_dir", "ch
 #: the files of a model repository that loading it needs: config, safetensors weights, tokenizer, chat template,
 #: remote code. PyTorch .bin / .pth copies (often as large again) are left on the hub.
 MODEL_PATTERNS = ("*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja", "*.py")
+TOKENIZER_PATTERNS = tuple(p for p in MODEL_PATTERNS if p != "*.safetensors")
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json")
 WAIT_ENV = "VERL_MEGA_HUB_WAIT_S"
 DEFAULT_WAIT_S = 7200.0
@@ -201,8 +202,11 @@ def _once(ref: HubRef, key: str, what: str, fetch: Callable[[], Any]) -> Any:
         folder.mkdir(parents=True, exist_ok=True)
         handle = open(folder / "verl_mega.lock", "a+")
     except OSError as exc:
+        if offline():  # a read-only cache (e.g. one shared, filled beforehand): reading it needs no lock
+            return fetch()
         raise ConfigError(f"{key}={ref.text!r}: the Hugging Face cache {cache_dir()} is not writable "
-                          f"({exc.strerror}); point HF_HOME or HF_HUB_CACHE at a writable directory") from None
+                          f"({exc.strerror}); point HF_HOME or HF_HUB_CACHE at a writable directory, or set "
+                          f"HF_HUB_OFFLINE=1 to read it as it is") from None
     with handle:
         deadline = time.monotonic() + bound
         while True:
@@ -260,7 +264,7 @@ def check_dataset(key: str, value: str) -> None:
     """Config-time check of a dataset ID: offline, it must be in the cache (no download happens here)."""
     ref = parse_dataset(value)
     if ref is not None and offline():
-        _snapshot(ref, key, ("README.md",))
+        _snapshot(ref, key, ("README.md", ".gitattributes"))
 
 
 def resolve_model(key: str, value: str) -> str:
@@ -268,9 +272,9 @@ def resolve_model(key: str, value: str) -> str:
     ref = parse_model(value)
     if ref is None:
         return value
+    if key == "model.tokenizer_path":  # a tokenizer of another model: its tokenizer files, not its weights
+        return _once(ref, key, "tokenizer", lambda: _snapshot(ref, key, TOKENIZER_PATTERNS))
     path = _once(ref, key, "model", lambda: _snapshot(ref, key, MODEL_PATTERNS))
-    if key == "model.tokenizer_path":
-        return path
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError(f"{key}={value!r}: the hub repository has no config.json at its top level; give the ID of a "
                           f"Hugging Face transformers model, or a local model directory")
@@ -380,7 +384,7 @@ def resolve_dataset(key: str, value: str) -> list[str]:
 
 
 def _dataset_files(ref: HubRef, key: str) -> list[str]:
-    root = _snapshot(ref, key, ("README.md",))
+    root = _snapshot(ref, key, ("README.md", ".gitattributes"))  # every repository has the latter
     commit = os.path.basename(root)  # the snapshot's commit: the second fetch reads the same revision
     ref, config, patterns = _plan(ref, key, _card_configs(root))
     wanted = sorted({p for ps in patterns.values() for p in ps}) or [f"*{s}" for s in DATA_SUFFIXES]
