@@ -107,7 +107,12 @@ def test_offline_model_resolves_from_the_cache(cache, tiny_model):
     assert (cfg.model.path, cfg.model.tokenizer_path) == ("Org/Tiny", "Org/Tiny")
     resolved = hub.resolve_config(cfg)
     assert resolved.model.path == resolved.model.tokenizer_path == str(snapshot)
-    assert resolved.critic.model_path == str(snapshot)  # null → model.path, the same snapshot
+    assert resolved.critic.model_path == "Org/Tiny"  # GRPO: no critic, nothing of it fetched
+    gae = hub.resolve_config(load_config(QUICKSTART, ["model.path=Org/Tiny", "algorithm.adv_estimator=gae"]))
+    assert gae.critic.enable and gae.critic.model_path == gae.model.path == str(snapshot)  # null → model.path
+    message = _error(hub.resolve_config, load_config(QUICKSTART, ["model.path=Org/Tiny", "algorithm.adv_estimator=gae",
+                                                                  "critic.model_path=Org/Critic"], check_paths=False))
+    assert message.startswith("critic.model_path='Org/Critic': HF_HUB_OFFLINE=1 and the Hugging Face cache ")
     assert resolved.data == cfg.data and resolved.actor == cfg.actor  # nothing else changes
     plain = load_config(QUICKSTART, [])
     assert hub.resolve_config(plain) is plain  # no hub ID: the same object

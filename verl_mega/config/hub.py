@@ -452,7 +452,9 @@ def resolve_config(cfg: Any) -> Any:
     changes = {
         "model": {"path": model("model.path", cfg.model.path),
                   "tokenizer_path": model("model.tokenizer_path", cfg.model.tokenizer_path)},
-        "critic": {"model_path": model("critic.model_path", cfg.critic.model_path)},
+        # a disabled critic's model_path (model.path by default) is never loaded: nothing to fetch
+        "critic": {"model_path": model("critic.model_path", cfg.critic.model_path) if cfg.critic.enable
+                   else cfg.critic.model_path},
         "reward": {"reward_model_path": model("reward.reward_model_path", cfg.reward.reward_model_path)},
         "data": {"train_files": data("data.train_files", tuple(cfg.data.train_files)),
                  "val_files": data("data.val_files", tuple(cfg.data.val_files))},
