@@ -337,3 +337,46 @@ def test_a_tokenizer_id_fetches_no_weights_and_a_read_only_cache_reads_offline(c
     assert message.startswith(f"model.tokenizer_path='Org/Tok': the Hugging Face cache {cache} is not writable (")
     assert message.endswith("point HF_HOME or HF_HUB_CACHE at a writable directory, or set HF_HUB_OFFLINE=1 to read "
                             "it as it is")
+
+
+@pytest.fixture
+def hub_answers(monkeypatch):
+    """A local stand-in for the hub's API answering with its error codes: Org/Missing does not exist, Org/Gated is
+    gated, Org/Tiny has no revision 'nope'."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            status, code = ((403, "GatedRepo") if "/Org/Gated" in self.path else
+                            (404, "RevisionNotFound") if "/revision/nope" in self.path else (404, "RepoNotFound"))
+            self.send_response(status)
+            self.send_header("X-Error-Code", code)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
+    yield
+    server.shutdown()
+    thread.join(timeout=10)
+
+
+def test_what_the_hub_answers_is_one_line(cache, hub_answers):
+    assert _error(hub.resolve_model, "model.path", "Org/Missing") == (
+        "model.path='Org/Missing': the hub has no model Org/Missing (or it is private: log in with `hf auth login` or "
+        "set HF_TOKEN); check the name, or give a local path instead")
+    assert _error(hub.resolve_model, "model.path", "Org/Gated") == (
+        "model.path='Org/Gated': the model Org/Gated is gated; accept its terms on the hub page and log in (`hf auth "
+        "login`, or set HF_TOKEN), or give a local path instead")
+    assert _error(hub.resolve_model, "model.path", "Org/Tiny@nope") == (
+        "model.path='Org/Tiny@nope': the model Org/Tiny has no revision 'nope'; give a branch, tag or commit it has "
+        "(ID@REVISION), or drop @nope")
+    assert _error(hub.resolve_dataset, "data.train_files[0]", "Org/Missing") == (
+        "data.train_files[0]='Org/Missing': the hub has no dataset Org/Missing (or it is private: log in with `hf auth "
+        "login` or set HF_TOKEN); check the name, or give local parquet/JSON/JSONL files instead")

@@ -125,10 +125,6 @@ def _wait_bound() -> float:
     return bound
 
 
-def _kind(ref: HubRef) -> str:
-    return "model" if ref.repo_type == "model" else "dataset"
-
-
 def _snapshot(ref: HubRef, key: str, patterns: tuple[str, ...] | list[str], revision: str | None = None) -> str:
     """huggingface_hub.snapshot_download of the files matching ``patterns``, its errors as one ConfigError line."""
     from huggingface_hub import snapshot_download
@@ -137,7 +133,7 @@ def _snapshot(ref: HubRef, key: str, patterns: tuple[str, ...] | list[str], revi
 
     where = f"{key}={ref.text!r}"
     cache = cache_dir()
-    kind = f"{_kind(ref)} {ref.repo_id}" + (f" at revision {ref.revision!r}" if ref.revision else "")
+    kind = f"{ref.repo_type} {ref.repo_id}" + (f" at revision {ref.revision!r}" if ref.revision else "")
     local = "give a local path instead" if ref.repo_type == "model" else "give local parquet/JSON/JSONL files instead"
     try:
         return snapshot_download(ref.repo_id, repo_type=ref.repo_type, revision=revision or ref.revision,
@@ -147,11 +143,11 @@ def _snapshot(ref: HubRef, key: str, patterns: tuple[str, ...] | list[str], revi
         raise ConfigError(f"{where}: the {kind} is gated; accept its terms on the hub page and log in "
                           f"(`hf auth login`, or set HF_TOKEN), or {local}") from None
     except RevisionNotFoundError:
-        raise ConfigError(f"{where}: the {_kind(ref)} {ref.repo_id} has no revision {ref.revision!r}; give a "
+        raise ConfigError(f"{where}: the {ref.repo_type} {ref.repo_id} has no revision {ref.revision!r}; give a "
                           f"branch, tag or commit it has (ID@REVISION), or drop @{ref.revision}") from None
     except RepositoryNotFoundError:
-        raise ConfigError(f"{where}: the hub has no {_kind(ref)} {ref.repo_id} (or it is private: log in with `hf auth "
-                          f"login` or set HF_TOKEN); check the name, or {local}") from None
+        raise ConfigError(f"{where}: the hub has no {ref.repo_type} {ref.repo_id} (or it is private: log in with "
+                          f"`hf auth login` or set HF_TOKEN); check the name, or {local}") from None
     except IncompleteSnapshotError:
         raise ConfigError(f"{where}: the copy in the Hugging Face cache {cache} is incomplete and the hub cannot be "
                           f"reached to finish it; set HF_HUB_OFFLINE=0 with a connection, or {local}") from None
