@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import warnings
 from typing import Any, Iterator
 
 import torch
@@ -104,8 +105,16 @@ def enable_cpu_mode() -> bool:
         _patch_cuda_namespace()
         _patch_mcore_rng()
         _patch_mcore_moe_dtoh()
+        drop_cuda_hints()
         _STATE["enabled"] = True
         return True
+
+
+def drop_cuda_hints() -> None:
+    """Megatron's advice, at tp > 1, to set CUDA_DEVICE_MAX_CONNECTIONS=1 is about CUDA streams, of which CPU mode
+    has none: hidden, by message and the module that gives it."""
+    warnings.filterwarnings("ignore", message=r".*environment variable CUDA_DEVICE_MAX_CONNECTIONS",
+                            category=UserWarning, module=r"megatron\.core\.tensor_parallel\.layers$")
 
 
 @contextlib.contextmanager

@@ -30,11 +30,18 @@ EXPECTED = tuple(re.compile(p) for p in (
     r"Reset SSM cache type to float32",
     r"Explicitly set \(.*\) GiB for KV cache",  # rollout.kv_cache_memory_bytes asked for it
 ))
-_PY_WARNINGS = (  # (category, message regex) of Python warnings from third-party code we call as intended
+# (category, message regex, module regex: where the warning is attributed, "" for anywhere) of Python warnings from
+# third-party code we call as intended
+_PY_WARNINGS = (
     (FutureWarning, r"`torch.distributed.(reduce_op|reduce_scatter_tensor|all_gather_into_tensor|_all_gather_base|"
-                    r"_reduce_scatter_base)` is deprecated"),
-    (UserWarning, r"The .grad attribute of a Tensor that is not a leaf Tensor is being accessed"),
-    (UserWarning, r"TypedStorage is deprecated"),
+                    r"_reduce_scatter_base)` is deprecated", ""),
+    (UserWarning, r"The .grad attribute of a Tensor that is not a leaf Tensor is being accessed", ""),
+    (UserWarning, r"TypedStorage is deprecated", ""),
+    # a resume: Megatron-Core's dist-checkpoint loader calls torch's deprecated load_state_dict and builds torch
+    # ShardedTensors (attributed to the CPU shim's dispatch on CPU)
+    (FutureWarning, r"`load_state_dict` is deprecated", r"megatron\.core\.dist_checkpointing\."),
+    (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor",
+     r"(megatron\.core|torch\.distributed|verl_mega\.parallel\.cpu_mode)(\.|$)"),
 )
 
 
@@ -57,8 +64,7 @@ def configure_console(verbose: bool = False) -> None:
     if not verbose:
         for handler in logging.getLogger().handlers:
             handler.addFilter(_DropExpected())
-        for category, message in _PY_WARNINGS:
-            warnings.filterwarnings("ignore", message=message, category=category)
+        drop_expected_warnings()
         _drop_teardown_noise()
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # its advisories; errors still raise
@@ -98,6 +104,12 @@ def _drop_teardown_noise() -> None:
 
     hook._verl_mega = True  # type: ignore[attr-defined]
     sys.unraisablehook = hook
+
+
+def drop_expected_warnings() -> None:
+    """Hide the Python warnings of :data:`_PY_WARNINGS`, each by category, message and the module it comes from."""
+    for category, message, module in _PY_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)
 
 
 def _take_over_vllm_logger() -> None:
