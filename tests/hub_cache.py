@@ -9,6 +9,7 @@ local_files_only=True)`` must return the snapshot, and ``scan_cache_dir`` must l
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -52,3 +53,71 @@ def add_dir(cache: Path, repo_id: str, directory: Path, *, repo_type: str = "mod
     """Every file under ``directory`` as one commit of ``repo_id``."""
     files = {str(p.relative_to(directory)): p for p in sorted(directory.rglob("*")) if p.is_file()}
     return add_repo(cache, repo_id, files, repo_type=repo_type, refs=refs)
+
+
+class StandInHub:
+    """A local HTTP server answering the part of the hub's API that ``snapshot_download`` uses, for one repository
+    at one commit: its revision, its file tree, and its files (HEAD and GET). ``requests`` lists what was asked, as
+    (method, path) pairs. Use it as a context manager and point HF_ENDPOINT at ``endpoint``."""
+
+    def __init__(self, repo_id: str, files: dict[str, bytes], *, repo_type: str = "model", commit: str = "c" * 40):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.requests: list[tuple[str, str]] = []
+        api = f"/api/{repo_type}s/{repo_id}/"
+        resolve = f"/{'datasets/' if repo_type == 'dataset' else ''}{repo_id}/resolve/{commit}/"
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self, head: bool) -> None:
+                hub.requests.append((self.command, self.path))
+                path, body, headers = self.path.split("?")[0], None, {}
+                if path.startswith(api + "revision/"):
+                    body = json.dumps({"id": repo_id, "sha": commit,
+                                       "siblings": [{"rfilename": name} for name in files]}).encode()
+                elif path.startswith(api + "tree/"):
+                    tree = [{"type": "file", "path": name, "size": len(data), "oid": hashlib.sha1(data).hexdigest()}
+                            for name, data in files.items()]
+                    body = json.dumps(tree).encode()
+                elif path.startswith(resolve) and path[len(resolve):] in files:
+                    body = files[path[len(resolve):]]
+                    headers = {"X-Repo-Commit": commit, "ETag": f'"{hashlib.sha256(body).hexdigest()}"'}
+                if body is None:
+                    self.send_response(404)
+                    self.send_header("X-Error-Code", "EntryNotFound" if path.startswith(resolve) else "RepoNotFound")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                self.send_response(200)
+                for name, value in {**headers, "Content-Length": str(len(body))}.items():
+                    self.send_header(name, value)
+                self.end_headers()
+                if not head:
+                    self.wfile.write(body)
+
+            def do_GET(self):  # noqa: N802 - http.server's names
+                self._answer(head=False)
+
+            def do_HEAD(self):  # noqa: N802
+                self._answer(head=True)
+
+            def log_message(self, *args):
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def fetched(self) -> list[str]:
+        """The files downloaded (GET of their content), in order."""
+        return [path.rsplit("/resolve/", 1)[1].split("/", 1)[1] for method, path in self.requests
+                if method == "GET" and "/resolve/" in path]
+
+    def __enter__(self) -> "StandInHub":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._server.shutdown()
+        self._thread.join(timeout=10)

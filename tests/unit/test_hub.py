@@ -380,3 +380,42 @@ def test_what_the_hub_answers_is_one_line(cache, hub_answers):
     assert _error(hub.resolve_dataset, "data.train_files[0]", "Org/Missing") == (
         "data.train_files[0]='Org/Missing': the hub has no dataset Org/Missing (or it is private: log in with `hf auth "
         "login` or set HF_TOKEN); check the name, or give local parquet/JSON/JSONL files instead")
+
+
+def test_one_process_of_the_node_fetches(cache, monkeypatch):
+    """Three processes of a node (local ranks) resolve one model at once from a stand-in hub: each file is
+    downloaded once (the .bin copy not at all), the hub is asked for the revision once, and all get one snapshot."""
+    import os
+    import subprocess
+    import sys
+
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    files = {"config.json": b'{"model_type": "qwen2"}', "model.safetensors": bytes(4096), "tokenizer.json": b"{}",
+             "pytorch_model.bin": bytes(4096)}
+    code = "from verl_mega.config.hub import resolve_model; print(resolve_model('model.path', 'Org/Tiny'))"
+    with hub_cache.StandInHub("Org/Tiny", files) as stand_in:
+        env = {**os.environ, "HF_ENDPOINT": stand_in.endpoint, "HF_HUB_CACHE": str(cache)}
+        procs = [subprocess.Popen([sys.executable, "-c", code], env={**env, "RANK": str(i), "LOCAL_RANK": str(i)},
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+                 for i in range(3)]
+        outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], outs
+    assert {out.strip() for out, _ in outs} == {str(cache / "models--Org--Tiny" / "snapshots" / ("c" * 40))}
+    assert sorted(stand_in.fetched()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert [path for _, path in stand_in.requests if "/revision/" in path] == ["/api/models/Org/Tiny/revision/main"]
+
+
+def test_a_hub_dataset_fetches_its_card_then_its_split(cache, monkeypatch, tmp_path):
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    files = {"README.md": GSM8K_CARD.encode(), ".gitattributes": b"*.parquet filter=lfs\n"}
+    for config in ("main", "socratic"):
+        for split in ("train", "test"):
+            rel = f"{config}/{split}-00000-of-00001.parquet"
+            files[rel] = _parquet(tmp_path / rel, _verl_rows(f"{config}-{split}")).read_bytes()
+    with hub_cache.StandInHub("openai/gsm8k", files, repo_type="dataset") as stand_in:
+        monkeypatch.setenv("HF_ENDPOINT", stand_in.endpoint)
+        found = hub.resolve_dataset("data.val_files[0]", "openai/gsm8k:main")
+    snapshot = cache / "datasets--openai--gsm8k" / "snapshots" / ("c" * 40)
+    assert found == [str(snapshot / "main" / "test-00000-of-00001.parquet")]
+    assert sorted(stand_in.fetched()) == [".gitattributes", "README.md", "main/test-00000-of-00001.parquet"]
+    assert [r.extra["data_source"] for r in load_prompt_records(found)] == ["main-test", "main-test"]

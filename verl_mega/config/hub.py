@@ -384,6 +384,8 @@ def _dataset_files(ref: HubRef, key: str) -> list[str]:
     commit = os.path.basename(root)  # the snapshot's commit: the second fetch reads the same revision
     ref, config, patterns = _plan(ref, key, _card_configs(root))
     wanted = sorted({p for ps in patterns.values() for p in ps}) or [f"*{s}" for s in DATA_SUFFIXES]
+    if config is not None and "*" not in patterns:  # the card names the split's files: fetch those alone
+        wanted = patterns.get(ref.split or _default_split(key, sorted(patterns)), wanted)
     root = _snapshot(ref, key, wanted, revision=commit if re.fullmatch(r"[0-9a-f]{40}", commit) else None)
     return _choose(root, ref, key, config, patterns)
 
