@@ -134,3 +134,16 @@ def test_the_docs_show_config_commands():
     """The command check has something to check: the launch docs and the README show recipes."""
     shown = {recipe for doc in scanned_files() for recipe, _ in shown_commands(doc.read_text(encoding="utf-8"))}
     assert {"configs/quickstart_cpu.yaml", "configs/ppo_llama2_7b.yaml"} <= shown
+
+
+MEASUREMENT = re.compile(r"\d[\d,.]*\s?(?:s|ms|min|minutes|seconds|h|GiB|GB|×|%|TFLOP/s|tests|steps/s|tokens/s)"
+                         r"(?![\w/])")
+
+
+def test_the_readme_prose_states_no_measurements():
+    """Times, speed-ups, memory and test counts drift; they live in BENCHMARKS.md and docs/ beside the command that
+    measured them (the README says where). Code blocks are not prose."""
+    prose = re.sub(r"```.*?```", "", (REPO / "README.md").read_text(encoding="utf-8"), flags=re.S)
+    assert MEASUREMENT.findall(prose) == []
+    assert MEASUREMENT.findall("took 77 s (median 0.44 s a step), 1.25× faster, 24.5 GiB, 858 tests") == \
+        ["77 s", "0.44 s", "1.25×", "24.5 GiB", "858 tests"]
