@@ -294,7 +294,7 @@ def test_build_job_runs_on_the_auto_layout(monkeypatch, tmp_path):
     monkeypatch.setattr(auto, "local_gpu", lambda gpus_per_node: ("NVIDIA H200", 139.8))
     monkeypatch.setattr(Placement, "from_config", placement)
     with pytest.raises(Stop):
-        setup.build_job(_auto_cfg())
+        setup.build_job(_auto_cfg(f"model.path={tmp_path}"))  # the recipe's hub ID would be fetched
     cfg = seen["cfg"]
     assert seen["world"] == 8 and cfg.parallel.layout == "manual"
     assert (cfg.parallel.tp, cfg.parallel.pp, cfg.rollout.gen_tp) == (1, 1, 1)
