@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.world_size is not None:
             from verl_mega.config.hub import resolve_model_config
 
-            shape = _model_shape(args.model_shape, resolve_model_config("model.path", cfg.model.path))
+            shape = _model_shape(args.model_shape, cfg.model.path if args.model_shape else
+                                 resolve_model_config("model.path", cfg.model.path))
             if shape is None:
                 raise ConfigError(f"cannot check the layout: model.path={cfg.model.path!r} has no config.json; pass "
                                   f"--model-shape LAYERS,HEADS,KV_HEADS")
