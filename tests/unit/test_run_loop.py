@@ -84,6 +84,7 @@ def test_when_the_data_runs_out_first_the_last_step_is_saved(tmp_path, one_rank)
     with pytest.raises(StopIteration):
         while True:
             api.step()
+    api.close()
     assert api.steps_done == 16 and saves == [(5, 0), (10, 0), (15, 0), (16, 1)]
     job, saves = _job(tmp_path / "off", *DAPO_EPOCHS, "trainer.save_every=0", epochs_of_20=True, extra_every=4)
     run(job)
@@ -102,6 +103,7 @@ def test_the_api_steps_as_train_run_does(tmp_path, one_rank):
     rows = [api.step() for _ in range(5)]
     with pytest.raises(StopIteration, match="trainer.total_steps=5"):
         api.step()
+    api.close()
     assert api_saves == cli_saves == [(2, 0), (4, 0), (5, 0)]
     assert rows[-1] == cli
 
@@ -132,6 +134,7 @@ def test_the_api_guards_non_finite_losses(tmp_path):
     api.step()
     with pytest.raises(NonFiniteError, match="step 3: 2 consecutive steps with non-finite"):
         api.step()
+    api.close()
 
 
 def test_sigterm_during_an_api_step_saves_it_and_stops_the_run(tmp_path):
@@ -150,5 +153,6 @@ def test_sigterm_during_an_api_step_saves_it_and_stops_the_run(tmp_path):
         assert job.trainer.steps == 2
         os.kill(os.getpid(), signal.SIGTERM)  # between steps: the caller's handler
         assert caller == ["SIGTERM"]
+        api.close()
     finally:
         signal.signal(signal.SIGTERM, before)
