@@ -29,9 +29,9 @@ from typing import Any, Callable
 
 from verl_mega.config.base import ConfigError
 
-__all__ = ["HubRef", "parse_model", "parse_dataset", "offline", "cache_dir", "check_model", "check_dataset",
-           "resolve_model", "resolve_model_config", "resolve_dataset", "resolve_config", "local_dataset_files",
-           "MODEL_PATTERNS", "DATA_SUFFIXES"]
+__all__ = ["HubRef", "expand_home", "parse_model", "parse_dataset", "offline", "cache_dir", "check_model",
+           "check_dataset", "resolve_model", "resolve_model_config", "resolve_dataset", "resolve_config",
+           "local_dataset_files", "MODEL_PATTERNS", "DATA_SUFFIXES"]
 
 #: the files of a model repository that loading it needs: config, safetensors weights, tokenizer, chat template,
 #: remote code. PyTorch .bin / .pth copies (often as large again) are left on the hub.
@@ -59,6 +59,14 @@ class HubRef:
     repo_type: str
     config: str | None = None
     split: str | None = None
+
+
+def expand_home(value: Any) -> Any:
+    """``~/x`` (or each such entry of a tuple) as a path under the home directory: verl's configs write paths so,
+    and neither YAML nor a ``key=[~/x]`` argument expands them."""
+    if isinstance(value, tuple):
+        return tuple(expand_home(v) for v in value)
+    return os.path.expanduser(value) if isinstance(value, str) and value.startswith("~") else value
 
 
 def _local(value: str) -> bool:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from verl_mega.config.base import ConfigSection, option
+from verl_mega.config.hub import expand_home
 
 TINY_MODEL = "tiny"  # special model.path: build the bundled tiny model instead of loading a checkpoint
 TinyTask = Literal["arithmetic", "addition_small", "calculator"]  # data.tasks.GENERATED_TASKS (a unit test checks)
@@ -143,6 +144,8 @@ class ModelConfig(ConfigSection):
                    "learning curve). null: run all `tiny_warmstart_steps`.")
 
     def validate(self) -> None:
+        for name in ("path", "tokenizer_path"):
+            self._set(name, expand_home(getattr(self, name)))
         self._require(bool(self.path.strip()), "model.path is empty; set model.path to an HF model directory or tiny")
         if self.tokenizer_path is None:
             self._set("tokenizer_path", self.path)

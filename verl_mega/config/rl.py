@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Mapping
 
-from verl_mega.config.hub import parse_dataset
+from verl_mega.config.hub import expand_home, parse_dataset
 from verl_mega.config.base import ConfigSection, FrozenDict, option
 from verl_mega.config.roles import KLEstimator
 from verl_mega.config.run import MAX_RUN_LENGTH, MISSED_BEATS
@@ -390,6 +390,8 @@ class DataConfig(ConfigSection):
         "auto", help="Wrap prompts in the tokenizer's chat template; auto does so when the tokenizer has one.")
 
     def validate(self) -> None:
+        for name in ("train_files", "val_files"):
+            self._set(name, expand_home(getattr(self, name)))
         self._require(bool(self.train_files), "data.train_files is empty; set data.train_files=[train.jsonl] or "
                                               "data.train_files=generated:arithmetic")
         for name in ("train_files", "val_files"):

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from verl_mega.config.base import ConfigError, ConfigSection, FrozenDict, fmt, option
+from verl_mega.config.hub import expand_home
 
 KLEstimator = Literal["kl", "abs", "mse", "low_var_kl", "k1", "k2", "k3"]
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm",
@@ -254,6 +255,7 @@ class CriticConfig(TrainableRoleConfig):
 
     def validate(self) -> None:
         super().validate()
+        self._set("model_path", expand_home(self.model_path))
         self._check_range("cliprange_value", gt=0.0, example=0.5)
 
 
@@ -331,6 +333,7 @@ class RewardConfig(ConfigSection):
     overlong_buffer: OverlongBufferConfig = option(factory=OverlongBufferConfig, help="DAPO overlong penalty.")
 
     def validate(self) -> None:
+        self._set("reward_model_path", expand_home(self.reward_model_path))
         if self.function is not None:
             self._require(bool(_REWARD_FN.fullmatch(self.function)),
                           f"reward.function={self.function!r} is not a built-in name, `pkg.module.fn`, "
