@@ -283,7 +283,8 @@ def _adv(k: str, v: Any, ctx: Ctx) -> Map | Unsupported:
 def _reward_fn(k: str, v: Any, ctx: Ctx) -> Map | Same:
     if not v:
         return Same("no custom reward function: verl dispatches on data_source (default_compute_score); set "
-                    "reward.function to a built-in (gsm8k, arithmetic, ...) or your file")
+                    "reward.function to a built-in (by_data_source does that for GSM8K, MATH and DAPO/AIME; gsm8k, "
+                    "math, math_dapo, ...) or your file")
     prefix = k.rsplit(".", 1)[0]
     name = ctx.get(f"{prefix}.name", "compute_score")
     return Map({"reward.function": f"{expand(v)}:{name}"})
