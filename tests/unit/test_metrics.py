@@ -239,6 +239,10 @@ def test_wandb_offline_gets_every_step_and_a_resume_continues_the_run(tmp_path, 
         log.log(_step_metrics(1) | {"critic/loss": float("nan")}, step=1)
         log.log(_step_metrics(2), step=2)
     run_id = json.loads((out / "trackers.json").read_text())["wandb"]
+    import time
+
+    # wandb names an offline run's directory by the second it started: two runs in one second would share it
+    time.sleep(1.01 - time.time() % 1)
     with MetricsLogger(out, tensorboard=False, plot=False, console=False, wandb=True, project="p",
                        resume_step=2) as log:
         log.log(_step_metrics(3), step=3)
