@@ -45,6 +45,17 @@ def check_tool_failures(calls: float, failed: float, max_failure_frac: float) ->
                           f"rollout.multi_turn.tool_timeout_s, step_tool_time_s or max_tool_failure_frac")
 
 
+def episode_metrics(counts: dict[str, float], max_failure_frac: float) -> dict[str, float]:
+    """Multi-turn rollouts: turns and tool calls per episode, and the share of tool calls that answered an error.
+    Past rollout.multi_turn.max_tool_failure_frac failed calls (counted over the pool) the run stops, on every rank."""
+    if not counts.get("episodes"):
+        return {}
+    check_tool_failures(counts["tool_calls"], counts.get("tool_failures", 0.0), max_failure_frac)
+    episodes = counts["episodes"]
+    return {"rollout/turns": counts["turns"] / episodes, "rollout/tool_calls": counts["tool_calls"] / episodes,
+            "rollout/tool_error_frac": counts["tool_errors"] / max(counts["tool_calls"], 1.0)}
+
+
 @dataclass
 class Episode:
     prompt: int  # index into the prompts of the call

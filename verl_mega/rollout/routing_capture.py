@@ -150,3 +150,13 @@ def routing_rows(got: Any, rows: int, request_id: str) -> torch.Tensor:
         raise RolloutError(f"vLLM returned no routed experts for token {missing} of request {request_id} "
                            f"(a prefix-cache hit skips the routers; routing replay R3 disables prefix caching)")
     return t
+
+
+def packed_routing(samples, width: int, shape: tuple[int, int]) -> torch.Tensor:
+    """The samples' routed experts in the packed layout [rows, width, model layers, k] (int16, -1: unknown)."""
+    out = torch.full((len(samples), width, *shape), -1, dtype=torch.int16)
+    for i, s in enumerate(samples):
+        if s.routing is not None:
+            m = min(width, s.routing.shape[0])
+            out[i, :m] = s.routing[:m]
+    return out

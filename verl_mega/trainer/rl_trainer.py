@@ -21,7 +21,9 @@ from verl_mega.parallel.rows import RowTable, imbalance, split_groups
 from verl_mega.rollout.base import SEED_MODULUS, Sample, SamplingSpec
 from verl_mega.trainer.batch import Batch, pack_sequences
 from verl_mega.trainer.dataflow import DataflowBuilder, run_stage
-from verl_mega.rollout.multi_turn import check_tool_failures
+from verl_mega.trainer.roles import old_logprobs_from_update
+from verl_mega.rollout.multi_turn import episode_metrics
+from verl_mega.rollout.routing_capture import packed_routing
 from verl_mega.trainer.stream_scoring import PendingScores, build_stream_scorer, gather_rows
 
 
@@ -73,6 +75,8 @@ class RLTrainer:
         self.stream_scoring = cfg.rollout.stream_scoring
         self.print_each_step = False
         self._host_pool: ThreadPoolExecutor | None = None
+        # the old log-probs from the actor's update, no pass of their own, where exact (a benchmark may turn it off)
+        self.old_logprobs_in_update = old_logprobs_from_update(cfg)
 
     # ------------------------------------------------------------------ the step
     def step(self, prompts) -> dict[str, float]:
@@ -174,7 +178,7 @@ class RLTrainer:
                 packed["response_mask"][i, : len(s.mask)] *= torch.as_tensor(s.mask, dtype=torch.float32)
         staleness = self._token_staleness(samples, packed) if table.versioned else {}
         if self.path.routing is not None:  # R3: the experts vLLM routed each token to, replayed in training
-            packed["rollout_routing"] = _rollout_routing(samples, packed["input_ids"].shape[1], self.path.routing)
+            packed["rollout_routing"] = packed_routing(samples, packed["input_ids"].shape[1], self.path.routing)
         data.batch = Batch(packed, {"row": mine, "group": [s.prompt for s in samples]})
         tokens = table.length
         self.profiler.record("postprocess", packing_from, self.profiler.now(), parent="rollout")
@@ -214,7 +218,7 @@ class RLTrainer:
                 data.baselines = self._engine_scores(generated[1], data, offset, len(batch.items))
             if not fcfg.enable:
                 data.table = table
-                return local, {**_episode_metrics(counts, frac), **_fleet_metrics(counts)}
+                return local, {**episode_metrics(counts, frac), **_fleet_metrics(counts)}
             scores = self._engine_scores(gen, data, offset, len(table), rows_of=rows_of)
             candidates.append((table, local, scores))
             keep = algos.dynamic_sampling_keep(scores, table.prompt).rows
@@ -225,7 +229,7 @@ class RLTrainer:
         data.table, local, data.scores, metrics = _filter_groups(candidates, len(data.prompts))
         metrics["dapo/gen_batches"] = float(rounds)
         metrics["dapo/kept_group_frac"] = metrics.pop("kept_groups") / max(1, len(data.items))
-        return local, {**metrics, **_episode_metrics(counts, frac), **_fleet_metrics(counts)}
+        return local, {**metrics, **episode_metrics(counts, frac), **_fleet_metrics(counts)}
 
     def _generate(self, batch, specs, data: StepData):
         """The rollout of one prompt batch; with rollout.stream_scoring its samples are scored as they finish."""
@@ -393,7 +397,9 @@ class RLTrainer:
 
     def _old_logprob(self, data: StepData) -> dict[str, float]:
         """The actor's log-probs and entropy of the sampled tokens before the update; returns how far they are from
-        vLLM's own log-probs of the same tokens."""
+        vLLM's own log-probs of the same tokens. Where the update computes them itself, nothing (its metrics then)."""
+        if self.old_logprobs_in_update:
+            return {}
         b = data.batch
         streamed = self._streamed(data, "old_logprobs")
         if streamed is not None:
@@ -404,14 +410,23 @@ class RLTrainer:
         if "routed_experts" in out:  # actor.routing_replay=r2/r3: the update replays this routing
             b["routed_experts"] = out["routed_experts"]
         b["entropy"] = out["entropy"]
-        mask = b["response_mask"]
-        diff = (out["logprobs"] - b["rollout_logprobs"]).abs() * mask
-        worst = diff.max() if mask.any() else diff.sum()
-        gap = {"rollout/logprob_diff_max": self._dp_reduce(worst, "max"),
-               "rollout/logprob_diff_mean": self._dp_reduce(algos.masked_mean(diff, mask), "mean")}
+        gap = self._old_metrics(b)
         if "router_agreement" in out:  # R3: Megatron's routers vs vLLM's routing, same weights (pool-wide already)
             gap["rollout/router_agreement"] = float(out["router_agreement"])
         return gap
+
+    def _old_metrics(self, b, *, kl: bool = False) -> dict[str, float]:
+        """How far the old log-probs are from vLLM's, the old policy's entropy and (``kl``) its KL to the reference."""
+        mask = b["response_mask"]
+        diff = (b["old_logprobs"] - b["rollout_logprobs"]).abs() * mask
+        worst = diff.max() if mask.any() else diff.sum()
+        metrics = {"rollout/logprob_diff_max": self._dp_reduce(worst, "max"),
+                   "rollout/logprob_diff_mean": self._dp_reduce(algos.masked_mean(diff, mask), "mean"),
+                   "actor/entropy_rollout": self._dp_reduce(algos.masked_mean(b["entropy"], mask), "mean")}
+        if kl and self.ref is not None:
+            kl_ref = algos.masked_mean(algos.kl_penalty(b["old_logprobs"], b["ref_logprobs"], "kl"), mask)
+            metrics["kl/actor_ref"] = self._dp_reduce(kl_ref, "mean")
+        return metrics
 
     def _ref_logprob(self, data: StepData) -> None:
         streamed = self._streamed(data, "ref_logprobs")
@@ -455,14 +470,13 @@ class RLTrainer:
             acfg.adv_estimator, token_level_rewards=token_rewards, response_mask=mask, values=b.tensors.get("values"),
             group_index=b.meta["group"], reward_baselines=baselines, gamma=acfg.gamma, lam=acfg.lam,
             norm_adv_by_std_in_grpo=acfg.norm_adv_by_std_in_grpo, batch_sum=self._batch_sum)
-        if "ref_logprobs" not in b:
+        if "ref_logprobs" not in b and "old_logprobs" in b:  # (from the update: its loss takes them alike)
             b["ref_logprobs"] = b["old_logprobs"]
         if data.baselines is not None:
             metrics["reward/baseline_mean"] = float(data.baselines[data.table.prompt].mean())
         metrics.update({"reward/mean": float(scores.mean()), "reward/max": float(scores.max()),
-                        "reward/min": float(scores.min()),
-                        "actor/entropy_rollout": self._dp_reduce(algos.masked_mean(b["entropy"], mask), "mean")})
-        if "ref_logprobs" in b.tensors and self.ref is not None:
+                        "reward/min": float(scores.min())})
+        if "old_logprobs" in b and self.ref is not None:  # (from the update: after it)
             kl = algos.masked_mean(algos.kl_penalty(b["old_logprobs"], b["ref_logprobs"], "kl"), mask)
             metrics["kl/actor_ref"] = self._dp_reduce(kl, "mean")
         return metrics
@@ -472,7 +486,10 @@ class RLTrainer:
         return self.critic.update(data.batch, mini_batch_rows=self._mini_rows(self.cfg.critic.ppo_mini_batch_size))
 
     def _actor_update(self, data: StepData) -> dict[str, float]:
-        return self.actor.update(data.batch, mini_batch_rows=self._mini_rows(self.cfg.actor.ppo_mini_batch_size))
+        b, in_update = data.batch, self.old_logprobs_in_update
+        metrics = self.actor.update(b, mini_batch_rows=self._mini_rows(self.cfg.actor.ppo_mini_batch_size),
+                                    old_from_update=in_update)
+        return metrics | (self._old_metrics(b, kl=True) if in_update else {})
 
     def _weight_sync(self) -> dict[str, float]:
         metrics = dict(self.rollout.update_weights())
@@ -523,7 +540,8 @@ class RLTrainer:
         lengths = (prompt_len + response_len).float()
         context = float(lengths.mean())
         lora = self.cfg.model.lora.enabled
-        passes = per_token(context) + per_token(context, True, frozen=lora) * self.cfg.actor.ppo_epochs
+        passes = per_token(context) * (not self.old_logprobs_in_update)  # the old log-probs' own pass
+        passes += per_token(context, True, frozen=lora) * self.cfg.actor.ppo_epochs
         passes += per_token(context) * (self.ref is not None)
         passes += per_token(context, value_head=True) * (self.reward_model is not None)
         if self.critic is not None:
@@ -538,27 +556,6 @@ def _occurrence(keys):
     for key in keys:
         seen[key] = seen.get(key, -1) + 1
         yield seen[key]
-
-
-def _rollout_routing(samples, width: int, shape: tuple[int, int]) -> torch.Tensor:
-    """The samples' routed experts in the packed layout [rows, width, model layers, k] (int16, -1: unknown)."""
-    out = torch.full((len(samples), width, *shape), -1, dtype=torch.int16)
-    for i, s in enumerate(samples):
-        if s.routing is not None:
-            m = min(width, s.routing.shape[0])
-            out[i, :m] = s.routing[:m]
-    return out
-
-
-def _episode_metrics(counts: dict[str, float], max_failure_frac: float) -> dict[str, float]:
-    """Multi-turn rollouts: turns and tool calls per episode, and the share of tool calls that answered an error.
-    Past rollout.multi_turn.max_tool_failure_frac failed calls (counted over the pool) the run stops, on every rank."""
-    if not counts.get("episodes"):
-        return {}
-    check_tool_failures(counts["tool_calls"], counts.get("tool_failures", 0.0), max_failure_frac)
-    episodes = counts["episodes"]
-    return {"rollout/turns": counts["turns"] / episodes, "rollout/tool_calls": counts["tool_calls"] / episodes,
-            "rollout/tool_error_frac": counts["tool_errors"] / max(counts["tool_calls"], 1.0)}
 
 
 def _fleet_metrics(counts: dict[str, float]) -> dict[str, float]:

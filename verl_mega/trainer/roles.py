@@ -146,29 +146,45 @@ class Actor(PolicyRole):
                          logprob_micro_batch_size=cfg.log_prob_micro_batch_size_per_gpu)
         self.cfg = cfg
 
-    def update(self, batch: Batch, *, mini_batch_rows: int) -> dict[str, float]:
+    def update(self, batch: Batch, *, mini_batch_rows: int, old_from_update: bool = False) -> dict[str, float]:
         """PPO epochs × mini-batches over this rank's samples; one optimizer step per mini-batch. Metrics are means
-        over the mini-batches, except ``actor/ppo_kl``: the first mini-batch's, taken before its update."""
+        over the mini-batches, except ``actor/ppo_kl``: the first mini-batch's, taken before its update.
+
+        ``old_from_update`` (:func:`old_logprobs_from_update` decides it): one epoch over one mini-batch, whose
+        forward pass runs on the weights the old log-probs are defined by; it supplies them (and the entropy), and
+        they are written into ``batch`` after the step, in its row order."""
         cfg = self.cfg
-        keys = ("input_ids", "prompt_len", "response_mask", "old_logprobs", "advantages", "ref_logprobs")
+        old_key = () if old_from_update else ("old_logprobs",)
+        keys = ("input_ids", "prompt_len", "response_mask", *old_key, "advantages")
+        keys += ("ref_logprobs",) if "ref_logprobs" in batch or not old_from_update else ()
         if cfg.rollout_is is not None:
             keys += ("rollout_is_weights",)
         if cfg.policy_loss == "decoupled_ppo":
             keys += ("rollout_logprobs",)
         if "routed_experts" in batch:  # R2: the old-log-prob pass's routing; R3: the rollout's
             keys += ("routed_experts", "response_len")
-        batch, off_policy = self._off_policy(batch)
+        batch, off_policy = (batch, {}) if old_from_update else self._off_policy(batch)
         history: list[dict[str, float]] = []
         for _ in range(cfg.ppo_epochs):
-            for mini in mini_batches(batch, mini_batch_rows, shuffle=cfg.shuffle):
-                mbs = self._split(mini, keys).batches
+            for mini, order in _mini_batches(batch, len(batch) if old_from_update else mini_batch_rows,
+                                             shuffle=cfg.shuffle):
+                split = self._split(mini, keys)
+                mbs = split.batches
                 for mb in mbs:
                     if "routed_experts" in mb:  # the router-agreement metric counts real tokens only
                         _routing_valid(mb)
                 normalizer = self.engine.dp_all_reduce(
                     sum(algos.agg_loss_normalizer(mb["response_mask"], cfg.loss_agg_mode) for mb in mbs))
                 scale = self.engine.dp_size * len(mbs)
-                history.append(self.engine.train_step(mbs, self._loss_fn(normalizer, scale)))
+                own: list[tuple[torch.Tensor, torch.Tensor]] | None = [] if old_from_update else None
+                history.append(self.engine.train_step(mbs, self._loss_fn(normalizer, scale, own)))
+                if own is not None:  # micro-batch order → the mini-batch's rows → the batch's
+                    for key, got in (("old_logprobs", [lp.cpu() for lp, _ in own]),
+                                     ("entropy", [e.cpu() for _, e in own])):
+                        rows = split.restore(got)  # on the host, as the engine's forward hands them
+                        batch[key] = rows.new_empty(rows.shape).index_copy_(0, order, rows)
+        if old_from_update:
+            off_policy = self._off_policy(batch)[1]  # uncorrected (old_logprobs_from_update): its metrics alone
         metrics = {f"actor/{k}": sum(h[k] for h in history) / len(history) for k in history[0]} | off_policy
         if "approx_kl" in history[0]:
             # the KL between the old log-probs and the policy at the first mini-batch, before any update of this step:
@@ -205,7 +221,10 @@ class Actor(PolicyRole):
         sums = self.engine.dp_all_reduce(algos.off_policy_sums(old, rollout, mask, correction))
         return batch, algos.off_policy_metrics(sums, corrected=corrected)
 
-    def _loss_fn(self, normalizer: torch.Tensor, scale: int):
+    def _loss_fn(self, normalizer: torch.Tensor, scale: int, own: list | None = None):
+        """The PPO loss of a micro-batch. With ``own`` (a list) the old log-probs are this forward pass's own,
+        detached (the ratio is exactly 1; the gradient that of the policy's log-probs), and each micro-batch's
+        log-probs and entropy are appended to it."""
         cfg = self.cfg
         policy_loss = algos.get_policy_loss_fn(cfg.policy_loss)
         options = _policy_loss_options(cfg)
@@ -219,8 +238,11 @@ class Actor(PolicyRole):
             lp, ent = self._logprobs(output, mb, need_entropy)
             mask = mb["response_mask"]
             norm = normalizer.to(device=lp.device, dtype=lp.dtype)
+            old = mb["old_logprobs"] if own is None else lp.detach()
+            if own is not None:
+                own.append((old, ent.detach()))
             pg_loss, metrics = policy_loss(
-                log_prob=lp, old_log_prob=mb["old_logprobs"], advantages=mb["advantages"], response_mask=mask,
+                log_prob=lp, old_log_prob=old, advantages=mb["advantages"], response_mask=mask,
                 loss_agg_mode=cfg.loss_agg_mode, normalizer=norm, rollout_is_weights=mb.get("rollout_is_weights"),
                 **options, **behaviour)
             # without an entropy bonus the entropy is a metric only: no gradient work for it
@@ -228,7 +250,7 @@ class Actor(PolicyRole):
                                      normalizer=norm)
             loss = pg_loss - cfg.entropy_coeff * entropy if cfg.entropy_coeff else pg_loss
             if cfg.use_kl_loss:
-                kl = algos.compute_kl_loss(lp, mb["ref_logprobs"], mask, kind=cfg.kl_loss_type,
+                kl = algos.compute_kl_loss(lp, mb.get("ref_logprobs", old), mask, kind=cfg.kl_loss_type,
                                            loss_agg_mode=cfg.loss_agg_mode, normalizer=norm)
                 loss = loss + cfg.kl_loss_coef * kl
                 metrics["kl_loss"] = kl.detach() * scale
@@ -243,8 +265,27 @@ class Actor(PolicyRole):
 def mini_batches(batch: Batch, rows: int, *, shuffle: bool) -> list[Batch]:
     """One epoch's mini-batches of ``rows`` rows: in row order, or in a fresh random order (``shuffle``, drawn from
     torch's generator, which checkpoints save)."""
+    return [mini for mini, _ in _mini_batches(batch, rows, shuffle=shuffle)]
+
+
+def _mini_batches(batch: Batch, rows: int, *, shuffle: bool) -> list[tuple[Batch, torch.Tensor]]:
+    """:func:`mini_batches`, each with the batch rows it holds."""
     order = torch.randperm(len(batch)) if shuffle else torch.arange(len(batch))
-    return [batch.select(order[start:start + rows]) for start in range(0, len(batch), rows)]
+    return [(batch.select(part), part) for part in (order[start:start + rows] for start in range(0, len(batch), rows))]
+
+
+def old_logprobs_from_update(cfg) -> bool:
+    """Whether the actor's update computes the old log-probs itself (``Actor.update(old_from_update=True)``), so
+    that the step skips their separate forward pass. Exact where nothing reads them before the update, and the
+    update's first forward pass runs on the weights they are defined by: one PPO epoch over one mini-batch of the
+    whole batch, on one pipeline stage (its last stage alone computes log-probs). Not where the reward's KL penalty,
+    the rollout correction (actor.rollout_is, decoupled PPO) or routing replay use them first, nor where
+    rollout.stream_scoring=all computes them during generation."""
+    actor = cfg.actor
+    return (actor.ppo_epochs == 1 and actor.ppo_mini_batch_size >= cfg.data.train_batch_size
+            and cfg.parallel.pp == 1 and not cfg.algorithm.use_kl_in_reward and actor.rollout_is is None
+            and actor.policy_loss != "decoupled_ppo" and actor.routing_replay == "none"
+            and cfg.rollout.stream_scoring != "all")
 
 
 class Critic:
