@@ -195,7 +195,8 @@ def run_steps(trainer, job, steps: int) -> list[dict[str, float]]:
 
 
 def summarise(steps: list[dict[str, float]], world: int, arch=None, samples: int = 0,
-              frozen_base: bool = False) -> dict[str, float]:
+              frozen_base: bool = False, old_in_update: bool = False) -> dict[str, float]:
+    """Mean stage times and rates; ``old_in_update``: the old log-probs came from the update (no pass of theirs)."""
     def mean(key: str) -> float:
         vals = [s[key] for s in steps if key in s]
         return statistics.fmean(vals) if vals else 0.0
@@ -225,7 +226,8 @@ def summarise(steps: list[dict[str, float]], world: int, arch=None, samples: int
                                                     arch.vocab_size, int(context), training,
                                                     frozen_base=frozen_base and stage == "actor_update")
             seconds = res[f"{stage}_s"]
-            res[f"{stage}_tflops_per_gpu"] = per_token * tokens / seconds / world / 1e12 if seconds else 0.0
+            ran = seconds and not (old_in_update and stage == "old_logprob")
+            res[f"{stage}_tflops_per_gpu"] = per_token * tokens / seconds / world / 1e12 if ran else 0.0
         res["mean_sequence_length"] = context
     return res
 
@@ -257,6 +259,7 @@ def run_baseline(args, cfg, job, model_dir: Path, cpu: bool, rank: int) -> list[
     baseline_trainer = HFGenerateBaseline(cfg, actor=t.actor, ref=t.ref, critic=t.critic, reward_model=None,
                                           rollout=hf_rollout, reward_pool=t.reward_pool, tokenizer=t.tokenizer,
                                           profiler=job.profiler, kl_ctrl=t.kl_ctrl, sample_path=path, arch=job.arch)
+    baseline_trainer.old_logprobs_in_update = False  # the plain loop, as measured before: every stage a pass of its own
     return run_steps(baseline_trainer, job, args.warmup + args.baseline_steps)[args.warmup:]
 
 
@@ -271,6 +274,9 @@ def main() -> None:
     ap.add_argument("--lengths", choices=["fixed", "lognormal"], default="fixed",
                     help="fixed: every sample --response-length tokens; lognormal: per-prompt lengths with median "
                          "--response-length/4, log-std 1.0, clipped to [16, --response-length]")
+    ap.add_argument("--old-logprobs", choices=["auto", "separate", "both"], default="auto",
+                    help="auto: from the update where exact (the trainer's default); separate: always their own pass; "
+                         "both: the timed steps with their own pass, then the same batches again from the update")
     ap.add_argument("--out", required=True)
     ap.add_argument("overrides", nargs="*",
                     help="extra config overrides for both runs, e.g. actor.use_dynamic_bsz=true")
@@ -306,28 +312,46 @@ def main() -> None:
     job = build_job(cfg)
     rank = dist.get_rank()
 
-    hybrid = run_steps(job.trainer, job, args.warmup + args.steps)[args.warmup:]
+    separate = None
+    if args.old_logprobs != "auto":
+        exact = job.trainer.old_logprobs_in_update
+        job.trainer.old_logprobs_in_update = False
+        run_steps(job.trainer, job, args.warmup)
+        if args.old_logprobs == "both":  # the same batches (and lengths) twice: their own pass, then the update's
+            start = job.loader.state_dict()
+            separate = run_steps(job.trainer, job, args.steps)
+            job.loader.load_state_dict(start)
+            job.trainer.old_logprobs_in_update = exact
+        hybrid = run_steps(job.trainer, job, args.steps)
+    else:
+        hybrid = run_steps(job.trainer, job, args.warmup + args.steps)[args.warmup:]
     baseline = run_baseline(args, cfg, job, model_dir, cpu, rank) if args.baseline_steps else None
 
     if rank == 0:
         samples = args.prompts * args.group_size
         lora = cfg.model.lora.enabled  # a frozen base: the update computes no weight gradients
-        h = summarise(hybrid, world, job.arch, samples, frozen_base=lora)
+        h = summarise(hybrid, world, job.arch, samples, frozen_base=lora,
+                      old_in_update=job.trainer.old_logprobs_in_update)
         b = summarise(baseline, world, job.arch, samples, frozen_base=lora) if baseline else None
+        sep = summarise(separate, world, job.arch, samples, frozen_base=lora) if separate else None
         result = {"world": world, "device": torch.cuda.get_device_name() if not cpu else "cpu",
                   "lengths": args.lengths, "overrides": list(args.overrides), "prompts": args.prompts,
                   "n": args.group_size, "response_length": args.response_length,
                   "model_dir": str(model_dir), "hybrid": h, "baseline": b,
                   "speedup_step": b["step_s"] / h["step_s"] if b else None, "hybrid_steps": hybrid,
-                  "baseline_steps": baseline}
+                  "baseline_steps": baseline, "old_logprobs": args.old_logprobs,
+                  "old_logprobs_in_update": bool(job.trainer.old_logprobs_in_update),
+                  "hybrid_separate_old_logprobs": sep, "hybrid_separate_steps": separate}
         Path(args.out).write_text(json.dumps(result, indent=1))
-        print(f"{'stage (mean s/step)':<34}{'verl_mega':>12}{'HF baseline':>14}")
+        print(f"{'stage (mean s/step)':<34}{'verl_mega':>12}{'HF baseline':>14}"
+              + (f"{'own old-lp pass':>17}" if sep else ""))
         for key in [f"{s}_s" for s in STAGES] + ["step_s", "tokens_per_s_per_gpu", "generated_tokens_per_s_per_gpu",
                                                   "rollout_tokens_per_s", "logprob_diff_mean", "overlap_efficiency",
                                                   "tflops_per_gpu", "mfu", "rollout_prefill_s", "rollout_decode_s",
                                                   "decode_step_ms", "actor_update_tflops_per_gpu",
                                                   "old_logprob_tflops_per_gpu", "mean_sequence_length"]:
-            print(f"{key:<34}{h[key]:>12.3f}" + (f"{b[key]:>14.3f}" if b else f"{'-':>14}"))
+            print(f"{key:<34}{h[key]:>12.3f}" + (f"{b[key]:>14.3f}" if b else f"{'-':>14}")
+                  + (f"{sep[key]:>17.3f}" if sep else ""))
         if b:
             print(f"speed-up (step time): {result['speedup_step']:.2f}x")
     job.close()
