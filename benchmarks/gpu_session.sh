@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU measurements (2×H200). Results go to $OUT (≤ 8 files).
-#   bash benchmarks/gpu_session.sh models|sync|rl|grpo|checks|tier|sample|moe|fwdbwd|pools|packedA|packedC|lora|
-#                                    loraprof|fp8|grpoC1|quant|stream20|streamrule|fp8tests|kv8|kv8long|grpo7lora|marlin|cq|blockcq|cqrollout|graphsync|decode
+#   bash benchmarks/gpu_session.sh models|sync|rl|grpo|checks|tier|tier1|tier2|tier3|sample|moe|fwdbwd|pools|packedA|packedC|lora|
+#                                    loraprof|fp8|grpoC1|grpoC1old|quant|stream20|streamrule|fp8tests|kv8|kv8long|grpo7lora|marlin|cq|blockcq|cqrollout|graphsync|decode
 set -uo pipefail
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
 LOG=$OUT/session.log
@@ -48,10 +48,23 @@ case "${1:-models}" in
         --micro-batch 2 --seq-len 2048 --json "$OUT/memory_pp2.json"
     ;;
   tier)
-    # the whole GPU tier: hybrid-engine parity and every launcher (torchrun, mpirun, Ray) on 2 GPUs
+    # the whole GPU tier in one go (more than one 10-minute device call on one GPU: tier1, tier2 and tier3 split it)
     nvidia-smi topo -m >> "$LOG" 2>&1
     python3 -c "import torch, vllm, megatron.core, transformers, ray; print('torch', torch.__version__, 'vllm', vllm.__version__, 'mcore', megatron.core.__version__, 'transformers', transformers.__version__, 'ray', ray.__version__)" >> "$LOG" 2>&1
     run timeout 520 python3 -m pytest -q -rs tests/gpu -p no:warnings
+    ;;
+  tier1|tier2|tier3)
+    # the GPU tier in three parts, each within one device call (tests that need two GPUs skip with their reason):
+    # tier1 every CPU recipe on the GPU; tier2 the 1.5B runs (PPO in bf16, configs/grpo_1gpu.yaml with its paths
+    # alone); tier3 the rest (FP8 kernels and rollouts, LoRA, launchers, hybrid-engine parity, EP generation)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >> "$LOG" 2>&1
+    python3 -c "import torch, vllm, megatron.core, transformers; print('torch', torch.__version__, 'vllm', vllm.__version__, 'mcore', megatron.core.__version__, 'transformers', transformers.__version__)" >> "$LOG" 2>&1
+    case "$1" in
+      tier1) PART=(tests/gpu/test_recipes_gpu.py -k two_steps) ;;
+      tier2) PART=(tests/gpu/test_recipes_gpu.py -k "1_5b or one_gpu") ;;
+      tier3) PART=(tests/gpu --ignore tests/gpu/test_recipes_gpu.py) ;;
+    esac
+    run timeout ${TIER_TIMEOUT:-560} python3 -m pytest -q -rs "${PART[@]}" -p no:warnings --junitxml "$OUT/$1.xml"
     ;;
   fwdbwd)
     # 1.5B fwd+bwd on one GPU, side by side: our spec padded (fp32 CE / fused log-probs) and packed, mcore local,
@@ -187,6 +200,16 @@ case "${1:-models}" in
     # a decode step's wall time against the GPU's busy time, per batch size, bf16 and FP8 at 7B
     run timeout ${FP8_TIMEOUT:-560} python3 benchmarks/probe_rollout_gpu.py decode --model 7b \
         --formats ${DECODE_FORMATS:-bf16,fp8-channel} --json "$OUT/probe_decode_7b.json"
+    ;;
+  grpoC1old)
+    # GRPO configuration C on one GPU beside the HF-generate baseline: the timed steps with the old log-probs' own
+    # pass, then the same batches with them from the update (bench_grpo_gpu.py --old-logprobs both)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >> "$LOG" 2>&1
+    run timeout ${GRPO_TIMEOUT:-560} torchrun --nproc-per-node 1 benchmarks/bench_grpo_gpu.py --gen-tp 1 \
+        --response-length 1024 --prompts 16 --lengths lognormal --warmup 1 --baseline-steps 1 --steps ${STEPS:-3} \
+        --old-logprobs both --out "$OUT/grpo_C1_old_logprobs.json" parallel.tp=1 model.use_remove_padding=true \
+        actor.use_dynamic_bsz=true actor.max_tokens_per_gpu=16384 actor.micro_batch_size_per_gpu=16 \
+        actor.log_prob_micro_batch_size_per_gpu=16
     ;;
   grpoC1)
     # GRPO configuration C on one GPU (1.5B, 16 prompts × 8, lognormal ≤ 1024, packed), bf16 rollout vs FP8 rollout

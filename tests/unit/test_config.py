@@ -561,7 +561,8 @@ def test_recipes_load_and_resolve_autos():
     assert ppo.trainer.output_dir == "outputs/ppo_cpu" and ppo.trainer.total_steps == grpo.trainer.total_steps
 
 
-@pytest.mark.parametrize("recipe, world, shape", [("grpo_qwen2.5_7b", 8, QWEN25_7B), ("ppo_llama2_7b", 8, LLAMA2_7B)])
+@pytest.mark.parametrize("recipe, world, shape", [("grpo_qwen2.5_7b", 8, QWEN25_7B), ("ppo_llama2_7b", 8, LLAMA2_7B),
+                                                  ("grpo_1gpu", 1, (28, 12, 2))])
 def test_gpu_recipes_fit_their_models(recipe, world, shape):
     cfg = load_config(str(CONFIGS / f"{recipe}.yaml"), check_paths=False)
     layers, heads, kv = shape
@@ -614,7 +615,7 @@ def test_python_construction_is_validated_and_immutable():
 
 # ---------------------------------------------------------------- saving and comparing
 
-@pytest.mark.parametrize("recipe", ["quickstart_cpu", "ppo_cpu", "grpo_qwen2.5_7b", "ppo_llama2_7b"])
+@pytest.mark.parametrize("recipe", ["quickstart_cpu", "ppo_cpu", "grpo_qwen2.5_7b", "ppo_llama2_7b", "grpo_1gpu"])
 def test_to_yaml_round_trip(recipe, tmp_path):
     cfg = load_config(str(CONFIGS / f"{recipe}.yaml"), ["reward.kwargs={mode: 'off', n: '1e5'}"], check_paths=False)
     saved = tmp_path / "config.yaml"

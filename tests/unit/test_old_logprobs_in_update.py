@@ -113,3 +113,17 @@ def test_the_recipes_decide_from_their_own_settings():
     assert not old_logprobs_from_update(quickstart)
     assert old_logprobs_from_update(dataclasses.replace(
         quickstart, actor=dataclasses.replace(quickstart.actor, ppo_mini_batch_size=16)))
+
+
+def test_the_one_gpu_recipe_passes_check_config_and_skips_the_pass(capsys):
+    import importlib.util
+
+    recipe = "configs/grpo_1gpu.yaml"
+    spec = importlib.util.spec_from_file_location("check_config", "tools/check_config.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.main([recipe, "--world-size", "1", "--model-shape", "28,12,2", "--no-check-paths"]) == 0
+    cfg = load_config(recipe, check_paths=False)
+    assert old_logprobs_from_update(cfg)
+    assert (cfg.model.dtype, cfg.rollout.enforce_eager, cfg.model.use_remove_padding, cfg.actor.use_dynamic_bsz,
+            cfg.trainer.deterministic) == ("bfloat16", False, True, True, False)
