@@ -47,10 +47,23 @@ cfg = load_config("configs/quickstart_cpu.yaml", ["actor.lr=1e-6", "parallel.tp=
 - Overrides are `section.key=value`, applied after the recipe in order. Values are parsed as YAML: `2`, `1e-6`,
   `true`, `null`, `[a.jsonl, b.jsonl]`, `{scale: 2}`. A whole section can be overridden with a mapping
   (`actor={lr: 1e-6, ppo_epochs: 2}`, merged into the recipe's). A single path is accepted where a list is expected.
+- `key=null` sets null where the key takes it (`parallel.vpp=null`); on any other key it unsets the recipe's value,
+  so the default applies: `parallel.tp=null` undoes a recipe's `tp: 4`, `placement=null` its pools.
+- `parallel.layout=auto` given as an override replaces the recipe's layout: the recipe's `parallel.tp`, `pp`, `vpp`,
+  `cp`, `dp`, `ep`, `etp`, `sequence_parallel` and `rollout.gen_tp` are dropped and the planner chooses them
+  (docs/planning.md). Dims set on the command line beside it, or pinned by a recipe that says `layout: auto`
+  itself, are still refused.
 - YAML is read with YAML 1.2 scalars: only `true`/`false` are booleans (`resume: off` is the string "off") and
   `1e-6` is a float. An int key accepts a whole float such as `4e9`.
 - An unknown key fails with a suggestion (`unknown config key 'actor.tp'; did you mean 'parallel.tp'?`); a value
   of the wrong type fails naming the expected type.
+- A recipe file that is a directory, cannot be read, is not UTF-8 (the error gives the byte's line and column) or
+  is not a recipe (a mapping none of whose top-level keys is a config section, say a system file given as
+  `defaults:`) fails naming the file only: its content is never printed.
+- Run lengths are bounded: `trainer.total_steps`, `trainer.total_epochs` and
+  `algorithm.filter_groups.max_num_gen_batches` at most 10^9 (the data loader counts batches as an index-sized
+  integer); `rollout.n` at most vLLM's `VLLM_MAX_N_SEQUENCES` (16384 unless set). Past them the config is refused
+  before anything is built or written.
 - A `null` default is explained in the key's description: mostly "auto", a value derived when the config is built
   (see the rules at the end; the saved config records the derived value), otherwise "none" or "library default".
 - `to_yaml(cfg)` writes the resolved config (saved with every checkpoint); `load_config` of that file gives an

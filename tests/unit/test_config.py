@@ -879,3 +879,65 @@ def test_values_past_a_hard_limit_are_refused_at_the_config(tmp_path, monkeypatc
         errors = capsys.readouterr().err.strip().splitlines()
         assert len(errors) == 1 and errors[0].startswith(f"error: {override.split('=')[0]}"), errors
         assert not out.exists()
+
+
+def test_recipe_files_that_cannot_be_read_as_recipes_are_named_without_their_content(tmp_path):
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes(b"actor:\n  lr: 1.0e-4   # caf\xe9\n")
+    assert _error(load_config, str(latin)) == (
+        f"config file '{latin}' is not UTF-8 text (byte 0xe9 at line 2, column 21); save it as UTF-8")
+    including = tmp_path / "inc.yaml"
+    including.write_text(f"defaults: {latin}\n")
+    assert f"config file '{latin}' (included from {including}) is not UTF-8 text" in _error(load_config, str(including))
+
+    # a system file given as defaults: its lines parse as keys of a mapping; none of its content is echoed
+    secret = tmp_path / "shadow"
+    secret.write_text("root:$6$s3cretHash:20228:0:99999:7:::\ndaemon:*:20228:0:99999:7:::\n")
+    listing = tmp_path / "users.yaml"
+    listing.write_text("alice: s3cret\nbob: hunter2\n")
+    for other in (secret, listing):
+        including.write_text(f"defaults: {other}\n")
+        message = _error(load_config, str(including))
+        assert message.startswith(f"config file '{other}' (included from {including}) is not a verl_mega recipe: its "
+                                  f"top-level keys are not config sections (actor, algorithm, ")
+        assert message.endswith("give a YAML recipe, e.g. configs/quickstart_cpu.yaml")
+        assert not any(word in message for word in ("s3cret", "20228", "daemon", "alice", "hunter2")), message
+    # a recipe with a mistyped section beside real ones still gets the suggestion
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("actr: {lr: 1.0e-4}\nrollout: {n: 2}\n")
+    assert _error(load_config, str(typo)) == "unknown config key 'actr'; did you mean 'actor'?"
+
+    assert _error(load_config, str(CONFIGS)) == (
+        f"config file '{CONFIGS}' is a directory; give a YAML recipe file, e.g. configs/quickstart_cpu.yaml")
+
+
+def test_null_unsets_a_key_that_cannot_be_null():
+    """key=null sets null where the key's type takes it; elsewhere it unsets the key (its default applies)."""
+    llama = str(CONFIGS / "ppo_llama2_7b.yaml")
+    pinned = load_config(llama, check_paths=False)
+    assert (pinned.parallel.tp, pinned.parallel.sequence_parallel) == (4, True)
+    unset = load_config(llama, ["parallel.tp=null", "parallel.sequence_parallel=null", "rollout.gen_tp=null"],
+                        check_paths=False)
+    assert (unset.parallel.tp, unset.parallel.sequence_parallel, unset.rollout.gen_tp) == (1, False, 1)
+    assert unset.actor.lr == pinned.actor.lr  # nothing else moved
+    cfg = load_config(QUICKSTART, ["trainer.total_epochs=null", "reward.kwargs.scale=null", "parallel.vpp=null"])
+    assert cfg.trainer.total_epochs is None and cfg.reward.kwargs["scale"] is None and cfg.parallel.vpp is None
+    pools = load_config(str(CONFIGS / "ppo_llama2_7b_two_pools.yaml"),
+                        ["placement=null", "parallel.sequence_parallel=null"], check_paths=False)
+    assert not pools.placement.pools and not pools.placement.roles
+    assert load_config(QUICKSTART, ["actor.lr=null"]).actor.lr == ActorConfig().lr
+    assert "unknown config key 'parallel.tpp'" in _error(load_config, QUICKSTART, ["parallel.tpp=null"])
+
+
+def test_layout_auto_given_as_an_override_replaces_the_recipes_layout():
+    llama = str(CONFIGS / "ppo_llama2_7b.yaml")
+    cfg = load_config(llama, ["parallel.layout=auto"], check_paths=False)
+    assert (cfg.parallel.layout, cfg.parallel.tp, cfg.parallel.sequence_parallel, cfg.rollout.gen_tp) == \
+        ("auto", 1, False, 1)
+    assert cfg.parallel.use_distributed_optimizer == load_config(llama, check_paths=False) \
+        .parallel.use_distributed_optimizer  # the engine flags stay the recipe's
+    # dims given beside auto on the command line, or a recipe that says auto and pins dims, still conflict
+    assert "parallel.layout=auto chooses the layout, but parallel.tp=2 is set" in _error(
+        load_config, llama, ["parallel.layout=auto", "parallel.tp=2"], check_paths=False)
+    assert "parallel.layout=auto chooses the layout, but parallel.tp=4" in _error(
+        load_config, llama, ["parallel={layout: auto, tp: 4}"], check_paths=False)

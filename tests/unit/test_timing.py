@@ -363,3 +363,42 @@ def test_plan_cli_names_a_flag_that_is_not_a_finite_number(capsys, flag, value):
         cli.main(["--model", str(CONFIGS / "qwen2.5-7b.json"), "--gpus", "8", flag, value])
     err = capsys.readouterr().err.strip()
     assert info.value.code == 2 and err == f"error: argument {flag}: '{value}' is not a finite number; see --help"
+
+
+def test_auto_layout_plans_every_shipped_recipe(tmp_path, capsys):
+    """`--set parallel.layout=auto` (docs/planning.md) on each recipe of configs/: the override replaces the
+    recipe's pinned layout and the planner picks one. The two-pool recipes unset their pools (placement=null; a
+    rollout pool's staleness then goes to 0), as the error for auto with pools says."""
+    from verl_mega.models.tiny import make_tiny_hf_model
+    from verl_mega.planning.auto import choose_layout
+    from verl_mega.trainer.setup import tiny_sizes
+
+    recipes = sorted((REPO / "configs").glob("*.yaml"))
+    assert len(recipes) >= 9
+    for recipe in recipes:
+        cfg = load_config(recipe, ["parallel.layout=auto"], check_paths=False)
+        extra = []
+        if cfg.placement.pools:
+            with pytest.raises(ConfigError, match="placement.pools is set; set parallel.layout=manual, or unset the "
+                                                  "pools with placement=null"):
+                choose_layout(cfg, _arch("llama-2-7b"), Cluster(gpus=8, gpus_per_node=8, gpu_mem_gib=80.0))
+            extra = ["placement=null"] + (["rollout.max_staleness=0"] if cfg.rollout.max_staleness else [])
+            cfg = load_config(recipe, ["parallel.layout=auto", *extra], check_paths=False)
+        if cfg.model.path == "tiny":
+            model = tmp_path / cfg.model.tiny_arch
+            if not model.exists():
+                make_tiny_hf_model(model, with_tokenizer=False, **tiny_sizes(cfg.model.tiny_arch))
+            arch, cluster = arch_from_hf(load_hf_config(model)), Cluster(gpus=2, gpus_per_node=2, gpu_mem_gib=8.0)
+        else:
+            arch = _arch("qwen2.5-7b" if "qwen" in recipe.name else "llama-2-7b")
+            cluster = Cluster(gpus=8, gpus_per_node=8, gpu_mem_gib=80.0)
+        chosen = choose_layout(cfg, arch, cluster).cfg
+        assert chosen.parallel.layout == "manual" and chosen.parallel.tp * chosen.parallel.pp <= cluster.gpus, recipe
+    # the documented command itself
+    spec = importlib.util.spec_from_file_location("plan_cli", REPO / "tools" / "plan.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    assert cli.main(["--config", str(REPO / "configs" / "ppo_llama2_7b.yaml"), "--model",
+                     str(CONFIGS / "llama-2-7b.json"), "--gpus", "8", "--gpu-mem-gb", "80", "--set",
+                     "parallel.layout=auto"]) == 0
+    assert "parallel.layout=auto takes #1: " in capsys.readouterr().out

@@ -10,6 +10,8 @@ import dataclasses
 import difflib
 import os
 import re
+import types
+import typing
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -17,6 +19,7 @@ import yaml
 
 from verl_mega.config.base import (ConfigError, build_section, check_known_keys, field_types, fmt, is_mapping_type,
                                    is_section_type, join_key, thaw, unknown_key_error)
+from verl_mega.config.parallel import ParallelConfig
 from verl_mega.config.train import TrainConfig
 
 DEFAULTS_KEY = "defaults"  # a recipe key listing recipes it extends: `defaults: base.yaml` or `defaults: [a.yaml]`
@@ -78,6 +81,37 @@ def _missing_file_error(path: str, included_from: str | None) -> ConfigError:
     return ConfigError(f"config file '{path}' does not exist{where}; {fix}")
 
 
+def _read_text(path: str, where: str) -> str:
+    """The recipe's text; a one-line error naming the file when it cannot be read or is not UTF-8."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as exc:
+        raise ConfigError(f"config file '{path}'{where} cannot be read ({exc.strerror or exc}); check its "
+                          f"permissions or give another recipe") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise ConfigError(f"config file '{path}'{where} is not UTF-8 text (byte 0x{raw[exc.start]:02x} at line {line}, "
+                          f"column {column}); save it as UTF-8") from None
+
+
+def _check_is_recipe(data: Mapping, path: str, where: str) -> None:
+    """A mapping whose top-level keys include no config section (or `defaults:`), or whose keys are not names at all,
+    is some other file (``defaults: /etc/passwd`` parses as one): refused naming the file only, never echoing its
+    keys, which would print its content. A recipe with a mistyped section among real ones gets the usual unknown-key
+    error instead, with a suggestion."""
+    sections = set(field_types(TrainConfig))
+    keys = list(data)
+    names = all(isinstance(k, str) and _NAME.fullmatch(k) for k in keys)
+    if names and any(k in sections or k == DEFAULTS_KEY for k in keys):
+        return
+    raise ConfigError(f"config file '{path}'{where} is not a verl_mega recipe: its top-level keys are not config "
+                      f"sections ({', '.join(sorted(sections))}); give a YAML recipe, e.g. configs/quickstart_cpu.yaml")
+
+
 def deep_merge(base: dict, override: Mapping) -> dict:
     """Return ``base`` updated by ``override``; nested mappings merge key by key, anything else replaces."""
     merged = dict(base)
@@ -96,16 +130,20 @@ def load_recipe(path: str | os.PathLike, _chain: tuple[str, ...] = ()) -> dict:
     if real in _chain:
         cycle = " -> ".join(os.path.basename(p) for p in (*_chain, real))
         raise ConfigError(f"recipe include cycle {cycle}; remove one of these `defaults:` entries")
+    where = f" (included from {_chain[-1]})" if _chain else ""
+    if os.path.isdir(path):
+        raise ConfigError(f"config file '{path}'{where} is a directory; give a YAML recipe file, e.g. "
+                          f"configs/quickstart_cpu.yaml")
     if not os.path.isfile(path):
         raise _missing_file_error(path, _chain[-1] if _chain else None)
-    with open(path, encoding="utf-8") as f:
-        data = _parse_yaml(f.read(), path)
+    data = _parse_yaml(_read_text(path, where), path)
     if data is None or data == {}:
         raise ConfigError(f"config file '{path}' is empty; write the sections to change (e.g. `actor: {{lr: 1e-6}}`) "
                           f"or start from a recipe in configs/, e.g. configs/quickstart_cpu.yaml")
     if not isinstance(data, Mapping):
-        raise ConfigError(f"{path} must hold a mapping of config sections, got {type(data).__name__}; "
+        raise ConfigError(f"{path}{where} must hold a mapping of config sections, got {type(data).__name__}; "
                           f"write it as `section: {{key: value}}`")
+    _check_is_recipe(data, path, where)
     data = dict(data)
     includes = data.pop(DEFAULTS_KEY, None) or []
     if isinstance(includes, str):
@@ -120,6 +158,7 @@ def load_recipe(path: str | os.PathLike, _chain: tuple[str, ...] = ()) -> dict:
 
 
 _KEY = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+_NAME = re.compile(r"[A-Za-z_]\w*")
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -134,10 +173,12 @@ def parse_override(text: str) -> tuple[str, Any]:
                             fix=f"quote values containing YAML syntax, e.g. {key}='a: b'")
 
 
-def _override_target_is_section(key: str) -> bool:
-    """Check ``key`` against the schema; True if it names a whole section."""
+def _override_target(key: str) -> tuple[bool, Any]:
+    """Check ``key`` against the schema; (whether it names a whole section, its declared type: None for a key of a
+    free-form mapping)."""
     cls, prefix = TrainConfig, ""
     parts = key.split(".")
+    tp: Any = TrainConfig
     for i, part in enumerate(parts):
         dotted = join_key(prefix, part)
         types_ = field_types(cls)
@@ -147,19 +188,33 @@ def _override_target_is_section(key: str) -> bool:
         if is_section_type(tp):
             cls, prefix = tp, dotted
             continue
-        if is_mapping_type(tp):
-            return False  # free-form mapping (e.g. reward.kwargs.scale): any sub-key is allowed
+        if is_mapping_type(tp):  # free-form mapping (e.g. reward.kwargs.scale): any sub-key is allowed
+            return False, tp if i == len(parts) - 1 else None
         if i != len(parts) - 1:
             raise ConfigError(f"override key '{key}': {dotted} is a value, not a section; use {dotted}=<value>")
-        return False
-    return True
+        return False, tp
+    return True, tp
+
+
+def _takes_null(tp: Any) -> bool:
+    return tp is None or tp is Any or tp is type(None) or (
+        typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp))
 
 
 def apply_override(data: dict, text: str) -> dict:
-    """Apply one ``key=value`` override to recipe data (in place) and return it."""
+    """Apply one ``key=value`` override to recipe data (in place) and return it. ``key=null`` sets null where the key
+    takes it (e.g. parallel.vpp=null); elsewhere it unsets the key, whose default then applies (parallel.tp=null
+    undoes a recipe's parallel.tp: 4)."""
     key, value = parse_override(text)
-    is_section = _override_target_is_section(key)
+    is_section, tp = _override_target(key)
     *parents, leaf = key.split(".")
+    if value is None and not _takes_null(tp):
+        node = data
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(leaf, None)
+        return data
     node = data
     for part in parents:
         if not isinstance(node.get(part), dict):
@@ -170,6 +225,29 @@ def apply_override(data: dict, text: str) -> dict:
     else:
         node[leaf] = value
     return data
+
+
+def _layout(data: Mapping) -> Any:
+    parallel = data.get("parallel")
+    return parallel.get("layout") if isinstance(parallel, Mapping) else None
+
+
+def _auto_replaces_recipe_layout(recipe: dict, overrides: Sequence[str]) -> dict:
+    """``parallel.layout=auto`` given as an override takes the layout from the planner in place of the recipe's:
+    the recipe's pinned dims (parallel.tp, pp, …, sequence_parallel, and rollout.gen_tp) are dropped, as an override
+    replaces what the recipe says. Dims the overrides set themselves still conflict with auto (ParallelConfig says
+    so)."""
+    if _layout(recipe) == "auto":
+        return recipe  # the recipe's own contradiction, if any, is the recipe's to fix
+    probe: dict = {}
+    for text in overrides:
+        apply_override(probe, text)
+    if _layout(probe) != "auto" or not isinstance(recipe.get("parallel"), Mapping):
+        return recipe
+    recipe = {**recipe, "parallel": {k: v for k, v in recipe["parallel"].items() if k not in ParallelConfig.PLANNED}}
+    if isinstance(recipe.get("rollout"), Mapping):  # the planner picks the generation TP with the training layout
+        recipe["rollout"] = {k: v for k, v in recipe["rollout"].items() if k != "gen_tp"}
+    return recipe
 
 
 def config_from_dict(data: Mapping) -> TrainConfig:
@@ -189,6 +267,7 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = (), *
     if isinstance(overrides, str):
         raise TypeError("overrides must be a list of 'key=value' strings, not a single string")
     data = load_recipe(path) if path is not None else {}
+    data = _auto_replaces_recipe_layout(data, overrides)
     for text in overrides:
         apply_override(data, text)
     cfg = config_from_dict(data)

@@ -56,7 +56,8 @@ def choose_layout(cfg, arch: ModelArch, cluster: Cluster) -> AutoLayout:
     `cluster`; a one-line :class:`ConfigError` naming the problem and the fix when none fits."""
     if cfg.placement.pools:
         raise ConfigError("parallel.layout=auto plans one colocated pool of every rank, but placement.pools is set; "
-                          "set parallel.layout=manual or remove placement.pools")
+                          "set parallel.layout=manual, or unset the pools with placement=null (a rollout pool's "
+                          "rollout.max_staleness then needs rollout.max_staleness=0)")
     given = inputs_from_config(cfg, None)
     plans, rejected = plan_layouts(arch, cluster, given.workload, global_batch=given.global_batch, roles=given.roles,
                                    rollout=given.rollout, pins=given.pins, sequence_parallel=given.sequence_parallel,
