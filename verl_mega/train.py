@@ -18,8 +18,10 @@ def train(cfg) -> dict[str, float]:
 
     before_build(cfg)  # first: the console before Megatron's and vLLM's imports log, the trackers' checks
     from verl_mega.checkpoint.integrity import RunComplete
+    from verl_mega.parallel.process_guard import end_helpers_with_this_process
     from verl_mega.trainer.setup import build_job
 
+    end_helpers_with_this_process()  # before the first helper starts: a killed rank's helpers die with it
     try:
         job = build_job(cfg)
     except RunComplete as done:
