@@ -402,3 +402,91 @@ def test_dict_values_become_reward_metrics_over_ranks():
     # means over the samples that returned the key, whichever rank scored them; our own names get a prefix
     assert info_metrics([a, b]) == {"reward/acc": 2 / 3, "reward/fn_mean": 5.0, "reward/len": 3.0}
     assert info_metrics([{}, {}]) == {}
+
+
+# ---------------------------------------------------------------------------------- a user module's import, bounded
+SLOW_IMPORT = textwrap.dedent("""
+    import os, pathlib, time
+    pathlib.Path(os.environ["MARKER_DIR"], str(os.getpid())).touch()  # who imported it
+    time.sleep(3600)  # an import that never returns
+
+    def compute_score(response, ground_truth):
+        return 1.0
+""")
+
+
+def _importers(marker_dir) -> list[int]:
+    return [int(p.name) for p in marker_dir.iterdir()]
+
+
+def _gone(pid: int, bound_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(")")[-1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture
+def slow_file(tmp_path, monkeypatch):
+    marker_dir = tmp_path / "imported_by"
+    marker_dir.mkdir()
+    monkeypatch.setenv("MARKER_DIR", str(marker_dir))
+    path = tmp_path / "slow_reward.py"
+    path.write_text(SLOW_IMPORT)
+    return path, marker_dir
+
+
+def test_a_reward_file_whose_import_never_returns_is_one_line_error_and_never_runs_here(slow_file, monkeypatch):
+    """The trainer's check of reward.function imports the file in a process of its own, ended at the bound: one
+    line naming the file, the limit and the fix; this process never ran the file, and the check left nothing."""
+    import verl_mega.rewards.loader as loader
+
+    path, marker_dir = slow_file
+    monkeypatch.setattr(loader, "IMPORT_TIMEOUT_S", 1.5)
+    with pytest.raises(RewardFunctionError) as info:
+        loader.check_user_code(f"{path}:compute_score", reward_kwargs={})
+    message = str(info.value)
+    assert "\n" not in message and str(path) in message and "within 1.5 s" in message
+    assert "do slow set-up inside the function" in message
+    importers = _importers(marker_dir)
+    assert len(importers) == 1 and importers[0] != os.getpid()
+    assert _gone(importers[0]), "the check process outlived its bound"
+
+
+def test_a_reward_pool_given_a_spec_imports_it_in_its_workers_only_and_bounds_their_start(slow_file, monkeypatch):
+    import verl_mega.rewards.pool as pool_module
+
+    path, marker_dir = slow_file
+    monkeypatch.setattr(pool_module, "_STARTUP_TIMEOUT_S", 1.5)
+    with pytest.raises(RewardFunctionError, match=r"slow_reward.py': importing it did not return within 1.5 s in "
+                                                  r"a reward worker process"):
+        RewardPool(str(path), num_workers=1)
+    importers = _importers(marker_dir)
+    assert os.getpid() not in importers and len(importers) == 1
+    assert _gone(importers[0])
+
+
+def test_the_check_of_a_user_file_still_refuses_a_bad_signature_in_one_line(user_file):
+    from verl_mega.rewards.loader import check_user_code
+
+    check_user_code(f"{user_file}:compute_score")  # a good one passes
+    for spec, kwargs, match in [(f"{user_file}:one_arg", None, "fits neither accepted form"),
+                                (f"{user_file}:missing", None, "has no function 'missing'"),
+                                (f"{user_file}:only_source", {"bogus": 1}, "reward_kwargs bogus are not parameters")]:
+        with pytest.raises(RewardFunctionError, match=match) as info:
+            check_user_code(spec, reward_kwargs=kwargs)
+        assert "\n" not in str(info.value)
+    assert not any(name.startswith("verl_mega_user_reward_") and getattr(module, "__file__", "") == user_file
+                   for name, module in sys.modules.items())  # checked elsewhere, not imported here
+
+
+def test_a_pool_given_a_spec_learns_whether_it_is_batched_from_its_workers(user_file):
+    with RewardPool(f"{user_file}:batch_len", num_workers=1) as pool:
+        assert pool.batched is True  # from the worker's ready message: this process never loaded the file
+        assert pool.score(["ab", "c"], [0, 0]).scores == [2.0, 1.0]

@@ -130,3 +130,16 @@ def test_misbehaving_tools_are_cut_off_and_the_runner_goes_on(tools_file, caplog
         assert runner.call("python", {"code": "print(6*7)"}) == Answer(True, "42\n")
     finally:
         runner.close()
+
+
+def test_a_tool_file_whose_import_never_returns_is_refused_in_one_line(tmp_path, monkeypatch):
+    """Tool files are checked in a process of their own, under the import bound, never imported by the trainer."""
+    import verl_mega.rewards.loader as loader
+    from verl_mega.rollout.tools import check_tool
+
+    path = tmp_path / "slow_tool.py"
+    path.write_text("import time\ntime.sleep(3600)\n\ndef lookup(text):\n    return text\n")
+    monkeypatch.setattr(loader, "IMPORT_TIMEOUT_S", 1.5)
+    with pytest.raises(ValueError, match=r"tool '.*slow_tool.py:lookup': importing it did not return within 1.5 s"):
+        ToolRunner([f"{path}:lookup"], 1.0)
+    check_tool("calc")

@@ -22,6 +22,11 @@ Two contracts are accepted, each per sample or batched:
 Fixed ``reward_kwargs`` are passed by keyword to either. A function returns a float, or a dict with a ``score`` and
 other values: the numeric ones are kept per sample (:meth:`RewardFunction.score_batch_info`), and the trainer logs
 their step means as ``reward/<key>``.
+
+A user's file or module is code that runs with the trainer's rights. The trainer never imports it itself: it checks
+it with :func:`check_user_code`, in a short-lived process that must import it and check its function within
+:data:`IMPORT_TIMEOUT_S`; the reward workers (:mod:`verl_mega.rewards.pool`) and the tool worker import it again,
+under the same bound.
 """
 
 from __future__ import annotations
@@ -30,15 +35,19 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
+import json
 import math
 import numbers
 import os
+import signal
+import subprocess
 import sys
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Mapping, Sequence
 
 __all__ = ["RewardFunctionError", "RewardFunction", "load_reward_fn", "BUILTIN_REWARDS", "to_score", "score_info",
-           "ACCEPTED_FORMS"]
+           "ACCEPTED_FORMS", "IMPORT_TIMEOUT_S", "check_user_code", "import_too_slow"]
 
 BUILTIN_REWARDS = {
     "gsm8k": "verl_mega.rewards.math_reward:compute_score",
@@ -61,6 +70,9 @@ ACCEPTED_FORMS = ("verl's compute_score(data_source, solution_str, ground_truth,
                   "compute_score(data_sources, solution_strs, ground_truths, extra_infos)), called by keyword; or "
                   "fn(response, ground_truth, **extras) (batched: fn(responses, ground_truths, **extras))")
 Contract = Literal["ours", "verl"]
+#: how long importing a user's reward or tool module (and checking its function) may take, in the trainer's check
+#: and in each worker process that loads it
+IMPORT_TIMEOUT_S = 60.0
 
 
 def no_reward(response: str, ground_truth: Any) -> float:
@@ -351,3 +363,101 @@ def load_reward_fn(
             )
     return RewardFunction(fn=fn, batched=is_batched, name=name, spec=spec_text, reward_kwargs=kwargs,
                           accepted_extras=accepted, contract=contract)
+
+
+# ------------------------------------------------------------------------------------ the bounded check of user code
+def _is_user_code(spec: str) -> bool:
+    """Whether loading ``spec`` imports code that is not this package's (a file, or another package's module)."""
+    text = spec.strip()
+    if text in BUILTIN_REWARDS:
+        return False
+    module_part, sep, _ = text.rpartition(":")
+    module_part = module_part if sep else text
+    is_file = module_part.endswith(".py") or "/" in module_part or os.sep in module_part
+    return is_file or not (module_part == "verl_mega" or module_part.startswith("verl_mega."))
+
+
+def import_too_slow(what: str, spec: str, limit_s: float, where: str) -> str:
+    """The one-line error for a user module whose import (or function check) did not return in time."""
+    return (f"{what} '{spec}': importing it did not return within {limit_s:g} s in {where} (a module-level wait, "
+            f"download or model load?); make the import quick: do slow set-up inside the function, once, on its "
+            f"first call")
+
+
+def check_user_code(spec: str, *, what: str = "reward function", reward_kwargs: Mapping[str, Any] | None = None,
+                    timeout_s: float | None = None) -> None:
+    """Load ``spec`` (``file.py:fn``, ``pkg.module:fn``) and check its function as :func:`load_reward_fn` does (or
+    as a tool: that it exists), in a short-lived child process ended after ``timeout_s``: a user's module is code
+    whose import may never return, and this process must not run it. Raises :class:`RewardFunctionError` with one
+    line. This package's own functions are checked here, in-process. ``timeout_s``: default IMPORT_TIMEOUT_S."""
+    timeout_s = IMPORT_TIMEOUT_S if timeout_s is None else timeout_s
+    if not _is_user_code(spec):
+        if what == "reward function":
+            load_reward_fn(spec, reward_kwargs=reward_kwargs)
+        else:
+            load_callable(spec, what=what)
+        return
+    request = json.dumps({"spec": spec, "what": what, "kwargs": sorted(reward_kwargs or {}), "path": sys.path})
+    root = str(Path(__file__).resolve().parents[2])  # this checkout, wherever the interpreter was started
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
+    # a session of its own: whatever the module starts goes with it; what it prints goes to our stderr
+    proc = subprocess.Popen([sys.executable, "-c", "from verl_mega.rewards.loader import _check_child; _check_child()"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, start_new_session=True, text=True)
+    try:
+        out, _ = proc.communicate(request + "\n", timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        out = None
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.wait()
+    if out is None:
+        raise RewardFunctionError(import_too_slow(what, spec, timeout_s, "a check process"))
+    try:
+        error = json.loads(out.strip().splitlines()[-1])["error"]
+    except (IndexError, ValueError, KeyError, TypeError):
+        code = proc.returncode
+        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        raise RewardFunctionError(f"{what} '{spec}': importing it ended the check process ({how}) before it could "
+                                  f"answer (what it printed is above); fix the module so that it imports") from None
+    if error:
+        raise RewardFunctionError(error)
+
+
+def die_with_parent() -> None:
+    """For a process that runs user code for this one: SIGKILL it when its parent dies, even by SIGKILL (Linux's
+    PR_SET_PDEATHSIG; the parent is the thread that started it), and end it now if the parent is already gone."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = os.getppid()
+    if ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
+        return
+    if os.getppid() != parent or parent == 1:  # the parent ended before the signal was armed
+        os._exit(1)
+
+
+def _check_child() -> None:
+    """The check process of :func:`check_user_code`: one JSON request on stdin, one JSON answer on stdout."""
+    die_with_parent()  # in a session of its own, which the rank's group kill does not reach
+    request = json.loads(sys.stdin.readline())
+    sys.path[:] = request["path"]
+    answer = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # what the module prints goes to stderr, with the trainer's output
+    spec, what = request["spec"], request["what"]
+    try:
+        if what == "reward function":
+            load_reward_fn(spec, reward_kwargs=dict.fromkeys(request["kwargs"]))
+        else:
+            load_callable(spec, what=what)
+        error = ""
+    except RewardFunctionError as exc:
+        error = " ".join(str(exc).split())
+    except BaseException as exc:  # noqa: BLE001 - whatever the user's module raises is reported in one line
+        error = f"{what} '{spec}' cannot be loaded: {type(exc).__name__}: {' '.join(str(exc).split())}"
+    answer.write(json.dumps({"error": error}) + "\n")
+    answer.flush()
+    os._exit(0)  # threads the module started are not waited for

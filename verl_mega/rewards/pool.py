@@ -4,7 +4,9 @@
 collects the future after the device stages it overlaps with.
 
 Every call of the user function runs in one of ``num_workers`` worker processes (``rewards/worker.py``; each loads
-the function once), because only a process can be stopped whatever the function does. For each call the pool waits
+the function once, within ``IMPORT_TIMEOUT_S``), because only a process can be stopped whatever the function does. A
+function given by spec string is loaded in the workers only, never in this process: its module is user code, and its
+import may never return. For each call the pool waits
 for the answer, the worker's death or the time limit, whichever comes first:
 
 * an answer: the scores; a call that raises or returns something that is not a finite number is an *error*;
@@ -19,7 +21,8 @@ function that always hangs costs about one time limit per batch, not one per sam
 joined, one dispatcher thread serves the pool, and ``close()`` (also run at exit) kills every worker. Workers ignore
 SIGINT and SIGTERM, which are the trainer's to handle, and die with the trainer (Linux parent-death signal).
 
-Functions given by spec string are re-loaded in each worker; other callables must be picklable.
+Functions given by spec string (or as a :class:`RewardFunction` loaded from one) are loaded in each worker; other
+callables must be picklable.
 """
 
 from __future__ import annotations
@@ -44,13 +47,14 @@ from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_any
 from typing import Any, Callable, Mapping, Sequence
 
-from verl_mega.rewards.loader import RewardFunction, load_reward_fn
+from verl_mega.rewards.loader import (IMPORT_TIMEOUT_S, RewardFunction, RewardFunctionError, die_with_parent,
+                                      import_too_slow, load_reward_fn)
 
 __all__ = ["RewardPool", "RewardBatchResult", "RewardFunctionFailed", "info_metrics"]
 
 logger = logging.getLogger("verl_mega.rewards")
 
-_STARTUP_TIMEOUT_S = 60.0
+_STARTUP_TIMEOUT_S = IMPORT_TIMEOUT_S  # a worker's start: the interpreter and the function's import
 
 
 class RewardFunctionFailed(RuntimeError):
@@ -97,16 +101,6 @@ def info_metrics(parts: Sequence[Mapping[str, tuple[float, int]]]) -> dict[str, 
 
 
 # ------------------------------------------------------------------------------------------- worker process side
-def _die_with_parent() -> None:
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        try:  # PR_SET_PDEATHSIG = 1: SIGKILL this worker when the trainer dies, even by SIGKILL
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
-        except (OSError, AttributeError):
-            pass
-
-
 def _call_unit(fn: RewardFunction, responses, ground_truths, extras) -> tuple[str, Any]:
     """Never raises: ("ok", (scores, infos)) or ("error", message)."""
     try:
@@ -116,7 +110,7 @@ def _call_unit(fn: RewardFunction, responses, ground_truths, extras) -> tuple[st
 
 
 def _worker_main(conn, spec: str | None, pickled_fn: bytes | None, batched: bool, reward_kwargs: dict) -> None:
-    _die_with_parent()
+    die_with_parent()  # SIGKILLed when the trainer dies, even by SIGKILL
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer handles Ctrl-C and SIGTERM; it kills us when done
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
@@ -125,7 +119,7 @@ def _worker_main(conn, spec: str | None, pickled_fn: bytes | None, batched: bool
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         conn.send(("init_error", f"{type(exc).__name__}: {exc}"))
         return
-    conn.send(("ready", None))
+    conn.send(("ready", fn.batched))
     while True:
         try:
             unit = conn.recv()
@@ -208,6 +202,7 @@ class RewardPool:
         timeout_s: float = 30.0,
         max_error_frac: float = 1.0,
         chunk_size: int | None = None,
+        reward_kwargs: Mapping[str, Any] | None = None,
     ):
         if num_workers < 1:
             raise ValueError(f"reward pool num_workers must be >= 1 (reward functions run in worker processes), "
@@ -216,23 +211,30 @@ class RewardPool:
             raise ValueError(f"reward timeout_s must be > 0, got {timeout_s}")
         if not 0 <= max_error_frac <= 1:
             raise ValueError(f"reward max_error_frac must be in [0, 1], got {max_error_frac}")
-        self.fn = reward_fn if isinstance(reward_fn, RewardFunction) else load_reward_fn(reward_fn)
+        if isinstance(reward_fn, str):  # loaded (user code imported) in the workers only
+            spec, self.name, batched, kwargs = reward_fn.strip(), reward_fn.strip(), None, dict(reward_kwargs or {})
+            fn = None
+        else:
+            fn = reward_fn if isinstance(reward_fn, RewardFunction) else \
+                load_reward_fn(reward_fn, reward_kwargs=reward_kwargs)
+            spec, self.name, batched, kwargs = fn.spec, fn.name, fn.batched, fn.reward_kwargs
+        self.batched: bool | None = batched  # for a spec string: as the first worker that loaded it says
         self.num_workers, self.timeout_s, self.chunk_size = num_workers, float(timeout_s), chunk_size
         self.max_error_frac = float(max_error_frac)
         self.total_timeouts = self.total_errors = self.total_scored = 0
         self._closed = False
         pickled = None
-        if self.fn.spec is None:
-            if getattr(self.fn.fn, "__module__", None) == "__main__":
-                raise ValueError(f"reward function '{self.fn.name}' is defined in the main script, which worker "
+        if spec is None:
+            if getattr(fn.fn, "__module__", None) == "__main__":
+                raise ValueError(f"reward function '{self.name}' is defined in the main script, which worker "
                                  "processes do not run; define it in a module and give it as 'module:function' or "
                                  "'path/to/file.py:function'")
             try:
-                pickled = pickle.dumps(self.fn)
+                pickled = pickle.dumps(fn)
             except Exception as exc:
-                raise ValueError(f"reward function '{self.fn.name}' cannot be sent to worker processes ({exc}); "
+                raise ValueError(f"reward function '{self.name}' cannot be sent to worker processes ({exc}); "
                                  "give it as 'module:function' or define it at module level") from None
-        self._initargs = (self.fn.spec, pickled, self.fn.batched, self.fn.reward_kwargs)
+        self._initargs = (spec, pickled, batched, kwargs)
         self._workers: list[_Worker] = []
         self._lock = threading.Lock()  # close() may run while the dispatcher scores
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
@@ -299,9 +301,9 @@ class RewardPool:
         deadline = time.monotonic() + _STARTUP_TIMEOUT_S
         for worker in workers:
             if not worker.conn.poll(max(0.0, deadline - time.monotonic())):
-                raise RuntimeError(f"reward worker processes did not start within {_STARTUP_TIMEOUT_S:g}s "
-                                   f"({'the process died' if not worker.proc.is_alive() else 'no answer'}); worker "
-                                   f"processes must be able to import the reward function")
+                if not worker.proc.is_alive():
+                    raise RuntimeError(f"reward function '{self.name}': {worker.death()}")
+                raise self._start_timeout()
             self._on_ready_message(worker)
 
     def _on_ready_message(self, worker: _Worker) -> None:
@@ -310,9 +312,15 @@ class RewardPool:
         except (EOFError, OSError):
             kind, detail = "init_error", worker.death()
         if kind != "ready":
-            raise RuntimeError(f"reward function '{self.fn.name}' cannot be loaded in a worker process ({detail}); "
+            raise RuntimeError(f"reward function '{self.name}' cannot be loaded in a worker process ({detail}); "
                                f"worker processes must be able to import it")
         worker.ready = True
+        if self.batched is None:
+            self.batched = bool(detail)
+
+    def _start_timeout(self) -> RewardFunctionError:
+        return RewardFunctionError(import_too_slow("reward function", self.name, _STARTUP_TIMEOUT_S,
+                                                   "a reward worker process"))
 
     def _serve(self) -> None:
         while True:
@@ -328,7 +336,7 @@ class RewardPool:
                 future.set_exception(exc)
 
     def _units(self, n: int) -> list[range]:
-        if not self.fn.batched:
+        if not self.batched:
             return [range(i, i + 1) for i in range(n)]  # one call = one sample, so the time limit is per sample
         size = self.chunk_size or max(1, math.ceil(n / self.num_workers))
         return [range(i, min(i + size, n)) for i in range(0, n, size)]
@@ -359,7 +367,7 @@ class RewardPool:
             logger.warning(
                 "reward function '%s': %d timeout(s) and %d error(s) in a batch of %d scored 0 "
                 "(run totals: %d timeouts, %d errors); first: %s",
-                self.fn.name, timeouts, errors, len(responses), self.total_timeouts, self.total_errors, first_error,
+                self.name, timeouts, errors, len(responses), self.total_timeouts, self.total_errors, first_error,
             )
         return RewardBatchResult(scores, timeouts, errors, time.monotonic() - start, first_error, infos)
 
@@ -420,12 +428,12 @@ class RewardPool:
                 return ("error", worker.death())
         if not worker.proc.is_alive():
             if not worker.ready:
-                raise RuntimeError(f"reward function '{self.fn.name}': {worker.death()}")
+                raise RuntimeError(f"reward function '{self.name}': {worker.death()}")
             return ("error", worker.death()) if worker.unit is not None else ("idle_death", None)
         if worker.ready and worker.unit is not None and now >= worker.deadline:
             return ("timeout", None)
         if not worker.ready and now >= worker.started + _STARTUP_TIMEOUT_S:
-            raise RuntimeError(f"a reward worker process did not start within {_STARTUP_TIMEOUT_S:g}s")
+            raise self._start_timeout()
         return None
 
 

@@ -105,15 +105,30 @@ BUILTIN_TOOLS: dict[str, Callable[..., str]] = {"calc": calc, "python": python}
 
 
 def load_tool(spec: str) -> Callable[..., str]:
-    """A built-in tool name, ``pkg.module:fn`` or ``file.py:fn``."""
+    """A built-in tool name, ``pkg.module:fn`` or ``file.py:fn`` (imported here: in the tool worker)."""
     if spec in BUILTIN_TOOLS:
         return BUILTIN_TOOLS[spec]
     from verl_mega.rewards.loader import load_callable
 
+    _check_form(spec)
+    return load_callable(spec, what="tool")
+
+
+def check_tool(spec: str) -> None:
+    """Whether ``spec`` loads, checked without importing a user's module here: in a short-lived process, bounded by
+    ``IMPORT_TIMEOUT_S`` (:func:`verl_mega.rewards.loader.check_user_code`)."""
+    if spec in BUILTIN_TOOLS:
+        return
+    from verl_mega.rewards.loader import check_user_code
+
+    _check_form(spec)
+    check_user_code(spec, what="tool")
+
+
+def _check_form(spec: str) -> None:
     if ":" not in spec and "." not in spec:
         raise ValueError(f"rollout.multi_turn.tools: {spec!r} is not a built-in tool ({', '.join(BUILTIN_TOOLS)}) nor "
                          f"'pkg.module:fn' / 'file.py:fn'")
-    return load_callable(spec, what="tool")
 
 
 def tool_name(spec: str) -> str:
@@ -177,8 +192,8 @@ class ToolRunner:
         self.specs, self.timeout_s = list(specs), timeout_s
         self.python_limits = {"timeout_s": timeout_s, "memory_mb": python_memory_mb, "network": python_network}
         self.names = {tool_name(s) for s in specs}
-        for spec in self.specs:  # fail at start-up, in this process, on a bad spec
-            load_tool(spec)
+        for spec in self.specs:  # fail at start-up on a bad spec (a user's module is imported by the worker only)
+            check_tool(spec)
         if "python" in self.specs:
             log.warning(PYTHON_TOOL_RISK)
             isolation = sandbox.probe(network=python_network)  # once, here: the worker's own log goes nowhere

@@ -379,7 +379,7 @@ class RLTrainer:
         if samples and (errors + timeouts) / samples > limit:
             first = " ".join(str(next((f for f in self._pool_objects(tally.first_error) if f), "unknown")).split())
             raise RewardFunctionFailed(
-                f"reward function '{self.reward_pool.fn.name}' failed on {errors + timeouts:g} of {samples:g} samples "
+                f"reward function '{self.reward_pool.name}' failed on {errors + timeouts:g} of {samples:g} samples "
                 f"of this step ({errors:g} errors, {timeouts:g} timeouts), more than reward.max_error_frac={limit:g}; "
                 f"first: {first}; fix the function, or raise reward.timeout_s or reward.max_error_frac")
         # reward/<key>: the means, over the pool, of the values the reward function returned beside its score

@@ -299,8 +299,8 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
     resources.callback(rollout.shutdown)  # vLLM's process groups go before torch.distributed's
     rollout.update_weights()  # vLLM starts from the actor's exact weights (and version 1)
     reward_pool = resources.enter_context(contextlib.closing(RewardPool(
-        reward_fn, num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s,
-        max_error_frac=cfg.reward.max_error_frac)))
+        reward_fn, reward_kwargs=dict(cfg.reward.kwargs), num_workers=cfg.reward.num_workers,
+        timeout_s=cfg.reward.timeout_s, max_error_frac=cfg.reward.max_error_frac)))
     kc = cfg.algorithm.kl_ctrl
     kl_ctrl = algos.make_kl_controller(kc.type, kc.kl_coef, kc.target_kl or 0.1, kc.horizon)
     trainer = (trainer_cls or RLTrainer)(
@@ -332,13 +332,14 @@ def _build_job(cfg: TrainConfig, trainer_cls, resources: contextlib.ExitStack) -
 def _check_placement(cfg: TrainConfig, resources: contextlib.ExitStack):
     """The launcher, the reward function and tools, the layout (`parallel.layout=auto` resolved), the placement,
     this rank's device and the output directory. Returns the (resolved) config, the placement, the device, whether
-    this rank writes the run's records (metrics.jsonl, finalised checkpoints) and the reward function."""
+    this rank writes the run's records (metrics.jsonl, finalised checkpoints) and the reward function's spec (checked
+    in a process of its own, never imported here)."""
     from verl_mega.config.hub import resolve_config
     from verl_mega.parallel import launch_env
     from verl_mega.parallel.placement import Placement
     from verl_mega.parallel.scheduler import place_on_devices
     from verl_mega.parallel.state import set_deterministic
-    from verl_mega.rewards.loader import NO_REWARD_FUNCTION, load_reward_fn
+    from verl_mega.rewards.loader import NO_REWARD_FUNCTION, check_user_code
     from verl_mega.trainer.preflight import probe_output_dir
     from verl_mega.trainer.run_dir import lock_output_dir
 
@@ -348,12 +349,14 @@ def _check_placement(cfg: TrainConfig, resources: contextlib.ExitStack):
     cfg = resolve_config(cfg)
     set_deterministic(cfg.trainer.deterministic)  # before any CUDA kernel
     # without reward.function the config has a reward model (TrainConfig checks it), whose score is the reward
-    reward_fn = load_reward_fn(cfg.reward.function or NO_REWARD_FUNCTION, reward_kwargs=dict(cfg.reward.kwargs))
+    # checked in a process of its own, under a time limit: a user's module may never finish importing
+    reward_fn = cfg.reward.function or NO_REWARD_FUNCTION
+    check_user_code(reward_fn, reward_kwargs=dict(cfg.reward.kwargs))
     if cfg.rollout.multi_turn.enable:
-        from verl_mega.rollout.tools import load_tool
+        from verl_mega.rollout.tools import check_tool
 
         for spec in cfg.rollout.multi_turn.tools:  # a bad tool fails here, before the tiny model is built
-            load_tool(spec)
+            check_tool(spec)
     if cfg.parallel.layout == "auto":  # the planner's best layout for this model, world and workload
         from verl_mega.planning.auto import resolve_auto_layout
 
