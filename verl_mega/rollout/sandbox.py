@@ -96,6 +96,7 @@ def run(code: str, limits: SandboxLimits) -> SandboxResult:
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         status_r, status_w = os.pipe()
         config = {**asdict(limits), "parent": os.getpid(), "status_fd": status_w}
+        _root_layout(config)  # here, where site has set sys.prefix (a virtual environment's), not in the launcher
         # a session of its own: the backstop below kills the launcher's whole group
         proc = subprocess.Popen([sys.executable, "-I", "-S", os.path.abspath(__file__), json.dumps(config)],
                                 stdin=subprocess.PIPE, stdout=out, stderr=err, env={}, cwd="/",
@@ -385,19 +386,17 @@ def _build_root(config: dict, lifeline: int) -> None:
 
 
 def _root_layout(config: dict) -> None:
-    """What the box's root holds: ``binds`` (host paths bound read-only at the same path) and ``links`` (the
-    host's top-level symlinks such as /lib -> usr/lib, recreated)."""
-    python = os.path.realpath(sys.executable)
+    """What the box's root holds: ``binds`` (host paths bound read-only at the same path, symlinks in them
+    followed) and ``links`` (the host's top-level symlinks such as /lib -> usr/lib, recreated)."""
+    python = os.path.abspath(sys.executable)  # not resolved: a virtual environment's python finds its pyvenv.cfg
     binds, links = [], {}
     candidates = [*_SYSTEM_DIRS, *_SYSTEM_FILES, sys.prefix, sys.base_prefix, sys.exec_prefix,
-                  os.path.dirname(python)]
-    for path in candidates:
+                  os.path.dirname(python), os.path.dirname(os.path.realpath(python))]
+    for path in map(os.path.abspath, candidates):
         if os.path.islink(path) and os.path.dirname(path) == "/":
             links[path] = os.readlink(path)
-        elif os.path.exists(path):
-            path = os.path.realpath(path)
-            if not any(path == b or path.startswith(b.rstrip("/") + "/") for b in binds):
-                binds = [b for b in binds if not b.startswith(path.rstrip("/") + "/")] + [path]
+        elif os.path.exists(path) and not any(path == b or path.startswith(b.rstrip("/") + "/") for b in binds):
+            binds = [b for b in binds if not b.startswith(path.rstrip("/") + "/")] + [path]
     try:
         with open("/proc/sys/kernel/cap_last_cap") as f:
             last_cap = int(f.read())
@@ -500,7 +499,6 @@ def _launch(config: dict) -> dict:
     deadline = time.monotonic() + config["timeout_s"]
     # orphans of the box come to the launcher, which reaps every one before it answers: nothing outlives the call
     _prctl(_PR_SET_CHILD_SUBREAPER, 1)
-    _root_layout(config)
     why = "namespaces switched off"
     if config["namespaces"]:
         result = _namespaced(config, deadline)
