@@ -4,6 +4,8 @@ trainer's environment, nor files outside its scratch directory, nor the network.
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -218,3 +220,18 @@ def test_a_box_dies_with_a_worker_cut_off_by_a_shorter_call_limit(marker):
         stop.set()
         runner.close()
     assert answer == (False, "error: python timed out after 1.5 s", True) and most[0] >= 3
+
+
+def test_where_namespaces_are_not_permitted_the_box_degrades_and_the_run_says_so():
+    """Inside a user namespace that may hold no further ones (util-linux's unshare), the tool still answers."""
+    script = ("import logging; logging.basicConfig(level=logging.INFO)\n"
+              "from verl_mega.rollout.tools import ToolRunner\n"
+              "runner = ToolRunner(['python'], timeout_s=10.0)\n"
+              "print(runner.call('python', 'print(6 * 7)'))\n"
+              "runner.close()\n")
+    done = subprocess.run(["unshare", "--user", "--map-root-user", "sh", "-c",
+                           f"echo 0 > /proc/sys/user/max_user_namespaces && exec {sys.executable} -c \"$0\"", script],
+                          capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "python tool sandbox degraded (fallback: namespaces not permitted here" in done.stderr
+    assert done.stdout.strip() == "Answer(ok=True, text='42\\n', failed=False)"

@@ -73,7 +73,7 @@ _SYSTEM_FILES = ("/etc/ld.so.cache",)
 
 @dataclass(frozen=True, kw_only=True)
 class SandboxLimits:
-    timeout_s: float = 5.0  # wall-clock limit, start-up included; CPU time per process is limited to it too
+    timeout_s: float = 5.0  # wall-clock limit, start-up included; CPU time per process: its whole seconds + 1
     memory_mb: int = 512  # address space of each process
     max_procs: int = 32  # processes and threads of the box, its init included
     max_open_files: int = 64
@@ -141,6 +141,7 @@ def _prctl(option: int, arg: int) -> None:
 
 
 def die_with_parent(parent: int | None = None) -> None:
+    """SIGKILL this process when its parent ends (Linux); ``parent``: end now if that pid is no longer it."""
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if parent is not None and os.getppid() != parent:  # it died before the line above
         os._exit(1)
@@ -168,7 +169,6 @@ def _drop_capabilities(last_cap: int) -> None:
         _libc.prctl(_PR_CAPBSET_DROP, ctypes.c_ulong(cap), 0, 0, 0)  # EINVAL for caps this kernel lacks
     header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
     _check(_libc.capset(header, (ctypes.c_uint32 * 6)()), "capset")  # empty effective, permitted, inheritable
-
 
 
 def _exec_code(config: dict) -> None:
@@ -238,7 +238,7 @@ def _namespaced(config: dict, deadline: float) -> dict | str:
     buffer: list[bytes] = []
     exit_status, error, timed_out = None, None, False
     try:
-        while True:
+        while error is None:  # an error: no box (the unshare, the id maps or the file system failed)
             lines = _lines(up_r, deadline, buffer)
             if lines is None:  # the time limit
                 timed_out = True
@@ -248,7 +248,11 @@ def _namespaced(config: dict, deadline: float) -> dict | str:
             for line in lines:
                 word, _, rest = line.partition(" ")
                 if word == "unshared":
-                    _write_id_maps(child)
+                    try:
+                        _write_id_maps(child)
+                    except OSError as exc:  # the child ends at the closed pipe; the degraded box runs instead
+                        error = f"id maps: {exc}"
+                        break
                     os.write(down_w, b"go\n")
                 elif word == "exit":
                     exit_status = int(rest)
