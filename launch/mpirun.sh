@@ -117,7 +117,8 @@ EXTRA=(${MPIRUN_EXTRA_ARGS:-})
 RUN=("$MPIRUN" "${ARGS[@]}" "${EXTRA[@]}" "${PYTHON:-python3}" -m verl_mega.parallel.launch_env -- "${PROG[@]}")
 # On SIGTERM Open MPI kills the ranks within a second, before they can finish their step and save it; it forwards
 # SIGUSR1 untouched, and the trainer takes SIGUSR1 for SIGTERM (trainer/stop.py), so the ranks stop and exit on
-# their own. SIGINT is passed on as is (mpirun ends the job at once). A job stopped by a signal is not restarted.
+# their own. SIGINT is passed on as is (mpirun ends the job at once). A job stopped by a signal is not restarted,
+# nor one whose rank exited 130 (128 + SIGINT: a Ctrl-C that reached the rank, which saved its step and stopped).
 STOPPING=0
 CHILD=""
 forward() { STOPPING=1; [[ -n "$CHILD" ]] && kill -"$1" "$CHILD" 2>/dev/null; }
@@ -134,7 +135,7 @@ while true; do
     rc=0
     wait "$CHILD" || rc=$?
   done
-  if [[ "$rc" == "0" || "$STOPPING" == "1" || "$RESTART" -ge "$MAX_RESTARTS" ]]; then
+  if [[ "$rc" == "0" || "$rc" == "130" || "$STOPPING" == "1" || "$RESTART" -ge "$MAX_RESTARTS" ]]; then
     exit "$rc"
   fi
   RESTART=$((RESTART + 1))

@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     restart = 0
     while True:
         rc = _run_once(args, prog, restart, stop)
-        if rc in (0, TIMED_OUT) or stop.signum or restart >= args.max_restarts:
+        if rc in (0, TIMED_OUT, INTERRUPTED) or stop.signum or restart >= args.max_restarts:
             return 1 if rc == TIMED_OUT else rc
         restart += 1
         print(f"ray_launch: restarting the job ({restart} of --max-restarts {args.max_restarts}); it resumes from its "
@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 TIMED_OUT = -1  # the job ran past --timeout: a hang is not restarted
+INTERRUPTED = 130  # a rank stopped by Ctrl-C (128 + SIGINT) after saving its step: a stop, not a failure
 PG_READY_S = 120.0  # how long the placement groups may take to be reserved
 POLL_S = 1.0  # the longest a wait on Ray goes without looking at signals
 

@@ -27,8 +27,13 @@ def train(cfg) -> dict[str, float]:
     except RunComplete as done:
         log.info("%s", done)
         return {}
+    from verl_mega.trainer.stop import Interrupted
+
     try:
         metrics = run(job)
+    except Interrupted:  # Ctrl-C: the step was saved, and the job closes as after any stop
+        job.close()
+        raise
     except BaseException:
         job.close(after_error=True)
         raise
@@ -39,12 +44,14 @@ def train(cfg) -> dict[str, float]:
 def run(job) -> dict[str, float]:
     """The RL loop over a built job: per step, the asynchronous look-ahead (docs/async.md), then the step.
     SIGTERM, SIGINT and trainer.time_limit_s stop it after a step, on every rank together, with a checkpoint of
-    that step (trainer/stop.py). The summary's wall time counts from the build."""
+    that step (trainer/stop.py); after SIGINT it raises Interrupted (the process exits 130), and a second SIGINT
+    exits 130 at once, without saving. The summary's wall time counts from the build."""
+    import functools
     import time
 
     from verl_mega.checkpoint.manager import fault_point
     from verl_mega.trainer.loop import finish_logging, next_prompts, run_step, start_logging
-    from verl_mega.trainer.stop import StopRequest
+    from verl_mega.trainer.stop import Interrupted, StopRequest, abort_now, exit_code
 
     if job.server is not None:  # a rank of a rollout pool of its own: serve the trainer until it stops
         job.server.serve()
@@ -55,7 +62,9 @@ def run(job) -> dict[str, float]:
 
     # --- the RL loop: the step and what follows it are trainer/loop.py's, which the Python API shares
     metrics: dict[str, float] = {}
-    with StopRequest(cfg.trainer.time_limit_s, started=job.started) as stop:
+    reason = ""
+    with StopRequest(cfg.trainer.time_limit_s, started=job.started,
+                     abort=functools.partial(abort_now, ckpt.root)) as stop:
         for step in range(start_step + 1, total_steps + 1):
             began = time.monotonic()
             fault_point("step_start", step)
@@ -67,6 +76,8 @@ def run(job) -> dict[str, float]:
                 break
         ckpt.close()  # a background save (checkpoint.async_save) becomes complete and visible
     finish_logging(job, logger)  # curves.png, summary.txt
+    if exit_code(reason):
+        raise Interrupted(f"stopped by {reason} after saving step {step}")
     return metrics
 
 
@@ -84,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     from verl_mega.checkpoint.safe_load import disk_full_error
     from verl_mega.trainer.failures import end_attempt
     from verl_mega.trainer.preflight import describe_os_error
+    from verl_mega.trainer.stop import INTERRUPTED_EXIT_CODE, Interrupted
 
     try:
         train(load_config(args.config, args.overrides))
@@ -92,6 +104,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         end_attempt(f"error: {exc}")  # the cause a restarted job records (trainer/failures.py)
         return 2
+    except Interrupted:  # the step was saved; 128 + SIGINT tells launchers not to restart the job
+        end_attempt("ok")
+        return INTERRUPTED_EXIT_CODE
+    except KeyboardInterrupt:  # Ctrl-C outside the training loop's handlers (building, validating)
+        print("interrupted: exiting without saving (Ctrl-C came outside a training step)", file=sys.stderr)
+        end_attempt("interrupted (SIGINT) outside a training step")
+        return INTERRUPTED_EXIT_CODE
     except BaseException as exc:  # torch's CheckpointException is a BaseException
         full = disk_full_error(exc)  # a full disk may surface wrapped in a checkpoint writer's error
         if full is None:

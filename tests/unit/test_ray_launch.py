@@ -133,3 +133,18 @@ def test_a_job_stopped_by_a_signal_is_not_restarted(monkeypatch):
     monkeypatch.setattr(ray_launch.signal, "signal", lambda sig, handler: None)  # the test process keeps its own
     monkeypatch.setattr(ray_launch, "_run_once", attempt)
     assert ray_launch.main(["--cpu", "--max-restarts", "3", "--", "-c", "pass"]) == 1 and attempts == [0]
+
+
+def test_a_job_whose_rank_exited_130_after_ctrl_c_is_not_restarted(monkeypatch):
+    """A rank that got Ctrl-C saves its step and exits 128 + SIGINT: a stop, passed on as the job's exit code."""
+    attempts = []
+
+    def attempt(args, prog, restart, stop):
+        attempts.append(restart)
+        return 130
+
+    monkeypatch.setattr(ray_launch, "_import_ray", lambda: (None,))
+    monkeypatch.setattr(ray_launch, "_connect", lambda *a: None)
+    monkeypatch.setattr(ray_launch.signal, "signal", lambda sig, handler: None)
+    monkeypatch.setattr(ray_launch, "_run_once", attempt)
+    assert ray_launch.main(["--cpu", "--max-restarts", "3", "--", "-c", "pass"]) == 130 and attempts == [0]

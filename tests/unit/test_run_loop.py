@@ -24,8 +24,9 @@ class _Trainer:
     equal rewards; `signal_at`: the step during which this process gets SIGTERM; `nan_from`: from that step on, the
     loss is NaN."""
 
-    def __init__(self, loader, *, extra_every=0, signal_at=0, nan_from=0):
+    def __init__(self, loader, *, extra_every=0, signal_at=0, nan_from=0, signum=signal.SIGTERM):
         self.loader, self.extra_every, self.signal_at, self.nan_from = loader, extra_every, signal_at, nan_from
+        self.signum = signum
         self.steps = 0
 
     def step(self, prompts):
@@ -33,7 +34,7 @@ class _Trainer:
         if self.extra_every and self.steps % self.extra_every == 0:
             self.loader.next_batch()
         if self.steps == self.signal_at:
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), self.signum)
         loss = math.nan if self.nan_from and self.steps >= self.nan_from else 0.0
         return {"actor/pg_loss": loss, "batch": float(prompts.batch_index)}
 
@@ -156,3 +157,21 @@ def test_sigterm_during_an_api_step_saves_it_and_stops_the_run(tmp_path):
         api.close()
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
+def test_a_stop_signal_saves_the_step_and_only_ctrl_c_ends_the_run_as_interrupted(tmp_path, one_rank, signum):
+    """Both finish the step and save it; after Ctrl-C train.run raises Interrupted (the process exits 130, which
+    launchers do not restart), after SIGTERM (a preemption) it returns (exit 0)."""
+    from verl_mega.train import run
+    from verl_mega.trainer.stop import Interrupted
+
+    before = signal.getsignal(signum)
+    job, saves = _job(tmp_path, "trainer.total_steps=5", "trainer.save_every=0", signal_at=2, signum=signum)
+    if signum == signal.SIGINT:
+        with pytest.raises(Interrupted, match="stopped by SIGINT after saving step 2"):
+            run(job)
+    else:
+        run(job)
+    assert job.trainer.steps == 2 and saves == [(2, 0)]
+    assert signal.getsignal(signum) is before

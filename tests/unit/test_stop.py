@@ -75,3 +75,83 @@ def test_a_rollout_pool_rank_takes_sigusr1_as_a_sigterm():
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)
+
+
+# ------------------------------------------------------------------------------------------- Ctrl-C's exit codes
+def test_exit_codes_of_a_stopped_run():
+    """Ctrl-C exits 128 + SIGINT, as a shell reports it (launchers do not restart it); a preemption or the time
+    limit exits 0, as launchers expect of a job that saved its step."""
+    from verl_mega.rollout.base import STOP_REASONS
+    from verl_mega.trainer.stop import exit_code
+
+    assert {reason: exit_code(reason) for reason in STOP_REASONS} == {
+        "": 0, "trainer.time_limit_s": 0, "SIGINT": 130, "SIGTERM": 0}
+
+
+def test_the_second_ctrl_c_line_names_the_newest_checkpoint(tmp_path):
+    from verl_mega.trainer.stop import interrupted_twice
+
+    assert interrupted_twice(tmp_path / "checkpoints") == ("interrupted twice: exiting without saving; no "
+                                                           "checkpoint was saved yet")
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("step_000004\n")
+    assert interrupted_twice(tmp_path / "checkpoints") == (
+        f"interrupted twice: exiting without saving; the newest checkpoint is {tmp_path}/checkpoints/step_000004")
+
+
+def test_a_second_sigint_calls_the_abort_given_instead_of_raising():
+    class Aborted(Exception):
+        pass
+
+    def abort():
+        raise Aborted
+
+    with StopRequest(abort=abort) as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.agreed(0.0) == "SIGINT"
+        with pytest.raises(Aborted):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+
+
+TWICE = """
+import functools, os, signal, sys, time
+from pathlib import Path
+from verl_mega.trainer.stop import StopRequest, abort_now
+with StopRequest(abort=functools.partial(abort_now, Path(sys.argv[1]))):
+    os.kill(os.getpid(), signal.SIGINT)
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(30)
+print("not reached")
+"""
+
+
+def test_ctrl_c_twice_exits_130_at_once_with_one_line_and_no_traceback(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "latest").write_text("step_000002")
+    done = subprocess.run([sys.executable, "-c", TWICE, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 130 and done.stdout == ""
+    lines = [line for line in done.stderr.splitlines() if line.strip() and "SIGINT received" not in line]
+    assert lines == [f"interrupted twice: exiting without saving; the newest checkpoint is {tmp_path}/step_000002"]
+
+
+@pytest.mark.parametrize("raised, code, said", [("Interrupted", 130, ""), ("KeyboardInterrupt", 130, "interrupted: "),
+                                                ("none", 0, "")])
+def test_the_entry_point_exits_130_after_ctrl_c(monkeypatch, capsys, raised, code, said):
+    import verl_mega.train as entry
+    from verl_mega.trainer.stop import Interrupted
+
+    def train(cfg):
+        if raised == "Interrupted":
+            raise Interrupted("stopped by SIGINT after saving step 2")
+        if raised == "KeyboardInterrupt":
+            raise KeyboardInterrupt
+        return {}
+
+    monkeypatch.setattr(entry, "train", train)
+    monkeypatch.setattr(entry, "load_config", lambda *args: None)
+    assert entry.main(["--config", "unused.yaml"]) == code
+    err = capsys.readouterr().err
+    assert (err.startswith(said) and len(err.splitlines()) == 1) if said else err == ""

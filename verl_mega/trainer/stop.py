@@ -4,16 +4,24 @@ A signal may reach only some ranks: preempting one node of a job signals its pro
 received (a rollout pool of its own passes its signals on to the trainer's first rank); at the end of every step all
 ranks combine their notes (an all-reduce of one number over the world), so either every rank saves that step and
 exits, or none does: no rank waits in a collective that the others never join. A second SIGINT on a
-rank aborts it at once (KeyboardInterrupt), whatever other signals came in between. SIGUSR1 is a SIGTERM passed on
+rank aborts it at once, whatever other signals came in between: ``python -m verl_mega.train`` prints one line and
+exits 130 without saving (:func:`abort_now`); the Python API raises KeyboardInterrupt. SIGUSR1 is a SIGTERM passed on
 by ``launch/mpirun.sh``: Open MPI ends the ranks a moment after it receives SIGTERM, but forwards SIGUSR1 untouched.
+
+Exit codes: a run stopped by SIGINT exits 130 (128 + SIGINT, as a shell reports an interrupted command), so that
+launchers take it for a stop, not a failure to restart; one stopped by SIGTERM (a preemption) or the time limit
+exits 0, as launchers and schedulers expect of a job that saved its step.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import sys
 import time
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -23,12 +31,51 @@ from verl_mega.rollout.base import STOP_REASONS, STOP_SIGNALS  # by severity: th
 
 log = logging.getLogger("verl_mega")
 
+INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT  # 130
+
+
+class Interrupted(Exception):
+    """The run stopped on SIGINT after saving its step: the process exits :data:`INTERRUPTED_EXIT_CODE`."""
+
+
+def exit_code(reason: str) -> int:
+    """The exit code of a run that stopped for ``reason`` (a STOP_REASONS entry; '' when it ran to its end)."""
+    return INTERRUPTED_EXIT_CODE if reason == "SIGINT" else 0
+
+
+def interrupted_twice(checkpoints: Path) -> str:
+    """The one line of a second Ctrl-C: what is lost and where the run can resume from."""
+    latest = checkpoints / "latest"
+    try:
+        newest = f"the newest checkpoint is {checkpoints / latest.read_text().strip()}"
+    except OSError:
+        newest = "no checkpoint was saved yet"
+    return f"interrupted twice: exiting without saving; {newest}"
+
+
+def abort_now(checkpoints: Path) -> NoReturn:
+    """The second Ctrl-C of ``python -m verl_mega.train``: one line, then exit 130 at once. Nothing is closed: the
+    step in progress and a save being written are dropped (an unfinished checkpoint is never loaded), and the
+    helpers die with the process."""
+    from verl_mega.trainer.failures import end_attempt
+
+    line = interrupted_twice(checkpoints)
+    try:
+        sys.stderr.write(f"\n{line}\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+    end_attempt(line)
+    os._exit(INTERRUPTED_EXIT_CODE)
+
 
 class StopRequest:
     """Signal handlers plus the per-step agreement. Use as a context manager around the training loop."""
 
-    def __init__(self, time_limit_s: float | None = None, *, started: float | None = None) -> None:
+    def __init__(self, time_limit_s: float | None = None, *, started: float | None = None,
+                 abort: Callable[[], Any] | None = None) -> None:
         self.time_limit_s = time_limit_s
+        self._abort = abort  # the second Ctrl-C; without it, a KeyboardInterrupt
         self.started = time.monotonic() if started is None else started
         self.received: str = ""
         self._sigints = 0  # counted on their own: a SIGTERM before them must not keep a second Ctrl-C from aborting
@@ -48,8 +95,10 @@ class StopRequest:
         reason = STOP_SIGNALS[signal.Signals(signum)]
         if signum == signal.SIGINT:
             self._sigints += 1
-            if self._sigints > 1:
-                raise KeyboardInterrupt  # the second Ctrl-C: stop now, without the checkpoint
+            if self._sigints > 1:  # the second Ctrl-C: stop now, without the checkpoint
+                if self._abort is not None:
+                    self._abort()
+                raise KeyboardInterrupt
         if STOP_REASONS.index(reason) > STOP_REASONS.index(self.received):
             self.received = reason
         hint = " (Ctrl-C again aborts at once)" if signum == signal.SIGINT else ""
