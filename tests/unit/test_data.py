@@ -390,3 +390,69 @@ def test_dataset_memory_is_a_small_multiple_of_the_file(tmp_path):
     item = ds[13_999]  # an item is made from the flat storage when asked for
     assert item.index == 13_999 and item.prompt_ids == [ord(c) for c in item.prompt_text]
     assert item.extra == {"data_source": "toy", "extra_info": {"index": 13_999, "split": "train"}}
+
+
+# ------------------------------------------------------------------------------------- huge rows, cheaply filtered
+class _Recording:
+    """A tokenizer that records the length of every text it is asked to encode."""
+
+    def __init__(self, tok):
+        self.tok, self.lengths = tok, []
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+    def __len__(self):
+        return len(self.tok)
+
+    def __call__(self, texts, **kwargs):
+        self.lengths += [len(t) for t in texts]
+        return self.tok(texts, **kwargs)
+
+    def encode(self, text, **kwargs):
+        self.lengths.append(len(text))
+        return self.tok.encode(text, **kwargs)
+
+
+@pytest.mark.parametrize("chat_template", [False, True])
+def test_a_huge_row_is_filtered_without_tokenizing_it_whole(tmp_path, monkeypatch, chat_template):
+    """A 5 MB row is decided overlong from its prefix alone; every other row is kept or dropped exactly as when each
+    is tokenized whole, also where a row is longer than the character bound but its prefix does not decide it."""
+    from verl_mega.data import prompts
+
+    limit = 64
+    words = "abc de fgh ij klmno p qr stu vw xyz 12 3+4=".split(" ")
+    normal = [" ".join(words[(i + j) % len(words)] for j in range(n)) for i, n in enumerate(range(1, 60, 2))]
+    huge = ("lorem ipsum " * 500_000)[:5_000_000]
+    rows = [{"prompt": p, "answer": str(i)} for i, p in enumerate(normal[:10] + [huge] + normal[10:])]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    tok = make_tokenizer(chat_template)
+
+    def whole(prompt):  # the reference: the row tokenized whole, as the dataset tokenizes it
+        if chat_template:
+            return tok(tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                               tokenize=False), add_special_tokens=False)["input_ids"]
+        return tok(prompt)["input_ids"]
+
+    expected = sorted((r["answer"], whole(r["prompt"])) for r in rows
+                      if r["prompt"] is not huge and len(whole(r["prompt"])) <= limit)
+    assert 5 <= len(expected) < len(normal)  # rows on both sides of the limit
+    recording = _Recording(tok)
+    ds = PromptDataset.from_files(path, recording, max_prompt_length=limit)
+    assert len(huge) not in recording.lengths and max(recording.lengths) <= limit * prompts._CHARS_PER_TOKEN_BOUND
+    assert sorted((item.ground_truth, item.prompt_ids) for item in ds) == expected
+    assert ds.num_filtered == len(rows) - len(expected)
+    # rows longer than the bound whose prefix does not decide them are tokenized whole (a bound of 1 character a
+    # token puts most normal rows past it)
+    monkeypatch.setattr(prompts, "_CHARS_PER_TOKEN_BOUND", 1)
+    recording = _Recording(tok)
+    ds = PromptDataset.from_files(write_jsonl(tmp_path / "n.jsonl", [r for r in rows if r["prompt"] is not huge]),
+                                  recording, max_prompt_length=limit)
+    assert sorted((item.ground_truth, item.prompt_ids) for item in ds) == expected
+    assert len(recording.lengths) > len(rows)  # prefixes and whole rows
+
+    monkeypatch.setattr(prompts, "_CHARS_PER_TOKEN_BOUND", 32)
+    with pytest.raises(PromptDataError, match=r"line 2: prompt has \d+ tokens in its first \d+ of \d+ characters > "
+                                              r"max_prompt_length=64; raise"):
+        PromptDataset.from_files(write_jsonl(tmp_path / "h.jsonl", [rows[0], {"prompt": huge, "answer": "1"}]), tok,
+                                 max_prompt_length=limit, filter_overlong=False)

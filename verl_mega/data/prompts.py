@@ -37,6 +37,13 @@ logger = logging.getLogger("verl_mega.data")
 # characters of prompt text, which bounds what a chunk holds as Python objects while it is tokenized
 _CHUNK, _CHUNK_CHARS = 1024, 1 << 18
 _ID_TYPES = (("H", 1 << 16), ("i", 1 << 31), ("q", 1 << 63))  # the narrowest array type that holds every id
+# A prompt longer than max_prompt_length x this many characters is first tokenized only as far as that prefix (cut
+# at its last whitespace): a prefix of more than max_prompt_length + _CUT_MARGIN tokens decides it is overlong
+# without tokenizing the rest (a 5 MB row took 2.5 GB and a 50 MB row minutes to tokenize whole). Natural text runs
+# at 3-5 characters a token, so every prompt that could fit is shorter than the bound and is tokenized whole, as
+# before; a longer one whose prefix still fits (very long tokens: runs of spaces, say) is tokenized whole too.
+# The margin covers a prefix cut inside a word, whose last tokens may differ from the whole word's.
+_CHARS_PER_TOKEN_BOUND, _CUT_MARGIN = 32, 16
 
 # --------------------------------------------------------------------------------------------------- tokenizing
 ChatTemplateMode = Literal["auto"] | bool
@@ -91,6 +98,14 @@ def _tokenize(tokenizer: Any, rendered: list[tuple[str, bool]]) -> list[list[int
         for i, ids in zip(idx, encoded):
             out[i] = list(ids)
     return out  # type: ignore[return-value]
+
+
+def _prefix(text: str, limit: int) -> str:
+    """The first `limit` characters of `text`, cut back to its last whitespace when that keeps at least half: words
+    before a whitespace tokenize as in the whole text."""
+    head = text[:limit]
+    cut = max(head.rfind(c) for c in " \n\t")
+    return head[:cut] if cut >= limit // 2 else head
 
 
 def _chunks(records: Iterable[PromptRecord]) -> Iterator[list[PromptRecord]]:
@@ -160,14 +175,23 @@ class PromptDataset(Sequence[PromptItem]):
     def _add_chunk(self, chunk: list[PromptRecord], filter_overlong: bool) -> None:
         rendered = [_render(r.prompt, r.source, self._tokenizer, self._use_template, self._apply_chat_template)
                     for r in chunk]
-        for record, (text, _), ids in zip(chunk, rendered, _tokenize(self._tokenizer, rendered)):
+        bound = self.max_prompt_length * _CHARS_PER_TOKEN_BOUND
+        cut = [(_prefix(text, bound), templated) if len(text) > bound else None for text, templated in rendered]
+        encoded = _tokenize(self._tokenizer, [c or r for c, r in zip(cut, rendered)])
+        for i, ids in enumerate(encoded):
+            if cut[i] is not None and len(ids) <= self.max_prompt_length + _CUT_MARGIN:  # undecided: the whole text
+                encoded[i] = _tokenize(self._tokenizer, [rendered[i]])[0]
+                cut[i] = None
+        for record, (text, _), ids, prefix in zip(chunk, rendered, encoded, cut):
             if not ids:  # the engine refuses an empty prompt, and only when its batch comes up
                 raise PromptDataError(f"{record.source}: prompt {text[:40]!r} encodes to no tokens (whitespace only, "
                                       f"or characters outside the tokenizer's vocabulary); remove the record or fix it")
             if len(ids) > self.max_prompt_length:
                 if not filter_overlong:
+                    tokens = f"{len(ids)} tokens" if prefix is None else \
+                        f"{len(ids)} tokens in its first {len(prefix[0])} of {len(text)} characters"
                     raise PromptDataError(
-                        f"{record.source}: prompt has {len(ids)} tokens > max_prompt_length={self.max_prompt_length}; "
+                        f"{record.source}: prompt has {tokens} > max_prompt_length={self.max_prompt_length}; "
                         "raise max_prompt_length or turn on filtering of overlong prompts"
                     )
                 continue
