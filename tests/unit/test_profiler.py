@@ -295,9 +295,14 @@ def test_step_flops_hand_computed():
                      tie_word_embeddings=False, qkv_bias=False, qk_norm=False)
     cfg = SimpleNamespace(actor=SimpleNamespace(ppo_epochs=1), critic=SimpleNamespace(ppo_epochs=1),
                           model=SimpleNamespace(lora=SimpleNamespace(enabled=False)))
-    fake = SimpleNamespace(arch=arch, cfg=cfg, ref=object(), critic=None, reward_model=None)
+    fake = SimpleNamespace(arch=arch, cfg=cfg, ref=object(), critic=None, reward_model=None,
+                           old_logprobs_in_update=False)
     flops = RLTrainer._step_flops(fake, torch.tensor([2, 4]), torch.tensor([2, 4]))
     assert flops == 30432.0
+    # old log-probs taken from the update's own forward pass: their pass (12 tokens × fwd 464) is not run
+    fake.old_logprobs_in_update = True
+    assert RLTrainer._step_flops(fake, torch.tensor([2, 4]), torch.tensor([2, 4])) == 30432.0 - 12 * 464
+    fake.old_logprobs_in_update = False
     # a critic adds one forward and one forward+backward per token, with its value head: 12 · (392 + 1176) more
     fake.critic = object()
     assert RLTrainer._step_flops(fake, torch.tensor([2, 4]), torch.tensor([2, 4])) == 30432.0 + 12 * (392 + 1176)
