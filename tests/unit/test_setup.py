@@ -408,7 +408,8 @@ def test_special_token_ids_must_be_the_models(tmp_path):
     assert str(info.value) == (
         f"model.tokenizer_path={str(permuted)!r}: the tokenizer's eos_token '<eos>' is id {tok.eos_token_id}, but the "
         f"model's config.json's eos_token_id 2 (in {model}); the tokenizer does not match the model: set "
-        f"model.tokenizer_path to the model's own tokenizer")
+        f"model.tokenizer_path to the model's own tokenizer (if it is, make the model's eos_token_id "
+        f"{tok.eos_token_id} in its config)")
     bos = _swap_ids(build_char_tokenizer(tmp_path / "bos"), "<bos>", "b")
     with pytest.raises(ValueError, match="the tokenizer's bos_token '<bos>' is id .*, but the model's config.json's "
                                          "bos_token_id 1"):

@@ -103,7 +103,8 @@ def check_special_tokens(tokenizer: Any, path: str, model_path: Path) -> None:
         token = getattr(tokenizer, f"{kind}_token", None)
         raise ValueError(f"model.tokenizer_path={path!r}: the tokenizer's {kind}_token {token!r} is id {token_id}, "
                          f"but the model's {where} (in {model_path}); the tokenizer does not match the model: set "
-                         f"model.tokenizer_path to the model's own tokenizer")
+                         f"model.tokenizer_path to the model's own tokenizer (if it is, make the model's "
+                         f"{kind}_token_id {token_id} in its config)")
 
 
 # Turn markers of chat templates that are special tokens in their model's tokenizer: ChatML, Llama 3, Phi
