@@ -114,6 +114,11 @@ ARGS+=(--mca odls_base_signal_direct_children_only 1)
 
 # shellcheck disable=SC2206
 EXTRA=(${MPIRUN_EXTRA_ARGS:-})
+# A recipe that does not load fails the same way on every attempt: check it once, here, and print its error once
+# instead of starting (and restarting) the job with it.
+if [[ "${PROG[0]}" == "-m" && "${PROG[1]:-}" == "verl_mega.train" ]]; then
+  "${PYTHON:-python3}" "${PROG[@]}" --check || exit $?
+fi
 RUN=("$MPIRUN" "${ARGS[@]}" "${EXTRA[@]}" "${PYTHON:-python3}" -m verl_mega.parallel.launch_env -- "${PROG[@]}")
 # On SIGTERM Open MPI kills the ranks within a second, before they can finish their step and save it; it forwards
 # SIGUSR1 untouched, and the trainer takes SIGUSR1 for SIGTERM (trainer/stop.py), so the ranks stop and exit on

@@ -86,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.max_restarts < 0:
         ap.error(f"--max-restarts {args.max_restarts}: give 0 or more")
+    if prog[:2] == ["-m", "verl_mega.train"]:  # a recipe that does not load fails every attempt: say so once
+        checked = subprocess.run([sys.executable, *prog, "--check"])
+        if checked.returncode != 0:
+            return checked.returncode
     ray = _import_ray()[0]
     _connect(ray, args.address, args.node_ip_address)
     stop = Stop()

@@ -80,5 +80,11 @@ else
   fi
 fi
 
+# A recipe that does not load fails the same way on every attempt: check it once, here, and print its error once
+# instead of starting (and restarting) the job with it.
+if [[ "${PROG[0]}" == "-m" && "${PROG[1]:-}" == "verl_mega.train" ]]; then
+  "$PYTHON" "${PROG[@]}" --check || exit $?
+fi
+
 export VERL_MEGA_LAUNCHER=torchrun
 exec "$PYTHON" -m torch.distributed.run "${ARGS[@]}" "${PROG[@]}"

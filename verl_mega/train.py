@@ -85,7 +85,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m verl_mega.train", description=__doc__)
     parser.add_argument("--config", required=True, help="YAML recipe (see configs/)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.lr=1e-6 parallel.tp=2")
+    parser.add_argument("--check", action="store_true",
+                        help="load and check the recipe, then exit: 0, or 2 with the error (launch/ runs this first, "
+                             "so that an error no restart can fix is printed once and not restarted)")
     args = parser.parse_args(argv)
+    if args.check:
+        try:
+            load_config(args.config, args.overrides)
+        except (ConfigError, ValueError, FileNotFoundError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     from verl_mega.parallel.pools import PoolPeerError
     from verl_mega.rewards import RewardFunctionFailed
