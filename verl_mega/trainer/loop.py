@@ -8,6 +8,7 @@ the metrics line, the stop agreement (trainer/stop.py) and the checkpoint; at th
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,10 @@ def before_build(cfg: TrainConfig) -> None:
 
     configure_console(cfg.logging.verbose)
     check_trackers({"wandb": cfg.logging.wandb, "mlflow": cfg.logging.mlflow})
+    if "RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ:  # a launcher's rank (the CLI's always are)
+        from verl_mega.parallel.process_guard import end_helpers_with_this_process
+
+        end_helpers_with_this_process()  # before the first helper starts: a killed rank's helpers die with it
 
 
 def _rank() -> int:
