@@ -121,3 +121,23 @@ class StandInHub:
     def __exit__(self, *exc) -> None:
         self._server.shutdown()
         self._thread.join(timeout=10)
+
+
+# openai/gsm8k's dataset card: its configurations and their splits, as the hub serves it
+GSM8K_CARD = """---
+configs:
+- config_name: main
+  data_files:
+  - split: train
+    path: main/train-*
+  - split: test
+    path: main/test-*
+- config_name: socratic
+  data_files:
+  - split: train
+    path: socratic/train-*
+  - split: test
+    path: socratic/test-*
+---
+# gsm8k
+"""

@@ -23,23 +23,6 @@ from verl_mega.data.records import load_prompt_records
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "configs" / "quickstart_cpu.yaml"
 
-GSM8K_CARD = """---
-configs:
-- config_name: main
-  data_files:
-  - split: train
-    path: main/train-*
-  - split: test
-    path: main/test-*
-- config_name: socratic
-  data_files:
-  - split: train
-    path: socratic/train-*
-  - split: test
-    path: socratic/test-*
----
-# gsm8k
-"""
 
 
 def _parquet(path: Path, rows: list[dict]) -> Path:
@@ -169,7 +152,7 @@ def test_unreachable_hub(cache, tiny_model, monkeypatch):
 
 def test_hub_datasets(cache, tmp_path):
     src = tmp_path / "src"
-    gsm8k = {"README.md": GSM8K_CARD}
+    gsm8k = {"README.md": hub_cache.GSM8K_CARD}
     for config in ("main", "socratic"):
         for split in ("train", "test"):
             rel = f"{config}/{split}-00000-of-00001.parquet"
@@ -407,7 +390,7 @@ def test_one_process_of_the_node_fetches(cache, monkeypatch):
 
 def test_a_hub_dataset_fetches_its_card_then_its_split(cache, monkeypatch, tmp_path):
     monkeypatch.delenv("HF_HUB_OFFLINE")
-    files = {"README.md": GSM8K_CARD.encode(), ".gitattributes": b"*.parquet filter=lfs\n"}
+    files = {"README.md": hub_cache.GSM8K_CARD.encode(), ".gitattributes": b"*.parquet filter=lfs\n"}
     for config in ("main", "socratic"):
         for split in ("train", "test"):
             rel = f"{config}/{split}-00000-of-00001.parquet"

@@ -19,22 +19,6 @@ from verl_mega.rewards import load_reward_fn
 
 REPO = Path(__file__).resolve().parents[2]
 
-GSM8K_CARD = """---
-configs:
-- config_name: main
-  data_files:
-  - split: train
-    path: main/train-*
-  - split: test
-    path: main/test-*
-- config_name: socratic
-  data_files:
-  - split: train
-    path: socratic/train-*
-  - split: test
-    path: socratic/test-*
----
-"""
 MATH_CARD = """---
 configs:
 - config_name: default
@@ -71,7 +55,7 @@ def cache(tmp_path, monkeypatch) -> Path:
 
 
 def _gsm8k_repo(cache: Path, src: Path) -> Path:
-    files: dict[str, object] = {"README.md": GSM8K_CARD}
+    files: dict[str, object] = {"README.md": hub_cache.GSM8K_CARD}
     questions = {"train": [("Tom has 3 apples and buys 1,231 more. How many?", "3 + 1231 = <<3+1231=1234>>1234\n"
                                                                                  "#### 1,234"),
                            ("What is 2 - 5?", "2 - 5 = -3\n#### -3")],

@@ -53,6 +53,14 @@ def _wait_group_gone(pgid: int, bound_s: float = 20.0) -> bool:
     return False
 
 
+def _kill(*pids: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def _start_rank():
     proc = subprocess.Popen([sys.executable, "-c", RANK], stdout=subprocess.PIPE, text=True,
                             stdin=subprocess.DEVNULL)
@@ -73,11 +81,7 @@ def test_a_killed_ranks_helpers_die_with_it():
         assert _wait_gone(helper), "the killed rank's helper outlived it"
         assert _wait_group_gone(proc.pid), "the guard left members of the rank's group running"
     finally:
-        for pid in (proc.pid, helper):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _kill(proc.pid, helper)
 
 
 def test_a_stop_signal_to_the_group_leaves_the_rank_to_finish():
@@ -92,11 +96,7 @@ def test_a_stop_signal_to_the_group_leaves_the_rank_to_finish():
         proc.wait(timeout=10)
         assert _wait_gone(helper)
     finally:
-        for pid in (proc.pid, helper):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _kill(proc.pid, helper)
 
 
 @pytest.mark.parametrize("pid, pgid, foreground, want", [
