@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -33,8 +34,10 @@ __all__ = ["GUARD_SIGNAL", "die_with_parent", "end_helpers_with_this_process", "
 GUARD_SIGNAL = signal.SIGUSR2  # nothing in the job sends it; launchers send TERM, INT or USR1 to stop a job
 _PR_SET_PDEATHSIG = 1
 # $1: the group to end. The guard waits in `wait`, which a trapped signal interrupts at once.
-_GUARD_SCRIPT = ('trap "" TERM INT HUP USR1; trap \'kill -s KILL -- -"$1"\' USR2; '
+# It says "ready" once its trap is set: until then the death signal's default action would end the guard alone.
+_GUARD_SCRIPT = ('trap "" TERM INT HUP USR1; trap \'kill -s KILL -- -"$1"\' USR2; echo ready; exec >/dev/null; '
                  '[ "$PPID" = "$2" ] || kill -s KILL -- -"$1"; while :; do sleep 3600 & wait $!; done')
+_READY_TIMEOUT_S = 10.0
 _guard: subprocess.Popen | None = None
 
 
@@ -102,6 +105,12 @@ def _arm() -> None:
 def _start_guard(pgid: int, pid: int) -> None:
     global _guard, _guard_parent
     _guard = subprocess.Popen(["/bin/sh", "-c", _GUARD_SCRIPT, "verl-mega-guard", str(pgid), str(pid)],
-                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                               close_fds=True, preexec_fn=_arm)
     _guard_parent = pid
+    # no helper starts before the guard can end it
+    ready, _, _ = select.select([_guard.stdout], [], [], _READY_TIMEOUT_S)
+    if not ready or _guard.stdout.readline() != b"ready\n":
+        log.warning("process guard: the guard (pid %d) did not start within %g s; a killed rank's helpers may "
+                    "outlive it", _guard.pid, _READY_TIMEOUT_S)
+    _guard.stdout.close()
