@@ -188,9 +188,9 @@ def test_wire_format_carries_routed_experts():
 
 
 def test_rollout_routing_packs_rows_left_aligned():
-    from verl_mega.trainer.rl_trainer import _rollout_routing
+    from verl_mega.rollout.routing_capture import packed_routing
 
     r0 = torch.arange(12, dtype=torch.int16).view(3, 2, 2)
-    packed = _rollout_routing([Sample(0, [1], [0.0], None, r0), Sample(0, [1], [0.0], None, None)], 8, (2, 2))
+    packed = packed_routing([Sample(0, [1], [0.0], None, r0), Sample(0, [1], [0.0], None, None)], 8, (2, 2))
     assert packed.shape == (2, 8, 2, 2) and packed.dtype == torch.int16
     assert torch.equal(packed[0, :3], r0) and bool((packed[0, 3:] == -1).all()) and bool((packed[1] == -1).all())

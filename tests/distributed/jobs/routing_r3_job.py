@@ -38,7 +38,7 @@ def main() -> None:
     from verl_mega.rollout.base import Sample, SamplingSpec
     from verl_mega.rollout.vllm_rollout import VLLMRollout, VLLMRolloutConfig
     from verl_mega.trainer.batch import Batch, pack_sequences
-    from verl_mega.trainer.rl_trainer import _rollout_routing
+    from verl_mega.rollout.routing_capture import packed_routing
     from verl_mega.trainer.roles import PolicyRole
 
     groups = init_distributed(tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, sequence_parallel=args.sp, seed=1)
@@ -71,7 +71,7 @@ def main() -> None:
     packed = pack_sequences([prompts[s.prompt] for s in samples], [s.ids for s in samples], pad_id=0,
                             max_response_length=10, multiple_of=engine.seq_multiple)
     width = packed["input_ids"].shape[1]
-    packed["rollout_routing"] = _rollout_routing(samples, width, (arch.num_layers, arch.moe_topk))
+    packed["rollout_routing"] = packed_routing(samples, width, (arch.num_layers, arch.moe_topk))
     role = PolicyRole(engine, vocab_size=arch.vocab_size, micro_batch_size=len(samples), temperature=1.0)
 
     # the experts the routers actually use in the replayed pass, gathered back to whole sequences
