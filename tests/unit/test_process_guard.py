@@ -63,7 +63,7 @@ def _kill(*pids: int) -> None:
 
 def _start_rank():
     proc = subprocess.Popen([sys.executable, "-c", RANK], stdout=subprocess.PIPE, text=True,
-                            stdin=subprocess.DEVNULL)
+                            stdin=subprocess.DEVNULL, env={**os.environ, "OMPI_COMM_WORLD_RANK": "0"})
     guarded = proc.stdout.readline().strip()
     helper = int(proc.stdout.readline())
     return proc, guarded, helper
@@ -99,11 +99,22 @@ def test_a_stop_signal_to_the_group_leaves_the_rank_to_finish():
         _kill(proc.pid, helper)
 
 
-@pytest.mark.parametrize("pid, pgid, foreground, want", [
-    (10, 10, None, False),   # leads its group already (torchrun starts each worker in a session of its own)
-    (10, 7, None, True),     # in its launcher's group (mpirun): moves out, so the guard can end its group alone
-    (10, 7, 7, False),       # in a terminal's foreground group: stays, so Ctrl-C reaches it
-    (10, 7, 3, True),        # in a background group of a terminal
+@pytest.mark.parametrize("pid, pgid, foreground, mpi, want", [
+    (10, 10, None, True, False),  # leads its group already (torchrun and ray_launch.py start each rank in a session)
+    (10, 7, None, True, True),    # in mpirun's group: moves out, so the guard can end its group alone
+    (10, 7, 7, True, False),      # in a terminal's foreground group: stays, so Ctrl-C reaches it
+    (10, 7, 3, True, True),       # in a background group of a terminal
+    (10, 7, None, False, False),  # started by anything else: whoever started it may stop it by its group
 ])
-def test_who_moves_to_a_group_of_its_own(pid, pgid, foreground, want):
-    assert should_lead_group(pid, pgid, foreground) is want
+def test_who_moves_to_a_group_of_its_own(pid, pgid, foreground, mpi, want):
+    assert should_lead_group(pid, pgid, foreground, mpi) is want
+
+
+def test_a_process_in_a_group_it_does_not_lead_stays_and_gets_no_guard():
+    """Not under mpirun and not leading its group (e.g. a harness that stops its jobs by group): no move, no guard."""
+    code = ("import os; from verl_mega.parallel.process_guard import end_helpers_with_this_process as g; "
+            "print(g(), os.getpgrp() == os.getppid() or os.getpgrp() != os.getpid())")
+    env = {k: v for k, v in os.environ.items() if k != "OMPI_COMM_WORLD_RANK"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60,
+                         stdin=subprocess.DEVNULL)
+    assert out.stdout.split() == ["False", "True"], out.stderr

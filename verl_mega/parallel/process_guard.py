@@ -5,15 +5,16 @@ resource tracker, Megatron's background checkpoint writer and its multiprocessin
 whose rank is SIGKILLed is re-parented to init and lives on, holding the rank's stdout and stderr: Open MPI's
 ``mpirun`` waits for those to close and then never restarts the job, and every launcher leaves the helpers running.
 
-:func:`end_helpers_with_this_process` puts the rank at the head of a process group of its own (where it is not one
-already: torchrun starts each worker in a session of its own) and starts a guard in it: a ``/bin/sh`` loop that the
-kernel signals when the rank dies (``PR_SET_PDEATHSIG``, SIGUSR2), and which then SIGKILLs the whole group, helpers
-and itself. The guard ignores SIGTERM and SIGINT, so a launcher's stop signal to the group still lets the rank
-finish its step and save. A helper that leaves the group (``setsid``) is not covered by the guard and ends through
-its own ``PR_SET_PDEATHSIG`` (:func:`die_with_parent`).
+:func:`end_helpers_with_this_process` starts a guard in the rank's process group when the rank leads it (torchrun
+and launch/ray_launch.py start each rank in a session of its own), after moving an Open MPI rank, which shares
+``mpirun``'s group, to a group of its own (Open MPI signals its ranks by pid, never by group). The guard is a
+``/bin/sh`` loop that the kernel signals when the rank dies (``PR_SET_PDEATHSIG``, SIGUSR2), and which then SIGKILLs
+the whole group, helpers and itself. The guard ignores SIGTERM and SIGINT, so a launcher's stop signal to the group
+still lets the rank finish its step and save. A helper that leaves the group (``setsid``) is not covered by the
+guard and ends through its own ``PR_SET_PDEATHSIG`` (:func:`die_with_parent`).
 
-A process in a terminal's foreground group is left where it is: moving it out would take Ctrl-C away from it, and
-the terminal's signals reach the whole group anyway.
+No other process changes its group: whoever started it may stop it by its group (a test harness, a batch system,
+a terminal's Ctrl-C), and a rank that left that group would escape them. Such a process gets no guard.
 """
 
 from __future__ import annotations
@@ -54,10 +55,10 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
         os._exit(1)
 
 
-def should_lead_group(pid: int, pgid: int, foreground_pgid: int | None) -> bool:
-    """Whether the rank moves to a process group of its own: not when it leads one already, and not when its group
-    is a terminal's foreground group (Ctrl-C must still reach it)."""
-    return pid != pgid and foreground_pgid != pgid
+def should_lead_group(pid: int, pgid: int, foreground_pgid: int | None, under_mpirun: bool) -> bool:
+    """Whether the rank moves to a process group of its own: only an Open MPI rank that does not lead its group,
+    and not when that group is a terminal's foreground group (Ctrl-C must still reach it)."""
+    return under_mpirun and pid != pgid and foreground_pgid != pgid
 
 
 def _foreground_pgid() -> int | None:
@@ -83,7 +84,9 @@ def end_helpers_with_this_process() -> bool:
     pid, pgid, foreground = os.getpid(), os.getpgrp(), _foreground_pgid()
     if foreground == pgid:
         return False
-    if should_lead_group(pid, pgid, foreground):
+    if pid != pgid and not should_lead_group(pid, pgid, foreground, "OMPI_COMM_WORLD_RANK" in os.environ):
+        return False  # a group that is not the rank's own: ending it would end others
+    if pid != pgid:
         try:
             os.setpgid(0, 0)
         except OSError as exc:  # e.g. a session leader's group cannot change; then it leads its group already
