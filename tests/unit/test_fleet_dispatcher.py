@@ -23,18 +23,25 @@ class Clock:
 class FakeEngine:
     """One incarnation: records what it was sent; the test scripts what it says and how it ends."""
 
-    def __init__(self, index: int, incarnation: int) -> None:
-        self.index, self.incarnation = index, incarnation
+    def __init__(self, index: int, incarnation: int, clock: "Clock") -> None:
+        self.index, self.incarnation, self.clock = index, incarnation, clock
         self.sent: list[tuple] = []
         self.inbox: list[tuple] = []
         self.ended: str | None = None
         self.killed = False
+        self.heard: float | None = None
+        self.arrived_at: float | None = None  # when what is in the inbox came; None: as it is read
+
+    def last_heard(self) -> float | None:
+        return self.heard
 
     def send(self, message: tuple) -> None:
         self.sent.append(message)
 
     def receive(self) -> list[tuple]:
         out, self.inbox = self.inbox, []
+        if out:
+            self.heard = self.clock() if self.arrived_at is None else self.arrived_at
         return out
 
     def exit_reason(self) -> str | None:
@@ -57,7 +64,7 @@ class Fleet:
                             max_restarts=max_restarts, clock=self.clock)
 
     def start(self, index: int) -> FakeEngine:
-        engine = FakeEngine(index, len(self.incarnations.get(index, [])))
+        engine = FakeEngine(index, len(self.incarnations.get(index, [])), self.clock)
         self.incarnations.setdefault(index, []).append(engine)
         return engine
 
@@ -210,6 +217,26 @@ def test_a_hung_engine_is_killed_after_its_heartbeat_timeout_and_its_groups_move
     assert f.d.engines[1].failures == ["sent no heartbeat for 12 s while serving (stopped or hung; "
                                        "rollout.fleet.hang_timeout_s=10)"]
     assert f.now(0).generating()[-len(held):] == held and f.d.redispatched == len(held)
+
+
+def test_silence_counts_from_the_last_beat_s_arrival_not_from_when_the_supervisor_read_it():
+    """A supervisor held up for 8 s (a weight file written, a slow host) then reads a beat that came at 1 s, just
+    before the engine was stopped: the engine has been silent for 7 s, past the 5 s bound, and is failed now, not
+    5 s after this late read (a stopped engine went unnoticed for 16 s against a 5 s bound that way)."""
+    f = Fleet(hang=5.0)
+    f.ready(0, 1)
+    f.d.submit(groups(0, 4))
+    f.d.poll()
+    f.clock.now = 8.0
+    f.now(0).inbox.append(("beat",))  # engine 0 beats as it is read
+    stopped = f.now(1)
+    stopped.inbox.append(("beat",))
+    stopped.arrived_at = 1.0  # its last beat, read 7 s late
+    f.d.poll()
+    assert stopped.killed and len(f.incarnations[1]) == 2 and f.d.restarts == 1
+    assert f.d.engines[1].failures == ["sent no heartbeat for 7 s while serving (stopped or hung; "
+                                       "rollout.fleet.hang_timeout_s=5)"]
+    assert not f.incarnations[0][0].killed
 
 
 def test_a_refit_longer_than_the_hang_timeout_is_no_hang_but_a_stuck_one_is_bounded():

@@ -184,3 +184,23 @@ def test_vllm_asks_for_no_more_memory_than_the_training_engines_left_free():
                                           r"peak .* or rollout.free_cache_engine=auto$"):
         vllm_memory(choice=False, total=total, free=free, training_peak=total - gib, vllm_need=gib,
                     utilization=0.5, kv_cache_given=False)
+
+
+def test_the_tokenizerless_chat_template_warmup_is_not_logged_but_other_warmup_failures_are(caplog):
+    """vLLM's LLM() warms up a chat template with a tokenizer our engines never load (skip_tokenizer_init): that one
+    failure is dropped, so clean runs print no traceback; any other failure of the warm-up is still logged."""
+    import logging
+
+    from verl_mega.rollout.vllm_rollout import WARMUP_LOGGER, quiet_tokenizerless_warmup
+
+    quiet_tokenizerless_warmup()
+    quiet_tokenizerless_warmup()  # once, however many engines are built
+    logger = logging.getLogger(WARMUP_LOGGER)
+    assert sum(type(f).__name__ == "_TokenizerlessWarmup" for f in logger.filters) == 1
+    for exc in (ValueError("Tokenizer not available when `skip_tokenizer_init=True`"), ValueError("bad template")):
+        try:
+            raise exc
+        except ValueError:
+            with caplog.at_level(logging.WARNING, logger=WARMUP_LOGGER):
+                logger.warning("Chat template warmup failed", exc_info=True)
+    assert [r.exc_info[1].args[0] for r in caplog.records if r.name == WARMUP_LOGGER] == ["bad template"]

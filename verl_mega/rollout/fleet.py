@@ -58,6 +58,7 @@ class EngineHandle(Protocol):
     def send(self, message: tuple) -> None: ...
     def receive(self) -> list[tuple]: ...  # what has arrived, without waiting
     def exit_reason(self) -> str | None: ...  # why it ended, None while it runs
+    def last_heard(self) -> float | None: ...  # when its newest message arrived (the dispatcher's clock), or None
     def kill(self) -> None: ...  # SIGKILL (a stopped or hung process too)
 
 
@@ -145,6 +146,11 @@ class Dispatcher:
                     break
             if e.handle is not handle or e.state == FAILED:
                 continue
+            # silence counts from when its last message arrived, not from when this loop read it: a supervisor held
+            # up for a while (a weight file written, a slow host) must not take a stale beat for a fresh one
+            heard = handle.last_heard()
+            if heard is not None:
+                e.since = max(e.since, heard)
             reason = e.handle.exit_reason()
             bound = self.start_timeout_s if e.state == STARTING else self.hang_timeout_s
             now = self.clock()
@@ -174,7 +180,6 @@ class Dispatcher:
 
     # ---- inside ---------------------------------------------------------------------------------------------
     def _take(self, e: _Engine, message: tuple) -> list[tuple[Hashable, Any]]:
-        e.since = self.clock()
         kind = message[0]
         if kind == "ready":
             if self.layout is None:

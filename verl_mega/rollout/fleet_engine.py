@@ -71,6 +71,7 @@ class EngineProcess:
     def __init__(self, index: int, proc: Any, conn: Connection, arrived: threading.Event) -> None:
         self.index, self.proc, self.conn, self.arrived = index, proc, conn, arrived
         self.closed = False  # the connection ended (read by the supervisor's thread)
+        self._heard: float | None = None  # time.monotonic() of the newest message's arrival (the reader's clock)
         self._drained = False  # everything sent before the process ended was read
         self._inbox: Queue = Queue()
         self._outbox: Queue = Queue()  # None ends the writer
@@ -105,7 +106,9 @@ class EngineProcess:
     def _read(self) -> None:
         try:
             while True:
-                self._inbox.put(self.conn.recv())
+                message = self.conn.recv()
+                self._heard = time.monotonic()
+                self._inbox.put(message)
                 self.arrived.set()
         except Exception:  # noqa: BLE001 - it ended, kill() shut the socket, or it sent garbage: its end either way
             self.closed = True
@@ -135,6 +138,10 @@ class EngineProcess:
                 out.append(self._inbox.get_nowait())
             except Empty:
                 return out
+
+    def last_heard(self) -> float | None:
+        """When its newest message arrived, on time.monotonic (the dispatcher's clock in a fleet)."""
+        return self._heard
 
     def exit_reason(self) -> str | None:
         code = self.proc.poll()
