@@ -327,25 +327,33 @@ def test_a_batch_becomes_seeded_groups_and_comes_back_in_prompt_order():
     a colocated engine (so a redone group draws the same samples), and the answer in prompt order, spec by spec."""
     from types import SimpleNamespace
 
-    from verl_mega.rollout.fleet_server import FleetServer
+    from verl_mega.rollout.fleet_server import SupervisedEngines
+    from verl_mega.rollout.server import NONE_OPEN, answer
 
     specs = [SamplingSpec(n=2, seed=7), SamplingSpec(n=1, seed=None)]
     command = {"id": 5, "prompts": [[1, 2], [3]], "specs": specs}
-    made = FleetServer._groups(command, version=3)
+    made = SupervisedEngines.groups(command, version=3)
     assert [(g.key, g.prompt_ids, g.spec.seed, g.version) for g in made] == [
         ((5, 0, 0), [1, 2], 7, 3), ((5, 0, 1), [3], 9, 3), ((5, 1, 0), [1, 2], None, 3), ((5, 1, 1), [3], None, 3)]
     # samples as engines return them: token ids, log-probs, per-token versions; they arrive in any order
-    results = {(5, 1, 1): ([[9]], [[-0.9]], [[3]]), (5, 0, 1): ([[6], [7]], [[-0.6], [-0.7]], [[3], [3]]),
-               (5, 0, 0): ([[4], [5]], [[-0.4], [-0.5]], [[3], [3]])}
-    assert not FleetServer._complete(command, results)
-    results[(5, 1, 0)] = ([[8]], [[-0.8]], [[3]])
-    assert FleetServer._complete(command, results)
-    server = SimpleNamespace(dispatcher=SimpleNamespace(metrics=lambda: {"engine_restarts": 1.0}))
-    answer = FleetServer._answer(server, command, results)
-    assert answer["id"] == 5 and answer["version"] == 3 and answer["fleet"] == {"engine_restarts": 1.0}
-    assert [[(s.prompt, s.ids, s.logprobs) for s in part] for part in answer["samples"]] == [
+    results = [((5, 1, 1), ([[9]], [[-0.9]], [[3]])), ((5, 0, 1), ([[6], [7]], [[-0.6], [-0.7]], [[3], [3]])),
+               ((5, 0, 0), ([[4], [5]], [[-0.4], [-0.5]], [[3], [3]])), ((5, 1, 0), ([[8]], [[-0.8]], [[3]]))]
+    arrived: list = []
+    engines = SimpleNamespace(dispatcher=SimpleNamespace(poll=lambda: [arrived.pop()] if arrived else [],
+                                                         submit=lambda groups: None,
+                                                         metrics=lambda: {"engine_restarts": 1.0}),
+                              _results={}, _open={}, _files={}, groups=SupervisedEngines.groups)
+    SupervisedEngines.submit(engines, command, 3)
+    for result in results:
+        assert SupervisedEngines.open(engines) == 5  # not all back yet
+        arrived.append(result)
+        SupervisedEngines.poll(engines)
+    assert SupervisedEngines.open(engines) == NONE_OPEN
+    reply = answer(5, SupervisedEngines.take(engines, command), engines.dispatcher.metrics())
+    assert reply["id"] == 5 and reply["version"] == 3 and reply["fleet"] == {"engine_restarts": 1.0}
+    assert [[(s.prompt, s.ids, s.logprobs) for s in part] for part in reply["samples"]] == [
         [(0, [4], [-0.4]), (0, [5], [-0.5]), (1, [6], [-0.6]), (1, [7], [-0.7])], [(0, [8], [-0.8]), (1, [9], [-0.9])]]
-    assert not results  # taken
+    assert not engines._results  # taken
 
 
 def test_weights_left_by_a_dead_supervisor_are_removed(tmp_path):

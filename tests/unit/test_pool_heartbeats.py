@@ -1,5 +1,5 @@
 """The bridge's heartbeat checks and the rollout leader's wait for commands (verl_mega/parallel/pools.py,
-verl_mega/rollout/disaggregated.py), in-process with fake stores and groups: a store whose host (job rank 0) is
+verl_mega/rollout/server.py), in-process with fake stores and groups: a store whose host (job rank 0) is
 stopped or dead is named as rank 0's silence or death instead of blocking the check for good, and the wait for the
 trainer's next command ends, naming it, even when the thread that waits is stuck. The same with real processes:
 tests/distributed/test_fault_tolerance.py."""
@@ -132,10 +132,10 @@ class StuckControl:
 
 
 def test_the_wait_for_the_next_command_ends_naming_the_trainer(monkeypatch):
-    import verl_mega.rollout.disaggregated as disaggregated
+    import verl_mega.rollout.server as server
 
-    monkeypatch.setattr(disaggregated, "HEARTBEAT_S", 0.1)  # the slack over the wait's own bounds
-    inbox = disaggregated._Inbox(bridge(Store(), heartbeat_timeout_s=0, control=StuckControl(), timeout_s=0.2), 0)
+    monkeypatch.setattr(server, "HEARTBEAT_S", 0.1)  # the slack over the wait's own bounds
+    inbox = server.Inbox(bridge(Store(), heartbeat_timeout_s=0, control=StuckControl(), timeout_s=0.2), 0)
     assert inbox.take(wait=True, timeout=0.05) == []  # a short wait that finds nothing is no error
     err = within(10, lambda: inbox.take(wait=True))
     assert isinstance(err, PoolPeerError), err

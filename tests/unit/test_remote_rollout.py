@@ -9,6 +9,7 @@ import pytest
 
 from verl_mega.rollout import disaggregated
 from verl_mega.rollout.base import Sample, SamplingSpec
+from verl_mega.rollout.server import Outbox
 
 
 class ScriptedPool:
@@ -106,7 +107,7 @@ def test_a_stop_signal_rides_on_the_first_batch_sent_after_it(monkeypatch):
         def wait(self, *args, **kwargs):
             pass
 
-    outbox = disaggregated._Outbox(Wire(), 0)
+    outbox = Outbox(Wire(), 0)
     for request in range(4):  # max_staleness = 3: batches 1-3 finished while the trainer trains on batch 0
         outbox.put({"id": request})
     deadline = time.monotonic() + 5

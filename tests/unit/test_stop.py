@@ -65,7 +65,7 @@ def test_a_signal_another_pool_received_stops_the_run():
 def test_a_rollout_pool_rank_takes_sigusr1_as_a_sigterm():
     """launch/mpirun.sh passes a SIGTERM on as SIGUSR1: a rollout pool's rank must record it, not die of it."""
     from verl_mega.rollout.base import STOP_REASONS
-    from verl_mega.rollout.disaggregated import record_stop_signals
+    from verl_mega.rollout.server import record_stop_signals
 
     before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
     try:

@@ -1,15 +1,15 @@
-"""The rollout pool's loop when the pool is a fleet of engine processes (``rollout.fleet.engines``).
+"""Supervised engines (``rollout.fleet.engines``): the engine set of a rollout pool whose one rank supervises engine
+processes, each a world of its own, under :class:`~verl_mega.rollout.server.RolloutServer`.
 
-The pool has one rank, the supervisor. Towards the training pool it is the rollout pool of
-:mod:`verl_mega.rollout.disaggregated`: the same commands in the same order (``generate``, ``weights``, ``stop``),
-the same answers, the same staleness. Inside, every batch becomes prompt groups that the
+Towards the training pool it is any rollout pool: the same commands in the same order (``generate``, ``weights``,
+``stop``), the same answers, the same staleness (the server's). Inside, every batch becomes prompt groups that the
 :class:`~verl_mega.rollout.fleet.Dispatcher` hands to the engines and redoes, whole, when an engine fails.
 
 - Weights arrive in the background, into the supervisor's memory (``PoolWeightSync`` with the engines' layout),
   while the engines generate. They go in once the batches sent before them are done (as with
   ``rollout.partial_rollouts=false``): the supervisor writes them to one file (in /dev/shm where there is one) and
-  every engine reads it. The file of the current weights stays until the next, so that an engine that restarts
-  later is refitted from it before it serves.
+  every engine reads it. The file of the current weights stays, so that an engine that restarts later is refitted
+  from it before it serves; an older one stays while an engine still refitting may open it.
 - A batch's answer goes back once all its groups are back, in the order asked, with the fleet's counters
   (``rollout/healthy_engines``, ``rollout/redispatched_prompts``, ``rollout/engine_restarts``).
 """
@@ -21,21 +21,18 @@ import os
 import shutil
 import tempfile
 import threading
-from collections import OrderedDict, deque
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from verl_mega.parallel.pools import HEARTBEAT_S, Bridge
-from verl_mega.rollout.base import STOP_REASONS, Sample, prompt_seed
-from verl_mega.rollout.disaggregated import _Inbox, _Outbox, record_stop_signals
-from verl_mega.rollout.fleet import Dispatcher, Group
+from verl_mega.rollout.base import Sample, prompt_seed
+from verl_mega.rollout.fleet import REFITTING, Dispatcher, EngineHandle, Group
 from verl_mega.rollout.fleet_engine import FAULT_ENV, EngineProcess, faults
+from verl_mega.rollout.server import NONE_OPEN, Lockstep
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.02  # the longest the supervisor sleeps on its engines while it has work
-IDLE_S = 0.5  # ... and on the trainer while it has none (engines that fail meanwhile are found after it)
 
 
 _PREFIX = "verl-mega-fleet-"  # + the supervisor's pid: the weights of a supervisor that was killed are removed later
@@ -50,22 +47,29 @@ def _remove_stale(root: str) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-class FleetServer:
-    """The supervisor. ``engine_config``: each engine's vLLM config (gen_tp=1); ``hooks``: (layout of a vLLM model,
-    write weights into one), functions the engines import; ``fleet``: the rollout.fleet section."""
+class SupervisedEngines:
+    """The supervisor's engine set (an :class:`~verl_mega.rollout.server.EngineSet` of one process).
+    ``engine_config``: each engine's vLLM config (gen_tp=1); ``hooks``: (layout of a vLLM model, write weights into
+    one), functions the engines import; ``fleet``: the rollout.fleet section. ``start(i)``: a new incarnation of
+    engine i (default: a process of its own, :class:`~verl_mega.rollout.fleet_engine.EngineProcess`)."""
 
-    def __init__(self, bridge: Bridge, engine_config: Any, hooks: tuple, fleet: Any) -> None:
-        self.bridge, self.trainer = bridge, 0  # the training pool's first rank
-        self.weight_sync: Any = None  # set once the engines' layout is known (attach_weights)
-        self.rollout = None  # no engine in this process
+    partial = False  # weights go in between batches: a group is sampled by one version, wherever it is redone
+    rollout = None  # no engine in this process
+
+    def __init__(self, engine_config: Any, hooks: tuple, fleet: Any, *,
+                 start: Callable[[int], EngineHandle] | None = None) -> None:
+        self.lockstep = Lockstep()
         self._setup = {"config": engine_config, "hooks": hooks}
         self._faults = faults(os.environ.get(FAULT_ENV))
         self._started: set[int] = set()
         self._arrived = threading.Event()  # set by the engines' reader threads
+        self._results: dict[tuple, Any] = {}  # a group's samples, until its batch is taken
+        self._open: dict[int, int] = {}  # batch id → its groups not back yet
+        self._files: dict[int, Path] = {}  # weight version → its file, while an engine may still open it
         root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         _remove_stale(root)
         self._dir = Path(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=root))
-        self.dispatcher = Dispatcher(fleet.engines, self._start_engine, hang_timeout_s=fleet.hang_timeout_s,
+        self.dispatcher = Dispatcher(fleet.engines, start or self._start_engine, hang_timeout_s=fleet.hang_timeout_s,
                                      start_timeout_s=fleet.start_timeout_s, max_restarts=fleet.max_restarts)
 
     def _start_engine(self, index: int) -> EngineProcess:
@@ -81,7 +85,7 @@ class FleetServer:
         start, so that the first batch is shared over all of them."""
         while self.dispatcher.layout is None or self.dispatcher.first_starts:
             self._wait()
-            self.dispatcher.poll()
+            self.poll()
         return self.dispatcher.layout
 
     def _wait(self) -> None:
@@ -90,65 +94,79 @@ class FleetServer:
         self._arrived.wait(POLL_S)
         self._arrived.clear()
 
-    def serve(self) -> None:
-        """Run the trainer's commands until ``stop`` (see :class:`~verl_mega.rollout.disaggregated.RolloutServer`
-        for signals and the order of commands)."""
-        received = record_stop_signals()
-        passed_on = 0
-        inbox, outbox = _Inbox(self.bridge, self.trainer), _Outbox(self.bridge, self.trainer)
-        queue: deque[dict] = deque()
-        started: OrderedDict[int, dict] = OrderedDict()  # batches asked for and not answered, in order
-        results: dict[tuple, Any] = {}
-        staged, version = None, 0
-        weights_watch = self.bridge.heartbeats(())
-        while True:
-            outbox.check()
-            if received[0] > passed_on:
-                passed_on = received[0]
-                outbox.signal(STOP_REASONS[passed_on])
-            for key, samples in self.dispatcher.poll():
-                results[key] = samples
-            while started and self._complete(next(iter(started.values())), results):
-                outbox.put(self._answer(started.popitem(last=False)[1], results))
-            if staged is not None and not staged.done():
-                weights_watch.check("receiving weights from the training pool")
-            if staged is not None and staged.done() and not self.dispatcher.busy:
-                with self.bridge.answering(self.weight_sync.source, "receiving weights from the training pool"):
-                    tensors = staged.take()
-                version += 1
-                self._refit(tensors, version)
-                staged = None
-            idle = staged is None and not queue and not started
-            queue.extend(inbox.take(wait=True, timeout=IDLE_S) if idle else inbox.take(wait=False))
-            if any(command["op"] == "stop" for command in queue):
-                while staged is not None and not staged.done():  # the trainer sent every bucket before stop
-                    weights_watch.check("receiving weights from the training pool")
-                    staged.wait(HEARTBEAT_S)
-                outbox.close()
-                return
-            while queue and staged is None:  # a command waits for the weights sent before it
-                command = queue.popleft()
-                if command["op"] == "weights":
-                    staged = self.weight_sync.receive_in_background()
-                    weights_watch = self.bridge.heartbeats((self.weight_sync.source,))
-                    continue
-                self.dispatcher.submit(self._groups(command, version))
-                started[command["id"]] = command
-            if started or staged is not None or self.dispatcher.busy:
-                self._wait()
+    # ---- the engine set ---------------------------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        return self.dispatcher.busy
 
-    def _refit(self, tensors: dict, version: int) -> None:
+    def poll(self) -> None:
+        for key, samples in self.dispatcher.poll():
+            self._results[key] = samples
+            self._open[key[0]] -= 1
+            if not self._open[key[0]]:
+                del self._open[key[0]]
+        if len(self._files) > 1:
+            self._remove_read()
+
+    def open(self) -> int:
+        return min(self._open, default=NONE_OPEN)
+
+    def submit(self, command: dict, version: int) -> None:
+        made = self.groups(command, version)
+        if made:
+            self._open[command["id"]] = len(made)
+        self.dispatcher.submit(made)
+
+    def take(self, command: dict) -> list[list[Sample]]:
+        """The batch's samples per spec, in prompt order."""
+        samples = []
+        for i in range(len(command["specs"])):
+            part = []
+            for p in range(len(command["prompts"])):
+                token_ids, logprobs, versions = self._results.pop((command["id"], i, p))
+                part += [Sample(p, ids, lps, None, None, v) for ids, lps, v in zip(token_ids, logprobs, versions)]
+            samples.append(part)
+        return samples
+
+    def refit(self, staged: Any, version: int) -> None:
         import torch
 
+        tensors = staged.take()
         path = self._dir / f"weights-{version}.pt"
         torch.save(tensors, path)
-        previous = self.dispatcher.weights
+        self._files[version] = path
         self.dispatcher.refit(str(path), version)
-        if previous is not None:  # an engine reading it has it open (its mmap stays valid after the unlink)
-            Path(previous).unlink(missing_ok=True)
+        self._remove_read()
+
+    def _remove_read(self) -> None:
+        """Remove the weight files no engine will open any more. An engine still refitting may yet open any file it
+        was sent after the weights it last reported (a restarted engine is sent the current file when it is up,
+        and the next update may come before it opens that one); an engine reading a file has it open, and its mmap
+        stays valid after the unlink."""
+        current = self.dispatcher.version
+        refitting = [e.version for e in self.dispatcher.engines if e.state == REFITTING]
+        oldest = min(refitting, default=current)  # files after this version may still be opened
+        for version in [v for v in self._files if v < current and v <= oldest]:
+            self._files.pop(version).unlink(missing_ok=True)
+
+    def advance(self) -> None:
+        if self.dispatcher.busy:
+            self._wait()
+
+    def metrics(self) -> dict[str, float]:
+        return self.dispatcher.metrics()
+
+    def close(self) -> None:
+        self.dispatcher.close()
+        for e in self.dispatcher.engines:  # a stopped engine ends at "stop"; any other is ended here
+            try:
+                e.handle.proc.wait(timeout=10)
+            except Exception:  # noqa: BLE001 - still running (or stopped), or no process of its own: killed
+                e.handle.kill()
+        shutil.rmtree(self._dir, ignore_errors=True)
 
     @staticmethod
-    def _groups(command: dict, version: int) -> list[Group]:
+    def groups(command: dict, version: int) -> list[Group]:
         """One group per prompt and spec; prompt p's seed is ``prompt_seed(spec.seed, p, n)``, as for a colocated
         engine, so a group redone on another engine draws the same samples."""
         groups = []
@@ -158,32 +176,5 @@ class FleetServer:
                 groups.append(Group((command["id"], i, p), list(prompt), seeded, version))
         return groups
 
-    @staticmethod
-    def _complete(command: dict, results: dict) -> bool:
-        return all((command["id"], i, p) in results
-                   for i in range(len(command["specs"])) for p in range(len(command["prompts"])))
 
-    def _answer(self, command: dict, results: dict) -> dict:
-        samples = []
-        for i in range(len(command["specs"])):
-            part = []
-            for p in range(len(command["prompts"])):
-                token_ids, logprobs, versions = results.pop((command["id"], i, p))
-                part += [Sample(p, ids, lps, None, None, v) for ids, lps, v in zip(token_ids, logprobs, versions)]
-            samples.append(part)
-        version = min((s.versions[0] for part in samples for s in part if s.versions), default=0)
-        return {"id": command["id"], "version": version, "samples": samples, "fleet": self.dispatcher.metrics()}
-
-    def shutdown(self) -> None:
-        self.dispatcher.close()
-        for e in self.dispatcher.engines:  # a stopped engine ends at "stop"; any other is ended here
-            try:
-                e.handle.proc.wait(timeout=10)
-            except Exception:  # noqa: BLE001 - still running (or stopped): killed
-                e.handle.kill()
-        if self.weight_sync is not None:
-            self.weight_sync.close()
-        shutil.rmtree(self._dir, ignore_errors=True)
-
-
-__all__ = ["FleetServer"]
+__all__ = ["SupervisedEngines"]

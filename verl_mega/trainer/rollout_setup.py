@@ -89,32 +89,35 @@ def build_rollout(cfg: TrainConfig, groups: RankGroups, path: Path, actor, place
 
 
 def build_rollout_server(cfg: TrainConfig, placement, bridge, path: Path):
-    """A rank of a rollout pool of its own: its vLLM engine (in the pool's own world), weights received from the
-    training pool, served by :class:`~verl_mega.rollout.disaggregated.RolloutServer`."""
+    """A rank of a rollout pool of its own: :class:`~verl_mega.rollout.server.RolloutServer` over its engines, in
+    the pool's own world (one engine per gen_tp ranks), or supervised as processes of their own (rollout.fleet),
+    with weights received from the training pool."""
     from verl_mega.hybrid.pool_sync import PoolWeightSync
-    from verl_mega.rollout.disaggregated import RolloutServer
-    from verl_mega.rollout.vllm_rollout import VLLMRollout
+    from verl_mega.rollout.server import RolloutServer
 
     pool = placement.pool_of("rollout")
     if cfg.rollout.fleet.engines:  # one supervising rank, each engine a process of its own
         from verl_mega.hybrid.pool_sync import engine_layout, write_weights
-        from verl_mega.rollout.fleet_server import FleetServer
+        from verl_mega.rollout.fleet_server import SupervisedEngines
 
-        server = FleetServer(bridge, vllm_config(cfg, path, 1), (engine_layout, write_weights), cfg.rollout.fleet)
+        engines = SupervisedEngines(vllm_config(cfg, path, 1), (engine_layout, write_weights), cfg.rollout.fleet)
         try:
-            layout = server.layout()  # after every engine's first start
-            server.weight_sync = PoolWeightSync(placement, bucket_bytes=cfg.rollout.weight_bucket_mb << 20,
-                                                device=comm_device(), layout=layout, comm=bridge)
+            layout = engines.layout()  # after every engine's first start
+            sync = PoolWeightSync(placement, bucket_bytes=cfg.rollout.weight_bucket_mb << 20, device=comm_device(),
+                                  layout=layout, comm=bridge)
         except BaseException:
-            server.shutdown()
+            engines.close()
             raise
-        return server
+        return RolloutServer(bridge, engines, sync)
+    from verl_mega.rollout.in_world import InWorldEngines
+    from verl_mega.rollout.vllm_rollout import VLLMRollout
+
     engine = VLLMRollout(vllm_config(cfg, path, pool.gen_tp))  # engines of consecutive ranks of the pool
     sync = PoolWeightSync(placement, bucket_bytes=cfg.rollout.weight_bucket_mb << 20, device=comm_device(),
                           model=engine.model, repacks=engine.is_cpu, comm=bridge)
     first = dist.get_rank() - dist.get_rank() % pool.gen_tp
-    return RolloutServer(bridge, engine, sync, engine_ranks=range(first, first + pool.gen_tp),
-                         partial=cfg.rollout.partial_rollouts)
+    return RolloutServer(bridge, InWorldEngines(engine, engine_ranks=range(first, first + pool.gen_tp),
+                                                partial=cfg.rollout.partial_rollouts), sync)
 
 
 #: GPU memory kept out of vLLM's budget beside the training state: CUDA context, NCCL and the allocator's slack
