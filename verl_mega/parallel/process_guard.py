@@ -11,7 +11,7 @@ and launch/ray_launch.py start each rank in a session of its own), after moving 
 ``/bin/sh`` loop that the kernel signals when the rank dies (``PR_SET_PDEATHSIG``, SIGUSR2), and which then SIGKILLs
 the whole group, helpers and itself. The guard ignores SIGTERM and SIGINT, so a launcher's stop signal to the group
 still lets the rank finish its step and save. A helper that leaves the group (``setsid``) is not covered by the
-guard and ends through its own ``PR_SET_PDEATHSIG`` (:func:`die_with_parent`).
+guard and ends through its own ``PR_SET_PDEATHSIG``.
 
 No other process changes its group: whoever started it may stop it by its group (a test harness, a batch system,
 a terminal's Ctrl-C), and a rank that left that group would escape them. Such a process gets no guard.
@@ -30,7 +30,7 @@ import threading
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GUARD_SIGNAL", "die_with_parent", "end_helpers_with_this_process", "should_lead_group"]
+__all__ = ["GUARD_SIGNAL", "end_helpers_with_this_process", "should_lead_group"]
 
 GUARD_SIGNAL = signal.SIGUSR2  # nothing in the job sends it; launchers send TERM, INT or USR1 to stop a job
 _PR_SET_PDEATHSIG = 1
@@ -40,19 +40,7 @@ _GUARD_SCRIPT = ('trap "" TERM INT HUP USR1; trap \'kill -s KILL -- -"$1"\' USR2
                  '[ "$PPID" = "$2" ] || kill -s KILL -- -"$1"; while :; do sleep 3600 & wait $!; done')
 _READY_TIMEOUT_S = 10.0
 _guard: subprocess.Popen | None = None
-
-
-def die_with_parent(sig: int = signal.SIGKILL) -> None:
-    """This process gets ``sig`` when its parent (the thread that started it) ends; it exits at once if the parent
-    has already gone. For helpers of a rank, called first thing in the helper (or between fork and exec)."""
-    if not sys.platform.startswith("linux"):
-        return
-    parent = os.getppid()
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
-        return
-    if os.getppid() != parent or parent == 1:  # the parent ended before the signal was armed
-        os._exit(1)
+_guard_parent = 0  # the process that started _guard (a forked child starts its own)
 
 
 def should_lead_group(pid: int, pgid: int, foreground_pgid: int | None, under_mpirun: bool) -> bool:
@@ -95,8 +83,6 @@ def end_helpers_with_this_process() -> bool:
     _start_guard(os.getpgrp(), pid)
     return True
 
-
-_guard_parent = 0
 
 
 def _arm() -> None:
