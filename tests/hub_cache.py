@@ -141,3 +141,13 @@ configs:
 ---
 # gsm8k
 """
+
+
+def offline_cache(tmp_path, monkeypatch):
+    """An empty hub cache of the test's own, offline (HF_HUB_CACHE under tmp_path, HF_HUB_OFFLINE=1)."""
+    root = tmp_path / "hf" / "hub"
+    root.mkdir(parents=True)
+    monkeypatch.setenv("HF_HUB_CACHE", str(root))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("VERL_MEGA_HUB_WAIT_S", raising=False)
+    return root

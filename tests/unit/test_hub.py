@@ -49,12 +49,7 @@ def tiny_model(tmp_path_factory) -> Path:
 @pytest.fixture
 def cache(tmp_path, monkeypatch) -> Path:
     """An empty hub cache of this test's own, offline."""
-    root = tmp_path / "hf" / "hub"
-    root.mkdir(parents=True)
-    monkeypatch.setenv("HF_HUB_CACHE", str(root))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.delenv("VERL_MEGA_HUB_WAIT_S", raising=False)
-    return root
+    return hub_cache.offline_cache(tmp_path, monkeypatch)
 
 
 def _error(fn, *args, **kwargs) -> str:

@@ -47,11 +47,7 @@ def _rows(path: Path) -> list[dict]:
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch) -> Path:
-    root = tmp_path / "hf" / "hub"
-    root.mkdir(parents=True)
-    monkeypatch.setenv("HF_HUB_CACHE", str(root))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    return root
+    return hub_cache.offline_cache(tmp_path, monkeypatch)
 
 
 def _gsm8k_repo(cache: Path, src: Path) -> Path:
